@@ -1,0 +1,169 @@
+"""Frames <-> messages.
+
+Layout of every message: ``[type, header, *payload]`` where ``type`` is one byte (``MsgType``),
+``header`` is a msgpack map and ``payload`` frames are raw bytes (trajectory columns, tensor slices).
+msgpack is decoded with extension types refused and map keys restricted to strings, so nothing on
+the wire can construct objects; nothing is ever unpickled. Every failure is a ``ProtocolError`` with
+a code, so a receiver can answer with a typed ERROR and keep the connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.messages import (
+    MESSAGE_TYPES,
+    TYPE_OF,
+    ChunkPart,
+    Error,
+    Message,
+    MsgType,
+    TrajectoryBatch,
+    WeightsChunk,
+)
+from protocol.schema import check, from_wire, to_wire
+from protocol.trajectory import decode_columns, encode_columns
+
+Frame = bytes | memoryview | np.ndarray
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    max_message_bytes: int = 256 << 20
+    max_trajectories_per_batch: int = 4096
+    max_tokens_per_trajectory: int = 1 << 20
+    vocab_size: int = 0  # 0: token ids are only checked for >= 0
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(ErrorCode.MALFORMED, f"msgpack extension type {code} is not allowed")
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(buf: Frame) -> Any:
+    try:
+        return msgpack.unpackb(
+            buf, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises a zoo of types for hostile input
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Message -> frames. Payload frames are the caller's buffers, not copies."""
+    t = TYPE_OF[type(msg)]
+    tb = bytes((t,))
+    if isinstance(msg, TrajectoryBatch):
+        metas, cols, arrays = encode_columns(msg.trajectories)
+        return [tb, _pack({"seq": msg.seq, "columns": cols, "trajectories": metas}), *arrays]
+    if isinstance(msg, WeightsChunk):
+        header = {"transfer_id": msg.transfer_id, "version": msg.version, "index": msg.index,
+                  "parts": to_wire(msg.parts)}
+        return [tb, _pack(header), *msg.frames]
+    return [tb, _pack(to_wire(msg))]
+
+
+def frame_bytes(frames: Sequence[Frame]) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def peek_type(frames: Sequence[Frame]) -> MsgType:
+    """Route on the type frame alone. Raises MALFORMED / UNKNOWN_TYPE."""
+    if len(frames) < 2:
+        raise ProtocolError(ErrorCode.MALFORMED, f"a message has at least 2 frames, got {len(frames)}")
+    tf = memoryview(frames[0])
+    if tf.nbytes != 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"type frame must be 1 byte, got {tf.nbytes}")
+    code = tf.tobytes()[0]
+    try:
+        return MsgType(code)
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {code}") from None
+
+
+def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Message:
+    """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known)."""
+    size = frame_bytes(frames)
+    t = peek_type(frames)
+    header: Any = None
+    try:
+        if size > limits.max_message_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}"
+            )
+        header = _unpack(frames[1])
+        if not isinstance(header, dict):
+            raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
+        payload = [memoryview(f) for f in frames[2:]]
+        if t is MsgType.TRAJECTORY_BATCH:
+            return _decode_batch(header, payload, limits)
+        if t is MsgType.WEIGHTS_CHUNK:
+            return _decode_chunk(header, payload)
+        if payload:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{t.name} carries no payload frames, got {len(payload)}")
+        return from_wire(MESSAGE_TYPES[t], header, t.name)
+    except ProtocolError as e:
+        e.ref_type = int(t)
+        seq = header.get("seq") if isinstance(header, dict) and t is MsgType.TRAJECTORY_BATCH else 0
+        e.ref_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0
+        raise
+
+
+def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) -> TrajectoryBatch:
+    seq = check(int, header.get("seq"), "TRAJECTORY_BATCH.seq")
+    metas = header.get("trajectories")
+    if isinstance(metas, list) and len(metas) > limits.max_trajectories_per_batch:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"batch of {len(metas)} trajectories exceeds the limit of {limits.max_trajectories_per_batch}",
+        )
+    trajs = decode_columns(
+        metas, header.get("columns"), payload,
+        max_tokens=limits.max_tokens_per_trajectory, vocab_size=limits.vocab_size,
+    )
+    try:
+        return TrajectoryBatch(seq=seq, trajectories=trajs)
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: {e}", field="seq") from e
+
+
+def _decode_chunk(header: dict, payload: list[memoryview]) -> WeightsChunk:
+    transfer_id = check(str, header.get("transfer_id"), "WEIGHTS_CHUNK.transfer_id")
+    version = check(int, header.get("version"), "WEIGHTS_CHUNK.version")
+    index = check(int, header.get("index"), "WEIGHTS_CHUNK.index")
+    parts = check(list[ChunkPart], header.get("parts"), "WEIGHTS_CHUNK.parts")
+    if len(parts) != len(payload):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"WEIGHTS_CHUNK: {len(parts)} parts but {len(payload)} payload frames"
+        )
+    for i, (p, f) in enumerate(zip(parts, payload, strict=True)):
+        if p.nbytes != f.nbytes or p.offset < 0 or p.tensor < 0:
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, f"WEIGHTS_CHUNK.parts[{i}]: {f.nbytes} bytes, header says {p.nbytes}",
+                field=f"parts[{i}]",
+            )
+    return WeightsChunk(transfer_id=transfer_id, version=version, index=index, parts=parts, frames=tuple(payload))
+
+
+def should_answer(err: ProtocolError) -> bool:
+    """Never answer an undecodable ERROR with an ERROR: two peers would bounce them forever."""
+    return err.ref_type != MsgType.ERROR
+
+
+def error_message(err: ProtocolError) -> Error:
+    """The ERROR to send back for ``err``."""
+    return Error(
+        code=int(err.code), message=err.message, fatal=err.code.fatal, field=err.field or "",
+        ref_type=err.ref_type, ref_seq=err.ref_seq,
+    )

@@ -1,0 +1,107 @@
+"""Events the sans-IO connections hand to the application (the h11 way: data in, events out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.errors import ProtocolError
+from protocol.messages import Error, Hello, Welcome, WeightsApplied
+from protocol.trajectory import Trajectory
+from protocol.weights import ReceivedWeights
+
+
+@dataclass(frozen=True)
+class Connected:
+    """Rollout side: the learner accepted our HELLO."""
+
+    welcome: Welcome
+
+
+@dataclass(frozen=True)
+class BatchAcked:
+    seqs: list[int]
+    duplicates: list[int]
+
+
+@dataclass(frozen=True)
+class BatchRejected:
+    """Rollout side: the learner refused a batch for good (invalid); it is dropped."""
+
+    seq: int
+    error: Error
+
+
+@dataclass(frozen=True)
+class WeightsAnnounced:
+    version: int
+
+
+@dataclass(frozen=True)
+class WeightsReceived:
+    """Rollout side: a complete, verified transfer. Apply it, then call ``weights_applied``."""
+
+    weights: ReceivedWeights
+
+
+@dataclass(frozen=True)
+class WeightsFailed:
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerError:
+    """The peer sent us an ERROR (it did not like something we sent)."""
+
+    peer_id: str
+    error: Error
+
+
+@dataclass(frozen=True)
+class ProtocolViolation:
+    """We received something invalid; a typed ERROR has been queued for the peer."""
+
+    peer_id: str
+    error: ProtocolError
+
+
+@dataclass(frozen=True)
+class PeerClosed:
+    peer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerTimedOut:
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class PeerJoined:
+    """Learner side: a rollout server completed its handshake."""
+
+    peer_id: str
+    hello: Hello
+
+
+@dataclass(frozen=True)
+class BatchReceived:
+    """Learner side: new trajectories (already deduplicated). The learner owns them now."""
+
+    peer_id: str
+    seq: int
+    trajectories: list[Trajectory]
+    duplicate_trajectories: int
+
+
+@dataclass(frozen=True)
+class PeerWeightsApplied:
+    peer_id: str
+    applied: WeightsApplied
+
+
+Event = (
+    Connected | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
+    | PeerError | ProtocolViolation | PeerClosed | PeerTimedOut | PeerJoined | BatchReceived
+    | PeerWeightsApplied
+)

@@ -1,0 +1,294 @@
+"""Sans-IO state machine of the learner end: all rollout-server peers of one listening socket.
+
+Peers are keyed by transport identity (a ZeroMQ routing id) until their HELLO names them; a peer
+reconnecting under a new identity replaces its old entry. Credits: the learner has room for
+``capacity`` batches; room is either buffered (received, not yet consumed by training) or promised
+(credits granted and unused). Credits are handed out only from free room, so a conforming sender
+can never overflow the buffer; ``batch_consumed`` frees room. Deduplication is two-level: batch
+sequence numbers per sender epoch (cheap, catches resends after reconnects) and trajectory ids in a
+bounded recency window (catches a restarted sender resending spooled trajectories in a new epoch).
+Any invalid input is answered with a typed ERROR to that peer only; nothing a peer sends can raise
+out of ``receive``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from protocol import codec
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.events import (
+    BatchReceived,
+    Event,
+    PeerClosed,
+    PeerError,
+    PeerJoined,
+    PeerTimedOut,
+    PeerWeightsApplied,
+    ProtocolViolation,
+)
+from protocol.messages import (
+    Ack,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    Identity,
+    Limits,
+    TrajectoryBatch,
+    WeightsApplied,
+    Welcome,
+)
+from protocol.version import PROTOCOL_VERSION, ProtocolVersion
+from protocol.weights import NamedBuffer, plan_transfer
+
+Frames = list[codec.Frame]
+
+
+@dataclass
+class _Stream:
+    """Sequence numbers received from one sender epoch: all below ``next_seq``, plus ``above``."""
+
+    next_seq: int = 1
+    above: set[int] = field(default_factory=set)
+
+    def add(self, seq: int) -> bool:
+        """Record ``seq``; False if it was already received."""
+        if seq < self.next_seq or seq in self.above:
+            return False
+        self.above.add(seq)
+        while self.next_seq in self.above:
+            self.above.discard(self.next_seq)
+            self.next_seq += 1
+        return True
+
+
+@dataclass
+class _Peer:
+    identity: bytes
+    hello: Hello | None = None
+    credits: int = 0  # granted and not yet used
+    last_recv: float = 0.0
+    last_sent: float = 0.0
+    policy_version: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.hello.peer_id if self.hello else self.identity.hex()
+
+
+class LearnerProtocol:
+    def __init__(
+        self,
+        *,
+        tokenizer: Identity,
+        peer_id: str = "learner",
+        capacity: int = 16,
+        max_credits_per_peer: int = 4,
+        limits: codec.CodecLimits | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        dedup_window: int = 1_000_000,
+        version: ProtocolVersion = PROTOCOL_VERSION,
+    ) -> None:
+        self.tokenizer, self.peer_id = tokenizer, peer_id
+        self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
+        self.limits = limits or codec.CodecLimits()
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.dedup_window, self.version = dedup_window, version
+        self.session_id = uuid.uuid4().hex
+        self.policy_version = 0
+        self.buffered = 0  # batches handed to the application and not yet consumed
+        self.peers: dict[bytes, _Peer] = {}
+        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._weights: list[Frames] = []  # frames of the latest published version, for joiners
+        self._out: list[tuple[bytes, Frames]] = []
+        self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0}
+
+    # -- application API -------------------------------------------------------------------------
+    @property
+    def free_room(self) -> int:
+        return self.capacity - self.buffered - sum(p.credits for p in self.peers.values())
+
+    def ready_peers(self) -> list[str]:
+        return [p.name for p in self.peers.values() if p.hello is not None]
+
+    def batch_consumed(self, n: int = 1) -> None:
+        """The application finished with ``n`` batches: their room becomes credits again."""
+        self.buffered = max(0, self.buffered - n)
+        self._grant()
+
+    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20) -> None:
+        """Send policy ``version`` to every connected peer (and later to joiners that ask)."""
+        announce, chunks = plan_transfer(version, tensors, chunk_bytes=chunk_bytes)
+        self.policy_version = version
+        self._weights = [codec.encode(announce), *(codec.encode(c) for c in chunks)]
+        for p in self.peers.values():
+            if p.hello is not None:
+                self._send_weights(p)
+
+    def close(self, reason: str = "learner shutting down") -> None:
+        for p in self.peers.values():
+            if p.hello is not None:
+                self._out.append((p.identity, codec.encode(Bye(reason))))
+
+    # -- driver API ------------------------------------------------------------------------------
+    def data_to_send(self, now: float) -> list[tuple[bytes, Frames]]:
+        for p in self.peers.values():
+            if p.hello is not None and now - p.last_sent >= self.heartbeat_interval_s:
+                self._out.append((p.identity, codec.encode(Heartbeat(now, self.policy_version))))
+        out, self._out = self._out, []
+        for ident, _ in out:
+            if (p := self.peers.get(ident)) is not None:
+                p.last_sent = now
+        return out
+
+    def next_deadline(self) -> float:
+        ready = [p for p in self.peers.values() if p.hello is not None]
+        if not ready:
+            return float("inf")
+        return min(min(p.last_sent + self.heartbeat_interval_s, p.last_recv + self.heartbeat_timeout_s)
+                   for p in ready)
+
+    def tick(self, now: float) -> list[Event]:
+        events: list[Event] = []
+        for ident, p in list(self.peers.items()):
+            if now - p.last_recv >= self.heartbeat_timeout_s:
+                del self.peers[ident]
+                if p.hello is not None:
+                    events.append(PeerTimedOut(p.name))
+        if events:
+            self._grant()
+        return events
+
+    def receive(self, identity: bytes, frames: Frames, now: float) -> list[Event]:
+        peer = self.peers.get(identity)
+        try:
+            msg = codec.decode(frames, self.limits)
+            if isinstance(msg, Hello):
+                return self._on_hello(identity, msg, now)
+            if peer is None or peer.hello is None:
+                e = ProtocolError(ErrorCode.HELLO_REQUIRED, f"send HELLO before {type(msg).__name__}")
+                e.ref_seq = msg.seq if isinstance(msg, TrajectoryBatch) else 0
+                raise e
+            peer.last_recv = now
+            return self._dispatch(peer, msg)
+        except ProtocolError as e:
+            if peer is not None:
+                peer.last_recv = now
+            if codec.should_answer(e):
+                self.stats["errors_sent"] += 1
+                self._out.append((identity, codec.encode(codec.error_message(e))))
+            return [ProtocolViolation(peer.name if peer else identity.hex(), e)]
+
+    # -- internals -------------------------------------------------------------------------------
+    def _dispatch(self, peer: _Peer, msg: object) -> list[Event]:
+        match msg:
+            case TrajectoryBatch():
+                return self._on_batch(peer, msg)
+            case Heartbeat():
+                return []
+            case WeightsApplied():
+                if msg.ok:
+                    peer.policy_version = msg.version
+                return [PeerWeightsApplied(peer.name, msg)]
+            case Error():
+                return [PeerError(peer.name, msg)]
+            case Bye():
+                del self.peers[peer.identity]
+                self._grant()
+                return [PeerClosed(peer.name, msg.reason)]
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a learner")
+
+    def _on_hello(self, identity: bytes, msg: Hello, now: float) -> list[Event]:
+        theirs = ProtocolVersion(*msg.protocol_version)
+        if not self.version.compatible_with(theirs):
+            raise ProtocolError(
+                ErrorCode.VERSION_MISMATCH,
+                f"peer {msg.peer_id} speaks protocol {theirs}, this learner speaks {self.version}; "
+                "major versions must match",
+            )
+        if msg.role != "rollout-server":
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"role must be 'rollout-server', got {msg.role!r}",
+                                field="HELLO.role")
+        if self.tokenizer.sha256 and msg.tokenizer.sha256 != self.tokenizer.sha256:
+            raise ProtocolError(
+                ErrorCode.INCOMPATIBLE_MODEL,
+                f"peer {msg.peer_id} uses tokenizer {msg.tokenizer.name} ({msg.tokenizer.sha256[:12]}), "
+                f"the learner {self.tokenizer.name} ({self.tokenizer.sha256[:12]})",
+                field="HELLO.tokenizer",
+            )
+        for ident, p in list(self.peers.items()):  # same server, new socket: forget the old one
+            if p.hello is not None and p.hello.peer_id == msg.peer_id:
+                del self.peers[ident]
+        peer = self.peers[identity] = _Peer(identity, msg, 0, now, now, msg.policy_version)
+        stream = self._streams.setdefault((msg.peer_id, msg.epoch), _Stream())
+        credits = self._take_room(self.max_credits_per_peer)
+        peer.credits = credits
+        welcome = Welcome(
+            protocol_version=list(self.version), peer_id=self.peer_id, session_id=self.session_id,
+            credits=credits, policy_version=self.policy_version, next_seq=stream.next_seq,
+            heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            limits=Limits(self.limits.max_message_bytes, self.limits.max_trajectories_per_batch,
+                          self.limits.max_tokens_per_trajectory),
+        )
+        self._out.append((identity, codec.encode(welcome)))
+        if self._weights and (msg.policy_version < 0 or msg.policy_version < self.policy_version):
+            self._send_weights(peer)
+        return [PeerJoined(msg.peer_id, msg)]
+
+    def _on_batch(self, peer: _Peer, msg: TrajectoryBatch) -> list[Event]:
+        assert peer.hello is not None
+        if peer.credits <= 0:
+            e = ProtocolError(ErrorCode.CREDIT_EXCEEDED, f"batch {msg.seq} sent without a credit")
+            e.ref_type, e.ref_seq = 3, msg.seq
+            raise e
+        peer.credits -= 1
+        stream = self._streams[(peer.hello.peer_id, peer.hello.epoch)]
+        if not stream.add(msg.seq):
+            self.stats["duplicate_batches"] += 1
+            peer.credits += 1  # a duplicate occupies no room: give its credit straight back
+            self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq]))))
+            return []
+        fresh = [t for t in msg.trajectories if t.trajectory_id not in self._seen]
+        for t in fresh:
+            self._seen[t.trajectory_id] = None
+        while len(self._seen) > self.dedup_window:
+            self._seen.popitem(last=False)
+        dups = len(msg.trajectories) - len(fresh)
+        self.stats["duplicate_trajectories"] += dups
+        self.stats["batches"] += 1
+        if fresh:
+            self.buffered += 1
+            refund = 0
+        else:
+            peer.credits += 1
+            refund = 1
+        self._out.append((peer.identity, codec.encode(Ack([msg.seq], refund + self._top_up(peer)))))
+        return [BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups)] if fresh else []
+
+    def _take_room(self, want: int) -> int:
+        return max(0, min(want, self.free_room))
+
+    def _top_up(self, peer: _Peer) -> int:
+        """Grant ``peer`` credits from free room up to its cap; returns the number granted."""
+        n = self._take_room(self.max_credits_per_peer - peer.credits)
+        peer.credits += n
+        return n
+
+    def _grant(self) -> None:
+        """Hand free room to ready peers, fewest outstanding credits first."""
+        for p in sorted((p for p in self.peers.values() if p.hello is not None), key=lambda p: p.credits):
+            n = self._top_up(p)
+            if n:
+                self._out.append((p.identity, codec.encode(Ack([], n))))
+
+    def _send_weights(self, peer: _Peer) -> None:
+        self._out.extend((peer.identity, frames) for frames in self._weights)
+
+    def error_for(self, identity: bytes, code: ErrorCode, message: str) -> None:
+        """Queue an ERROR to a peer (used by drivers for transport-level problems)."""
+        self._out.append((identity, codec.encode(Error(int(code), message, code.fatal))))

@@ -1,0 +1,264 @@
+"""Sans-IO state machine of the rollout-server end of a connection.
+
+States: IDLE -> HELLO_SENT -> READY, back to IDLE when the learner goes silent (heartbeat timeout)
+or says it does not know us (HELLO_REQUIRED, e.g. it restarted), FAILED on a fatal error, CLOSED
+after BYE. The driver (``zmq_transport``) feeds received frames and the time, and sends what
+``data_to_send`` returns; on IDLE it opens a fresh socket and calls ``start`` again.
+
+Delivery: every batch is kept (as encoded frames) until ACKed or refused as invalid. On every new
+session the unacknowledged ones go back to the front of the queue and are resent with their
+original sequence numbers, skipping those the learner reports (WELCOME.next_seq) as received. A
+batch is only sent while a credit is available; ACKs and WELCOME grant credits.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+
+from protocol import codec
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.events import (
+    BatchAcked,
+    BatchRejected,
+    Connected,
+    Event,
+    PeerClosed,
+    PeerError,
+    PeerTimedOut,
+    ProtocolViolation,
+    WeightsAnnounced,
+    WeightsFailed,
+    WeightsReceived,
+)
+from protocol.messages import (
+    Ack,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    Identity,
+    TrajectoryBatch,
+    WeightsAnnounce,
+    WeightsApplied,
+    WeightsChunk,
+    Welcome,
+)
+from protocol.trajectory import Trajectory
+from protocol.version import PROTOCOL_VERSION, ProtocolVersion
+from protocol.weights import WeightAssembler
+
+Frames = list[codec.Frame]
+
+
+class SenderState(enum.Enum):
+    IDLE = "idle"
+    HELLO_SENT = "hello_sent"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class RolloutConnection:
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        epoch: str,
+        model: Identity,
+        tokenizer: Identity,
+        capabilities: list[str] | None = None,
+        limits: codec.CodecLimits | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        version: ProtocolVersion = PROTOCOL_VERSION,
+    ) -> None:
+        self.peer_id, self.epoch = peer_id, epoch
+        self.model, self.tokenizer = model, tokenizer
+        self.capabilities = capabilities or []
+        self.limits = limits or codec.CodecLimits()
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.version = version
+        self.state = SenderState.IDLE
+        self.policy_version = 0  # weights generation currently runs on; set by the application
+        self.welcome: Welcome | None = None
+        self.fatal_error: Error | None = None
+        self.credits = 0
+        self._next_seq = 1
+        self._queue: deque[tuple[int, Frames]] = deque()  # not sent in this session
+        self._unacked: OrderedDict[int, Frames] = OrderedDict()  # sent in this session
+        self._out: list[Frames] = []
+        self._last_sent = self._last_recv = 0.0
+        self.assembler = WeightAssembler()
+
+    # -- application API -------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Batches accepted by ``submit`` and not yet acknowledged (queued or in flight)."""
+        return len(self._queue) + len(self._unacked)
+
+    def start(self, now: float, *, request_weights: bool = False) -> None:
+        """(Re)open a session: queue HELLO. Unacknowledged batches will be resent after WELCOME."""
+        if self.state in (SenderState.FAILED, SenderState.CLOSED):
+            raise RuntimeError(f"connection is {self.state.value}")
+        self._requeue_unacked()
+        self._out.clear()
+        self.credits = 0
+        hello = Hello(
+            protocol_version=list(self.version), peer_id=self.peer_id, role="rollout-server",
+            epoch=self.epoch, model=self.model, tokenizer=self.tokenizer,
+            policy_version=-1 if request_weights else self.policy_version,
+            capabilities=self.capabilities,
+        )
+        self._out.append(codec.encode(hello))
+        self.state = SenderState.HELLO_SENT
+        self._last_recv = now  # the handshake timeout counts from here
+
+    def submit(self, trajectories: list[Trajectory]) -> int:
+        """Take ownership of a batch (encoding it now) and return its sequence number."""
+        seq = self._next_seq
+        frames = codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
+        self._next_seq += 1
+        self._queue.append((seq, frames))
+        return seq
+
+    def weights_applied(self, version: int, transfer_id: str, *, ok: bool, error: str = "",
+                        apply_time_s: float = 0.0) -> None:
+        if ok:
+            self.policy_version = version
+        self._out.append(codec.encode(WeightsApplied(version, transfer_id, ok, error, apply_time_s)))
+
+    def close(self, reason: str = "") -> None:
+        if self.state in (SenderState.HELLO_SENT, SenderState.READY):
+            self._out.append(codec.encode(Bye(reason)))
+        self.state = SenderState.CLOSED
+
+    # -- driver API ------------------------------------------------------------------------------
+    def data_to_send(self, now: float) -> list[Frames]:
+        """Everything to put on the wire now, in order."""
+        out, self._out = self._out, []
+        if self.state is SenderState.READY:
+            while self.credits > 0 and self._queue:
+                seq, frames = self._queue.popleft()
+                self._unacked[seq] = frames
+                self.credits -= 1
+                out.append(frames)
+            if not out and now - self._last_sent >= self.heartbeat_interval_s:
+                out.append(codec.encode(Heartbeat(time=now, policy_version=self.policy_version)))
+        if out:
+            self._last_sent = now
+        return out
+
+    def next_deadline(self) -> float:
+        """When ``tick`` must run next (heartbeat due or peer timeout)."""
+        if self.state is SenderState.READY:
+            return min(self._last_sent + self.heartbeat_interval_s, self._last_recv + self.heartbeat_timeout_s)
+        if self.state is SenderState.HELLO_SENT:
+            return self._last_recv + self.heartbeat_timeout_s
+        return float("inf")
+
+    def tick(self, now: float) -> list[Event]:
+        if self.state in (SenderState.READY, SenderState.HELLO_SENT):
+            if now - self._last_recv >= self.heartbeat_timeout_s:
+                self._requeue_unacked()
+                self.state = SenderState.IDLE
+                return [PeerTimedOut("learner")]
+        return []
+
+    def receive(self, frames: Frames, now: float) -> list[Event]:
+        self._last_recv = now
+        try:
+            msg = codec.decode(frames, self.limits)
+        except ProtocolError as e:
+            if codec.should_answer(e):
+                self._out.append(codec.encode(codec.error_message(e)))
+            return [ProtocolViolation("learner", e)]
+        try:
+            return self._dispatch(msg)
+        except ProtocolError as e:
+            self._out.append(codec.encode(codec.error_message(e)))
+            return [ProtocolViolation("learner", e)]
+
+    # -- internals -------------------------------------------------------------------------------
+    def _requeue_unacked(self) -> None:
+        if self._unacked:
+            self._queue.extendleft(reversed(list(self._unacked.items())))
+            self._unacked.clear()
+
+    def _dispatch(self, msg: object) -> list[Event]:
+        match msg:
+            case Welcome():
+                return self._on_welcome(msg)
+            case Ack():
+                return self._on_ack(msg)
+            case Error():
+                return self._on_error(msg)
+            case Heartbeat():
+                return []
+            case WeightsAnnounce():
+                ev: list[Event] = [WeightsAnnounced(msg.version)]
+                return ev + self._weights(lambda: self.assembler.announce(msg), msg.version, msg.transfer_id)
+            case WeightsChunk():
+                return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
+            case Bye():
+                self.state = SenderState.CLOSED
+                return [PeerClosed("learner", msg.reason)]
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a rollout server")
+
+    def _on_welcome(self, msg: Welcome) -> list[Event]:
+        if self.state is not SenderState.HELLO_SENT:
+            raise ProtocolError(ErrorCode.UNEXPECTED, "WELCOME without a pending HELLO")
+        theirs = ProtocolVersion(*msg.protocol_version)
+        if not self.version.compatible_with(theirs):
+            self.state = SenderState.FAILED
+            raise ProtocolError(ErrorCode.VERSION_MISMATCH,
+                                f"learner speaks protocol {theirs}, this rollout server {self.version}")
+        self.welcome = msg
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = msg.heartbeat_interval_s, msg.heartbeat_timeout_s
+        self.limits = codec.CodecLimits(
+            max_message_bytes=msg.limits.max_message_bytes,
+            max_trajectories_per_batch=msg.limits.max_trajectories_per_batch,
+            max_tokens_per_trajectory=msg.limits.max_tokens_per_trajectory,
+            vocab_size=self.limits.vocab_size,
+        )
+        # Batches below next_seq reached the learner before the reconnect: their ACK was lost.
+        acked = [s for s, _ in self._queue if s < msg.next_seq]
+        self._queue = deque((s, f) for s, f in self._queue if s >= msg.next_seq)
+        self.credits = msg.credits
+        self.state = SenderState.READY
+        events: list[Event] = [Connected(msg)]
+        if acked:
+            events.append(BatchAcked(acked, acked))
+        return events
+
+    def _on_ack(self, msg: Ack) -> list[Event]:
+        if self.state is not SenderState.READY:
+            return []  # stale ACK from a previous session; its batches will be resent and deduped
+        done = [s for s in msg.seqs if self._unacked.pop(s, None) is not None]
+        self.credits += msg.credits
+        return [BatchAcked(done, [s for s in msg.duplicates if s in done])] if done or msg.seqs else []
+
+    def _on_error(self, msg: Error) -> list[Event]:
+        events: list[Event] = [PeerError("learner", msg)]
+        code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else None
+        if msg.fatal:
+            self.fatal_error = msg
+            self.state = SenderState.FAILED
+        elif code is ErrorCode.HELLO_REQUIRED:
+            self._requeue_unacked()  # the learner lost our session (restart): handshake again
+            self.state = SenderState.IDLE
+        elif msg.ref_seq and msg.ref_seq in self._unacked:
+            frames = self._unacked.pop(msg.ref_seq)
+            if code in (ErrorCode.CREDIT_EXCEEDED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL):
+                self._queue.appendleft((msg.ref_seq, frames))  # not our batch's fault: keep it
+            else:
+                events.append(BatchRejected(msg.ref_seq, msg))
+        return events
+
+    def _weights(self, step, version: int, transfer_id: str) -> list[Event]:
+        try:
+            done = step()
+        except ProtocolError as e:
+            self._out.append(codec.encode(WeightsApplied(version, transfer_id, False, e.message)))
+            return [WeightsFailed(version, e.message)]
+        return [WeightsReceived(done)] if done is not None else []

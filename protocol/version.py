@@ -1,0 +1,23 @@
+"""Protocol version and the compatibility rule.
+
+Major versions must match exactly. Minor versions interoperate: a newer minor only appends optional
+fields (with defaults), and decoders ignore keys they do not know, so either side may be newer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ProtocolVersion(NamedTuple):
+    major: int
+    minor: int
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    def compatible_with(self, other: ProtocolVersion) -> bool:
+        return self.major == other.major
+
+
+PROTOCOL_VERSION = ProtocolVersion(1, 0)
