@@ -65,8 +65,8 @@ def encode(msg: Message) -> list[Frame]:
     t = TYPE_OF[type(msg)]
     tb = bytes((t,))
     if isinstance(msg, TrajectoryBatch):
-        metas, cols, arrays = encode_columns(msg.trajectories)
-        return [tb, _pack({"seq": msg.seq, "columns": cols, "trajectories": metas}), *arrays]
+        meta, cols, arrays = encode_columns(msg.trajectories)
+        return [tb, _pack({"seq": msg.seq, "columns": cols, "meta": meta}), *arrays]
     if isinstance(msg, WeightsChunk):
         header = {"transfer_id": msg.transfer_id, "version": msg.version, "index": msg.index,
                   "parts": to_wire(msg.parts)}
@@ -122,20 +122,15 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
 
 def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) -> TrajectoryBatch:
     seq = check(int, header.get("seq"), "TRAJECTORY_BATCH.seq")
-    metas = header.get("trajectories")
-    if isinstance(metas, list) and len(metas) > limits.max_trajectories_per_batch:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE,
-            f"batch of {len(metas)} trajectories exceeds the limit of {limits.max_trajectories_per_batch}",
-        )
+    if seq < 1:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})",
+                            field="seq")
     trajs = decode_columns(
-        metas, header.get("columns"), payload,
-        max_tokens=limits.max_tokens_per_trajectory, vocab_size=limits.vocab_size,
+        header.get("meta"), header.get("columns"), payload,
+        max_tokens=limits.max_tokens_per_trajectory, max_trajectories=limits.max_trajectories_per_batch,
+        vocab_size=limits.vocab_size,
     )
-    try:
-        return TrajectoryBatch(seq=seq, trajectories=trajs)
-    except ValueError as e:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: {e}", field="seq") from e
+    return TrajectoryBatch(seq=seq, trajectories=trajs)
 
 
 def _decode_chunk(header: dict, payload: list[memoryview]) -> WeightsChunk:

@@ -51,6 +51,11 @@ from protocol.weights import WeightAssembler
 Frames = list[codec.Frame]
 
 
+def encode_batch(seq: int, trajectories: list[Trajectory]) -> Frames:
+    """Pure and thread-safe: the expensive part of ``submit``."""
+    return codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
+
+
 class SenderState(enum.Enum):
     IDLE = "idle"
     HELLO_SENT = "hello_sent"
@@ -116,11 +121,18 @@ class RolloutConnection:
 
     def submit(self, trajectories: list[Trajectory]) -> int:
         """Take ownership of a batch (encoding it now) and return its sequence number."""
-        seq = self._next_seq
-        frames = codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
-        self._next_seq += 1
-        self._queue.append((seq, frames))
+        seq = self.allocate_seq()
+        self.enqueue(seq, encode_batch(seq, trajectories))
         return seq
+
+    def allocate_seq(self) -> int:
+        """Split form of ``submit`` for drivers that encode off the event loop."""
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def enqueue(self, seq: int, frames: Frames) -> None:
+        self._queue.append((seq, frames))
 
     def weights_applied(self, version: int, transfer_id: str, *, ok: bool, error: str = "",
                         apply_time_s: float = 0.0) -> None:

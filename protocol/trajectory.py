@@ -5,7 +5,8 @@ agent edits its own context (StateLM snapshots share the episode's ``group_uid``
 
 On the wire a batch's per-token arrays travel as five binary frames, one per column, each the
 concatenation of that column over the batch in little-endian raw bytes; the msgpack header holds
-the per-trajectory scalars plus lengths and names each column's dtype. This keeps the header small,
+the per-trajectory scalars as columns too (field -> list, lengths included) and names each token
+column's dtype. This keeps the header small,
 lets the sender hand numpy buffers to ZeroMQ without copying them again, and lets the receiver
 validate every column with one vectorised pass instead of a Python loop per token. Decoded arrays are
 read-only views into the received frames.
@@ -13,13 +14,13 @@ read-only views into the received frames.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.schema import from_wire, to_wire
 
 TERMINATIONS = ("answered", "no_tool_call", "length", "max_turns", "tool_error", "aborted")
 
@@ -58,89 +59,126 @@ class Trajectory:
         return int(self.versions.min()) if len(self.versions) else -1
 
 
-@dataclass(frozen=True)
-class _Meta:
-    """Per-trajectory header entry: the scalars of ``Trajectory`` plus its two lengths."""
-
-    trajectory_id: str
-    group_uid: str
-    prompt_len: int
-    response_len: int
-    reward: float
-    snapshot_index: int = 0
-    is_snapshot: bool = False
-    source_server: str = ""
-    data_source: str = ""
-    agent_type: str = ""
-    termination: str = "answered"
-    num_turns: int = 1
-    reward_extras: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 1:
-            raise ValueError("prompt_len must be >= 1")
-        if self.response_len < 0:
-            raise ValueError("response_len must be >= 0")
-        if self.termination not in TERMINATIONS:
-            raise ValueError(f"termination must be one of {list(TERMINATIONS)}, got {self.termination!r}")
-        if self.num_turns < 0 or self.snapshot_index < 0:
-            raise ValueError("num_turns and snapshot_index must be >= 0")
-        for k, v in self.reward_extras.items():
-            if not isinstance(v, (int, float, str, bool)):
-                raise ValueError(f"reward_extras.{k} must be a scalar")
+# Per-trajectory scalars travel column-wise too: header["meta"] maps each field to a list with one
+# value per trajectory. Validating a column is one tight loop per field instead of a schema walk per
+# trajectory, which is what keeps decoding at memory speed for batches of thousands.
+# (field, kind, required, default)
+META_FIELDS: tuple[tuple[str, str, bool, Any], ...] = (
+    ("trajectory_id", "str", True, None),
+    ("group_uid", "str", True, None),
+    ("prompt_len", "count", True, None),
+    ("response_len", "count", True, None),
+    ("reward", "float", True, None),
+    ("snapshot_index", "count", False, 0),
+    ("is_snapshot", "bool", False, False),
+    ("source_server", "str", False, ""),
+    ("data_source", "str", False, ""),
+    ("agent_type", "str", False, ""),
+    ("termination", "termination", False, "answered"),
+    ("num_turns", "count", False, 1),
+    ("reward_extras", "scalars", False, None),
+    ("timings", "floats", False, None),
+)
+_SCALARS = ("trajectory_id", "group_uid", "reward", "snapshot_index", "is_snapshot", "source_server",
+            "data_source", "agent_type", "termination", "num_turns", "reward_extras", "timings")
 
 
-_META_KEYS = tuple(k for k in _Meta.__dataclass_fields__ if k not in ("prompt_len", "response_len"))
+def _is_float(x: Any) -> bool:
+    return (type(x) is float and math.isfinite(x)) or type(x) is int
 
 
-def encode_columns(trajs: list[Trajectory]) -> tuple[list[dict[str, Any]], list[list[str]], list[np.ndarray]]:
-    """Trajectories -> (header entries, [[column, dtype]], column arrays)."""
-    metas = []
+_KIND_CHECKS: dict[str, tuple[Any, str]] = {
+    "str": (lambda x: type(x) is str, "expected a string"),
+    "count": (lambda x: type(x) is int and x >= 0, "expected an integer >= 0"),
+    "float": (_is_float, "expected a finite number"),
+    "bool": (lambda x: type(x) is bool, "expected a boolean"),
+    "termination": (lambda x: x in TERMINATIONS, f"expected one of {list(TERMINATIONS)}"),
+    "scalars": (lambda d: type(d) is dict and all(type(k) is str and type(v) in (int, float, str, bool)
+                                                  for k, v in d.items()), "expected a map of scalars"),
+    "floats": (lambda d: type(d) is dict and all(type(k) is str and _is_float(v) for k, v in d.items()),
+               "expected a map of numbers"),
+}
+
+
+def encode_columns(trajs: list[Trajectory]) -> tuple[dict[str, list[Any]], list[list[str]], list[np.ndarray]]:
+    """Trajectories -> (meta columns, [[column, dtype]], token column arrays)."""
     for t in trajs:
         n = len(t.response_ids)
-        lens = {len(t.response_mask), len(t.rollout_logprobs), len(t.versions)}
-        if lens != {n}:
+        if not len(t.response_mask) == len(t.rollout_logprobs) == len(t.versions) == n:
             raise ValueError(f"trajectory {t.trajectory_id}: response arrays differ in length")
-        m = {k: getattr(t, k) for k in _META_KEYS}
-        m["reward"] = float(m["reward"])
-        m["prompt_len"] = len(t.prompt_ids)
-        m["response_len"] = n
-        metas.append(to_wire(_Meta(**m)))
+    meta: dict[str, list[Any]] = {k: [getattr(t, k) for t in trajs] for k in _SCALARS}
+    meta["reward"] = [float(r) for r in meta["reward"]]
+    meta["prompt_len"] = [len(t.prompt_ids) for t in trajs]
+    meta["response_len"] = [len(t.response_ids) for t in trajs]
     cols, arrays = [], []
     for name, attr, dtype, _ in COLUMNS:
         parts = [np.asarray(getattr(t, attr), dtype=dtype) for t in trajs]
         arrays.append(np.concatenate(parts) if parts else np.empty(0, dtype))
         cols.append([name, dtype])
-    return metas, cols, arrays
+    return meta, cols, arrays
+
+
+def _decode_meta(raw: Any) -> tuple[int, dict[str, list[Any]]]:
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, "meta: expected a map of columns", field="meta")
+    n = -1
+    out: dict[str, list[Any]] = {}
+    for name, kind, required, default in META_FIELDS:
+        col = raw.get(name)
+        if col is None:
+            if required:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, f"meta.{name}: missing required field",
+                                    field=f"meta.{name}")
+            out[name] = [default if default is not None else {} for _ in range(max(n, 0))]
+            continue
+        if not isinstance(col, list) or (n >= 0 and len(col) != n):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"meta.{name}: expected a list of {max(n, 0)} values",
+                                field=f"meta.{name}")
+        n = len(col)
+        ok, what = _KIND_CHECKS[kind]
+        if not all(map(ok, col)):
+            i = next(i for i, x in enumerate(col) if not ok(x))
+            path = f"trajectories[{i}].{name}"
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {what} (got {col[i]!r:.60})", field=path)
+        out[name] = col
+    if any(x < 1 for x in out["prompt_len"]):
+        i = next(i for i, x in enumerate(out["prompt_len"]) if x < 1)
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"trajectories[{i}].prompt_len: must be >= 1",
+                            field=f"trajectories[{i}].prompt_len")
+    return n, out
 
 
 def decode_columns(
-    metas_raw: Any, cols_raw: Any, frames: list[memoryview], *, max_tokens: int, vocab_size: int = 0
+    meta_raw: Any, cols_raw: Any, frames: list[memoryview], *, max_tokens: int, max_trajectories: int,
+    vocab_size: int = 0,
 ) -> list[Trajectory]:
     """Validate and rebuild trajectories. Raises ProtocolError naming the offending field."""
-    if not isinstance(metas_raw, list):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "trajectories: expected an array", field="trajectories")
-    metas = [from_wire(_Meta, m, f"trajectories[{i}]") for i, m in enumerate(metas_raw)]
+    if isinstance(meta_raw, dict) and isinstance(meta_raw.get("trajectory_id"), list):
+        if len(meta_raw["trajectory_id"]) > max_trajectories:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"batch of {len(meta_raw['trajectory_id'])} trajectories exceeds the limit of {max_trajectories}",
+            )
+    n, meta = _decode_meta(meta_raw)
     if not isinstance(cols_raw, list) or len(cols_raw) != len(COLUMNS) or len(frames) != len(COLUMNS):
         raise ProtocolError(
             ErrorCode.MALFORMED, f"batch must carry {len(COLUMNS)} column frames", field="columns"
         )
-    for i, m in enumerate(metas):
-        if m.prompt_len + m.response_len > max_tokens:
+    plens, rlens = meta["prompt_len"], meta["response_len"]
+    for i in range(n):
+        if plens[i] + rlens[i] > max_tokens:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"trajectories[{i}]: {m.prompt_len + m.response_len} tokens exceed the limit of {max_tokens}",
+                f"trajectories[{i}]: {plens[i] + rlens[i]} tokens exceed the limit of {max_tokens}",
                 field=f"trajectories[{i}]",
             )
-    n_prompt = sum(m.prompt_len for m in metas)
-    n_resp = sum(m.response_len for m in metas)
+    n_prompt, n_resp = sum(plens), sum(rlens)
     cols = {}
     for (name, _attr, _dt, allowed), col, frame in zip(COLUMNS, cols_raw, frames, strict=True):
         if not (isinstance(col, list) and len(col) == 2 and col[0] == name and col[1] in allowed):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
-                f"columns: expected [{name!r}, one of {sorted(allowed)}], got {col!r}",
+                f"columns: expected [{name!r}, one of {sorted(allowed)}], got {col!r:.80}",
                 field=f"columns.{name}",
             )
         dt = np.dtype(col[1]).newbyteorder("<")
@@ -152,17 +190,15 @@ def decode_columns(
                 field=name,
             )
         cols[name] = np.frombuffer(frame, dtype=dt)
-    _check_values(cols, metas, vocab_size)
-    return _split(cols, metas)
+    _check_values(cols, plens, rlens, vocab_size)
+    return _split(cols, meta, n)
 
 
-def _bad_index(name: str, bad: np.ndarray, metas: list[_Meta], what: str) -> ProtocolError:
+def _bad_index(name: str, bad: np.ndarray, lens: list[int], what: str) -> ProtocolError:
     """Map a flat index in a column back to trajectory and position, for the error message."""
     flat = int(np.flatnonzero(bad)[0])
-    key = "prompt_len" if name == "prompt_ids" else "response_len"
     start = 0
-    for i, m in enumerate(metas):
-        n = getattr(m, key)
+    for i, n in enumerate(lens):
         if flat < start + n:
             path = f"trajectories[{i}].{name}[{flat - start}]"
             return ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {what}", field=path)
@@ -170,39 +206,35 @@ def _bad_index(name: str, bad: np.ndarray, metas: list[_Meta], what: str) -> Pro
     return ProtocolError(ErrorCode.INVALID_FIELD, f"{name}: {what}", field=name)  # unreachable
 
 
-def _check_values(cols: dict[str, np.ndarray], metas: list[_Meta], vocab_size: int) -> None:
+def _check_values(cols: dict[str, np.ndarray], plens: list[int], rlens: list[int], vocab_size: int) -> None:
     for name in ("prompt_ids", "response_ids"):
         ids = cols[name]
+        metas = plens if name == "prompt_ids" else rlens
         if len(ids) and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
             bad = (ids < 0) | ((ids >= vocab_size) if vocab_size else False)
             raise _bad_index(name, bad, metas, f"token id outside [0, {vocab_size or 'inf'})")
     mask = cols["response_mask"]
     if len(mask) and mask.dtype != np.bool_ and mask.max() > 1:
-        raise _bad_index("response_mask", mask > 1, metas, "mask values must be 0 or 1")
+        raise _bad_index("response_mask", mask > 1, rlens, "mask values must be 0 or 1")
     lp = cols["rollout_logprobs"]
     ok = np.isfinite(lp) & (lp <= 0)
     if not ok.all():
-        raise _bad_index("rollout_logprobs", ~ok, metas, "logprobs must be finite and <= 0")
+        raise _bad_index("rollout_logprobs", ~ok, rlens, "logprobs must be finite and <= 0")
     ver = cols["versions"]
     if len(ver) and ver.min() < 0:
-        raise _bad_index("versions", ver < 0, metas, "policy versions must be >= 0")
+        raise _bad_index("versions", ver < 0, rlens, "policy versions must be >= 0")
 
 
-def _split(cols: dict[str, np.ndarray], metas: list[_Meta]) -> list[Trajectory]:
+def _split(cols: dict[str, np.ndarray], meta: dict[str, list[Any]], n: int) -> list[Trajectory]:
     out = []
     p = r = 0
-    for m in metas:
-        pe, re_ = p + m.prompt_len, r + m.response_len
-        scalars = {k: getattr(m, k) for k in _META_KEYS}
-        out.append(
-            Trajectory(
-                prompt_ids=cols["prompt_ids"][p:pe],
-                response_ids=cols["response_ids"][r:re_],
-                response_mask=cols["response_mask"][r:re_],
-                rollout_logprobs=cols["rollout_logprobs"][r:re_],
-                versions=cols["versions"][r:re_],
-                **scalars,
-            )
-        )
+    plens, rlens = meta["prompt_len"], meta["response_len"]
+    scalar_cols = [(k, meta[k]) for k in _SCALARS]
+    pid, rid, msk, lps, ver = (cols[c[0]] for c in COLUMNS)
+    for i in range(n):
+        pe, re_ = p + plens[i], r + rlens[i]
+        t = Trajectory(prompt_ids=pid[p:pe], response_ids=rid[r:re_], response_mask=msk[r:re_],
+                       rollout_logprobs=lps[r:re_], versions=ver[r:re_], **{k: v[i] for k, v in scalar_cols})
+        out.append(t)
         p, r = pe, re_
     return out
