@@ -1,0 +1,155 @@
+"""Reference endpoints: the smallest correct learner intake and rollout sender built on protocol/.
+
+They exist so the conformance suite, the fuzz test and the benchmark have a live, protocol-correct
+peer on each side before the real servers do, and so those servers can be compared with them.
+``ReferenceLearner`` accepts batches, keeps the trajectories it received (deduplicated), frees room
+at once, and serves a small fixed weight set as version 0 to joiners that ask for it.
+``ReferenceRolloutServer`` streams synthetic valid trajectories and applies received weights into
+a dict (verifying them is the assembler's job).
+
+Run one from a shell: ``python -m protocol.reference learner --bind tcp://127.0.0.1:5555``
+or ``python -m protocol.reference rollout-server --connect tcp://127.0.0.1:5555``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from protocol.codec import CodecLimits
+from protocol.driver import LearnerServer, RolloutClient
+from protocol.events import BatchReceived, WeightsReceived
+from protocol.messages import Identity
+from protocol.receiver import LearnerProtocol
+from protocol.sender import RolloutConnection
+from protocol.trajectory import Trajectory
+from protocol.weights import NamedBuffer
+from protocol.zmq_transport import CurveClientKeys, CurveServerKeys, ZmqServerChannel, client_factory
+
+REFERENCE_TOKENIZER = Identity(name="reference", sha256="", vocab_size=512)  # "" = accept any tokenizer
+REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)
+
+
+def reference_weights(seed: int = 0) -> list[NamedBuffer]:
+    """A small fixed weight set (deterministic), big enough to span several chunks."""
+    rng = np.random.default_rng(seed)
+    arrays = {"embed.weight": rng.standard_normal((512, 64), dtype=np.float32),
+              "layer0.weight": rng.standard_normal((64, 64), dtype=np.float32),
+              "layer0.bias": np.zeros(64, dtype=np.float32)}
+    return [NamedBuffer(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in arrays.items()]
+
+
+def synthetic_trajectory(rng: np.random.Generator, *, server: str, prompt_len: int = 32,
+                         response_len: int = 64, version: int = 0, vocab: int = 512) -> Trajectory:
+    """A valid trajectory with a tool span (mask 0) in the middle of the response."""
+    mask = np.ones(response_len, dtype=np.uint8)
+    mask[response_len // 3 : response_len // 2] = 0
+    lp = np.where(mask == 1, -rng.random(response_len, dtype=np.float32), 0.0).astype(np.float32)
+    return Trajectory(
+        trajectory_id=uuid.uuid4().hex, group_uid=uuid.uuid4().hex[:8],
+        prompt_ids=rng.integers(0, vocab, prompt_len, dtype=np.int32),
+        response_ids=rng.integers(0, vocab, response_len, dtype=np.int32),
+        response_mask=mask, rollout_logprobs=lp, versions=np.full(response_len, version, dtype=np.int32),
+        reward=float(rng.random()), source_server=server, data_source="synthetic", agent_type="tool",
+        termination="answered", num_turns=2, reward_extras={"acc": 1.0}, timings={"generate_s": 0.01},
+    )
+
+
+@dataclass
+class ReferenceLearner:
+    bind: str = "tcp://127.0.0.1:0"
+    capacity: int = 8
+    max_credits_per_peer: int = 4
+    limits: CodecLimits = field(default_factory=CodecLimits)
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    curve: CurveServerKeys | None = None
+    received: list[Trajectory] = field(default_factory=list)
+
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        channel = ZmqServerChannel(self.bind, curve=self.curve, max_message_bytes=self.limits.max_message_bytes)
+        self.address = channel.address
+        proto = LearnerProtocol(
+            tokenizer=REFERENCE_TOKENIZER, capacity=self.capacity, max_credits_per_peer=self.max_credits_per_peer,
+            limits=self.limits, heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )
+        self.server = server = LearnerServer(proto, channel)
+        server.publish_weights(0, reference_weights(), chunk_bytes=32 << 10)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.run)
+                task_status.started(self.address)
+                async for ev in server.events:
+                    if isinstance(ev, BatchReceived):
+                        self.received.extend(ev.trajectories)
+                        server.batch_consumed()
+        finally:
+            await channel.aclose()
+
+
+@dataclass
+class ReferenceRolloutServer:
+    connect: str
+    peer_id: str = "reference-rollout"
+    batches: int = 0  # 0: stream forever
+    batch_size: int = 4
+    curve: CurveClientKeys | None = None
+    applied: dict[int, dict[str, bytes]] = field(default_factory=dict)
+
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        conn = RolloutConnection(peer_id=self.peer_id, epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
+                                 tokenizer=REFERENCE_TOKENIZER)
+        self.client = client = RolloutClient(conn, client_factory(self.connect, curve=self.curve))
+        rng = np.random.default_rng(0)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            task_status.started()
+
+            async def produce() -> None:
+                i = 0
+                while not self.batches or i < self.batches:
+                    while conn.pending >= 8:  # keep a small backlog; credits pace the wire
+                        await anyio.sleep(0.01)
+                    await client.submit([synthetic_trajectory(rng, server=self.peer_id, version=conn.policy_version)
+                                         for _ in range(self.batch_size)])
+                    i += 1
+
+            tg.start_soon(produce)
+            async for ev in client.events:
+                if isinstance(ev, WeightsReceived):
+                    w = ev.weights
+                    self.applied[w.version] = {spec.name: bytes(buf) for spec, buf in w.tensors}
+                    client.weights_applied(w.version, w.transfer_id, ok=True)
+            tg.cancel_scope.cancel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m protocol.reference", description=__doc__.split("\n\n")[0])
+    ap.add_argument("role", choices=["learner", "rollout-server"])
+    ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="learner: address to bind")
+    ap.add_argument("--connect", default="tcp://127.0.0.1:5555", help="rollout-server: learner address")
+    ap.add_argument("--batches", type=int, default=0, help="rollout-server: batches to send (0 = forever)")
+    args = ap.parse_args()
+
+    async def run() -> None:
+        if args.role == "learner":
+            learner = ReferenceLearner(bind=args.bind)
+            async with anyio.create_task_group() as tg:
+                addr = await tg.start(learner.serve)
+                print(f"reference learner listening on {addr}", flush=True)
+        else:
+            await ReferenceRolloutServer(connect=args.connect, batches=args.batches).serve()
+
+    try:
+        anyio.run(run)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
