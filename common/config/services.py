@@ -1,0 +1,99 @@
+"""Process-level sections: `rollout_server`, `learner`, `transport` and `logging`.
+
+Design: the transport limits are shared by both ends on purpose (one file configures the learner
+and every rollout server), so a sender never produces a message its receiver refuses. Values that
+depend on the machine a process runs on (the server id) stay null here and are derived at runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+
+from common.config.base import MiB, Section, ZmqEndpoint
+
+
+class RolloutServerConfig(Section):
+    """A standalone rollout server (vLLM engine + agent loops) feeding the learner."""
+
+    server_id: str | None = Field(None, min_length=1)
+    """Name of this server in logs and on the wire; null: `<hostname>-<pid>`."""
+    learner_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint of the learner to connect to."""
+    max_concurrent_episodes: int = Field(64, gt=0)
+    """Episodes (agent loops) running at once on this server."""
+
+    def resolved_server_id(self) -> str:
+        """The configured server id, or one unique to this host and process."""
+        return self.server_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class LearnerConfig(Section):
+    """The learner's network side."""
+
+    bind_address: ZmqEndpoint = "tcp://0.0.0.0:5555"
+    """ZeroMQ endpoint the learner binds for rollout servers."""
+    buffer_batches: int = Field(16, gt=0)
+    """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
+    granted and unused): the room that credit-based flow control hands out to rollout servers."""
+
+
+class CurveConfig(Section):
+    """ZeroMQ CURVE encryption and authentication with ZeroMQ certificate files (bin/make-curve-keys).
+
+    One file configures both ends: the learner uses secret_key_file and allowed_keys_dir, a rollout
+    server uses secret_key_file and server_public_key_file (each side overrides secret_key_file
+    with its own certificate).
+    """
+
+    enabled: bool = False
+    """Encrypt and authenticate every connection; needs secret_key_file, server_public_key_file and
+    allowed_keys_dir."""
+    secret_key_file: str | None = None
+    """This process's certificate with its secret key (`*.key_secret`)."""
+    public_key_file: str | None = None
+    """This process's public certificate; null: the public key inside secret_key_file."""
+    server_public_key_file: str | None = None
+    """The learner's public certificate; rollout servers authenticate the learner with it."""
+    allowed_keys_dir: str | None = None
+    """Directory of public certificates of the rollout servers the learner lets in."""
+
+
+CURVE_REQUIRED_FIELDS = ("secret_key_file", "server_public_key_file", "allowed_keys_dir")
+"""Fields of CurveConfig that must be set when CURVE is enabled."""
+
+
+class TransportConfig(Section):
+    """Limits and timings of the learner <-> rollout server protocol."""
+
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    """Seconds between heartbeats."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    """A peer silent this long is declared dead; must exceed heartbeat_interval_s."""
+    handshake_timeout_s: float = Field(30.0, gt=0)
+    """Seconds to wait for the peer's handshake reply before failing start-up."""
+    initial_credits: int = Field(4, gt=0)
+    """Trajectory batches a rollout server may send before the learner grants more (back-pressure)."""
+    max_message_bytes: int = Field(256 * MiB, gt=0)
+    """Largest message either side accepts (ZeroMQ maxmsgsize)."""
+    max_trajectories_per_batch: int = Field(4096, gt=0)
+    """Most trajectories in one message."""
+    max_tokens_per_trajectory: int = Field(1_048_576, gt=0)
+    """Most tokens (prompt + response) in one trajectory."""
+    weight_chunk_bytes: int = Field(64 * MiB, gt=0)
+    """Size of the chunks weights are streamed in; at most max_message_bytes."""
+    curve: CurveConfig = Field(default_factory=CurveConfig)
+    """Encryption."""
+
+
+class LoggingConfig(Section):
+    """Log output of every process."""
+
+    format: Literal["console", "json"] = "console"
+    """console: readable lines; json: one JSON object per line (overridden by --log-format and
+    AGENTRL_LOG_FORMAT)."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level written."""

@@ -1,0 +1,213 @@
+"""Learner-side sections: `algorithm`, `critic`, `data`, `trainer` and `ray`.
+
+Design: verl's key names and meanings, so verl recipes translate key for key. Choices are Literals
+(the loader lists the allowed values when one is wrong). Agent types stay free strings because the
+agent registry lives in the rollout service and grows without touching the config.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Literal
+
+from pydantic import AliasChoices, Field, field_validator
+
+from common.config.base import Section
+
+AdvEstimator = Literal[
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+    "remax",
+    "opo",
+    "gpg",
+]
+
+
+class KlCtrlConfig(Section):
+    """Controller of the KL penalty coefficient when the KL is put into the reward."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: constant kl_coef; adaptive: move kl_coef towards target_kl over `horizon` steps."""
+    kl_coef: float = Field(0.001, ge=0)
+    """(Initial) KL coefficient."""
+    target_kl: float = Field(0.1, gt=0)
+    """KL the adaptive controller aims at."""
+    horizon: int = Field(10000, gt=0)
+    """Adaptation horizon of the adaptive controller, in samples."""
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and KL-in-reward."""
+
+    adv_estimator: AdvEstimator = "grpo"
+    """Advantage estimator (gae needs critic.enable)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's std (false gives Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef * KL(actor || reference) from the per-token reward."""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
+    """KL estimator used in the reward."""
+    kl_ctrl: KlCtrlConfig = Field(default_factory=KlCtrlConfig)
+    """KL coefficient controller."""
+
+
+class CriticOptimConfig(Section):
+    """Optimizer settings of the critic."""
+
+    lr: float = Field(1e-5, gt=0)
+    """Learning rate of the critic."""
+
+
+class CriticConfig(Section):
+    """Value model for GAE; off unless enabled."""
+
+    enable: bool = False
+    """Train a critic (required by algorithm.adv_estimator=gae)."""
+    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
+    """Optimizer settings."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, gt=0)
+    """Samples per forward/backward pass on one worker."""
+    cliprange_value: float = Field(0.5, gt=0)
+    """Clip of the value update around the old values."""
+
+
+def _one_or_many(value: object) -> object:
+    # A single path is the common case on the command line (`data.train_files=x.jsonl`).
+    return [value] if isinstance(value, str) else value
+
+
+class DatasetConfig(Section):
+    """One source of a mixed training set; every batch holds exactly `ratio` of it."""
+
+    name: str = Field(min_length=1, validation_alias=AliasChoices("name", "data_source"))
+    """Data source name (also accepted as `data_source`): groups samples, labels metrics."""
+    path: list[str] = Field(min_length=1)
+    """Data file(s) of this source (one path or a list)."""
+    ratio: float = Field(gt=0, le=1)
+    """Share of every training batch; the ratios of all datasets sum to 1."""
+    agent_type: str | None = Field(None, min_length=1)
+    """Agent loop that runs this source's samples; null: data.agent_type."""
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _one_path(cls, value: object) -> object:
+        return _one_or_many(value)
+
+
+class DataConfig(Section):
+    """Training and validation data."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training data file(s) (one path or a list); leave empty when `datasets` is used."""
+    val_files: list[str] = Field(default_factory=list)
+    """Validation data file(s) (one path or a list)."""
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Mixed training set: sources with per-batch ratios (replaces train_files)."""
+    agent_type: str = Field("single_turn", min_length=1)
+    """Agent loop for samples that do not name one."""
+    train_batch_size: int = Field(4, gt=0)
+    """Prompts per training step (each sampled rollout.n times)."""
+    val_batch_size: int | None = Field(None, gt=0)
+    """Prompts per validation batch; null: the whole validation set at once."""
+    max_prompt_length: int = Field(256, gt=0)
+    """Longest prompt in tokens; longer prompts are filtered out."""
+    max_response_length: int = Field(128, gt=0)
+    """Token budget of a response (all turns of an episode, tool tokens included)."""
+    shuffle: bool = True
+    """Shuffle the training data every epoch."""
+    seed: int = 0
+    """Seed of the data order and the mixed-batch schedule."""
+    prompt_key: str = Field("prompt", min_length=1)
+    """Field of a data record that holds the prompt (chat messages or text)."""
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file(cls, value: object) -> object:
+        return _one_or_many(value)
+
+    @field_validator("datasets")
+    @classmethod
+    def _check_datasets(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        names = [d.name for d in datasets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"dataset names must be unique (repeated: {', '.join(duplicates)})")
+        total = sum(d.ratio for d in datasets)
+        if datasets and abs(total - 1.0) > 1e-6:
+            parts = ", ".join(f"{d.name}={d.ratio:g}" for d in datasets)
+            raise ValueError(f"ratios must sum to 1 (got {total:g}: {parts})")
+        return datasets
+
+
+class TrainerConfig(Section):
+    """The training run: length, checkpoints, logging, hardware."""
+
+    project_name: str = Field("agentrl", min_length=1)
+    """Project name (metrics grouping)."""
+    experiment_name: str = Field("tiny-cpu", min_length=1)
+    """Name of this run; names the run directory by default."""
+    total_training_steps: int | None = Field(None, gt=0)
+    """Stop after this many steps; null: total_epochs over the training data."""
+    total_epochs: int = Field(1, gt=0)
+    """Passes over the training data (when total_training_steps is null)."""
+    nnodes: int = Field(1, gt=0)
+    """Learner nodes."""
+    n_gpus_per_node: int = Field(1, gt=0)
+    """Learner workers per node (GPUs, or processes with device=cpu)."""
+    save_freq: int = Field(-1, ge=-1)
+    """Checkpoint every this many steps; -1 or 0 never."""
+    test_freq: int = Field(-1, ge=-1)
+    """Validate every this many steps; -1 or 0 never."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    critic_warmup: int = Field(0, ge=0)
+    """Steps that update only the critic before the actor starts learning."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh;
+    resume_path: resume from resume_from_path."""
+    resume_from_path: str | None = None
+    """Checkpoint directory to resume from (resume_mode=resume_path)."""
+    logger: list[Literal["console", "tensorboard", "jsonl"]] = Field(
+        default_factory=lambda: ["console"]
+    )
+    """Metric sinks."""
+    default_local_dir: str | None = None
+    """Checkpoint directory; null: <run_dir>/checkpoints."""
+    run_dir: str = Field("runs/{experiment_name}", min_length=1)
+    """Directory of this run (resolved config, logs, metrics); may use {experiment_name} and
+    {project_name}."""
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """Learner device; auto picks cuda when available."""
+
+    @field_validator("run_dir")
+    @classmethod
+    def _check_placeholders(cls, value: str) -> str:
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
+        except ValueError as exc:
+            raise ValueError(f"bad format string {value!r}: {exc}") from None
+        unknown = fields - RUN_DIR_FIELDS
+        if unknown:
+            allowed = ", ".join("{" + f + "}" for f in sorted(RUN_DIR_FIELDS))
+            raise ValueError(f"unknown placeholder {{{sorted(unknown)[0]}}} (allowed: {allowed})")
+        return value
+
+
+RUN_DIR_FIELDS = frozenset({"experiment_name", "project_name"})
+"""Placeholders trainer.run_dir may contain."""
+
+
+class RayConfig(Section):
+    """Ray cluster used by the learner."""
+
+    address: str | None = None
+    """Address of an existing cluster (e.g. `auto` or `host:6379`); null: start a local one."""
+    num_cpus: int | None = Field(None, gt=0)
+    """CPUs of the local cluster; null: all."""

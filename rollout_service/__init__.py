@@ -1,0 +1,1 @@
+"""Rollout servers: vLLM engines running multi-turn agent episodes and streaming trajectories."""

@@ -1,0 +1,249 @@
+"""bin/learner and bin/rollout-server: exit statuses, --check, start-up cost, the run path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common import cli
+from common.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+LEARNER = REPO / "bin" / "learner"
+ROLLOUT_SERVER = REPO / "bin" / "rollout-server"
+HEAVY = ("torch", "vllm", "ray", "transformers", "verl")
+
+
+def run_bin(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    # sys.executable is the venv python that runs the tests.
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        textwrap.dedent(f"""\
+            actor_rollout_ref:
+              model: {{path: {model}}}
+            data:
+              train_files: train.jsonl
+            trainer:
+              experiment_name: clitest
+              run_dir: {tmp_path}/runs/{{experiment_name}}
+            """)
+    )
+    return path
+
+
+def test_help_is_fast_and_imports_nothing_heavy() -> None:
+    start = time.perf_counter()
+    result = run_bin(LEARNER, "--help")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "--check" in result.stdout and "key=value" in result.stdout
+    assert elapsed < 1.0, f"--help took {elapsed:.2f} s"
+    assert run_bin(ROLLOUT_SERVER, "--help").returncode == 0
+
+
+@pytest.mark.parametrize("script", [LEARNER, ROLLOUT_SERVER], ids=lambda p: p.name)
+def test_check_prints_resolved_yaml_and_imports_nothing_heavy(
+    script: Path, config_file: Path
+) -> None:
+    # Run the real script as __main__ in a child, then report which heavy modules it imported.
+    probe = textwrap.dedent(f"""\
+        import json, runpy, sys
+        sys.argv = [{str(script)!r}, "--config", {str(config_file)!r}, "--check", "trainer.total_epochs=3"]
+        try:
+            runpy.run_path({str(script)!r}, run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code
+        heavy = sorted(m for m in {HEAVY!r} if m in sys.modules)
+        print(json.dumps({{"status": status, "heavy": heavy}}), file=sys.stderr)
+        """)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(result.stderr.strip().splitlines()[-1])
+    assert report == {"status": 0, "heavy": []}, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["trainer"]["total_epochs"] == 3
+    assert printed["actor_rollout_ref"]["rollout"]["prompt_length"] == 256  # resolved
+    assert not (config_file.parent / "runs").exists(), "--check must not create the run directory"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["trainer.totl_training_steps=3"],
+            "trainer.totl_training_steps: unknown key (did you mean total_training_steps?)",
+        ),
+        (["trainer.total_epochs=abc"], "trainer.total_epochs: must be an integer (got 'abc')"),
+        (["data.train_batch_size=-1"], "data.train_batch_size: must be greater than 0 (got -1)"),
+        (
+            [
+                "data.train_files=[]",
+                "data.datasets=[{name: a, path: a, ratio: 0.5}, {name: b, path: b, ratio: 0.2}]",
+            ],
+            "data.datasets: ratios must sum to 1 (got 0.7",
+        ),
+        (
+            ["actor_rollout_ref.model.path=/no/such/model"],
+            "actor_rollout_ref.model.path: directory does not exist: /no/such/model",
+        ),
+        (
+            ["transport.curve.enabled=true"],
+            "transport.curve.secret_key_file: required when transport.curve.enabled is true",
+        ),
+    ],
+    ids=["unknown-key", "wrong-type", "negative-batch", "ratios", "model-path", "curve"],
+)
+def test_invalid_config_exits_2_with_message(
+    config_file: Path, overrides: list[str], expected: str
+) -> None:
+    result = run_bin(LEARNER, "--config", str(config_file), *overrides)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "command line override" in result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+
+
+def test_invalid_file_exits_2_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "actor_rollout_ref: {model: {path: .}}\ndata: {train_files: t}\ntrainer: {totl_training_steps: 1}\n"
+    )
+    result = run_bin(ROLLOUT_SERVER, "--config", str(path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"{path}: trainer.totl_training_steps: unknown key (did you mean total_training_steps?)"
+    )
+
+
+def test_bad_usage_exits_2() -> None:
+    result = run_bin(LEARNER, "--log-format", "xml")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+FAKE_APP = """\
+import json, logging
+from pathlib import Path
+
+def run(config, run_dir):
+    logging.getLogger("fake.library").warning("from stdlib")
+    Path(run_dir, "ran.json").write_text(json.dumps({
+        "server_id": config.rollout_server.server_id,
+        "epochs": config.trainer.total_epochs,
+    }))
+    return config.trainer.total_epochs - 1
+
+async def run_async(config, run_dir):
+    return 0
+
+def crash(config, run_dir):
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.fixture
+def fake_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "fake_agentrl_app.py").write_text(FAKE_APP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fake_agentrl_app"
+
+
+def test_run_saves_resolved_config_and_calls_target(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    status = cli.main(
+        ["--config", str(config_file), "--log-format", "json", "trainer.total_epochs=3"],
+        prog="learner",
+        description="test",
+        target=f"{fake_app}:run",
+        component="learner",
+    )
+    assert status == 2  # the target's own return value
+    run_dir = config_file.parent / "runs" / "clitest"
+    saved = load_config(run_dir / "config.resolved.yaml", check_paths=False)
+    assert saved.trainer.total_epochs == 3
+    assert json.loads((run_dir / "ran.json").read_text())["epochs"] == 3
+    records = [
+        json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()
+    ]
+    assert {r["component"] for r in records} == {"learner"}
+    assert any(r["event"] == "from stdlib" and r["logger"] == "fake.library" for r in records)
+    assert any(r["event"] == "starting" for r in records)
+
+
+def test_rollout_server_gets_its_own_run_subdirectory(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    status = cli.main(
+        ["--config", str(config_file), "rollout_server.server_id=rs-1"],
+        prog="rollout-server",
+        description="test",
+        target=f"{fake_app}:run_async",
+        component="rollout-server",
+        resolve=cli.resolve_rollout_server,
+    )
+    assert status == 0
+    run_dir = config_file.parent / "runs" / "clitest" / "rollout-server" / "rs-1"
+    assert (
+        load_config(run_dir / "config.resolved.yaml", check_paths=False).rollout_server.server_id
+        == "rs-1"
+    )
+    record = json.loads((run_dir / "logs" / "rollout-server.jsonl").read_text().splitlines()[0])
+    assert record["server_id"] == "rs-1" and record["component"] == "rollout-server"
+
+
+def test_derived_server_id_is_saved(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    cli.main(
+        ["--config", str(config_file)],
+        prog="rollout-server",
+        description="test",
+        target=f"{fake_app}:run",
+        component="rollout-server",
+        resolve=cli.resolve_rollout_server,
+    )
+    (server_dir,) = (config_file.parent / "runs" / "clitest" / "rollout-server").iterdir()
+    ran = json.loads((server_dir / "ran.json").read_text())
+    assert ran["server_id"] == server_dir.name and server_dir.name.endswith(
+        f"-{__import__('os').getpid()}"
+    )
+
+
+def test_failing_run_exits_1_and_logs_the_error(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    status = cli.main(
+        ["--config", str(config_file)],
+        prog="learner",
+        description="test",
+        target=f"{fake_app}:crash",
+        component="learner",
+    )
+    assert status == 1
+    log = (config_file.parent / "runs" / "clitest" / "logs" / "learner.jsonl").read_text()
+    failure = json.loads(log.splitlines()[-1])
+    assert failure["event"] == "run failed" and failure["level"] == "error"
+    assert "boom" in json.dumps(failure["exception"])
+
+
+def test_load_target_rejects_malformed_names() -> None:
+    with pytest.raises(ValueError, match=r"package\.module:function"):
+        cli.load_target("learner.app.run")
