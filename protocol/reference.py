@@ -34,6 +34,14 @@ REFERENCE_TOKENIZER = Identity(name="reference", sha256="", vocab_size=512)  # "
 REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)
 
 
+def tokenizer_from_dir(model_dir: str) -> Identity:
+    """The tokenizer identity of a model directory, as a real rollout server would announce it."""
+    from common.identity import tokenizer_identity
+
+    tok = tokenizer_identity(model_dir)
+    return Identity(tok["name"], tok["sha256"], tok["vocab_size"] or 0)
+
+
 def reference_weights(seed: int = 0) -> list[NamedBuffer]:
     """A small fixed weight set (deterministic), big enough to span several chunks."""
     rng = np.random.default_rng(seed)
@@ -99,11 +107,12 @@ class ReferenceRolloutServer:
     batches: int = 0  # 0: stream forever
     batch_size: int = 4
     curve: CurveClientKeys | None = None
+    tokenizer: Identity = REFERENCE_TOKENIZER  # must match the learner's (see tokenizer_from_dir)
     applied: dict[int, dict[str, bytes]] = field(default_factory=dict)
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         conn = RolloutConnection(peer_id=self.peer_id, epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
-                                 tokenizer=REFERENCE_TOKENIZER)
+                                 tokenizer=self.tokenizer)
         self.client = client = RolloutClient(conn, client_factory(self.connect, curve=self.curve))
         rng = np.random.default_rng(0)
         async with anyio.create_task_group() as tg:
@@ -118,6 +127,9 @@ class ReferenceRolloutServer:
                     await client.submit([synthetic_trajectory(rng, server=self.peer_id, version=conn.policy_version)
                                          for _ in range(self.batch_size)])
                     i += 1
+                while conn.pending:  # all handed over: leave once the learner owns every batch
+                    await anyio.sleep(0.01)
+                await client.close("done")
 
             tg.start_soon(produce)
             async for ev in client.events:
@@ -134,6 +146,7 @@ def main() -> None:
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="learner: address to bind")
     ap.add_argument("--connect", default="tcp://127.0.0.1:5555", help="rollout-server: learner address")
     ap.add_argument("--batches", type=int, default=0, help="rollout-server: batches to send (0 = forever)")
+    ap.add_argument("--model", help="rollout-server: announce the tokenizer of this model directory")
     args = ap.parse_args()
 
     async def run() -> None:
@@ -143,7 +156,8 @@ def main() -> None:
                 addr = await tg.start(learner.serve)
                 print(f"reference learner listening on {addr}", flush=True)
         else:
-            await ReferenceRolloutServer(connect=args.connect, batches=args.batches).serve()
+            tok = tokenizer_from_dir(args.model) if args.model else REFERENCE_TOKENIZER
+            await ReferenceRolloutServer(connect=args.connect, batches=args.batches, tokenizer=tok).serve()
 
     try:
         anyio.run(run)
