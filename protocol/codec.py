@@ -31,6 +31,7 @@ from protocol.schema import check, from_wire, to_wire
 from protocol.trajectory import decode_columns, encode_columns
 
 Frame = bytes | memoryview | np.ndarray
+_PEEK_HEADER_BYTES = 1 << 20  # an oversized message's header is still read if at most this big
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,21 @@ def frame_bytes(frames: Sequence[Frame]) -> int:
 
 def peek_type(frames: Sequence[Frame]) -> MsgType:
     """Route on the type frame alone. Raises MALFORMED / UNKNOWN_TYPE."""
-    if len(frames) < 2:
-        raise ProtocolError(ErrorCode.MALFORMED, f"a message has at least 2 frames, got {len(frames)}")
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
     tf = memoryview(frames[0])
     if tf.nbytes != 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"type frame must be 1 byte, got {tf.nbytes}")
     code = tf.tobytes()[0]
     try:
-        return MsgType(code)
+        t = MsgType(code)
     except ValueError:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {code}") from None
+    if len(frames) < 2:
+        e = ProtocolError(ErrorCode.MALFORMED, f"a message has at least 2 frames, got {len(frames)}")
+        e.ref_type = int(t)  # known type: lets the receiver tell a broken ERROR from other junk
+        raise e
+    return t
 
 
 def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Message:
@@ -99,13 +105,15 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
     header: Any = None
     try:
         if size > limits.max_message_bytes:
+            if memoryview(frames[1]).nbytes <= _PEEK_HEADER_BYTES:
+                header = _unpack(frames[1])  # only to name the refused batch (ref_seq) below
             raise ProtocolError(
                 ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}"
             )
         header = _unpack(frames[1])
         if not isinstance(header, dict):
             raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
-        payload = [memoryview(f) for f in frames[2:]]
+        payload = [memoryview(f).cast("B") for f in frames[2:]]
         if t is MsgType.TRAJECTORY_BATCH:
             return _decode_batch(header, payload, limits)
         if t is MsgType.WEIGHTS_CHUNK:

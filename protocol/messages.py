@@ -92,6 +92,12 @@ class Welcome:
     limits: Limits
     capabilities: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if len(self.protocol_version) != 2:
+            raise ValueError("protocol_version must be [major, minor]")
+        if self.credits < 0:
+            raise ValueError("credits must be >= 0")
+
 
 @dataclass(frozen=True)
 class TrajectoryBatch:

@@ -38,6 +38,7 @@ from protocol.messages import (
     Identity,
     Limits,
     TrajectoryBatch,
+    TYPE_OF,
     WeightsApplied,
     Welcome,
 )
@@ -166,6 +167,7 @@ class LearnerProtocol:
 
     def receive(self, identity: bytes, frames: Frames, now: float) -> list[Event]:
         peer = self.peers.get(identity)
+        msg = None
         try:
             msg = codec.decode(frames, self.limits)
             if isinstance(msg, Hello):
@@ -177,6 +179,8 @@ class LearnerProtocol:
             peer.last_recv = now
             return self._dispatch(peer, msg)
         except ProtocolError as e:
+            if msg is not None and not e.ref_type:
+                e.ref_type = int(TYPE_OF[type(msg)])
             if peer is not None:
                 peer.last_recv = now
             if codec.should_answer(e):
@@ -253,9 +257,11 @@ class LearnerProtocol:
             peer.credits += 1  # a duplicate occupies no room: give its credit straight back
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq]))))
             return []
-        fresh = [t for t in msg.trajectories if t.trajectory_id not in self._seen]
-        for t in fresh:
-            self._seen[t.trajectory_id] = None
+        fresh = []
+        for t in msg.trajectories:
+            if t.trajectory_id not in self._seen:  # also catches an id repeated inside the batch
+                self._seen[t.trajectory_id] = None
+                fresh.append(t)
         while len(self._seen) > self.dedup_window:
             self._seen.popitem(last=False)
         dups = len(msg.trajectories) - len(fresh)

@@ -32,12 +32,14 @@ from protocol.events import (
     WeightsReceived,
 )
 from protocol.messages import (
+    TYPE_OF,
     Ack,
     Bye,
     Error,
     Heartbeat,
     Hello,
     Identity,
+    Limits,
     TrajectoryBatch,
     WeightsAnnounce,
     WeightsApplied,
@@ -87,6 +89,7 @@ class RolloutConnection:
         self.state = SenderState.IDLE
         self.policy_version = 0  # weights generation currently runs on; set by the application
         self.welcome: Welcome | None = None
+        self.peer_limits: Limits | None = None
         self.fatal_error: Error | None = None
         self.credits = 0
         self._next_seq = 1
@@ -188,6 +191,7 @@ class RolloutConnection:
         try:
             return self._dispatch(msg)
         except ProtocolError as e:
+            e.ref_type = e.ref_type or int(TYPE_OF[type(msg)])
             self._out.append(codec.encode(codec.error_message(e)))
             return [ProtocolViolation("learner", e)]
 
@@ -213,7 +217,9 @@ class RolloutConnection:
             case WeightsChunk():
                 return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
             case Bye():
-                self.state = SenderState.CLOSED
+                # The learner is going away, perhaps to restart: keep everything and reconnect.
+                self._requeue_unacked()
+                self.state = SenderState.IDLE
                 return [PeerClosed("learner", msg.reason)]
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a rollout server")
 
@@ -222,17 +228,14 @@ class RolloutConnection:
             raise ProtocolError(ErrorCode.UNEXPECTED, "WELCOME without a pending HELLO")
         theirs = ProtocolVersion(*msg.protocol_version)
         if not self.version.compatible_with(theirs):
-            self.state = SenderState.FAILED
-            raise ProtocolError(ErrorCode.VERSION_MISMATCH,
+            err = ProtocolError(ErrorCode.VERSION_MISMATCH,
                                 f"learner speaks protocol {theirs}, this rollout server {self.version}")
+            self.state = SenderState.FAILED
+            self.fatal_error = codec.error_message(err)
+            raise err
         self.welcome = msg
         self.heartbeat_interval_s, self.heartbeat_timeout_s = msg.heartbeat_interval_s, msg.heartbeat_timeout_s
-        self.limits = codec.CodecLimits(
-            max_message_bytes=msg.limits.max_message_bytes,
-            max_trajectories_per_batch=msg.limits.max_trajectories_per_batch,
-            max_tokens_per_trajectory=msg.limits.max_tokens_per_trajectory,
-            vocab_size=self.limits.vocab_size,
-        )
+        self.peer_limits = msg.limits  # what the learner accepts; our own limits stay for decoding
         # Batches below next_seq reached the learner before the reconnect: their ACK was lost.
         acked = [s for s, _ in self._queue if s < msg.next_seq]
         self._queue = deque((s, f) for s, f in self._queue if s >= msg.next_seq)
@@ -257,10 +260,13 @@ class RolloutConnection:
             self.fatal_error = msg
             self.state = SenderState.FAILED
         elif code is ErrorCode.HELLO_REQUIRED:
-            self._requeue_unacked()  # the learner lost our session (restart): handshake again
-            self.state = SenderState.IDLE
+            if self.state is SenderState.READY:  # a late one for an older session changes nothing
+                self._requeue_unacked()  # the learner lost our session (restart): handshake again
+                self.state = SenderState.IDLE
         elif msg.ref_seq and msg.ref_seq in self._unacked:
             frames = self._unacked.pop(msg.ref_seq)
+            if code is not ErrorCode.CREDIT_EXCEEDED:
+                self.credits += 1  # the learner refused it before taking a credit for it
             if code in (ErrorCode.CREDIT_EXCEEDED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL):
                 self._queue.appendleft((msg.ref_seq, frames))  # not our batch's fault: keep it
             else:

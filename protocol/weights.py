@@ -103,6 +103,7 @@ class WeightAssembler:
         self.max_total_bytes = max_total_bytes
         self._current: _Transfer | None = None
         self._abandoned: set[str] = set()
+        self._finished: set[str] = set()
 
     @property
     def in_progress(self) -> WeightsAnnounce | None:
@@ -131,8 +132,8 @@ class WeightAssembler:
     def chunk(self, msg: WeightsChunk) -> ReceivedWeights | None:
         cur = self._current
         if cur is None or msg.transfer_id != cur.announce.transfer_id:
-            if msg.transfer_id in self._abandoned:
-                return None  # chunks of a superseded transfer still in flight: expected, harmless
+            if msg.transfer_id in self._abandoned or msg.transfer_id in self._finished:
+                return None  # late or repeated chunks of a superseded or finished transfer: harmless
             raise ProtocolError(ErrorCode.UNEXPECTED, f"chunk of unannounced transfer {msg.transfer_id}")
         if not 0 <= msg.index < cur.announce.num_chunks:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index")
@@ -153,6 +154,7 @@ class WeightAssembler:
         if len(cur.chunks_seen) < cur.announce.num_chunks:
             return None
         self._current = None
+        self._finished.add(cur.announce.transfer_id)
         for spec, buf, filled in zip(cur.announce.tensors, cur.buffers, cur.filled, strict=True):
             if filled != spec.nbytes or checksum(memoryview(buf)) != spec.checksum:
                 raise ProtocolError(
