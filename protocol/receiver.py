@@ -30,6 +30,7 @@ from protocol.events import (
     ProtocolViolation,
 )
 from protocol.messages import (
+    TYPE_OF,
     Ack,
     Bye,
     Error,
@@ -38,7 +39,6 @@ from protocol.messages import (
     Identity,
     Limits,
     TrajectoryBatch,
-    TYPE_OF,
     WeightsApplied,
     Welcome,
 )

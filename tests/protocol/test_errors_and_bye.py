@@ -158,7 +158,7 @@ def test_learner_never_raises_and_answers_at_most_once(frames: list[bytes], t: i
     out = [f for i, f in net.learner.data_to_send(net.clock.now) if i == ident]
     assert len(out) <= 1
     assert all(codec.peek_type(f) is MsgType.ERROR for f in out)
-    if t == MsgType.ERROR and known and frames:  # single-frame ERROR: see test_open_bugs
+    if t == MsgType.ERROR and known and frames:  # single-frame ERROR: see test_regressions
         assert out == []
 
 
@@ -169,7 +169,7 @@ def test_sender_never_raises_and_answers_at_most_once(frames: list[bytes], t: in
     conn.receive([bytes((t,)), *frames], 0.0)
     out = conn.data_to_send(0.0)
     assert len(out) <= 1
-    if t == MsgType.ERROR and frames:  # single-frame ERROR: see test_open_bugs
+    if t == MsgType.ERROR and frames:  # single-frame ERROR: see test_regressions
         assert out == []
 
 

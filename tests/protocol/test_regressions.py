@@ -16,6 +16,7 @@ from protocol.codec import CodecLimits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import BatchRejected, WeightsFailed, WeightsReceived
 from protocol.messages import Error, Limits, MsgType, TrajectoryBatch, Welcome
+from protocol.schema import to_wire
 from protocol.weights import plan_transfer
 
 bug = pytest.mark.xfail(strict=True, raises=(AssertionError, ProtocolError, TypeError))
@@ -127,8 +128,10 @@ def test_malformed_welcome_version_does_not_crash_the_sender(pv: list[int]) -> N
     conn = rollout()
     conn.start(0.0)
     conn.data_to_send(0.0)
-    welcome = Welcome(pv, "learner", "s", 4, 0, 1, 1.0, 10.0, Limits(1 << 20, 16, 4096))
-    events = conn.receive(on_wire(codec.encode(welcome)), 0.0)
+    welcome = Welcome([1, 0], "learner", "s", 4, 0, 1, 1.0, 10.0, Limits(1 << 20, 16, 4096))
+    forged = to_wire(welcome) | {"protocol_version": pv}  # the constructor refuses it: forge the wire
+    frames = [codec.encode(welcome)[0], msgpack.packb(forged)]
+    events = conn.receive(on_wire(frames), 0.0)
     assert events and events[0].error.code is ErrorCode.INVALID_FIELD
 
 
