@@ -20,6 +20,7 @@ import anyio
 
 from common.identity import tokenizer_identity
 from common.logging import get_logger
+from learner.safetensors_buffers import load_buffers
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer
 from protocol.events import (
@@ -52,7 +53,11 @@ def build_server(config: Any) -> tuple[LearnerServer, ZmqServerChannel]:
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
-    return LearnerServer(proto, channel), channel
+    server = LearnerServer(proto, channel)
+    # Version 0 is the checkpoint the run starts from: served to rollout servers that ask for it.
+    server.publish_weights(0, load_buffers(config.actor_rollout_ref.model.path),
+                           chunk_bytes=t.weight_chunk_bytes)
+    return server, channel
 
 
 class IntakeStats:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
-from protocol.messages import Error, Hello, Welcome, WeightsApplied
+from protocol.messages import Error, Hello, WeightsApplied, Welcome
 from protocol.trajectory import Trajectory
 from protocol.weights import ReceivedWeights
 

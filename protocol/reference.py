@@ -28,7 +28,12 @@ from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection
 from protocol.trajectory import Trajectory
 from protocol.weights import NamedBuffer
-from protocol.zmq_transport import CurveClientKeys, CurveServerKeys, ZmqServerChannel, client_factory
+from protocol.zmq_transport import (
+    CurveClientKeys,
+    CurveServerKeys,
+    ZmqServerChannel,
+    client_factory,
+)
 
 REFERENCE_TOKENIZER = Identity(name="reference", sha256="", vocab_size=512)  # "" = accept any tokenizer
 REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)

@@ -14,8 +14,10 @@ read-only views into the received frames.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -100,6 +102,47 @@ _KIND_CHECKS: dict[str, tuple[Any, str]] = {
 }
 
 
+# Whole-column checks for the common case: each one only passes a column that every value of would
+# pass its ``_KIND_CHECKS`` entry, so the per-value checks (which find the first bad value for the
+# error message) run only on columns that are about to be rejected. Same verdicts, same errors.
+def _types(values: Any) -> set[type]:
+    return set(map(type, values))
+
+
+def _finite_sum(numbers: list[Any]) -> bool:
+    """For ints and floats only: a finite sum means every term is finite (inf or nan propagate;
+    an overflowing sum of finite terms merely sends the column to the per-value check)."""
+    return math.isfinite(sum(numbers))
+
+
+def _dict_values(col: list[Any]) -> list[Any]:  # only called once every item is known to be a dict
+    return list(itertools.chain.from_iterable(map(dict.values, col)))
+
+
+def _str_keys(col: list[Any]) -> bool:  # likewise
+    return _types(set().union(*col)) <= {str}
+
+
+def _floats_map(col: list[Any]) -> bool:
+    if not (_types(col) <= {dict} and _str_keys(col)):
+        return False
+    values = _dict_values(col)
+    return _types(values) <= {float, int} and _finite_sum(values)
+
+
+_TERMINATION_SET = frozenset(TERMINATIONS)
+_FAST_CHECKS: dict[str, Any] = {
+    "str": lambda col: _types(col) <= {str},
+    "count": lambda col: _types(col) <= {int} and (not col or min(col) >= 0),
+    "float": lambda col: _types(col) <= {float, int} and _finite_sum(col),
+    "bool": lambda col: _types(col) <= {bool},
+    "termination": lambda col: _types(col) <= {str} and set(col) <= _TERMINATION_SET,
+    "scalars": lambda col: (_types(col) <= {dict} and _str_keys(col)
+                            and _types(_dict_values(col)) <= {int, float, str, bool}),
+    "floats": _floats_map,
+}
+
+
 def encode_columns(trajs: list[Trajectory]) -> tuple[dict[str, list[Any]], list[list[str]], list[np.ndarray]]:
     """Trajectories -> (meta columns, [[column, dtype]], token column arrays)."""
     for t in trajs:
@@ -112,8 +155,9 @@ def encode_columns(trajs: list[Trajectory]) -> tuple[dict[str, list[Any]], list[
     meta["response_len"] = [len(t.response_ids) for t in trajs]
     cols, arrays = [], []
     for name, attr, dtype, _ in COLUMNS:
-        parts = [np.asarray(getattr(t, attr), dtype=dtype) for t in trajs]
-        arrays.append(np.concatenate(parts) if parts else np.empty(0, dtype))
+        parts = [getattr(t, attr) for t in trajs]
+        # One pass: concatenate casts while it copies (what asarray(dtype) per part then did).
+        arrays.append(np.concatenate(parts, dtype=dtype, casting="unsafe") if parts else np.empty(0, dtype))
         cols.append([name, dtype])
     return meta, cols, arrays
 
@@ -136,12 +180,12 @@ def _decode_meta(raw: Any) -> tuple[int, dict[str, list[Any]]]:
                                 field=f"meta.{name}")
         n = len(col)
         ok, what = _KIND_CHECKS[kind]
-        if not all(map(ok, col)):
+        if not _FAST_CHECKS[kind](col) and not all(map(ok, col)):
             i = next(i for i, x in enumerate(col) if not ok(x))
             path = f"trajectories[{i}].{name}"
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {what} (got {col[i]!r:.60})", field=path)
         out[name] = col
-    if any(x < 1 for x in out["prompt_len"]):
+    if n > 0 and min(out["prompt_len"]) < 1:
         i = next(i for i, x in enumerate(out["prompt_len"]) if x < 1)
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"trajectories[{i}].prompt_len: must be >= 1",
                             field=f"trajectories[{i}].prompt_len")
@@ -165,7 +209,7 @@ def decode_columns(
             ErrorCode.MALFORMED, f"batch must carry {len(COLUMNS)} column frames", field="columns"
         )
     plens, rlens = meta["prompt_len"], meta["response_len"]
-    for i in range(n):
+    for i in range(n) if n and max(map(operator.add, plens, rlens)) > max_tokens else ():
         if plens[i] + rlens[i] > max_tokens:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
@@ -175,7 +219,8 @@ def decode_columns(
     n_prompt, n_resp = sum(plens), sum(rlens)
     cols = {}
     for (name, _attr, _dt, allowed), col, frame in zip(COLUMNS, cols_raw, frames, strict=True):
-        if not (isinstance(col, list) and len(col) == 2 and col[0] == name and col[1] in allowed):
+        if not (isinstance(col, list) and len(col) == 2 and col[0] == name and type(col[1]) is str
+                and col[1] in allowed):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 f"columns: expected [{name!r}, one of {sorted(allowed)}], got {col!r:.80}",
@@ -206,35 +251,51 @@ def _bad_index(name: str, bad: np.ndarray, lens: list[int], what: str) -> Protoc
     return ProtocolError(ErrorCode.INVALID_FIELD, f"{name}: {what}", field=name)  # unreachable
 
 
+def _ids_in_range(ids: np.ndarray, vocab_size: int) -> bool:
+    """One pass: seen as unsigned, a negative id is huge, so ``max < vocab`` checks both bounds."""
+    if not len(ids):
+        return True
+    if not vocab_size or vocab_size > 1 << (8 * ids.dtype.itemsize - 1):  # (the trick needs vocab <= 2**31)
+        return bool(ids.min() >= 0 and (not vocab_size or ids.max() < vocab_size))
+    return bool(ids.view(np.dtype(f"<u{ids.dtype.itemsize}")).max() < vocab_size)
+
+
+def _logprobs_ok(lp: np.ndarray) -> bool:
+    """Finite and <= 0, in two reductions and no temporaries: max propagates NaN, min catches -inf."""
+    return not len(lp) or bool(lp.max() <= 0 and np.isfinite(lp.min()))
+
+
 def _check_values(cols: dict[str, np.ndarray], plens: list[int], rlens: list[int], vocab_size: int) -> None:
     for name in ("prompt_ids", "response_ids"):
         ids = cols[name]
         metas = plens if name == "prompt_ids" else rlens
-        if len(ids) and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
+        if not _ids_in_range(ids, vocab_size):
             bad = (ids < 0) | ((ids >= vocab_size) if vocab_size else False)
             raise _bad_index(name, bad, metas, f"token id outside [0, {vocab_size or 'inf'})")
     mask = cols["response_mask"]
     if len(mask) and mask.dtype != np.bool_ and mask.max() > 1:
         raise _bad_index("response_mask", mask > 1, rlens, "mask values must be 0 or 1")
     lp = cols["rollout_logprobs"]
-    ok = np.isfinite(lp) & (lp <= 0)
-    if not ok.all():
+    if not _logprobs_ok(lp):
+        ok = np.isfinite(lp) & (lp <= 0)
         raise _bad_index("rollout_logprobs", ~ok, rlens, "logprobs must be finite and <= 0")
     ver = cols["versions"]
     if len(ver) and ver.min() < 0:
         raise _bad_index("versions", ver < 0, rlens, "policy versions must be >= 0")
 
 
+# _split builds trajectories positionally: a kwargs dict per trajectory costs more than the rest.
+_POSITIONAL = ("trajectory_id", "group_uid", *(c[1] for c in COLUMNS), *_SCALARS[2:])
+assert tuple(f.name for f in fields(Trajectory))[: len(_POSITIONAL)] == _POSITIONAL, "Trajectory fields moved"
+
+
 def _split(cols: dict[str, np.ndarray], meta: dict[str, list[Any]], n: int) -> list[Trajectory]:
-    out = []
-    p = r = 0
-    plens, rlens = meta["prompt_len"], meta["response_len"]
-    scalar_cols = [(k, meta[k]) for k in _SCALARS]
+    pofs = list(itertools.accumulate(meta["prompt_len"], initial=0))
+    rofs = list(itertools.accumulate(meta["response_len"], initial=0))
     pid, rid, msk, lps, ver = (cols[c[0]] for c in COLUMNS)
-    for i in range(n):
-        pe, re_ = p + plens[i], r + rlens[i]
-        t = Trajectory(prompt_ids=pid[p:pe], response_ids=rid[r:re_], response_mask=msk[r:re_],
-                       rollout_logprobs=lps[r:re_], versions=ver[r:re_], **{k: v[i] for k, v in scalar_cols})
-        out.append(t)
-        p, r = pe, re_
-    return out
+    pstart, pend, rstart, rend = pofs[:-1], pofs[1:], rofs[:-1], rofs[1:]
+    views = [[a[i:j] for i, j in zip(starts, ends)]
+             for a, starts, ends in ((pid, pstart, pend), (rid, rstart, rend), (msk, rstart, rend),
+                                     (lps, rstart, rend), (ver, rstart, rend))]
+    tids, gids, *rest = (meta[k] for k in _SCALARS)
+    return list(map(Trajectory, tids, gids, *views, *rest))

@@ -8,13 +8,18 @@ copied again (pyzmq still copies frames below its copy threshold, where that is 
 
 CURVE (optional): the learner holds a secret key and an allow-list directory of client public
 keys (ZAP authenticator); clients hold their own key pair and the learner's public key. Keys are
-ZeroMQ certificate files made by ``bin/make-curve-keys``.
+ZeroMQ certificate files made by ``bin/make-curve-keys``. libzmq allows one ZAP handler per context
+and the default context is shared, so CURVE server channels of one context share one authenticator,
+each under its own ZAP domain with its own allow-list (two learners, or a restarted one, can coexist).
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -45,6 +50,45 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
+# id(context) -> (context, authenticator, ZAP domains using it); the context is held so ids stay unique
+_zap: dict[int, tuple[zmq.Context, Any, set[str]]] = {}
+
+
+def _allow_list(ctx: zmq.Context, allowed_keys_dir: Path) -> str:
+    """Register an allow-list with the context's authenticator (started on first use); its domain."""
+    import zmq.auth
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    try:
+        keys = zmq.auth.load_certificates(str(allowed_keys_dir))
+    except Exception as e:  # pyzmq's authenticator would only log this and then deny everyone
+        raise ValueError(f"CURVE allowed keys directory {allowed_keys_dir}: {e}") from e
+    if not keys:
+        raise ValueError(f"CURVE allowed keys directory {allowed_keys_dir} holds no public keys (*.key): "
+                         "no rollout server could connect")
+    entry = _zap.get(id(ctx))
+    if entry is None:
+        auth = AsyncioAuthenticator(ctx)
+        auth.start()
+        entry = _zap[id(ctx)] = (ctx, auth, set())
+    domain = f"learner-{uuid.uuid4().hex}"
+    entry[1].certs[domain] = keys  # what configure_curve(domain, dir) stores, minus its re-read
+    entry[2].add(domain)
+    return domain
+
+
+def _drop_allow_list(ctx: zmq.Context, domain: str) -> None:
+    entry = _zap.get(id(ctx))
+    if entry is None or domain not in entry[2]:
+        return
+    _, auth, domains = entry
+    domains.discard(domain)
+    auth.certs.pop(domain, None)
+    if not domains:
+        del _zap[id(ctx)]
+        auth.stop()
+
+
 def _tune(sock: zmq.Socket, max_message_bytes: int | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -55,29 +99,75 @@ def _tune(sock: zmq.Socket, max_message_bytes: int | None) -> None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
 
 
+def _bind(sock: zmq.Socket, address: str, *, wait_s: float = 0.5) -> None:
+    """Bind, giving a just-closed socket of this process the moment libzmq needs to release the
+    address (its listener closes asynchronously, in the reaper thread): a learner restarted in the
+    same process rebinds at once. Anything else in use is reported after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                if e.errno == zmq.EADDRINUSE:
+                    raise zmq.ZMQError(e.errno, f"{address} is in use (another learner running?)") from e
+                raise
+            time.sleep(0.01)  # bounded: at most wait_s, and only when the address is taken
+
+
+def _ipc_file_identity(address: str) -> tuple[Path, int, int] | None:
+    """(path, device, inode) of the socket file an ``ipc://`` bind created, to remove it on close."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):  # "@": abstract namespace
+        return None
+    path = Path(address.removeprefix("ipc://"))
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return path, st.st_dev, st.st_ino
+
+
+def _remove_ipc_file(ident: tuple[Path, int, int] | None) -> None:
+    # libzmq leaves the file behind. Only ours is removed: a successor that already bound the same
+    # path (a restarted learner) has a new inode and keeps its file.
+    if ident is None:
+        return
+    path, dev, ino = ident
+    try:
+        st = path.stat()
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            path.unlink()
+    except OSError:
+        pass
+
+
 class ZmqServerChannel:
     """ROUTER socket bound at ``address`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
 
     def __init__(self, address: str, *, curve: CurveServerKeys | None = None,
                  max_message_bytes: int | None = None, context: zmq.asyncio.Context | None = None) -> None:
-        self.ctx = context or zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        _tune(self.sock, max_message_bytes)
-        self._auth = None
-        if curve is not None:
-            from zmq.auth.asyncio import AsyncioAuthenticator
-
-            public, secret = _load(curve.secret_key_file, secret=True)
+        keys = None
+        if curve is not None:  # check the key files before any socket or thread exists
+            keys = _load(curve.secret_key_file, secret=True)
             if not Path(curve.allowed_keys_dir).is_dir():
                 raise FileNotFoundError(f"CURVE allowed keys directory not found: {curve.allowed_keys_dir}")
-            self._auth = AsyncioAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(curve.allowed_keys_dir))
-            self.sock.curve_secretkey = secret
-            self.sock.curve_publickey = public
-            self.sock.curve_server = True
-        self.sock.bind(address)
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self._zap_domain: str | None = None
+        try:
+            _tune(self.sock, max_message_bytes)
+            if curve is not None and keys is not None:
+                self._zap_domain = _allow_list(self.ctx, Path(curve.allowed_keys_dir))
+                self.sock.zap_domain = self._zap_domain.encode()
+                self.sock.curve_publickey, self.sock.curve_secretkey = keys
+                self.sock.curve_server = True
+            _bind(self.sock, address)
+        except BaseException:  # e.g. address in use: leave no socket or allow-list behind
+            self._release()
+            raise
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = _ipc_file_identity(self.address)
 
     async def send(self, identity: bytes, frames: Frames) -> None:
         await self.sock.send_multipart([identity, *frames], copy=False)
@@ -90,9 +180,16 @@ class ZmqServerChannel:
             # an identity with no content cannot be answered meaningfully; skip it
 
     async def aclose(self) -> None:
-        self.sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
+        # A short linger lets the last ACKs and the BYE of LearnerServer.close() leave; a peer that is
+        # gone costs at most 0.2 s (at context termination), as on the client side.
+        self._release(linger=200)
+        _remove_ipc_file(self._ipc_file)
+
+    def _release(self, linger: int = 0) -> None:
+        self.sock.close(linger=linger)
+        if self._zap_domain is not None:
+            _drop_allow_list(self.ctx, self._zap_domain)
+            self._zap_domain = None
 
 
 class ZmqClientChannel:
@@ -100,16 +197,21 @@ class ZmqClientChannel:
 
     def __init__(self, address: str, *, curve: CurveClientKeys | None = None,
                  context: zmq.asyncio.Context | None = None) -> None:
+        if curve is not None:  # check the key files before the socket exists
+            public, secret = _load(curve.secret_key_file, secret=True)
+            server_public, _ = _load(curve.server_public_key_file, secret=False)
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         _tune(self.sock, None)
         if curve is not None:
-            public, secret = _load(curve.secret_key_file, secret=True)
-            server_public, _ = _load(curve.server_public_key_file, secret=False)
             self.sock.curve_secretkey = secret
             self.sock.curve_publickey = public
             self.sock.curve_serverkey = server_public
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except BaseException:  # a malformed address: do not leak the socket
+            self.sock.close(linger=0)
+            raise
 
     async def send(self, frames: Frames) -> None:
         await self.sock.send_multipart(frames, copy=False)

@@ -1,0 +1,121 @@
+"""The learner-role suite against the reference learner (in-process and as a child process) and
+against learners broken in one rule each, which must fail the check for that rule, readably."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from conformance_testkit import (
+    AcceptsAnyMajor,
+    IgnoresCredits,
+    NeverAcks,
+    free_port,
+    learner_in_thread,
+    reference_learner_process,
+    run_cli,
+)
+
+from tools.conformance import registry, report, runner
+
+ALL = [c.name for c in registry.checks("learner")]
+LINE = re.compile(r"^(PASS|FAIL) (\S+?)(:)?(\s+.*)?$")
+
+
+def run_suite(address: str, *only: str, timeout: float = 2.0) -> runner.SuiteReport:
+    return runner.run(runner.SuiteOptions(role="learner", target=address, timeout=timeout, only=list(only)))
+
+
+def failures(rep: runner.SuiteReport) -> dict[str, str]:
+    return {r.name: r.reason for r in rep.results if not r.passed}
+
+
+def test_every_check_passes_against_the_reference_learner() -> None:
+    with learner_in_thread() as address:
+        rep = run_suite(address)
+    assert [r.name for r in rep.results] == ALL
+    assert failures(rep) == {}
+    credit = next(r for r in rep.results if r.name == "credit_limit")
+    assert credit.notes and "rejected" in credit.notes[0]  # enforcement was exercised, not skipped
+
+
+def test_cli_against_a_reference_learner_process() -> None:
+    """The realistic path: ``python -m protocol.reference learner`` in its own process, default limits
+    (the oversize check sends a 256 MiB message), the CLI in another."""
+    with reference_learner_process() as address:
+        out = run_cli("--target", address, "--role", "learner", "--timeout", "3")
+        js = run_cli("--target", address, "--role", "learner", "--json", "--only", "handshake,batch_ack")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [LINE.match(line).group(1, 2) for line in lines[:-1]] == [("PASS", name) for name in ALL]
+    assert re.fullmatch(rf"{len(ALL)} passed, 0 failed in \d+\.\d s", lines[-1])
+    assert js.returncode == 0, js.stderr
+    doc = json.loads(js.stdout)
+    assert (doc["passed"], doc["failed"]) == (2, 0)
+    assert [c["name"] for c in doc["checks"]] == ["handshake", "batch_ack"]
+    assert doc["checks"][0]["details"]["credits"] >= 1
+
+
+def test_a_learner_that_never_acks_fails_with_what_it_sent_instead() -> None:
+    with learner_in_thread(NeverAcks) as address:
+        out = run_cli("--target", address, "--role", "learner", "--timeout", "1",
+                      "--only", "batch_ack", "--only", "duplicate_batch,hello_required")
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    assert lines[0] == "PASS hello_required"
+    assert re.fullmatch(r"FAIL batch_ack: +no ACK for batch 1 within 1\.0 s \(received: (nothing|HEARTBEAT.*)\)",
+                        lines[1]), lines[1]
+    assert lines[2].startswith("FAIL duplicate_batch:")
+    assert lines[1].index("no ACK") == lines[2].index("no ACK")  # reasons aligned
+    assert lines[-1].startswith("1 passed, 2 failed")
+
+
+def test_a_learner_that_accepts_another_major_version_fails_version_mismatch() -> None:
+    with learner_in_thread(AcceptsAnyMajor) as address:
+        rep = run_suite(address, "version_mismatch", "handshake")
+    assert failures(rep) == {"version_mismatch": "HELLO with protocol 2.0 was accepted (WELCOME, protocol 1.0): "
+                                                 "expected ERROR VERSION_MISMATCH"}
+    assert report.line(rep.results[1], 16).startswith("FAIL version_mismatch: HELLO with protocol 2.0")
+
+
+def test_a_learner_that_ignores_credits_fails_credit_limit() -> None:
+    with learner_in_thread(IgnoresCredits) as address:
+        rep = run_suite(address, "credit_limit")
+    reason = failures(rep)["credit_limit"]
+    assert reason.startswith("batch 1 was ACKed although the learner had granted no credit for it")
+
+
+def test_a_strict_learner_rejects_exactly_the_excess_of_a_burst() -> None:
+    """A stalled trainer (nothing consumed) and capacity == credits: the window cannot refill, so
+    of a burst of credits+1 exactly the last batch is beyond it."""
+    with learner_in_thread(capacity=3, max_credits_per_peer=3, consume=False) as address:
+        rep = run_suite(address, "credit_limit")
+    assert failures(rep) == {}
+    assert rep.results[0].details["rejected"] == [4]
+
+
+def test_nothing_listening_fails_the_handshake_quickly() -> None:
+    t0 = time.monotonic()
+    out = run_cli("--target", f"tcp://127.0.0.1:{free_port()}", "--role", "learner", "--timeout", "0.5",
+                  "--only", "handshake")
+    assert out.returncode == 1
+    assert out.stdout.splitlines()[0] == "FAIL handshake: no WELCOME within 0.5 s (received: nothing)"
+    assert time.monotonic() - t0 < 10
+
+
+def test_usage_errors_and_help() -> None:
+    t0 = time.monotonic()
+    h = run_cli("--help")
+    assert h.returncode == 0 and "--wait" in h.stdout and "rollout-server" in h.stdout
+    assert time.monotonic() - t0 < 5  # no zmq/numpy/protocol import before parsing
+    bad = run_cli("--target", "tcp://127.0.0.1:1", "--role", "learner", "--only", "nope")
+    assert bad.returncode == 2 and "unknown check(s) ['nope']" in bad.stderr
+    listed = run_cli("--role", "learner", "--list")
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ALL
+
+
+@pytest.mark.parametrize("role", ["learner", "rollout-server"])
+def test_every_check_has_a_summary(role: str) -> None:
+    assert all(c.summary for c in registry.checks(role))

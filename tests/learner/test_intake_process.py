@@ -1,0 +1,53 @@
+"""bin/learner (intake) as a real child process on the tiny model passes bin/conformance."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_learner_intake_passes_conformance(tmp_path: Path) -> None:
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "bin/make-tiny-model"), "--out", str(model)], check=True)
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    log = tmp_path / "learner.log"
+    with open(log, "w") as out:
+        learner = subprocess.Popen(
+            [sys.executable, str(ROOT / "bin/learner"), "--config", str(ROOT / "configs/default.yaml"),
+             f"actor_rollout_ref.model.path={model}", f"learner.bind_address={addr}",
+             f"trainer.run_dir={tmp_path / 'run'}"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in log.read_text():
+            assert learner.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "learner did not start"
+            time.sleep(0.1)
+        res = subprocess.run(
+            [sys.executable, str(ROOT / "bin/conformance"), "--role", "learner", "--target", addr,
+             "--model-dir", str(model)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "0 failed" in res.stdout
+        learner.send_signal(signal.SIGINT)
+        assert learner.wait(timeout=20) == 0, log.read_text()
+        assert (tmp_path / "run" / "intake_stats.json").is_file()
+        assert (tmp_path / "run" / "config.resolved.yaml").is_file()
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait()

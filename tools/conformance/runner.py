@@ -1,0 +1,152 @@
+"""Running one role's checks against a target, one ``Result`` per check.
+
+Learner role: each check gets a fresh ``LearnerTarget`` (its own sockets and peer_ids), closed
+after it whatever happened, so a failing check leaks nothing into the next. Rollout-server role:
+one ``FakeLearner`` for the whole run, checks in registry order; ``handshake`` always runs because
+every other check needs its session, and a violation the fake learner's reader records while a
+check runs (a batch beyond its credits, an undecodable message) fails that check. Every check also
+runs under a generous safety limit on top of its own deadlines, and an exception other than
+``CheckFailed`` is reported as an error of the suite, not of the endpoint under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from protocol.messages import Identity
+from tools.conformance import registry, wire
+from tools.conformance.registry import Check, CheckContext, CheckFailed, Result, Role
+
+
+@dataclass
+class SuiteOptions:
+    role: Role
+    target: str
+    timeout: float = 5.0  # per expected reply
+    only: list[str] = field(default_factory=list)  # check names; empty: all
+    wait: float = 30.0  # rollout-server: how long to wait for the server's first HELLO
+    weights_from: str | None = None  # rollout-server: directory of *.safetensors to transfer
+    model_dir: str | None = None  # learner: HELLO carries this model's and tokenizer's identity
+
+
+@dataclass
+class SuiteReport:
+    role: Role
+    target: str
+    address: str  # what the suite bound or connected to (differs from target for port 0)
+    results: list[Result]
+    duration_s: float
+
+    @property
+    def passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return len(self.results) - self.passed
+
+
+def select(role: Role, only: list[str]) -> list[Check]:
+    """The checks to run, in order; ValueError names unknown ones."""
+    all_checks = registry.checks(role)
+    names = [c.name for c in all_checks]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown} for role {role}; known: {', '.join(names)}")
+    if not only:
+        return all_checks
+    keep = set(only) | ({"handshake"} if role == "rollout-server" else set())
+    return [c for c in all_checks if c.name in keep]
+
+
+def _safety_limit(opts: SuiteOptions) -> float:
+    return 120.0 + 20 * opts.timeout + opts.wait
+
+
+async def _run_one(check: Check, ctx: CheckContext, limit: float) -> Result:
+    ctx.reset_report()
+    started = time.monotonic()
+    passed, reason, details = True, "", {}
+    try:
+        await asyncio.wait_for(check.func(ctx), limit)
+    except CheckFailed as e:
+        passed, reason = False, e.reason
+    except TimeoutError:
+        passed, reason = False, f"did not finish within the suite's safety limit of {limit:.0f} s"
+    except Exception as e:
+        passed, reason = False, f"error in the conformance suite itself: {type(e).__name__}: {e}"
+        details["traceback"] = traceback.format_exc()
+    return Result(check.name, passed, reason, list(ctx.notes), round(time.monotonic() - started, 3),
+                  {**ctx.details, **details})
+
+
+def _identities(model_dir: str | None) -> tuple[Identity, Identity]:
+    if model_dir is None:
+        return wire.DEFAULT_MODEL, wire.DEFAULT_TOKENIZER
+    from common.identity import model_identity, tokenizer_identity
+
+    m, t = model_identity(model_dir), tokenizer_identity(model_dir)
+    return Identity(m["name"], m["sha256"]), Identity(t["name"], t["sha256"], t["vocab_size"] or 0)
+
+
+async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] | None = None,
+                    on_result: Callable[[Result], None] | None = None) -> SuiteReport:
+    """Run the selected checks. ``on_listening(address)``: rollout role, once the ROUTER is bound."""
+    checks = select(opts.role, opts.only)
+    limit = _safety_limit(opts)
+    started = time.monotonic()
+    results: list[Result] = []
+
+    def done(r: Result) -> None:
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
+
+    zctx = zmq.asyncio.Context()
+    try:
+        if opts.role == "learner":
+            from tools.conformance.peer import LearnerTarget
+
+            model, tokenizer = _identities(opts.model_dir)
+            address = opts.target
+            for check in checks:
+                ctx = LearnerTarget(zctx, opts.target, timeout=opts.timeout, model=model, tokenizer=tokenizer)
+                try:
+                    done(await _run_one(check, ctx, limit))
+                finally:
+                    await ctx.aclose()
+        else:
+            from tools.conformance.fake_learner import FakeLearner
+
+            fl = FakeLearner(zctx, opts.target, timeout=opts.timeout, wait=opts.wait, weights_from=opts.weights_from)
+            address = fl.address
+            await fl.start()
+            try:
+                if on_listening is not None:
+                    on_listening(address)
+                for check in checks:
+                    before = len(fl.violations)
+                    r = await _run_one(check, fl, limit)
+                    new = fl.violations[before:]
+                    if new:
+                        r.details["violations"] = new
+                        if r.passed:
+                            more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
+                            r.passed, r.reason = False, new[0] + more
+                    done(r)
+            finally:
+                await fl.aclose()
+    finally:
+        zctx.term()
+    return SuiteReport(opts.role, opts.target, address, results, round(time.monotonic() - started, 3))
+
+
+def run(opts: SuiteOptions, **kw: Callable) -> SuiteReport:
+    return asyncio.run(run_suite(opts, **kw))
