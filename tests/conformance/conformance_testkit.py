@@ -146,10 +146,21 @@ class RolloutInThread:
         self.future = self.portal.start_task_soon(serve_rollout, self.conn, address, self.request_weights)
 
     def stopped(self, timeout: float = 5.0) -> SenderState:
-        """Wait for the server to end by itself; its final state."""
+        """Wait for the server to end by itself (a fatal error ends it; a BYE does not); its state."""
         assert self.future is not None and self.conn is not None
         self.future.result(timeout=timeout)
         return self.conn.state
+
+    def stop(self) -> None:
+        """Cancel a server that is still running (it would reconnect forever)."""
+        if self.future is not None and not self.future.done():
+            self.future.cancel()
+
+    def __enter__(self) -> RolloutInThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()  # before the portal closes: it would wait for the server forever
 
 
 # -- processes -------------------------------------------------------------------------------------

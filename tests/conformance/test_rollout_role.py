@@ -3,30 +3,37 @@ process), against a sender that ignores credits, and with weights from a safeten
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from anyio.from_thread import start_blocking_portal
 from conformance_testkit import CLI, REPO, IgnoresCreditsSender, RolloutInThread, child, free_port
 
-from protocol.sender import SenderState
+from protocol.sender import RolloutConnection, SenderState
 from tools.conformance import registry, report, runner
 from tools.conformance.safetensors_io import load_dir
 
 ALL = [c.name for c in registry.checks("rollout-server")]
 
 
-def run_against(portal, *only: str, conn_cls=None, request_weights: bool = False,
-                **kw) -> tuple[runner.SuiteReport, RolloutInThread]:
-    server = RolloutInThread(portal, **({"conn_cls": conn_cls} if conn_cls else {}), request_weights=request_weights)
+@contextmanager
+def rollout_server(conn_cls: type[RolloutConnection] = RolloutConnection, *,
+                   request_weights: bool = False) -> Iterator[RolloutInThread]:
+    """A rollout server in a background thread, started once the suite's ROUTER is bound."""
+    with start_blocking_portal() as portal, RolloutInThread(portal, conn_cls,
+                                                             request_weights=request_weights) as server:
+        yield server
+
+
+def run_against(server: RolloutInThread, *only: str, **kw) -> runner.SuiteReport:
     opts = runner.SuiteOptions(role="rollout-server", target="tcp://127.0.0.1:0", timeout=3.0, wait=10.0,
                                only=list(only), **kw)
-    return runner.run(opts, on_listening=server), server
+    return runner.run(opts, on_listening=server)
 
 
 def failures(rep: runner.SuiteReport) -> dict[str, str]:
@@ -34,8 +41,8 @@ def failures(rep: runner.SuiteReport) -> dict[str, str]:
 
 
 def test_every_check_passes_against_the_reference_rollout_server() -> None:
-    with start_blocking_portal() as portal:
-        rep, server = run_against(portal)
+    with rollout_server() as server:
+        rep = run_against(server)
         assert [r.name for r in rep.results] == ALL
         assert failures(rep) == {}
         # The last check ends the server with a fatal VERSION_MISMATCH: it stops by itself.
@@ -65,11 +72,9 @@ def test_cli_against_a_reference_rollout_server_process() -> None:
         assert server.wait(timeout=10) == 0  # gave up after the fatal error, cleanly
 
 
-@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
 def test_a_sender_that_ignores_credits_fails_credit_respected() -> None:
-    with start_blocking_portal() as portal:
-        rep, server = run_against(portal, "credit_respected", conn_cls=IgnoresCreditsSender)
-        assert server.stopped() is SenderState.CLOSED  # the suite says BYE when it is done
+    with rollout_server(IgnoresCreditsSender) as server:
+        rep = run_against(server, "credit_respected")
     assert [r.name for r in rep.results] == ["handshake", "credit_respected"]
     reason = failures(rep)["credit_respected"]
     assert "arrived while the only credit was in use" in reason, reason
@@ -92,7 +97,6 @@ def _write_bf16_safetensors(path: Path, name: str, raw: bytes, shape: list[int])
     path.write_bytes(len(header).to_bytes(8, "little") + header + raw)
 
 
-@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
 def test_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -105,17 +109,15 @@ def test_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
         "layer.bias": ("float32", (3,), 12), "layer.weight": ("float32", (3, 4), 48),
         "embed.weight": ("bfloat16", (2, 4), 16)}
     assert bytes(tensors["embed.weight"].data) == bf16
-    with start_blocking_portal() as portal:
-        rep, _server = run_against(portal, "weights", weights_from=str(tmp_path))
+    with rollout_server() as server:
+        rep = run_against(server, "weights", weights_from=str(tmp_path))
     assert failures(rep) == {}
     assert rep.results[1].details["tensors"] == 3
 
 
-@pytest.mark.xfail(run=False, reason="times out in this build (open: see the issue note)")
 def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
-    with start_blocking_portal() as portal:
-        rep, server = run_against(portal, "weights", request_weights=True)
-        assert server.stopped() is SenderState.CLOSED
+    with rollout_server(request_weights=True) as server:
+        rep = run_against(server, "weights")
     assert failures(rep) == {}
     assert rep.results[0].notes == ["HELLO asked for weights (policy_version -1): sent version 0"]
     assert server.conn.policy_version == 1  # version 0 from the handshake, then 1; the corrupt 2 refused

@@ -92,7 +92,8 @@ class FakeLearner(CheckContext):
         self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._pump())]
 
     async def aclose(self) -> None:
-        """BYE to a session still open (so the server stops cleanly), then stop and close."""
+        """BYE to a session still open (the learner is leaving: the server keeps its batches and
+        reconnects), then stop the tasks and close the socket."""
         s = self.session
         if s is not None and not s.closed:
             with contextlib.suppress(zmq.ZMQError):
