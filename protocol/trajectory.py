@@ -294,7 +294,7 @@ def _split(cols: dict[str, np.ndarray], meta: dict[str, list[Any]], n: int) -> l
     rofs = list(itertools.accumulate(meta["response_len"], initial=0))
     pid, rid, msk, lps, ver = (cols[c[0]] for c in COLUMNS)
     pstart, pend, rstart, rend = pofs[:-1], pofs[1:], rofs[:-1], rofs[1:]
-    views = [[a[i:j] for i, j in zip(starts, ends)]
+    views = [[a[i:j] for i, j in zip(starts, ends, strict=True)]
              for a, starts, ends in ((pid, pstart, pend), (rid, rstart, rend), (msk, rstart, rend),
                                      (lps, rstart, rend), (ver, rstart, rend))]
     tids, gids, *rest = (meta[k] for k in _SCALARS)

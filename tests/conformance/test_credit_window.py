@@ -48,3 +48,4 @@ def test_missing_and_double_verdicts_and_wrong_ref_seq_are_reported() -> None:
         "batch 1 got a second verdict (ACK, then CREDIT_EXCEEDED)",
         "no ACK or CREDIT_EXCEEDED for batch(es) [2]",
     ]
+

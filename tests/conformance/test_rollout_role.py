@@ -4,6 +4,7 @@ process), against a sender that ignores credits, and with weights from a safeten
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import numpy as np
 from anyio.from_thread import start_blocking_portal
-from conformance_testkit import CLI, REPO, IgnoresCreditsSender, RolloutInThread, child, free_port
+from conformance_testkit import (
+    CLI,
+    REPO,
+    IgnoresCreditsSender,
+    RolloutInThread,
+    child,
+    free_port,
+    run_cli,
+)
 
 from protocol.sender import RolloutConnection, SenderState
 from tools.conformance import registry, report, runner
@@ -121,3 +130,13 @@ def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
     assert failures(rep) == {}
     assert rep.results[0].notes == ["HELLO asked for weights (policy_version -1): sent version 0"]
     assert server.conn.policy_version == 1  # version 0 from the handshake, then 1; the corrupt 2 refused
+
+
+def test_an_address_in_use_is_a_set_up_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run_cli("--role", "rollout-server", "--target", f"tcp://127.0.0.1:{taken.getsockname()[1]}",
+                      timeout=20)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "conformance: cannot use tcp://127.0.0.1:" in out.stderr and out.stdout == ""

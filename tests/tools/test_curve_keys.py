@@ -40,7 +40,7 @@ def test_cli_writes_a_loadable_key_pair(tmp_path: Path) -> None:
 
 
 def test_existing_keys_are_kept_unless_forced(tmp_path: Path) -> None:
-    public, secret = make_keys(tmp_path, "rollout-0")
+    _, secret = make_keys(tmp_path, "rollout-0")
     before = secret.read_text()
     refused = subprocess.run([*CLI, "--out", str(tmp_path), "--name", "rollout-0"], capture_output=True, text=True)
     assert refused.returncode == 1 and "--force" in refused.stderr and secret.read_text() == before

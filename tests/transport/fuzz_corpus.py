@@ -169,7 +169,7 @@ def _huge(rng: random.Random, valid: list[Frames]) -> Frames:
     elif kind == 6:  # a frame claims less than the header says
         return [batch[0], batch[1], *(f[: len(f) // 2] for f in batch[2:])]
     else:
-        hdr["meta"]["trajectory_id"] = ["x" * 70_000] + hdr["meta"]["trajectory_id"][1:]
+        hdr["meta"]["trajectory_id"] = ["x" * 70_000, *hdr["meta"]["trajectory_id"][1:]]
     return [batch[0], _pack(hdr), *batch[2:]]
 
 

@@ -16,7 +16,12 @@ import zmq
 from transport_testkit import ZmqNet, client_running, learner_running, make_batch, submit_all
 
 from protocol import zmq_transport
-from protocol.zmq_transport import CurveClientKeys, CurveServerKeys, ZmqClientChannel, client_factory
+from protocol.zmq_transport import (
+    CurveClientKeys,
+    CurveServerKeys,
+    ZmqClientChannel,
+    client_factory,
+)
 from tools.curve_keys import make_keys
 
 pytestmark = pytest.mark.anyio

@@ -74,7 +74,7 @@ async def check_credit_respected(fl: FakeLearner) -> None:
     first = await fl.next("TRAJECTORY_BATCH (WELCOME granted 1 credit)", fl.from_session(TrajectoryBatch))
     extra = await fl.collect(QUIET_S, fl.from_session(TrajectoryBatch))
     if extra:
-        raise CheckFailed(f"{len(extra)} more batch(es) ({wire.describe(extra)}) arrived while the only credit "
+        raise CheckFailed(f"{len(extra)} more batch(es), {wire.describe(extra)}, arrived while the only credit "
                           f"was in use (batch {first.msg.seq} not yet acknowledged)")
     await fl.ack([first.msg.seq], 2)
     more = [await fl.next("TRAJECTORY_BATCH after an ACK granting 2 credits", fl.from_session(TrajectoryBatch))]
@@ -146,6 +146,7 @@ async def check_malformed_tolerated(fl: FakeLearner) -> None:
         await fl.send(s.identity, frames)
     await fl.ack([], 1)
     sent = time.monotonic()
+
     def gave_up(r: Received) -> bool:  # reconnected, said goodbye, or declared the session dead
         return isinstance(r.msg, Hello | Bye) or r.error_code() in (ErrorCode.VERSION_MISMATCH,
                                                                     ErrorCode.INCOMPATIBLE_MODEL)

@@ -74,7 +74,11 @@ class FakeLearner(CheckContext):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(target)
+        try:
+            self.sock.bind(target)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.inbox: asyncio.Queue[Received] = asyncio.Queue()
         self.sessions: dict[bytes, Session] = {}

@@ -115,6 +115,11 @@ async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] |
             from tools.conformance.peer import LearnerTarget
 
             model, tokenizer = _identities(opts.model_dir)
+            probe = zctx.socket(zmq.DEALER)  # a malformed address is a set-up error, not 13 failures
+            try:
+                probe.connect(opts.target)
+            finally:
+                probe.close(linger=0)
             address = opts.target
             for check in checks:
                 ctx = LearnerTarget(zctx, opts.target, timeout=opts.timeout, model=model, tokenizer=tokenizer)
@@ -144,7 +149,7 @@ async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] |
             finally:
                 await fl.aclose()
     finally:
-        zctx.term()
+        zctx.destroy(linger=500)  # closes whatever a failed set-up left open, then terminates
     return SuiteReport(opts.role, opts.target, address, results, round(time.monotonic() - started, 3))
 
 

@@ -112,9 +112,15 @@ def describe_message(msg: Message) -> str:
 
 
 def describe(records: Iterable[Received]) -> str:
-    """Records as one line, consecutive repeats folded: 'HEARTBEAT x3, ACK(...)', or 'nothing'."""
-    out: list[list[Any]] = []
+    """Records as one line, runs folded: 'HEARTBEAT x3, TRAJECTORY_BATCH(seq=2..8), ACK(...)'."""
+    out: list[list[Any]] = []  # [description, count] or ["TRAJECTORY_BATCH", [seqs]]
     for r in records:
+        if isinstance(r.msg, TrajectoryBatch):
+            if out and out[-1][0] == "TRAJECTORY_BATCH":
+                out[-1][1].append(r.msg.seq)
+            else:
+                out.append(["TRAJECTORY_BATCH", [r.msg.seq]])
+            continue
         d = r.describe()
         if out and out[-1][0] == d:
             out[-1][1] += 1
@@ -122,10 +128,16 @@ def describe(records: Iterable[Received]) -> str:
             out.append([d, 1])
     if not out:
         return "nothing"
-    parts = [d if n == 1 else f"{d} x{n}" for d, n in out]
+    parts = [_batches(n) if d == "TRAJECTORY_BATCH" else d if n == 1 else f"{d} x{n}" for d, n in out]
     if len(parts) > 8:
         parts = [*parts[:7], f"... {len(parts) - 7} more"]
     return ", ".join(parts)
+
+
+def _batches(seqs: list[int]) -> str:
+    if len(seqs) > 2 and seqs == list(range(seqs[0], seqs[0] + len(seqs))):
+        return f"TRAJECTORY_BATCH(seq={seqs[0]}..{seqs[-1]})"
+    return f"TRAJECTORY_BATCH(seq={_clip(', '.join(map(str, seqs)), 40)})"
 
 
 def _clip(s: str, n: int) -> str:
