@@ -94,8 +94,9 @@ def _tune(sock: zmq.Socket, max_message_bytes: int | None) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     if max_message_bytes:
-        # Hard memory guard below the protocol's TOO_LARGE answer: ZeroMQ drops the peer's
-        # connection for parts over this size, so they are never buffered.
+        # Memory guard below the protocol's TOO_LARGE answer. ZeroMQ applies it per frame, not
+        # per message: a peer can still make us buffer frames x this size before the codec
+        # refuses the message. Only authentication (CURVE allow-list) bounds that today.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
 
 
