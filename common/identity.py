@@ -19,7 +19,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 # Files that decide how text is turned into ids (and back). Absent ones are skipped.
 TOKENIZER_FILES = (
@@ -42,6 +42,10 @@ SAMPLE_CHUNKS = 64
 SAMPLE_CHUNK_BYTES = 64 * 1024
 SAMPLE_BUDGET = SAMPLE_CHUNKS * SAMPLE_CHUNK_BYTES
 
+
+
+if TYPE_CHECKING:
+    from protocol.messages import Identity
 
 class ModelIdentity(TypedDict):
     name: str
@@ -148,3 +152,11 @@ def _vocab_size(root: Path) -> int | None:
             if (root / name).is_file():
                 ids.update(json.loads((root / name).read_text(encoding="utf-8")).values())
     return max(ids) + 1 if ids else None
+
+
+def wire_identities(model_dir: str | Path) -> tuple[Identity, Identity]:
+    """(model, tokenizer) identities of `model_dir` as the protocol's HELLO/handshake carries them."""
+    from protocol.messages import Identity as WireIdentity  # lazy: this module stays stdlib-only
+
+    m, t = model_identity(model_dir), tokenizer_identity(model_dir)
+    return WireIdentity(m["name"], m["sha256"]), WireIdentity(t["name"], t["sha256"], t["vocab_size"] or 0)

@@ -18,9 +18,9 @@ from typing import Any
 
 import anyio
 
-from common.identity import tokenizer_identity
+from common.identity import wire_identities
 from common.logging import get_logger
-from learner.safetensors_buffers import load_buffers
+from common.safetensors_buffers import load_dir
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer
 from protocol.events import (
@@ -32,30 +32,29 @@ from protocol.events import (
     PeerTimedOut,
     ProtocolViolation,
 )
-from protocol.messages import Identity
 from protocol.receiver import LearnerProtocol
 from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel
 
 
 def build_server(config: Any) -> tuple[LearnerServer, ZmqServerChannel]:
     t = config.transport
-    tok = tokenizer_identity(config.actor_rollout_ref.model.path)
+    _, tok = wire_identities(config.actor_rollout_ref.model.path)
     limits = CodecLimits(
         max_message_bytes=t.max_message_bytes, max_trajectories_per_batch=t.max_trajectories_per_batch,
-        max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=tok["vocab_size"] or 0,
+        max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=tok.vocab_size,
     )
     curve = None
     if t.curve.enabled:
         curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
     channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=t.max_message_bytes)
     proto = LearnerProtocol(
-        tokenizer=Identity(tok["name"], tok["sha256"], tok["vocab_size"] or 0),
+        tokenizer=tok,
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
     server = LearnerServer(proto, channel)
     # Version 0 is the checkpoint the run starts from: served to rollout servers that ask for it.
-    server.publish_weights(0, load_buffers(config.actor_rollout_ref.model.path),
+    server.publish_weights(0, load_dir(config.actor_rollout_ref.model.path),
                            chunk_bytes=t.weight_chunk_bytes)
     return server, channel
 

@@ -41,10 +41,9 @@ REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)
 
 def tokenizer_from_dir(model_dir: str) -> Identity:
     """The tokenizer identity of a model directory, as a real rollout server would announce it."""
-    from common.identity import tokenizer_identity
+    from common.identity import wire_identities
 
-    tok = tokenizer_identity(model_dir)
-    return Identity(tok["name"], tok["sha256"], tok["vocab_size"] or 0)
+    return wire_identities(model_dir)[1]
 
 
 def reference_weights(seed: int = 0) -> list[NamedBuffer]:

@@ -22,20 +22,14 @@ _MISSING = dataclasses.MISSING
 
 
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[str, Any, bool, Any], ...]:
-    """(name, annotation, required, default) per field, resolved once per class."""
+def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, annotation, required) per field, resolved once per class (defaults stay with the
+    dataclass constructor)."""
     hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if f.default is not _MISSING:
-            out.append((f.name, hints[f.name], False, f.default))
-        elif f.default_factory is not _MISSING:
-            out.append((f.name, hints[f.name], False, f.default_factory))
-        else:
-            out.append((f.name, hints[f.name], True, None))
-    return tuple(out)
+    return tuple(
+        (f.name, hints[f.name], f.default is _MISSING and f.default_factory is _MISSING)
+        for f in dataclasses.fields(cls) if f.init
+    )
 
 
 def _fail(path: str, what: str, value: Any) -> ProtocolError:
@@ -111,7 +105,7 @@ def from_wire(cls: type, obj: Any, path: str) -> Any:
     if not isinstance(obj, dict):
         raise _fail(path, "expected a map", obj)
     kwargs = {}
-    for name, tp, required, default in _fields(cls):
+    for name, tp, required in _fields(cls):
         if name in obj:
             kwargs[name] = check(tp, obj[name], f"{path}.{name}")
         elif required:

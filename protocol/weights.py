@@ -139,7 +139,7 @@ class WeightAssembler:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index")
         if msg.index in cur.chunks_seen:
             return None
-        for i, (p, data) in enumerate(zip(msg.parts, msg.frames, strict=True)):
+        for i, p in enumerate(msg.parts):
             if p.tensor >= len(cur.buffers) or p.offset + p.nbytes > len(cur.buffers[p.tensor]):
                 raise ProtocolError(ErrorCode.INVALID_FIELD, f"parts[{i}] outside its tensor", field=f"parts[{i}]")
         for p, data in zip(msg.parts, msg.frames, strict=True):

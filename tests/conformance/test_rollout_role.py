@@ -23,9 +23,9 @@ from conformance_testkit import (
     run_cli,
 )
 
+from common.safetensors_buffers import load_dir
 from protocol.sender import RolloutConnection, SenderState
 from tools.conformance import registry, report, runner
-from tools.conformance.safetensors_io import load_dir
 
 ALL = [c.name for c in registry.checks("rollout-server")]
 

@@ -207,7 +207,7 @@ def _load_weights(directory: str | None) -> list[NamedBuffer]:
         from protocol.reference import reference_weights
 
         return reference_weights()
-    from tools.conformance.safetensors_io import load_dir
+    from common.safetensors_buffers import load_dir
 
     return load_dir(Path(directory))
 

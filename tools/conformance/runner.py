@@ -90,10 +90,9 @@ async def _run_one(check: Check, ctx: CheckContext, limit: float) -> Result:
 def _identities(model_dir: str | None) -> tuple[Identity, Identity]:
     if model_dir is None:
         return wire.DEFAULT_MODEL, wire.DEFAULT_TOKENIZER
-    from common.identity import model_identity, tokenizer_identity
+    from common.identity import wire_identities
 
-    m, t = model_identity(model_dir), tokenizer_identity(model_dir)
-    return Identity(m["name"], m["sha256"]), Identity(t["name"], t["sha256"], t["vocab_size"] or 0)
+    return wire_identities(model_dir)
 
 
 async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] | None = None,

@@ -1,0 +1,44 @@
+"""Raw tensors of a safetensors checkpoint as NamedBuffers, memory-mapped, for any dtype.
+
+Used wherever weights are sent as they lie on disk: the learner publishing the checkpoint it starts
+from (version 0), and the conformance suite's ``--weights-from``. Reading the format directly
+(8-byte header length, JSON header, raw data) keeps bf16 and fp8 bytes as they are, where numpy-based
+loaders cannot represent them, imports no torch, and copies nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+from protocol.weights import NamedBuffer
+
+DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def load_file(path: Path) -> list[NamedBuffer]:
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    (n,) = struct.unpack("<Q", mm[:8])
+    header = json.loads(mm[8 : 8 + n])
+    data = memoryview(mm)[8 + n :]
+    out = []
+    for name in sorted(k for k in header if k != "__metadata__"):
+        meta = header[name]
+        if meta["dtype"] not in DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {meta['dtype']}, which cannot be sent "
+                             f"(known: {sorted(DTYPES)})")
+        start, end = meta["data_offsets"]
+        out.append(NamedBuffer(name, DTYPES[meta["dtype"]], tuple(meta["shape"]), data[start:end]))
+    return out
+
+
+def load_dir(directory: str | Path) -> list[NamedBuffer]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files there")
+    return [t for path in files for t in load_file(path)]
