@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VOCAB = 151_936
-RAW_DISTINCT = 32  # distinct pre-encoded batches the raw phase cycles through (~200 MB by default)
+DISTINCT = 32  # distinct batches (own buffers) both phases cycle through (~200 MB by default)
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,12 @@ class Config:
     trajectories: int = 256
     prompt: int = 256
     response: int = 1792
-    batches: int = 200
+    batches: int = 1000
     credits: int = 8
     window: int = 16
     templates: int = 4
     malloc_tuning: bool = True
+    input: str = "columns"  # what producers hand to submit(): "columns" (TrajectoryBuilder) or "objects"
 
 
 # -- process set-up -------------------------------------------------------------------------------------
@@ -139,11 +140,35 @@ def make_templates(cfg: Config) -> list[list[Any]]:
     return out
 
 
-def fresh(template: list[Any], prefix: str) -> list[Any]:
-    """The template's arrays under new trajectory ids (the learner deduplicates on ids)."""
+def distinct_batches(cfg: Config, templates: list[list[Any]], form: str) -> list[Any]:
+    """The batches both phases cycle through: ``DISTINCT`` of them in their own buffers, so no
+    phase gains from one cache-hot buffer. Column-wise ones are built as a rollout server's
+    ``TrajectoryBuilder`` builds them (one copy, as episodes end: producer work, outside the clock)."""
+    from protocol.batch import TrajectoryBuilder
+
+    out: list[Any] = []
+    for i in range(min(cfg.batches, DISTINCT)):
+        template = templates[i % len(templates)]
+        if form == "objects":
+            out.append(template)
+            continue
+        builder = TrajectoryBuilder()
+        for t in template:
+            builder.append(t)
+        out.append(builder.build())
+    return out
+
+
+def fresh(batch: Any, prefix: str) -> Any:
+    """The batch's arrays under new trajectory ids (the learner deduplicates on ids); no copy."""
     import dataclasses
 
-    return [dataclasses.replace(t, trajectory_id=f"{prefix}-{i}") for i, t in enumerate(template)]
+    from protocol.batch import Trajectories
+
+    if isinstance(batch, Trajectories):
+        ids = [f"{prefix}-{i}" for i in range(len(batch))]
+        return Trajectories({**batch.meta, "trajectory_id": ids}, batch.columns)
+    return [dataclasses.replace(t, trajectory_id=f"{prefix}-{i}") for i, t in enumerate(batch)]
 
 
 # -- phase 1: protocol ---------------------------------------------------------------------------------
@@ -151,6 +176,7 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
     _child_setup(cfg)
     import anyio
 
+    from protocol.batch import token_count
     from protocol.codec import CodecLimits
     from protocol.driver import LearnerServer
     from protocol.events import BatchReceived, PeerClosed
@@ -177,7 +203,7 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
                         if not got:
                             c0, th0 = time.process_time(), thread_cpu()
                         got += 1
-                        tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in ev.trajectories)
+                        tokens += token_count(ev.trajectories)
                         if got == cfg.batches:
                             cpu, threads = time.process_time() - c0, cpu_diff(th0, thread_cpu())
                     elif isinstance(ev, PeerClosed):
@@ -211,7 +237,8 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
         connected = anyio.Event()
         progress = anyio.Event()
         # Batches differ only in id lengths: a few bytes in ~6 MB. Sized once, outside the clock.
-        nbytes = codec.frame_bytes(encode_batch(1, fresh(templates[0], "b0")))
+        distinct = distinct_batches(cfg, templates, cfg.input)
+        nbytes = codec.frame_bytes(encode_batch(1, fresh(distinct[0], "b0")))
         t0 = 0.0
 
         async def watch() -> None:
@@ -236,8 +263,9 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             await tg.start(client.run)
-            # The producer's work (building trajectory objects) is not the protocol's: done up front.
-            batches = [fresh(templates[i % len(templates)], f"b{i}") for i in range(cfg.batches)]
+            # The producer's work (building trajectories as episodes end) is not the protocol's: done
+            # up front. With "objects" the concatenation into columns is timed (it is submit's).
+            batches = [fresh(distinct[i % len(distinct)], f"b{i}") for i in range(cfg.batches)]
             await connected.wait()
             t0, c0, th0 = time.perf_counter(), time.process_time(), thread_cpu()
             tg.start_soon(report)
@@ -264,11 +292,10 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
 
     from protocol.sender import encode_batch
 
-    # The protocol phase's batches (the first RAW_DISTINCT of them, cycled): distinct buffers, so the
+    # The protocol phase's batches (the first DISTINCT of them, cycled): distinct buffers, so the
     # bound does not gain from sending one cache-hot buffer over and over.
     templates = make_templates(cfg)
-    distinct = [encode_batch(i + 1, fresh(templates[i % len(templates)], f"b{i}"))
-                for i in range(min(cfg.batches, RAW_DISTINCT))]
+    distinct = [encode_batch(i + 1, fresh(b, f"b{i}")) for i, b in enumerate(distinct_batches(cfg, templates, "columns"))]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -344,11 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--credits", type=int, default=d.credits, help="learner credits per peer (capacity 2x)")
     ap.add_argument("--window", type=int, default=d.window, help="max submitted, unacknowledged batches")
     ap.add_argument("--repeat", type=int, default=1, help="run both phases this many times; report medians")
+    ap.add_argument("--input", choices=("columns", "objects"), default=d.input,
+                    help="producer hands column-wise batches (TrajectoryBuilder, no copy at submit) or a "
+                         "list of Trajectory objects (concatenated at submit, in a worker thread)")
     ap.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
                     help="leave glibc's malloc thresholds alone in all four processes (see tune_malloc)")
     args = ap.parse_args(argv)
     cfg = Config(args.trajectories, args.prompt, args.response, args.batches, args.credits, args.window,
-                 malloc_tuning=args.malloc_tuning)
+                 malloc_tuning=args.malloc_tuning, input=args.input)
 
     runs = []
     for r in range(args.repeat):

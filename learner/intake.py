@@ -21,6 +21,7 @@ import anyio
 from common.identity import wire_identities
 from common.logging import get_logger
 from common.safetensors_buffers import load_dir
+from protocol.batch import token_count
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer
 from protocol.events import (
@@ -77,7 +78,7 @@ def handle(ev: Event, stats: IntakeStats, log: Any, consumed: Callable[[], None]
         case BatchReceived():
             stats.batches += 1
             stats.trajectories += len(ev.trajectories)
-            stats.tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in ev.trajectories)
+            stats.tokens += token_count(ev.trajectories)
             consumed()  # no trainer yet: room is free again at once
         case PeerJoined():
             stats.peers.add(ev.peer_id)

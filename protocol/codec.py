@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from protocol.batch import Trajectories, as_columns
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -28,7 +29,7 @@ from protocol.messages import (
     WeightsChunk,
 )
 from protocol.schema import check, from_wire, to_wire
-from protocol.trajectory import decode_columns, encode_columns
+from protocol.trajectory import COLUMNS, decode_columns
 
 Frame = bytes | memoryview | np.ndarray
 _PEEK_HEADER_BYTES = 1 << 20  # an oversized message's header is still read if at most this big
@@ -50,11 +51,31 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+# msgpack decodes its Timestamp extension (type -1) itself, without asking ext_hook. Every encoding
+# of it holds one of these byte strings, so a header without any (a scan at memory speed) cannot
+# carry one; a header with one (or a false match inside a string) is decoded with hooks that look.
+_TIMESTAMP_MARKS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
+def _no_timestamps(obj: Any) -> Any:
+    values = obj.values() if isinstance(obj, dict) else obj
+    if any(isinstance(v, msgpack.Timestamp) for v in values):
+        raise ProtocolError(ErrorCode.MALFORMED, "msgpack extension type -1 (timestamp) is not allowed")
+    return obj
+
+
 def _unpack(buf: Frame) -> Any:
+    data = buf if isinstance(buf, bytes) else memoryview(buf).tobytes()  # headers are small
+    hooks: dict[str, Any] = {}
+    if any(m in data for m in _TIMESTAMP_MARKS):
+        hooks = {"object_hook": _no_timestamps, "list_hook": _no_timestamps}
     try:
-        return msgpack.unpackb(
-            buf, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
+        result = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True, **hooks
         )
+        if hooks:
+            _no_timestamps([result])  # a bare timestamp at the top
+        return result
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises a zoo of types for hostile input
@@ -66,13 +87,16 @@ def encode(msg: Message) -> list[Frame]:
     t = TYPE_OF[type(msg)]
     tb = bytes((t,))
     if isinstance(msg, TrajectoryBatch):
-        meta, cols, arrays = encode_columns(msg.trajectories)
-        return [tb, _pack({"seq": msg.seq, "columns": cols, "meta": meta}), *arrays]
+        batch = as_columns(msg.trajectories)  # no copy when the producer built columns
+        return [tb, _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": batch.meta}), *batch.canonical_arrays()]
     if isinstance(msg, WeightsChunk):
         header = {"transfer_id": msg.transfer_id, "version": msg.version, "index": msg.index,
                   "parts": to_wire(msg.parts)}
         return [tb, _pack(header), *msg.frames]
     return [tb, _pack(to_wire(msg))]
+
+
+_WIRE_COLUMNS = [[name, dtype] for name, _, dtype, _ in COLUMNS]
 
 
 def frame_bytes(frames: Sequence[Frame]) -> int:
@@ -133,12 +157,12 @@ def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) 
     if seq < 1:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})",
                             field="seq")
-    trajs = decode_columns(
+    meta, columns = decode_columns(
         header.get("meta"), header.get("columns"), payload,
         max_tokens=limits.max_tokens_per_trajectory, max_trajectories=limits.max_trajectories_per_batch,
         vocab_size=limits.vocab_size,
     )
-    return TrajectoryBatch(seq=seq, trajectories=trajs)
+    return TrajectoryBatch(seq=seq, trajectories=Trajectories(meta, columns))
 
 
 def _decode_chunk(header: dict, payload: list[memoryview]) -> WeightsChunk:

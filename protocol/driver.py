@@ -14,12 +14,13 @@ arrive late, and the unacknowledged batches are resent after the new WELCOME.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
+from protocol.batch import Trajectories
 from protocol.events import Event
 from protocol.receiver import LearnerProtocol
 from protocol.sender import Frames, RolloutConnection, SenderState, encode_batch
@@ -80,10 +81,15 @@ class RolloutClient:
         self.reconnect_delay_s = reconnect_delay_s
         self.connections = 0
 
-    async def submit(self, trajectories: list[Trajectory]) -> int:
-        """Hand a batch over; it is encoded in a worker thread and kept until acknowledged."""
+    async def submit(self, trajectories: Sequence[Trajectory]) -> int:
+        """Hand a batch over; it is kept until acknowledged. A list of trajectory objects is
+        concatenated in a worker thread; column-wise ``Trajectories`` (``TrajectoryBuilder``) only
+        need their header packed, which is cheaper than the thread hop."""
         seq = self.conn.allocate_seq()
-        frames = await anyio.to_thread.run_sync(encode_batch, seq, trajectories)
+        if isinstance(trajectories, Trajectories):
+            frames = encode_batch(seq, trajectories)
+        else:
+            frames = await anyio.to_thread.run_sync(encode_batch, seq, trajectories)
         self.conn.enqueue(seq, frames)
         self._waker.poke()
         return seq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.errors import ProtocolError
@@ -90,7 +91,7 @@ class BatchReceived:
 
     peer_id: str
     seq: int
-    trajectories: list[Trajectory]
+    trajectories: Sequence[Trajectory]  # column-wise ``protocol.batch.Trajectories`` unless deduplicated
     duplicate_trajectories: int
 
 

@@ -12,6 +12,7 @@ ignores keys it does not know. Type codes are never reused.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,7 +105,7 @@ class TrajectoryBatch:
     """A batch of trajectories; ``seq`` is unique within the sender's epoch and starts at 1."""
 
     seq: int
-    trajectories: list[Trajectory]
+    trajectories: Sequence[Trajectory]  # a list, or column-wise ``protocol.batch.Trajectories``
 
     def __post_init__(self) -> None:
         if self.seq < 1:

@@ -14,10 +14,11 @@ out of ``receive``.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from protocol import codec
+from protocol.batch import as_columns
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import (
     BatchReceived,
@@ -42,6 +43,7 @@ from protocol.messages import (
     WeightsApplied,
     Welcome,
 )
+from protocol.trajectory import Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import NamedBuffer, plan_transfer
 
@@ -80,6 +82,42 @@ class _Peer:
         return self.hello.peer_id if self.hello else self.identity.hex()
 
 
+class RecentIds:
+    """The trajectory ids seen recently: remembers at least the last ``window`` and at most about
+    twice that. Two generations of sets instead of an ordered dict: a batch of new ids (the common
+    case) is checked and added with a few C-level set operations, and old ids are dropped a whole
+    generation at a time instead of one by one."""
+
+    def __init__(self, window: int) -> None:
+        self.window = max(1, window)
+        self._cur: set[str] = set()
+        self._prev: set[str] = set()
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._cur or tid in self._prev
+
+    def __len__(self) -> int:
+        return len(self._cur) + len(self._prev)
+
+    def add_new(self, ids: list[str]) -> list[int] | None:
+        """Remember ``ids``. None if all were new (and distinct), else the indices of the new ones
+        (an id repeated inside ``ids`` counts once)."""
+        new = set(ids)
+        if len(new) == len(ids) and self._cur.isdisjoint(new) and self._prev.isdisjoint(new):
+            if len(self._cur) + len(new) > self.window:
+                self._prev, self._cur = self._cur, set()
+            self._cur |= new
+            return None
+        keep = []
+        for i, tid in enumerate(ids):
+            if tid not in self:
+                if len(self._cur) >= self.window:
+                    self._prev, self._cur = self._cur, set()
+                self._cur.add(tid)
+                keep.append(i)
+        return keep
+
+
 class LearnerProtocol:
     def __init__(
         self,
@@ -104,7 +142,7 @@ class LearnerProtocol:
         self.buffered = 0  # batches handed to the application and not yet consumed
         self.peers: dict[bytes, _Peer] = {}
         self._streams: dict[tuple[str, str], _Stream] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen = RecentIds(dedup_window)
         self._weights: list[Frames] = []  # frames of the latest published version, for joiners
         self._out: list[tuple[bytes, Frames]] = []
         self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0}
@@ -257,14 +295,11 @@ class LearnerProtocol:
             peer.credits += 1  # a duplicate occupies no room: give its credit straight back
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq]))))
             return []
-        fresh = []
-        for t in msg.trajectories:
-            if t.trajectory_id not in self._seen:  # also catches an id repeated inside the batch
-                self._seen[t.trajectory_id] = None
-                fresh.append(t)
-        while len(self._seen) > self.dedup_window:
-            self._seen.popitem(last=False)
-        dups = len(msg.trajectories) - len(fresh)
+        batch = as_columns(msg.trajectories)
+        keep = self._seen.add_new(batch.ids)
+        dups = 0 if keep is None else len(batch) - len(keep)
+        # The common case (nothing seen before) hands the columns on untouched.
+        fresh: Sequence[Trajectory] = batch if keep is None else [batch[i] for i in keep]
         self.stats["duplicate_trajectories"] += dups
         self.stats["batches"] += 1
         if fresh:

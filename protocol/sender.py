@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from protocol import codec
 from protocol.errors import ErrorCode, ProtocolError
@@ -53,7 +54,7 @@ from protocol.weights import WeightAssembler
 Frames = list[codec.Frame]
 
 
-def encode_batch(seq: int, trajectories: list[Trajectory]) -> Frames:
+def encode_batch(seq: int, trajectories: Sequence[Trajectory]) -> Frames:
     """Pure and thread-safe: the expensive part of ``submit``."""
     return codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
 
@@ -122,7 +123,7 @@ class RolloutConnection:
         self.state = SenderState.HELLO_SENT
         self._last_recv = now  # the handshake timeout counts from here
 
-    def submit(self, trajectories: list[Trajectory]) -> int:
+    def submit(self, trajectories: Sequence[Trajectory]) -> int:
         """Take ownership of a batch (encoding it now) and return its sequence number."""
         seq = self.allocate_seq()
         self.enqueue(seq, encode_batch(seq, trajectories))

@@ -81,8 +81,11 @@ META_FIELDS: tuple[tuple[str, str, bool, Any], ...] = (
     ("reward_extras", "scalars", False, None),
     ("timings", "floats", False, None),
 )
-_SCALARS = ("trajectory_id", "group_uid", "reward", "snapshot_index", "is_snapshot", "source_server",
-            "data_source", "agent_type", "termination", "num_turns", "reward_extras", "timings")
+SCALARS = ("trajectory_id", "group_uid", "reward", "snapshot_index", "is_snapshot", "source_server",
+           "data_source", "agent_type", "termination", "num_turns", "reward_extras", "timings")
+# protocol.batch builds trajectories positionally (a kwargs dict per trajectory costs more than the rest).
+_POSITIONAL = ("trajectory_id", "group_uid", *(c[1] for c in COLUMNS), *SCALARS[2:])
+assert tuple(f.name for f in fields(Trajectory))[: len(_POSITIONAL)] == _POSITIONAL, "Trajectory fields moved"
 
 
 def _is_float(x: Any) -> bool:
@@ -143,25 +146,6 @@ _FAST_CHECKS: dict[str, Any] = {
 }
 
 
-def encode_columns(trajs: list[Trajectory]) -> tuple[dict[str, list[Any]], list[list[str]], list[np.ndarray]]:
-    """Trajectories -> (meta columns, [[column, dtype]], token column arrays)."""
-    for t in trajs:
-        n = len(t.response_ids)
-        if not len(t.response_mask) == len(t.rollout_logprobs) == len(t.versions) == n:
-            raise ValueError(f"trajectory {t.trajectory_id}: response arrays differ in length")
-    meta: dict[str, list[Any]] = {k: [getattr(t, k) for t in trajs] for k in _SCALARS}
-    meta["reward"] = [float(r) for r in meta["reward"]]
-    meta["prompt_len"] = [len(t.prompt_ids) for t in trajs]
-    meta["response_len"] = [len(t.response_ids) for t in trajs]
-    cols, arrays = [], []
-    for name, attr, dtype, _ in COLUMNS:
-        parts = [getattr(t, attr) for t in trajs]
-        # One pass: concatenate casts while it copies (what asarray(dtype) per part then did).
-        arrays.append(np.concatenate(parts, dtype=dtype, casting="unsafe") if parts else np.empty(0, dtype))
-        cols.append([name, dtype])
-    return meta, cols, arrays
-
-
 def _decode_meta(raw: Any) -> tuple[int, dict[str, list[Any]]]:
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.INVALID_FIELD, "meta: expected a map of columns", field="meta")
@@ -195,8 +179,9 @@ def _decode_meta(raw: Any) -> tuple[int, dict[str, list[Any]]]:
 def decode_columns(
     meta_raw: Any, cols_raw: Any, frames: list[memoryview], *, max_tokens: int, max_trajectories: int,
     vocab_size: int = 0,
-) -> list[Trajectory]:
-    """Validate and rebuild trajectories. Raises ProtocolError naming the offending field."""
+) -> tuple[dict[str, list[Any]], dict[str, np.ndarray]]:
+    """Validate a batch's columns: (meta columns in wire order, token columns as read-only views
+    into ``frames``). Raises ProtocolError naming the offending field."""
     if isinstance(meta_raw, dict) and isinstance(meta_raw.get("trajectory_id"), list):
         if len(meta_raw["trajectory_id"]) > max_trajectories:
             raise ProtocolError(
@@ -236,7 +221,7 @@ def decode_columns(
             )
         cols[name] = np.frombuffer(frame, dtype=dt)
     _check_values(cols, plens, rlens, vocab_size)
-    return _split(cols, meta, n)
+    return {k: meta[k] for k in (*SCALARS, "prompt_len", "response_len")}, cols
 
 
 def _bad_index(name: str, bad: np.ndarray, lens: list[int], what: str) -> ProtocolError:
@@ -273,8 +258,11 @@ def _check_values(cols: dict[str, np.ndarray], plens: list[int], rlens: list[int
             bad = (ids < 0) | ((ids >= vocab_size) if vocab_size else False)
             raise _bad_index(name, bad, metas, f"token id outside [0, {vocab_size or 'inf'})")
     mask = cols["response_mask"]
-    if len(mask) and mask.dtype != np.bool_ and mask.max() > 1:
-        raise _bad_index("response_mask", mask > 1, rlens, "mask values must be 0 or 1")
+    # A bool column is checked as bytes too: numpy treats byte 2 as True, but a zero-copy hand-over
+    # (torch.frombuffer, .view(uint8)) would see the 2.
+    mask_bytes = mask.view(np.uint8)
+    if len(mask) and mask_bytes.max() > 1:
+        raise _bad_index("response_mask", mask_bytes > 1, rlens, "mask values must be 0 or 1")
     lp = cols["rollout_logprobs"]
     if not _logprobs_ok(lp):
         ok = np.isfinite(lp) & (lp <= 0)
@@ -282,20 +270,3 @@ def _check_values(cols: dict[str, np.ndarray], plens: list[int], rlens: list[int
     ver = cols["versions"]
     if len(ver) and ver.min() < 0:
         raise _bad_index("versions", ver < 0, rlens, "policy versions must be >= 0")
-
-
-# _split builds trajectories positionally: a kwargs dict per trajectory costs more than the rest.
-_POSITIONAL = ("trajectory_id", "group_uid", *(c[1] for c in COLUMNS), *_SCALARS[2:])
-assert tuple(f.name for f in fields(Trajectory))[: len(_POSITIONAL)] == _POSITIONAL, "Trajectory fields moved"
-
-
-def _split(cols: dict[str, np.ndarray], meta: dict[str, list[Any]], n: int) -> list[Trajectory]:
-    pofs = list(itertools.accumulate(meta["prompt_len"], initial=0))
-    rofs = list(itertools.accumulate(meta["response_len"], initial=0))
-    pid, rid, msk, lps, ver = (cols[c[0]] for c in COLUMNS)
-    pstart, pend, rstart, rend = pofs[:-1], pofs[1:], rofs[:-1], rofs[1:]
-    views = [[a[i:j] for i, j in zip(starts, ends, strict=True)]
-             for a, starts, ends in ((pid, pstart, pend), (rid, rstart, rend), (msk, rstart, rend),
-                                     (lps, rstart, rend), (ver, rstart, rend))]
-    tids, gids, *rest = (meta[k] for k in _SCALARS)
-    return list(map(Trajectory, tids, gids, *views, *rest))

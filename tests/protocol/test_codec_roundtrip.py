@@ -87,7 +87,7 @@ def test_batch_column_layout() -> None:
 def test_batch_of_zero_trajectories_round_trips() -> None:
     frames = on_wire(codec.encode(TrajectoryBatch(1, [])))
     assert [len(f) for f in frames[2:]] == [0] * 5
-    assert codec.decode(frames).trajectories == []
+    assert list(codec.decode(frames).trajectories) == []
 
 
 def test_encoder_normalises_dtypes_and_accepts_wide_columns() -> None:

@@ -135,13 +135,16 @@ def test_restarted_sender_new_epoch_same_trajectory_ids_filtered() -> None:
 
 
 def test_trajectory_id_window_is_bounded() -> None:
+    """The window remembers at least the last ``dedup_window`` ids and forgets older generations."""
     net = connected(capacity=16, max_credits=4, dedup_window=2)
     conn = net.conns[b"r0"]
-    for t in ("t1", "t2", "t3"):
+    for t in ("t1", "t2", "t3", "t4", "t5"):
         conn.submit([make_traj(t)])
-    net.pump()
-    assert list(net.learner._seen) == ["t2", "t3"]
-    conn.submit([make_traj("t1"), make_traj("t3")])  # t1 fell out of the window: accepted again
+        net.pump()
+        net.learner.batch_consumed()
+    assert "t1" not in net.learner._seen and all(t in net.learner._seen for t in ("t4", "t5"))
+    assert len(net.learner._seen) <= 2 * 2
+    conn.submit([make_traj("t1"), make_traj("t5")])  # t1 fell out of the window: accepted again
     net.pump()
     assert net.received()[-1].duplicate_trajectories == 1
     assert [t.trajectory_id for t in net.received()[-1].trajectories] == ["t1"]

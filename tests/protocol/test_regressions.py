@@ -65,7 +65,6 @@ def test_oversized_batch_is_matched_to_its_seq() -> None:
     assert err.ref_seq == 1 and net.events(b"r0", BatchRejected) and conn.pending == 0
 
 
-@bug
 def test_msgpack_timestamp_extension_is_refused() -> None:
     """msgpack's built-in Timestamp extension (type -1) never reaches ``ext_hook``: it decodes to a
     ``msgpack.Timestamp`` object, so "no extension types" does not hold for it. Harmless today (the
@@ -80,7 +79,18 @@ def test_msgpack_timestamp_extension_is_refused() -> None:
         raise AssertionError("Timestamp extension accepted")
 
 
-@bug
+def test_nested_msgpack_timestamp_is_refused_and_lookalike_bytes_are_not() -> None:
+    """The timestamp scan is a byte search: a nested timestamp is still found, and the same bytes
+    inside a bin value (a false match) only take the slow path, not a refusal."""
+    frames = on_wire(codec.encode(Error(3, "x")))
+    nested = with_header(frames, {**header(frames), "zz": [{"a": [msgpack.Timestamp(5, 0)]}]})
+    with pytest.raises(ProtocolError) as e:
+        codec.decode(nested)
+    assert e.value.code is ErrorCode.MALFORMED and "timestamp" in e.value.message
+    lookalike = with_header(frames, {**header(frames), "zz": b"\xd6\xff\xd7\xff\xc7\x0c\xff"})
+    assert codec.decode(lookalike) == Error(3, "x")
+
+
 def test_bool_mask_with_non_canonical_byte_is_refused() -> None:
     """(Minor.) A ``bool`` response_mask column skips the 0/1 check, and the decoded view keeps the
     raw byte: numpy's own reductions treat 2 as True, but anything reinterpreting the buffer
