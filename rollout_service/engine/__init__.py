@@ -1,0 +1,1 @@
+"""Inference engines behind one small interface (``base.Engine``): vLLM's AsyncLLM in process."""

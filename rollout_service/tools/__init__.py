@@ -1,0 +1,1 @@
+"""Agent-facing tools (calculator, sandboxed python, answer/finish) behind ``base.Tool``."""
