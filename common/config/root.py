@@ -135,6 +135,14 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
             "trainer.resume_mode",
         )
 
+    server = config.rollout_server
+    if server.shard_index >= server.shard_count:
+        add(
+            "rollout_server.shard_index",
+            f"must be below rollout_server.shard_count = {server.shard_count} (got {server.shard_index})",
+            "rollout_server.shard_count",
+        )
+
     transport = config.transport
     if transport.heartbeat_timeout_s <= transport.heartbeat_interval_s:
         add(

@@ -25,6 +25,27 @@ class RolloutServerConfig(Section):
     """ZeroMQ endpoint of the learner to connect to."""
     max_concurrent_episodes: int = Field(64, gt=0)
     """Episodes (agent loops) running at once on this server."""
+    shard_index: int = Field(0, ge=0)
+    """This server's shard of the training data (rows i with i % shard_count == shard_index)."""
+    shard_count: int = Field(1, gt=0)
+    """Rollout servers sharing the data set without overlap."""
+    groups_per_batch: int = Field(1, gt=0)
+    """Whole prompt groups (rollout.n trajectories each) per trajectory batch sent to the learner."""
+    max_unacked_batches: int = Field(8, gt=0)
+    """Batches handed to the protocol and not yet acknowledged before episodes stop being admitted
+    (they wait on disk in the spool, never in memory only)."""
+    record: bool = False
+    """Write every shipped batch to <run_dir>/recordings/<server_id>/ (read by the replay tool)."""
+    stats_interval_s: float = Field(10.0, gt=0)
+    """Seconds between stats lines in the log."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the Prometheus endpoint (/metrics); null: off, 0: any free port (logged)."""
+    sandbox_timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one sandboxed code run (the process group is killed after it)."""
+    sandbox_memory_mb: int = Field(512, gt=0)
+    """Address-space limit of one sandboxed code run, in MiB."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of one tool call of any kind; a slower call becomes an error response."""
 
     def resolved_server_id(self) -> str:
         """The configured server id, or one unique to this host and process."""
