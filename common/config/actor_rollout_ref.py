@@ -108,6 +108,13 @@ class MultiTurnConfig(Section):
     """Which part of a long tool response is cut (middle keeps both ends)."""
     format: Literal["hermes"] = "hermes"
     """Tool-call syntax parsed from model output (hermes: <tool_call>{json}</tool_call>)."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator", "finish"])
+    """Tools offered to tool agents, by registry name (calculator, python, finish, answer, ...)."""
+    max_tokens_per_turn: int | None = Field(None, gt=0)
+    """Most tokens one model turn may generate; null: only the episode's budget limits a turn."""
+    max_consecutive_tool_errors: int = Field(3, gt=0)
+    """End an episode (termination tool_error) after this many turns in a row whose tool calls
+    all failed."""
 
 
 class RolloutConfig(Section):

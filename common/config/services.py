@@ -40,6 +40,10 @@ class RolloutServerConfig(Section):
     """Seconds between stats lines in the log."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port of the Prometheus endpoint (/metrics); null: off, 0: any free port (logged)."""
+    reward_fn: str = Field("math", min_length=1)
+    """Reward function (registry name: math, qa_f1, qa_em, code) for rows that name none."""
+    reward_by_data_source: dict[str, str] = Field(default_factory=dict)
+    """Reward function per data source, overriding reward_fn (a row's own `reward_fn` field wins)."""
     sandbox_timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one sandboxed code run (the process group is killed after it)."""
     sandbox_memory_mb: int = Field(512, gt=0)

@@ -1,10 +1,16 @@
-"""Fixtures of the rollout-service tests: the tiny model (made once per session)."""
+"""Fixtures of the rollout-service tests: the tiny model (made once per session). Also makes
+``scripted`` (scripted engine and tools for unit tests) importable under any pytest import mode."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,146 @@
+"""One agent episode: its explicit state machine and its token buffers.
+
+Design: an episode is PENDING -> GENERATING -> PROCESSING_TOOLS -> (GENERATING | TERMINATED), and
+every move goes through ``goto``, which refuses a transition the diagram does not have, so a bug
+in an agent loop fails loudly instead of producing a subtly wrong trajectory. The four response
+buffers (ids, mask, logprobs, versions) are only ever appended to together, by ``add_model`` and
+``add_tool``, so they cannot drift out of alignment whatever the engine or the tools return.
+Agents that cut an episode into segments (StateLM snapshots) call ``cut_segment``; each segment
+becomes one trajectory of the episode's group.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protocol.trajectory import TERMINATIONS, Trajectory
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    TERMINATED = "terminated"
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.PENDING: frozenset({State.GENERATING, State.TERMINATED}),
+    State.GENERATING: frozenset({State.PROCESSING_TOOLS, State.TERMINATED}),
+    State.PROCESSING_TOOLS: frozenset({State.GENERATING, State.TERMINATED}),
+    State.TERMINATED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Segment:
+    """A finished part of an episode: what one trajectory is made of."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    is_snapshot: bool
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    group_uid: str
+    row: dict[str, Any]
+    data_source: str = ""
+    agent_type: str = ""
+    state: State = State.PENDING
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    termination: str | None = None
+    final_answer: str | None = None
+    segments: list[Segment] = field(default_factory=list)
+    tool_state: dict[str, Any] = field(default_factory=dict)  # per-episode state of stateful tools
+    timings: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    # -- state machine ------------------------------------------------------------------------------
+    def goto(self, new: State) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"episode {self.episode_id}: {self.state.name} -> {new.name} is not allowed")
+        self.state = new
+
+    def terminate(self, reason: str) -> None:
+        if reason not in TERMINATIONS:
+            raise ValueError(f"unknown termination reason {reason!r}; known: {TERMINATIONS}")
+        self.goto(State.TERMINATED)
+        self.termination = reason
+
+    # -- buffers ------------------------------------------------------------------------------------------
+    def add_model(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"engine output misaligned: {len(ids)} ids, {len(logprobs)} logprobs, "
+                             f"{len(versions)} versions")
+        self.response_ids.extend(ids)
+        self.mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    def add_tool(self, ids: Sequence[int]) -> None:
+        # Tool tokens are context, not actions: mask 0, logprob 0. They carry the version of the
+        # model turn before them so "oldest token" stays a statement about sampled tokens.
+        version = self.versions[-1] if self.versions else 0
+        self.response_ids.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([version] * len(ids))
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def cut_segment(self, new_prompt_ids: list[int]) -> None:
+        """Close the current segment as a snapshot and continue from ``new_prompt_ids``."""
+        self.segments.append(self._segment(is_snapshot=True))
+        self.prompt_ids = list(new_prompt_ids)
+        self.response_ids, self.mask, self.logprobs, self.versions = [], [], [], []
+
+    def _segment(self, *, is_snapshot: bool) -> Segment:
+        return Segment(list(self.prompt_ids), list(self.response_ids), list(self.mask), list(self.logprobs),
+                       list(self.versions), is_snapshot)
+
+    def to_trajectories(self, *, reward: float, reward_extras: dict[str, Any], source_server: str) -> list[Trajectory]:
+        """Every segment (snapshots, then the final one) as a trajectory sharing the episode's reward."""
+        if self.termination is None:
+            raise IllegalTransition(f"episode {self.episode_id} is not terminated")
+        segments = [*self.segments, self._segment(is_snapshot=False)]
+        timings = {**self.timings, "episode_s": time.monotonic() - self.started}
+        return [
+            Trajectory(
+                trajectory_id=f"{self.episode_id}-{i}" if len(segments) > 1 else self.episode_id,
+                group_uid=self.group_uid,
+                prompt_ids=np.asarray(s.prompt_ids, np.int32),
+                response_ids=np.asarray(s.response_ids, np.int32),
+                response_mask=np.asarray(s.mask, np.uint8),
+                rollout_logprobs=np.asarray(s.logprobs, np.float32),
+                versions=np.asarray(s.versions, np.int32),
+                reward=float(reward), snapshot_index=i, is_snapshot=s.is_snapshot,
+                source_server=source_server, data_source=self.data_source, agent_type=self.agent_type,
+                termination=self.termination, num_turns=self.turns, reward_extras=dict(reward_extras),
+                timings=dict(timings),
+            )
+            for i, s in enumerate(segments)
+        ]

@@ -1,0 +1,59 @@
+"""Unit-test fakes for the agent loop: a scripted engine, simple tools, and a renderer on the tiny
+model's real tokenizer (tokenising is real; only generation is scripted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_service.engine.base import Generation, SamplingSettings
+from rollout_service.tools.base import ToolContext, ToolResult
+
+
+class ScriptedEngine:
+    """Returns the given turns in order: each a text (tokenised, ending with eos) or a Generation."""
+
+    def __init__(self, tokenizer: Any, turns: Sequence[str | Generation], *, version: int = 0) -> None:
+        self.tok, self.turns, self.version = tokenizer, list(turns), version
+        self.calls: list[tuple[list[int], SamplingSettings]] = []
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+        self.calls.append((list(prompt_ids), sampling))
+        turn = self.turns.pop(0) if self.turns else "(script ended)"
+        if isinstance(turn, Generation):
+            return turn
+        ids = [*self.tok.encode(turn, add_special_tokens=False), self.tok.eos_token_id]
+        finish = "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), finish)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        pass
+
+
+@dataclass
+class EchoTool:
+    name: str = "echo"
+    text: str | None = None  # fixed reply; None: echo the "text" argument
+    ok: bool = True
+    terminal: bool = False
+    raises: bool = False
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": "echo",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+    async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        self.seen.append(args)
+        if self.raises:
+            raise RuntimeError("tool bug")
+        text = self.text if self.text is not None else str(args.get("text", ""))
+        return ToolResult(text, ok=self.ok, terminal=self.terminal, answer=text if self.terminal else None)
