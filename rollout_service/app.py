@@ -1,17 +1,30 @@
-"""bin/rollout-server's run target. The engine and agent loop are not built yet (issue 3)."""
+"""bin/rollout-server's run target: build the engine from config, serve until stopped.
+
+Design: the engine is started before the server connects to the learner (a server that cannot
+load its model should fail before announcing itself) and shut down in ``finally``, so vLLM's
+worker processes go away on success, on error and on Ctrl-C / SIGTERM alike.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from common.logging import get_logger
+
+async def serve(config: Any, run_dir: Path, *, max_groups: int | None = None) -> int:
+    from rollout_service.engine.vllm_engine import VllmEngine
+    from rollout_service.server import RolloutServer
+
+    engine = await VllmEngine.from_config(config.actor_rollout_ref)
+    try:
+        server = RolloutServer(config, run_dir, engine=engine)
+        await server.run(max_groups=max_groups)
+    finally:
+        await engine.shutdown()
+    return 0
 
 
 def run(config: Any, run_dir: Path) -> int:
-    get_logger("rollout_service").error(
-        "the vLLM rollout engine is not part of this build yet; `bin/rollout-server --check` "
-        "validates a config, and `python -m protocol.reference rollout-server --connect ADDR` "
-        "streams synthetic trajectories to a learner"
-    )
-    return 2
+    import anyio
+
+    return anyio.run(serve, config, run_dir)

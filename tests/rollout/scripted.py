@@ -17,6 +17,9 @@ class ScriptedEngine:
     def __init__(self, tokenizer: Any, turns: Sequence[str | Generation], *, version: int = 0) -> None:
         self.tok, self.turns, self.version = tokenizer, list(turns), version
         self.calls: list[tuple[list[int], SamplingSettings]] = []
+        self.loaded: list[tuple[int, dict[str, bytes], str]] = []
+        self.repeat_last = False  # keep answering with the last turn once the script is used up
+        self.respond: Any = None  # or a function of the decoded context -> the turn's text
 
     @property
     def policy_version(self) -> int:
@@ -24,7 +27,12 @@ class ScriptedEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
         self.calls.append((list(prompt_ids), sampling))
-        turn = self.turns.pop(0) if self.turns else "(script ended)"
+        if self.respond is not None:
+            turn = self.respond(self.tok.decode(list(prompt_ids)))
+        elif self.repeat_last and len(self.turns) == 1:
+            turn = self.turns[0]
+        else:
+            turn = self.turns.pop(0) if self.turns else "(script ended)"
         if isinstance(turn, Generation):
             return turn
         ids = [*self.tok.encode(turn, add_special_tokens=False), self.tok.eos_token_id]
@@ -35,6 +43,11 @@ class ScriptedEngine:
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         pass
+
+    async def load_weights(self, version: int, tensors: list[tuple[str, Any]], *, mode: str) -> float:
+        self.loaded.append((version, {name: bytes(memoryview(a)) for name, a in tensors}, mode))
+        self.version = version
+        return 0.001
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""A prompt group: rollout.n episodes of one prompt, run concurrently, scored, and checked for
+staleness; the unit a rollout server ships (GRPO needs the whole group in one batch).
+
+Design: this module knows agents, rewards and the staleness rule, and nothing about sockets or
+data files, so the server composes it with the data source and the shipper, and tests drive it
+with a scripted engine. Reward functions are chosen per row (its ``reward_fn``), else per data
+source, else the default; a reward function that raises scores the episode 0 with the error in
+its extras instead of losing the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from common.logging import get_logger
+from protocol.trajectory import Trajectory
+from rollout_service.agents.base import AGENTS, AgentDeps
+from rollout_service.agents.episode import Episode
+from rollout_service.rewards.base import REWARDS, EpisodeView, RewardResult
+
+log = get_logger("rollout_service.groups")
+
+
+@dataclass
+class RewardChoice:
+    default: str = "math"
+    by_data_source: Mapping[str, str] = field(default_factory=dict)
+
+    def name_for(self, row: Mapping[str, Any], data_source: str) -> str:
+        own = row.get("reward_fn")
+        if isinstance(own, str) and own:
+            return own
+        return self.by_data_source.get(data_source, self.default)
+
+
+def episode_view(ep: Episode, renderer: Any) -> EpisodeView:
+    text = renderer.decode([t for t, m in zip(ep.response_ids, ep.mask, strict=True) if m == 1])
+    return EpisodeView(response_text=text, final_answer=ep.final_answer, messages=list(ep.messages),
+                       termination=ep.termination or "aborted", num_turns=ep.turns, tool_calls=ep.tool_calls,
+                       tool_errors=ep.tool_errors)
+
+
+async def score(ep: Episode, renderer: Any, rewards: RewardChoice) -> RewardResult:
+    name = rewards.name_for(ep.row, ep.data_source)
+    try:
+        fn = REWARDS.get(name)
+        return await fn(episode_view(ep, renderer), ep.row)
+    except Exception as e:  # a broken reward function or row must not lose the group
+        log.warning("reward failed", reward_fn=name, episode=ep.episode_id, error=f"{type(e).__name__}: {e}")
+        return RewardResult(0.0, {"reward_error": f"{type(e).__name__}: {e}"[:200]})
+
+
+@dataclass
+class GroupResult:
+    trajectories: list[Trajectory]
+    episodes: list[Episode]
+
+
+async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: str, data_source: str,
+                    deps: AgentDeps, rewards: RewardChoice, server_id: str) -> GroupResult:
+    """Run ``n`` episodes of ``row`` concurrently and score them."""
+    agent = AGENTS.get(agent_type)(deps)
+    episodes = [Episode(f"{group_uid}-{i}", group_uid, row, data_source=data_source, agent_type=agent_type)
+                for i in range(n)]
+    trajectories: list[list[Trajectory]] = [[] for _ in episodes]
+
+    async def one(i: int) -> None:
+        ep = episodes[i]
+        await agent.run(ep)
+        result = await score(ep, deps.renderer, rewards)
+        trajectories[i] = ep.to_trajectories(reward=result.score, reward_extras=result.extras,
+                                             source_server=server_id)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    return GroupResult([t for ts in trajectories for t in ts], episodes)
+
+
+def stale(trajectories: list[Trajectory], newest_version: int, max_staleness: int) -> bool:
+    """True if any trajectory's oldest sampled token is more than ``max_staleness`` versions behind
+    ``newest_version`` (the group is then dropped whole: GRPO needs it complete)."""
+    for t in trajectories:
+        sampled = t.versions[t.response_mask == 1]
+        if len(sampled) and newest_version - int(sampled.min()) > max_staleness:
+            return True
+    return False

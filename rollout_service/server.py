@@ -1,0 +1,271 @@
+"""The rollout server: admits prompt groups, runs them on the engine, ships them, applies weights.
+
+Design: one task group owns everything (shipper + protocol client, stats logger, weight handler,
+admission loop, one task per running group), so any failure or a signal cancels all of it and the
+``finally`` blocks close the connection (BYE) and shut the engine down. Admission is the only
+place where policy lives: a group starts only while (a) there is room under
+``max_concurrent_episodes``, (b) the engine's weights are at most ``max_staleness`` versions
+behind the newest the learner announced, and (c) no ``drain`` weight update is waiting. Groups
+finish out of order; each is shipped whole, and its prompt is committed to the data cursor only
+when the learner acknowledges the batch holding it, so a restart redoes in-flight prompts and
+never skips one.
+
+Weight updates: the learner streams weights (announce + chunks) through the protocol; when a set
+is complete it is loaded into the running engine according to ``on_weight_update``: ``keep``
+(generation continues, tokens carry the version that produced them), ``abort`` (in-flight
+generation is interrupted and continued on the new weights by the engine), ``drain`` (admission
+stops, running groups finish, then the weights load). WEIGHTS_APPLIED goes back only after the
+engine generates with them; a failed load is reported with ok=false and the old weights stay.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from common.identity import wire_identities
+from common.logging import get_logger
+from protocol.events import Connected, WeightsAnnounced, WeightsFailed, WeightsReceived
+from protocol.weights import ReceivedWeights
+from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
+from rollout_service.agents.parsers import PARSERS
+from rollout_service.agents.rendering import ChatRenderer
+from rollout_service.engine.base import SamplingSettings
+from rollout_service.groups import RewardChoice, run_group, stale
+from rollout_service.metrics import RolloutStats
+from rollout_service.rewards.base import REWARDS
+from rollout_service.tools.base import TOOLS
+
+
+def agent_limits(config: Any) -> AgentLimits:
+    rollout, mt, server = config.actor_rollout_ref.rollout, config.actor_rollout_ref.rollout.multi_turn, config.rollout_server
+    return AgentLimits(
+        response_length=rollout.response_length,
+        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        max_tokens_per_turn=mt.max_tokens_per_turn, max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns, max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        max_consecutive_tool_errors=mt.max_consecutive_tool_errors, tool_timeout_s=server.tool_timeout_s,
+    )
+
+
+def sampling_settings(config: Any) -> SamplingSettings:
+    r = config.actor_rollout_ref.rollout
+    return SamplingSettings(max_tokens=r.response_length, temperature=r.temperature, top_p=r.top_p,
+                            top_k=r.top_k, seed=None)
+
+
+def build_tools(config: Any) -> dict[str, Any]:
+    import rollout_service.tools as tools_pkg
+
+    tools_pkg.load_builtin_tools()
+    server = config.rollout_server
+    options = {"python": {"timeout_s": server.sandbox_timeout_s, "memory_mb": server.sandbox_memory_mb}}
+    return {name: TOOLS.get(name)(**options.get(name, {}))
+            for name in config.actor_rollout_ref.rollout.multi_turn.tools}
+
+
+def check_names(config: Any, agent_types: set[str]) -> None:
+    """Fail at start-up, naming the config key, for any agent, reward or tool name nothing provides."""
+    import rollout_service.agents.tool_agent  # noqa: F401  (registers the agents)
+    import rollout_service.rewards as rewards_pkg
+    import rollout_service.tools as tools_pkg
+
+    rewards_pkg.load_builtin_rewards()
+    tools_pkg.load_builtin_tools()
+    problems = [f"agent type {a!r} (data rows / data.agent_type / data.datasets[].agent_type): "
+                f"known: {', '.join(AGENTS.names())}" for a in sorted(agent_types) if a not in AGENTS]
+    server = config.rollout_server
+    for key, name in [("rollout_server.reward_fn", server.reward_fn),
+                      *((f"rollout_server.reward_by_data_source.{k}", v) for k, v in server.reward_by_data_source.items())]:
+        if name not in REWARDS:
+            problems.append(f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}")
+    for name in config.actor_rollout_ref.rollout.multi_turn.tools:
+        if name not in TOOLS:
+            problems.append(f"actor_rollout_ref.rollout.multi_turn.tools: unknown tool {name!r}; "
+                            f"known: {', '.join(TOOLS.names())}")
+    if problems:
+        raise SystemExit("rollout server: " + "; ".join(problems))
+
+
+class RolloutServer:
+    def __init__(self, config: Any, run_dir: Path, *, engine: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from rollout_service.data import PromptSource
+
+        self.config, self.run_dir, self.engine = config, run_dir, engine
+        server = config.rollout_server
+        self.server_id = server.resolved_server_id()
+        self.log = get_logger("rollout_service.server", server_id=self.server_id)
+        self.source = PromptSource.from_config(config.data, shard_index=server.shard_index,
+                                               shard_count=server.shard_count, state_dir=run_dir / "state")
+        check_names(config, {r.agent_type for r in self.source.rows})
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path))
+        mt = config.actor_rollout_ref.rollout.multi_turn
+        self.deps = AgentDeps(engine=engine, renderer=self.renderer, sampling=sampling_settings(config),
+                              limits=agent_limits(config), tools=build_tools(config),
+                              parser=PARSERS.get(mt.format)())
+        self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
+        self.stats = RolloutStats(server_id=self.server_id)
+        self.newest_version = 0  # newest policy version the learner announced
+        self._running = 0  # episodes in flight
+        self._drain_waiting = False
+        self._changed = anyio.Event()
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def _build_shipper(self) -> Any:
+        from protocol.driver import RolloutClient
+        from protocol.sender import RolloutConnection
+        from protocol.zmq_transport import CurveClientKeys, client_factory
+        from rollout_service.recording import Recorder
+        from rollout_service.shipping import Shipper
+
+        c, server = self.config, self.config.rollout_server
+        model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
+        conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
+                                 heartbeat_interval_s=c.transport.heartbeat_interval_s,
+                                 heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
+        curve = None
+        if c.transport.curve.enabled:
+            curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
+                                    Path(c.transport.curve.server_public_key_file))
+        client = RolloutClient(conn, client_factory(server.learner_address, curve=curve))
+        recorder = Recorder(self.run_dir / "recordings", server_id=self.server_id) if server.record else None
+        return Shipper(client, spool_dir=self.run_dir / "spool", server_id=self.server_id,
+                       groups_per_batch=server.groups_per_batch, max_unacked_batches=server.max_unacked_batches,
+                       recorder=recorder, stats=self.stats)
+
+    async def run(self, *, max_groups: int | None = None) -> None:
+        """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped."""
+        from rollout_service.metrics import run_stats_logger
+
+        server = self.config.rollout_server
+        self.shipper = self._build_shipper()
+        if server.metrics_port is not None:
+            port = self.stats.start_metrics_server(server.metrics_port)
+            self.log.info("metrics endpoint", url=f"http://0.0.0.0:{port}/metrics")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._signals, tg.cancel_scope)
+                await tg.start(self.shipper.run)
+                tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
+                tg.start_soon(self._weights_loop)
+                await self._admit(tg, max_groups)
+                await self.shipper.flush()
+                await self.shipper.drain()
+                await self.shipper.close("done")
+                tg.cancel_scope.cancel()
+        finally:
+            self.stats.stop_metrics_server()
+
+    async def _signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                self.log.warning("stopping on signal", signal=signal.Signals(signum).name)
+                with anyio.CancelScope(shield=True):
+                    await self.shipper.close("rollout server stopping")
+                scope.cancel()
+                return
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _may_admit(self, n: int) -> bool:
+        server, rollout = self.config.rollout_server, self.config.actor_rollout_ref.rollout
+        if self._drain_waiting:
+            return False
+        if self.newest_version - self.engine.policy_version > rollout.max_staleness:
+            return False
+        return self._running == 0 or self._running + n <= server.max_concurrent_episodes
+
+    async def _admit(self, tg: Any, max_groups: int | None) -> None:
+        n = self.config.actor_rollout_ref.rollout.n
+        done = anyio.Event()
+        started = finished = 0
+
+        async def group(item: Any) -> None:
+            nonlocal finished
+            try:
+                await self._run_group(item)
+            finally:
+                self._running -= n
+                finished += 1
+                if max_groups is not None and finished >= max_groups:
+                    done.set()
+                self._poke()
+
+        for item in self.source:
+            if max_groups is not None and started >= max_groups:
+                break
+            while not self._may_admit(n):
+                await self._changed.wait()
+            self._running += n
+            started += 1
+            tg.start_soon(group, item)
+        if max_groups is not None and started:
+            await done.wait()
+
+    async def _run_group(self, item: Any) -> None:
+        rollout = self.config.actor_rollout_ref.rollout
+        for _ in range(rollout.n):
+            self.stats.episode_started()
+        result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n, agent_type=item.agent_type,
+                                 data_source=item.data_source, deps=self.deps, rewards=self.rewards,
+                                 server_id=self.server_id)
+        for ep in result.episodes:
+            self.stats.episode_finished(generated_tokens=int(sum(ep.mask)), turns=ep.turns,
+                                        tool_calls=ep.tool_calls, tool_errors=ep.tool_errors)
+        if stale(result.trajectories, self.newest_version, rollout.max_staleness):
+            self.stats.staleness_dropped(len(result.trajectories))
+            self.log.info("group dropped: too stale", group=item.group_uid, newest_version=self.newest_version)
+            self.source.commit(item)  # dropped on purpose: not to be redone
+            return
+        await self.shipper.ship_group(result.trajectories, on_acked=lambda: self.source.commit(item))
+
+    # -- weights -----------------------------------------------------------------------------------
+    async def _weights_loop(self) -> None:
+        async for ev in self.shipper.events:
+            if isinstance(ev, Connected):
+                self._announce(ev.welcome.policy_version)
+            elif isinstance(ev, WeightsAnnounced):
+                self._announce(ev.version)
+            elif isinstance(ev, WeightsReceived):
+                await self._apply(ev.weights)
+            elif isinstance(ev, WeightsFailed):
+                self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
+
+    def _announce(self, version: int) -> None:
+        if version > self.newest_version:
+            self.newest_version = version
+            self._poke()
+
+    async def _apply(self, w: ReceivedWeights) -> None:
+        policy = self.config.actor_rollout_ref.rollout.on_weight_update
+        tensors = [(spec.name, np.frombuffer(buf, dtype=spec.dtype).reshape(spec.shape)) for spec, buf in w.tensors]
+        try:
+            if policy == "drain":
+                self._drain_waiting = True
+                while self._running:
+                    await self._changed.wait()
+            seconds = await self.engine.load_weights(w.version, tensors, mode="abort" if policy == "abort" else "keep")
+        except Exception as e:
+            self.log.error("weights not applied; generation continues on the old ones", version=w.version,
+                           error=f"{type(e).__name__}: {e}")
+            self.shipper.client.weights_applied(w.version, w.transfer_id, ok=False, error=str(e)[:500])
+            return
+        finally:
+            self._drain_waiting = False
+            self._poke()
+        self._announce(w.version)
+        self.stats.set_weight_version(w.version)
+        self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
+        self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 3))

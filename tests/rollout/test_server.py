@@ -1,0 +1,133 @@
+"""The rollout server end to end without vLLM: a scripted engine, the real tokenizer, real tools,
+data files, spool and ZeroMQ over TCP loopback to the reference learner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from scripted import ScriptedEngine
+
+from common.config import load_config
+from protocol.reference import ReferenceLearner
+from rollout_service.rewards.base import REWARDS, EpisodeView, RewardResult
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # zmq.asyncio
+
+
+@REWARDS.register("test_mentions_42")
+async def _mentions_42(ep: EpisodeView, row: dict[str, Any]) -> RewardResult:
+    return RewardResult(float("42" in ep.response_text), {"turns": ep.num_turns})
+
+
+def write_data(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"question": f"what is {i}*7?", "answer": str(7 * i), "data_source": "arith"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
+    overrides = {
+        "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.tools": ["echo"],
+        "data.train_files": str(write_data(tmp / "train.jsonl", 5)), "data.agent_type": "tool_agent",
+        "data.max_response_length": 200, "data.train_batch_size": 2,
+        "rollout_server.learner_address": address, "rollout_server.server_id": "rs-test",
+        "rollout_server.reward_fn": "test_mentions_42", "rollout_server.stats_interval_s": 0.2,
+        "transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 2.0, **over,
+    }
+    return load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()],
+                       check_paths=False)
+
+
+@pytest.fixture
+def echo_tool() -> Any:
+    from scripted import EchoTool
+
+    from rollout_service.tools.base import TOOLS
+
+    if "echo" not in TOOLS:
+        TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
+    return TOOLS.get("echo")
+
+
+async def serve_groups(config: Any, run_dir: Path, engine: Any, groups: int) -> Any:
+    from rollout_service.server import RolloutServer
+
+    server = RolloutServer(config, run_dir, engine=engine)
+    with anyio.fail_after(60):
+        await server.run(max_groups=groups)
+    return server
+
+
+@pytest.mark.anyio
+async def test_server_ships_whole_groups_and_commits_prompts(tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    learner = ReferenceLearner()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(learner.serve)
+        config = make_config(tmp_path, tiny_model, address)
+        call = '<tool_call>{"name": "echo", "arguments": {}}</tool_call>'
+        engine = ScriptedEngine(tok, [])
+        engine.respond = lambda context: "it is 42" if "<tool_response>" in context else call
+        server = await serve_groups(config, tmp_path / "run", engine, groups=3)
+        tg.cancel_scope.cancel()
+    got = learner.received
+    assert len(got) == 6 and len({t.trajectory_id for t in got}) == 6
+    groups: dict[str, list] = {}
+    for t in got:
+        groups.setdefault(t.group_uid, []).append(t)
+    assert sorted(len(v) for v in groups.values()) == [2, 2, 2]
+    first = got[0]
+    assert set(np.unique(first.response_mask)) == {0, 1}  # a tool span was masked out
+    assert first.source_server == "rs-test" and first.data_source == "arith" and first.agent_type == "tool_agent"
+    assert server.source.cursor[1] == 3  # the three acknowledged prompts are committed
+    assert not list((tmp_path / "run" / "spool").glob("*.msgpack"))  # spool empty once acknowledged
+
+
+@pytest.mark.anyio
+async def test_pushed_weights_reach_the_engine_and_are_acknowledged(tmp_path: Path, tiny_model: Path,
+                                                                    echo_tool: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from protocol.reference import reference_weights
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    learner = ReferenceLearner()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(learner.serve)
+        config = make_config(tmp_path, tiny_model, address,
+                             **{"actor_rollout_ref.rollout.on_weight_update": "drain"})
+        engine = ScriptedEngine(tok, ["no tools, 42"])
+        engine.repeat_last = True
+        from rollout_service.server import RolloutServer
+
+        server = RolloutServer(config, tmp_path / "run", engine=engine)
+        tg.start_soon(server.run)
+        with anyio.fail_after(20):
+            while not learner.received:
+                await anyio.sleep(0.05)
+            learner.server.publish_weights(1, reference_weights(seed=1), chunk_bytes=16 << 10)
+            while engine.version != 1:
+                await anyio.sleep(0.05)
+            n_before = len(learner.received)
+            while len(learner.received) < n_before + 4:  # generation goes on with the new weights
+                await anyio.sleep(0.05)
+            # WEIGHTS_APPLIED reached the learner: it records the peer's version from it
+            while not any(p.policy_version == 1 for p in learner.server.proto.peers.values()):
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    version, tensors, mode = engine.loaded[0]
+    assert version == 1 and mode == "keep"  # drain = keep once nothing is running
+    expected = {b.name: bytes(b.data) for b in reference_weights(seed=1)}
+    assert tensors == expected
+    assert max(int(t.versions.max()) for t in learner.received) == 1
