@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 
-async def serve(config: Any, run_dir: Path, *, max_groups: int | None = None) -> int:
+async def serve(config: Any, run_dir: Path) -> int:
     from rollout_service.engine.vllm_engine import VllmEngine
     from rollout_service.server import RolloutServer
 
     engine = await VllmEngine.from_config(config.actor_rollout_ref)
     try:
         server = RolloutServer(config, run_dir, engine=engine)
-        await server.run(max_groups=max_groups)
+        await server.run(max_groups=config.rollout_server.max_groups)
     finally:
         await engine.shutdown()
     return 0

@@ -94,6 +94,31 @@ def check_names(config: Any, agent_types: set[str]) -> None:
         raise SystemExit("rollout server: " + "; ".join(problems))
 
 
+def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
+    """Where a shard's data cursor and spool live, and the lock held on it (release when done).
+
+    Keyed by shard, not by server id (which defaults to host-pid): a restarted server of the same
+    shard finds the prompts and batches its predecessor left. Two live servers on one shard would
+    both ship the same prompts, so the second is refused.
+    """
+    from filelock import FileLock, Timeout
+
+    from common.rundir import resolve_run_dir
+
+    server = config.rollout_server
+    root = resolve_run_dir(config) if run_dir.is_relative_to(resolve_run_dir(config)) else run_dir
+    path = root / "rollout-state" / f"shard-{server.shard_index}-of-{server.shard_count}"
+    path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path / "lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise SystemExit(f"rollout server: shard {server.shard_index} of {server.shard_count} is in use by "
+                         f"another rollout server ({path / 'lock'}); give this one another "
+                         "rollout_server.shard_index") from None
+    return path, lock
+
+
 class RolloutServer:
     def __init__(self, config: Any, run_dir: Path, *, engine: Any) -> None:
         from transformers import AutoTokenizer
@@ -104,8 +129,9 @@ class RolloutServer:
         server = config.rollout_server
         self.server_id = server.resolved_server_id()
         self.log = get_logger("rollout_service.server", server_id=self.server_id)
+        self.state_dir, self._state_lock = shard_state_dir(config, run_dir)
         self.source = PromptSource.from_config(config.data, shard_index=server.shard_index,
-                                               shard_count=server.shard_count, state_dir=run_dir / "state")
+                                               shard_count=server.shard_count, state_dir=self.state_dir)
         check_names(config, {r.agent_type for r in self.source.rows})
         self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path))
         mt = config.actor_rollout_ref.rollout.multi_turn
@@ -137,10 +163,14 @@ class RolloutServer:
             curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
                                     Path(c.transport.curve.server_public_key_file))
         client = RolloutClient(conn, client_factory(server.learner_address, curve=curve))
-        recorder = Recorder(self.run_dir / "recordings", server_id=self.server_id) if server.record else None
-        return Shipper(client, spool_dir=self.run_dir / "spool", server_id=self.server_id,
+        recordings = self.run_dir / "recordings" / self.server_id
+        recorder = Recorder(recordings, server_id=self.server_id) if server.record else None
+        # A group found in the spool at start is resent, not rerun; its prompt is committed once
+        # the learner acknowledges the resent batch.
+        return Shipper(client, spool_dir=self.state_dir / "spool", server_id=self.server_id,
                        groups_per_batch=server.groups_per_batch, max_unacked_batches=server.max_unacked_batches,
-                       recorder=recorder, stats=self.stats)
+                       recorder=recorder, stats=self.stats,
+                       on_recovered_acked=lambda uids: [self.source.commit_group(u) for u in uids])
 
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped."""
@@ -155,6 +185,7 @@ class RolloutServer:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, tg.cancel_scope)
                 await tg.start(self.shipper.run)
+                self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
                 tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
                 tg.start_soon(self._weights_loop)
                 await self._admit(tg, max_groups)
@@ -164,6 +195,7 @@ class RolloutServer:
                 tg.cancel_scope.cancel()
         finally:
             self.stats.stop_metrics_server()
+            self._state_lock.release()
 
     async def _signals(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -218,9 +250,14 @@ class RolloutServer:
         rollout = self.config.actor_rollout_ref.rollout
         for _ in range(rollout.n):
             self.stats.episode_started()
-        result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n, agent_type=item.agent_type,
-                                 data_source=item.data_source, deps=self.deps, rewards=self.rewards,
-                                 server_id=self.server_id)
+        try:
+            result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n,
+                                     agent_type=item.agent_type, data_source=item.data_source, deps=self.deps,
+                                     rewards=self.rewards, server_id=self.server_id)
+        except BaseException:
+            for _ in range(rollout.n):
+                self.stats.episode_abandoned()
+            raise
         for ep in result.episodes:
             self.stats.episode_finished(generated_tokens=int(sum(ep.mask)), turns=ep.turns,
                                         tool_calls=ep.tool_calls, tool_errors=ep.tool_errors)

@@ -25,6 +25,8 @@ class RolloutServerConfig(Section):
     """ZeroMQ endpoint of the learner to connect to."""
     max_concurrent_episodes: int = Field(64, gt=0)
     """Episodes (agent loops) running at once on this server."""
+    max_groups: int | None = Field(None, gt=0)
+    """Stop after this many prompt groups are shipped and acknowledged; null: run until stopped."""
     shard_index: int = Field(0, ge=0)
     """This server's shard of the training data (rows i with i % shard_count == shard_index)."""
     shard_count: int = Field(1, gt=0)

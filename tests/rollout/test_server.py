@@ -38,7 +38,7 @@ def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
         "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.tools": ["echo"],
         "data.train_files": str(write_data(tmp / "train.jsonl", 5)), "data.agent_type": "tool_agent",
-        "data.max_response_length": 200, "data.train_batch_size": 2,
+        "data.max_response_length": 200, "data.train_batch_size": 4,
         "rollout_server.learner_address": address, "rollout_server.server_id": "rs-test",
         "rollout_server.reward_fn": "test_mentions_42", "rollout_server.stats_interval_s": 0.2,
         "transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 2.0, **over,

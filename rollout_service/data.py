@@ -1,0 +1,365 @@
+"""Training prompts: loading data files, and a sharded, shuffled, resumable stream of prompts.
+
+Files (JSON list, JSONL, parquet) are read whole and every row is checked at load time, so a bad
+row stops the server at start-up with the file, the row and the field named, not hours later in an
+agent loop. A row needs ``question`` (str) and ``answer`` (str, number or list); ``data_source``
+and ``agent`` are optional; every other field is kept for reward functions (``tests``,
+``documents``...).
+
+``PromptSource`` concatenates the configured sources; a row's *global index* is its place in that
+concatenation, stable across epochs and restarts. Each epoch is a permutation of all global
+indices seeded by ``(seed, epoch)``, and this server keeps the indices with
+``index % shard_count == shard_index``, so servers sharing a data set never overlap and together
+cover it. Positions in this server's stream are numbered across epochs
+(``epoch * shard_size + offset``), which gives one integer order for the cursor.
+
+Resumption: a prompt is only *done* once its group has been acknowledged by the learner
+(``commit``). Groups finish out of order, so the cursor is the lowest position not yet done plus
+the done positions ahead of it; it is written to a small JSON file atomically (tmp, fsync,
+rename). A restarted server starts at the cursor and skips the done positions ahead, so it never
+skips an unshipped prompt; prompts that were in flight are run again, except those whose groups
+are already in the shipper's spool: ``hold_groups`` keeps them from being reissued (group uids
+encode the position) and ``commit_group`` marks them done when their resent batch is acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config.training import DataConfig
+
+STATE_FILE = "data_cursor.json"
+STATE_FORMAT = 1
+_GROUP_UID = re.compile(r"^e(\d+)-i(\d+)$")
+
+
+class DataError(ValueError):
+    """A data file or row is unusable; the message names the file, the row and the field."""
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    index: int
+    """Global index of the row (its place in the concatenation of all sources): stable."""
+    epoch: int
+    row: dict[str, Any]
+    data_source: str
+    agent_type: str
+    group_uid: str
+    """Deterministic from (epoch, index): the same prompt in the same epoch gets the same uid."""
+    position: int
+    """Place in this shard's stream across epochs; what ``PromptSource.commit`` counts."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One named group of files; ``name``/``agent_type`` None: taken from each row (or defaults)."""
+
+    paths: tuple[str, ...]
+    name: str | None = None
+    agent_type: str | None = None
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every row of one file, validated. Raises ``DataError`` naming the file, row and field."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such data file")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        rows = _read_jsonl(p)
+    elif suffix == ".json":
+        rows = _read_json_list(p)
+    elif suffix == ".parquet":
+        rows = _read_parquet(p)
+    else:
+        raise DataError(f"{p}: unknown data file type {suffix!r} (expected .json, .jsonl or .parquet)")
+    for where, row in rows:
+        _check_row(row, f"{p}: {where}")
+    if not rows:
+        raise DataError(f"{p}: the file holds no rows")
+    return [row for _, row in rows]
+
+
+def _read_jsonl(p: Path) -> list[tuple[str, Any]]:
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # a trailing newline or blank separator line is not a row
+            try:
+                rows.append((f"line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}: line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return rows
+
+
+def _read_json_list(p: Path) -> list[tuple[str, Any]]:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{p}: expected a JSON list of rows, got a {type(data).__name__}")
+    return [(f"row {i}", row) for i, row in enumerate(data)]
+
+
+def _read_parquet(p: Path) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{p}: not a readable parquet file ({e})") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def _check_row(row: Any, where: str) -> None:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with 'question' and 'answer', got {type(row).__name__}")
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(f"{where}: field 'question': expected a non-empty string, got {_show(question)}")
+    answer = row.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float | list):
+        raise DataError(f"{where}: field 'answer': expected a string, number or list, got {_show(answer)}")
+    for key in ("data_source", "agent"):
+        value = row.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise DataError(f"{where}: field {key!r}: expected a non-empty string, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "nothing (missing or null)"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+# -- the prompt stream -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Row:
+    row: dict[str, Any]
+    data_source: str
+    agent_type: str
+
+
+def sources_from_config(data: DataConfig) -> list[Source]:
+    """``data.datasets`` (each its own name and agent type) or else ``data.train_files``."""
+    if data.datasets:
+        return [Source(tuple(d.path), d.name, d.agent_type) for d in data.datasets]
+    if not data.train_files:
+        raise DataError("no training data: set data.train_files or data.datasets")
+    return [Source(tuple(data.train_files))]
+
+
+class PromptSource:
+    """This shard's prompts in a deterministic per-epoch shuffled order, resumable from a state file.
+
+    Iterate it (endless unless ``max_epochs``), run each item, and call ``commit(item)`` once its
+    group has been acknowledged by the learner.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        *,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        default_agent_type: str = "single_turn",
+        state_dir: str | os.PathLike[str] | None = None,
+        max_epochs: int | None = None,
+    ) -> None:
+        if not 0 <= shard_index < shard_count:
+            raise DataError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
+        self.shard_index, self.shard_count = shard_index, shard_count
+        self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
+        self.rows = _load_sources(sources, default_agent_type)
+        self.shard_size = len(range(shard_index, len(self.rows), shard_count))
+        if self.shard_size == 0:
+            raise DataError(f"shard {shard_index} of {shard_count} is empty: the data has only "
+                            f"{len(self.rows)} rows")
+        self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
+        self._next_undone = 0  # every position below this is done
+        self._done_ahead: set[int] = set()  # done positions above it (groups finish out of order)
+        self._held: set[int] = set()  # in flight in a batch recovered from the spool: not reissued
+        self._orders: dict[int, np.ndarray] = {}
+        self._load_state()
+
+    @classmethod
+    def from_config(cls, data: DataConfig, *, shard_index: int, shard_count: int,
+                    state_dir: str | os.PathLike[str] | None = None,
+                    max_epochs: int | None = None) -> PromptSource:
+        return cls(sources_from_config(data), shard_index=shard_index, shard_count=shard_count,
+                   seed=data.seed, shuffle=data.shuffle, default_agent_type=data.agent_type,
+                   state_dir=state_dir, max_epochs=max_epochs)
+
+    # -- iteration ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        """From the cursor on, skipping positions already done."""
+        position = self._next_undone
+        while self.max_epochs is None or position // self.shard_size < self.max_epochs:
+            if position not in self._done_ahead and position not in self._held:
+                yield self.item_at(position)
+            position += 1
+
+    def item_at(self, position: int) -> PromptItem:
+        epoch, offset = divmod(position, self.shard_size)
+        index = int(self._order(epoch)[offset])
+        r = self.rows[index]
+        return PromptItem(index=index, epoch=epoch, row=r.row, data_source=r.data_source,
+                          agent_type=r.agent_type, group_uid=f"e{epoch}-i{index}", position=position)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """This shard's global indices in epoch ``epoch``'s order (cached for the last two epochs,
+        since items in flight can straddle an epoch boundary)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            everything = np.arange(len(self.rows))
+            if self.shuffle:
+                # One permutation of the whole data set per epoch, filtered to this shard: the
+                # order depends only on (seed, epoch), never on the shard layout.
+                everything = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            order = everything[everything % self.shard_count == self.shard_index]
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return order
+
+    # -- the cursor --------------------------------------------------------------------------------
+
+    @property
+    def cursor(self) -> tuple[int, int]:
+        """(epoch, offset) of the lowest position not yet done."""
+        return divmod(self._next_undone, self.shard_size)
+
+    @property
+    def done_ahead(self) -> frozenset[int]:
+        return frozenset(self._done_ahead)
+
+    def commit(self, item: PromptItem | int) -> None:
+        """Mark a prompt (item or its position) done and persist the cursor."""
+        position = item.position if isinstance(item, PromptItem) else item
+        self._held.discard(position)
+        if position < self._next_undone or position in self._done_ahead:
+            return  # committed twice (a resent batch acknowledged again): nothing changes
+        self._done_ahead.add(position)
+        while self._next_undone in self._done_ahead:
+            self._done_ahead.remove(self._next_undone)
+            self._next_undone += 1
+        self._save_state()
+
+    def position_of_group(self, group_uid: str) -> int | None:
+        """The position of the prompt a ``group_uid`` of this source names; None when it names
+        none of this shard's prompts (another data set or sharding produced it)."""
+        m = _GROUP_UID.match(group_uid)
+        if m is None:
+            return None
+        epoch, index = int(m.group(1)), int(m.group(2))
+        if index >= len(self.rows) or index % self.shard_count != self.shard_index:
+            return None
+        offsets = np.flatnonzero(self._order(epoch) == index)
+        return epoch * self.shard_size + int(offsets[0])
+
+    def hold_groups(self, group_uids: Iterable[str]) -> int:
+        """Do not issue these prompts: their groups are already on their way to the learner (in
+        batches resubmitted from the spool); ``commit_group`` them when acknowledged. Returns
+        how many of the uids were this shard's prompts not yet done."""
+        held = 0
+        for uid in group_uids:
+            position = self.position_of_group(uid)
+            if position is not None and position >= self._next_undone and position not in self._done_ahead:
+                self._held.add(position)
+                held += 1
+        return held
+
+    def commit_group(self, group_uid: str) -> None:
+        """``commit`` by group uid; uids that are not this shard's prompts are ignored."""
+        position = self.position_of_group(group_uid)
+        if position is not None:
+            self.commit(position)
+
+    def _fingerprint(self) -> dict[str, int]:
+        # A cursor is only meaningful for the same rows, shuffle and sharding.
+        return {"rows": len(self.rows), "seed": self.seed, "shuffle": int(self.shuffle),
+                "shard_index": self.shard_index, "shard_count": self.shard_count}
+
+    def _save_state(self) -> None:
+        if self.state_path is None:
+            return
+        state = {"format": STATE_FORMAT, **self._fingerprint(), "next_undone": self._next_undone,
+                 "done_ahead": sorted(self._done_ahead)}
+        atomic_write_bytes(self.state_path, json.dumps(state).encode())
+
+    def _load_state(self) -> None:
+        if self.state_path is None or not self.state_path.exists():
+            return
+        try:
+            state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            fmt, nxt, ahead = state["format"], state["next_undone"], state["done_ahead"]
+            saved = {k: state[k] for k in self._fingerprint()}
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{self.state_path}: unreadable data cursor ({type(e).__name__}: {e}); "
+                            "delete it to start the data from the beginning") from None
+        if fmt != STATE_FORMAT:
+            raise DataError(f"{self.state_path}: cursor format {fmt}, this build reads {STATE_FORMAT}")
+        if saved != self._fingerprint():
+            raise DataError(f"{self.state_path}: the cursor was saved for {saved}, but the data and "
+                            f"sharding now give {self._fingerprint()}; delete it to start over")
+        if not isinstance(nxt, int) or not all(isinstance(p, int) and p > nxt for p in ahead):
+            raise DataError(f"{self.state_path}: inconsistent cursor (next_undone={nxt!r})")
+        self._next_undone, self._done_ahead = nxt, set(ahead)
+
+
+def _load_sources(sources: Sequence[Source], default_agent_type: str) -> list[_Row]:
+    rows: list[_Row] = []
+    for source in sources:
+        for path in source.paths:
+            fallback_name = source.name or Path(path).stem
+            for row in load_rows(path):
+                # A dataset's name is authoritative (the mixer and metrics group by it); plain
+                # train_files keep each row's own data_source.
+                name = source.name or row.get("data_source") or fallback_name
+                agent = row.get("agent") or source.agent_type or default_agent_type
+                rows.append(_Row(row, name, agent))
+    if not rows:
+        raise DataError("no training rows: every configured source is empty")
+    return rows
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader (or a restart after a crash) sees either the old
+    or the new content, never a mix: write a temporary file, fsync it, rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename itself is only durable once the directory entry is on disk.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,160 @@
+"""Batch files: the on-disk form of a trajectory batch, used by recordings and by the spool.
+
+One file holds one batch as a msgpack map (format in RECORDING.md): a format version, the server
+id, a sequence number, the time, and ``frames``: the TRAJECTORY_BATCH exactly as framed on the
+wire, each frame a msgpack bin. Keeping the wire frames (rather than a second serialisation)
+means reading a file back goes through ``protocol.codec.decode``, so a replay or a resend gets
+trajectories validated by the same code as the learner's, and nothing is ever unpickled.
+
+Files are written to a temporary name and renamed, so a reader never sees half a batch; spool
+files are also fsynced (they are the only copy until the learner acknowledges them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgpack
+
+from protocol import codec
+from protocol.errors import ProtocolError
+from protocol.messages import TrajectoryBatch
+from protocol.trajectory import Trajectory
+from rollout_service.data import atomic_write_bytes
+
+FORMAT_VERSION = 1
+_DEFAULT_LIMITS = codec.CodecLimits()
+_NAME = re.compile(r"^batch-(\d+)\.msgpack$")
+
+
+class BatchFileError(ValueError):
+    """A batch file is not in the documented format or does not hold a valid batch."""
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    format: int
+    server_id: str
+    seq: int
+    time: float
+    path: Path
+
+
+def batch_path(directory: Path, n: int) -> Path:
+    # Zero-padded so a plain sort of the names is the write order.
+    return directory / f"batch-{n:010d}.msgpack"
+
+
+def batch_files(directory: Path) -> list[tuple[int, Path]]:
+    """(number, path) of every batch file in ``directory``, in order (temporary files ignored)."""
+    if not directory.is_dir():
+        return []
+    found = ((_NAME.match(p.name), p) for p in directory.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def remove_temporaries(directory: Path) -> int:
+    """Delete half-written files a crashed writer left (they never got their final name)."""
+    stale = list(directory.glob(".batch-*.msgpack.tmp-*")) if directory.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
+def pack_batch_file(frames: Sequence[codec.Frame], *, server_id: str, seq: int,
+                    at: float | None = None) -> bytes:
+    doc = {"format": FORMAT_VERSION, "server_id": server_id, "seq": seq,
+           "time": time.time() if at is None else at,
+           "frames": [memoryview(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames]}
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def write_batch_file(path: Path, frames: Sequence[codec.Frame], *, server_id: str, seq: int,
+                     durable: bool) -> None:
+    """Blocking: call it from a worker thread. ``durable``: fsync before the rename."""
+    data = pack_batch_file(frames, server_id=server_id, seq=seq)
+    if durable:
+        atomic_write_bytes(path, data)
+    else:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+
+def read_batch_file(path: Path,
+                    limits: codec.CodecLimits = _DEFAULT_LIMITS) -> tuple[BatchMeta, TrajectoryBatch]:
+    """Blocking. The file's meta and its decoded, validated batch; ``BatchFileError`` otherwise."""
+    try:
+        doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except BatchFileError:
+        raise
+    except Exception as e:  # msgpack raises many types on damaged input
+        raise BatchFileError(f"{path}: not a msgpack batch file ({type(e).__name__}: {e})") from None
+    meta = _meta(doc, path)
+    try:
+        msg = codec.decode(doc["frames"], limits)
+    except ProtocolError as e:
+        raise BatchFileError(f"{path}: invalid batch ({e.code.name}: {e.message})") from None
+    if not isinstance(msg, TrajectoryBatch):
+        raise BatchFileError(f"{path}: holds a {type(msg).__name__}, not a TRAJECTORY_BATCH")
+    return meta, msg
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise BatchFileError(f"msgpack extension type {code} is not allowed in a batch file")
+
+
+def _meta(doc: Any, path: Path) -> BatchMeta:
+    if not isinstance(doc, dict):
+        raise BatchFileError(f"{path}: expected a msgpack map, got {type(doc).__name__}")
+    fmt = doc.get("format")
+    if fmt != FORMAT_VERSION:
+        raise BatchFileError(f"{path}: format {fmt!r}, this build reads format {FORMAT_VERSION}")
+    checks = {"server_id": str, "seq": int, "time": (int, float), "frames": list}
+    for key, kind in checks.items():
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise BatchFileError(f"{path}: field {key!r} missing or of the wrong type")
+    if not all(isinstance(f, bytes) for f in doc["frames"]):
+        raise BatchFileError(f"{path}: field 'frames': every frame must be msgpack bin")
+    return BatchMeta(fmt, doc["server_id"], doc["seq"], float(doc["time"]), path)
+
+
+def read_recording(path: str | os.PathLike[str],
+                   limits: codec.CodecLimits = _DEFAULT_LIMITS) -> Iterator[tuple[BatchMeta, list[Trajectory]]]:
+    """Every batch of a recording (a directory of batch files, in order, or one file) as
+    (meta, validated trajectories). Raises ``BatchFileError`` at the first bad file."""
+    p = Path(path)
+    if not p.exists():
+        raise BatchFileError(f"{p}: no such recording file or directory")
+    files = [p] if p.is_file() else [f for _, f in batch_files(p)]
+    for f in files:
+        meta, batch = read_batch_file(f, limits)
+        yield meta, list(batch.trajectories)
+
+
+class Recorder:
+    """Writes every shipped batch to ``<directory>/batch-<n>.msgpack`` (n continues after the files
+    already there, so a restarted server appends to its recording)."""
+
+    def __init__(self, directory: str | os.PathLike[str], server_id: str) -> None:
+        self.directory, self.server_id = Path(directory), server_id
+        self.directory.mkdir(parents=True, exist_ok=True)
+        existing = batch_files(self.directory)
+        self._next = existing[-1][0] + 1 if existing else 1
+        self.written = 0
+
+    async def record(self, seq: int, frames: Sequence[codec.Frame]) -> Path:
+        """Write one batch (``frames`` as sent under wire sequence number ``seq``) off the loop."""
+        path = batch_path(self.directory, self._next)
+        self._next += 1  # taken before the await: concurrent callers get distinct files
+        await anyio.to_thread.run_sync(lambda: write_batch_file(
+            path, frames, server_id=self.server_id, seq=seq, durable=False))
+        self.written += 1
+        return path
