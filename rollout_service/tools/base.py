@@ -47,3 +47,44 @@ class Tool(Protocol):
 
 # name -> factory(**options) -> Tool. Options come from config (e.g. the sandbox limits).
 TOOLS: Registry[Any] = Registry("tool")
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "number": (int, float),
+    "integer": (int,),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+    "null": (type(None),),
+}
+
+
+def check_args(parameters: dict[str, Any], args: Any) -> str | None:
+    """Check call arguments against a function schema's ``parameters`` (required names and JSON
+    types of the top-level properties); return what is wrong, phrased for the model, or None."""
+    if not isinstance(args, dict):
+        return f"arguments must be a JSON object, got {type(args).__name__}"
+    props: dict[str, Any] = parameters.get("properties", {})
+    for name in parameters.get("required", []):
+        if name not in args:
+            return f"missing required argument {name!r}"
+    for name, value in args.items():
+        if name not in props:
+            if parameters.get("additionalProperties", True) is False:
+                return f"unexpected argument {name!r}; expected: {', '.join(props)}"
+            continue
+        expected = props[name].get("type")
+        if expected is None:
+            continue
+        names = [expected] if isinstance(expected, str) else list(expected)
+        if not any(_is_json_type(value, t) for t in names):
+            return f"argument {name!r} must be of type {' or '.join(names)}, got {type(value).__name__}"
+    return None
+
+
+def _is_json_type(value: Any, json_type: str) -> bool:
+    # bool is an int in Python but not a number in JSON.
+    if isinstance(value, bool) and json_type in ("number", "integer"):
+        return False
+    return isinstance(value, _JSON_TYPES.get(json_type, (object,)))
