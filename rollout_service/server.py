@@ -39,6 +39,7 @@ from rollout_service.engine.base import SamplingSettings
 from rollout_service.groups import RewardChoice, run_group, stale
 from rollout_service.metrics import RolloutStats
 from rollout_service.rewards.base import REWARDS
+from rollout_service.shipping import ShippingError
 from rollout_service.tools.base import TOOLS
 
 
@@ -92,6 +93,13 @@ def check_names(config: Any, agent_types: set[str]) -> None:
                             f"known: {', '.join(TOOLS.names())}")
     if problems:
         raise SystemExit("rollout server: " + "; ".join(problems))
+
+
+def _first_leaf(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
+    sub = group.subgroup(lambda e: isinstance(e, kind))
+    while isinstance(sub, BaseExceptionGroup):
+        sub = sub.exceptions[0]
+    return sub
 
 
 def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
@@ -173,29 +181,39 @@ class RolloutServer:
                        on_recovered_acked=lambda uids: [self.source.commit_group(u) for u in uids])
 
     async def run(self, *, max_groups: int | None = None) -> None:
-        """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped."""
-        from rollout_service.metrics import run_stats_logger
-
+        """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
+        Raises ShippingError when the learner refuses this server for good."""
         server = self.config.rollout_server
         self.shipper = self._build_shipper()
         if server.metrics_port is not None:
             port = self.stats.start_metrics_server(server.metrics_port)
             self.log.info("metrics endpoint", url=f"http://0.0.0.0:{port}/metrics")
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._signals, tg.cancel_scope)
-                await tg.start(self.shipper.run)
-                self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
-                tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
-                tg.start_soon(self._weights_loop)
-                await self._admit(tg, max_groups)
-                await self.shipper.flush()
-                await self.shipper.drain()
-                await self.shipper.close("done")
-                tg.cancel_scope.cancel()
+            await self._serve(max_groups)
+        except BaseExceptionGroup as group:  # refused for good: one clear error, not a task tree
+            refused = _first_leaf(group, ShippingError)
+            if refused is None:
+                raise
+            raise refused from None
         finally:
             self.stats.stop_metrics_server()
             self._state_lock.release()
+
+    async def _serve(self, max_groups: int | None) -> None:
+        from rollout_service.metrics import run_stats_logger
+
+        server = self.config.rollout_server
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._signals, tg.cancel_scope)
+            await tg.start(self.shipper.run)
+            self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
+            tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
+            tg.start_soon(self._weights_loop)
+            await self._admit(tg, max_groups)
+            await self.shipper.flush()
+            await self.shipper.drain()
+            await self.shipper.close("done")
+            tg.cancel_scope.cancel()
 
     async def _signals(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

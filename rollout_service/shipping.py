@@ -131,7 +131,8 @@ class Shipper:
             self._stop("the shipper stopped")
         if self.client.conn.state is SenderState.FAILED:
             err = self.client.conn.fatal_error
-            raise ShippingError(f"the learner refused this server: {err.message if err else 'unknown error'}")
+            what = f"{_code_name(err.code)}: {err.message}" if err else "unknown error"
+            raise ShippingError(f"the learner refused this server: {what}")
 
     async def close(self, reason: str = "") -> None:
         """Say BYE; batches not yet acknowledged stay in the spool for the next start."""
@@ -287,6 +288,12 @@ class Shipper:
     def _report(self) -> None:
         if self.stats is not None:
             self.stats.set_queue_depths(spool=self._spooled, unacked=self._unacked)
+
+
+def _code_name(code: int) -> str:
+    from protocol.errors import ErrorCode
+
+    return ErrorCode(code).name if code in ErrorCode._value2member_map_ else f"error {code}"
 
 
 def _set_aside(path: Path, folder: str) -> None:

@@ -1,0 +1,580 @@
+"""``Engine`` over vLLM's in-process ``AsyncLLM`` (V1), with weight updates that never restart it.
+
+Design:
+- token in, token out: prompts go in as ``TokensPrompt``; the sampled ids, the logprob of each
+  sampled token (``logprobs=0``) and the final output only (``FINAL_ONLY``: no per-step copies on
+  the event loop) come back. Nothing is decoded.
+- versions: vLLM's engine core labels every step's outputs with its current *weight version*
+  and changes the label only while generation is paused; the final ``CompletionOutput`` carries
+  the spans ``[start, end) -> label``. The label is ``str(policy_version)``, so each token's
+  version is the one whose weights computed it, exact even for tokens that were in the output
+  pipe while the update ran. On a vLLM without these spans, ``keep`` updates fall back to the
+  ``abort`` path below (also exact; the kept prefix is recomputed with the new weights).
+- weight update (``load_weights``): validate names/shapes/dtypes against the checkpoint first
+  (nothing touched on error), write one safetensors file to a temp dir on /dev/shm (RAM), pause
+  the scheduler (``keep``: requests stay frozen with their KV; ``abort``: vLLM aborts them),
+  ``collective_rpc("reload_weights", weights_path=...)`` in every worker, relabel, resume.
+  If the reload fails the last good weights are reloaded and the version stays unchanged.
+- ``abort`` continuation: ``generate`` sees its request finish with "abort" because of the
+  update, waits for the new weights and resubmits prompt + tokens so far with the remaining
+  ``max_tokens``; the caller gets one ``Generation`` with old then new versions. Prefix caching
+  is salted with the policy version so a resubmitted or new request never reuses KV blocks
+  computed with old weights.
+- lifecycle: ``await VllmEngine.start(settings)``; ``await engine.shutdown()`` stops the engine
+  core and worker processes and waits (bounded) until none of them survives.
+vLLM is imported inside functions: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from rollout_service.engine.base import FinishReason, Generation, SamplingSettings
+
+if TYPE_CHECKING:
+    import numpy as np
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from common.config import ActorRolloutRefConfig
+
+log = logging.getLogger(__name__)
+
+UpdateMode = Literal["abort", "keep"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update was refused or failed; the previous weights and version are still in use."""
+
+
+@dataclass(frozen=True)
+class VllmEngineSettings:
+    """What the engine is built from (``RolloutConfig``'s engine keys plus the model path)."""
+
+    model: str
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.3
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    tensor_model_parallel_size: int = 1
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: vLLM's default for the device
+    trust_remote_code: bool = False
+    initial_version: int = 0
+    # processed: after temperature, i.e. the distribution the token was sampled from (what the
+    # learner's importance ratio needs when it divides its logits by the same temperature).
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    shm_dir: str | None = None  # where update files are staged; None: /dev/shm if present
+
+    @classmethod
+    def from_config(
+        cls, actor_rollout_ref: ActorRolloutRefConfig, **overrides: Any
+    ) -> VllmEngineSettings:
+        rollout = actor_rollout_ref.rollout
+        values: dict[str, Any] = {
+            "model": actor_rollout_ref.model.path,
+            "max_model_len": rollout.max_model_len,
+            "gpu_memory_utilization": rollout.gpu_memory_utilization,
+            "dtype": rollout.dtype,
+            "enforce_eager": rollout.enforce_eager,
+            "tensor_model_parallel_size": rollout.tensor_model_parallel_size,
+            "seed": rollout.seed,
+            "max_num_seqs": rollout.max_num_seqs,
+            "trust_remote_code": actor_rollout_ref.model.trust_remote_code,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class _Request:
+    """One caller request; it may span several vLLM submissions (abort-mode continuations)."""
+
+    request_id: str
+    vllm_id: str = ""
+    user_aborted: bool = False
+    preempted: bool = False  # aborted by a weight update: generate() continues it
+
+
+@dataclass
+class _Checkpoint:
+    """Names, shapes and dtypes an update must match (from the model dir's safetensors headers)."""
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    optional: frozenset[str] = frozenset()  # accepted but not required (tied lm_head)
+
+
+class VllmEngine:
+    """``base.Engine`` backed by an in-process ``AsyncLLM``; see the module docstring."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        settings: VllmEngineSettings,
+        *,
+        version_labels: bool,
+        eos_token_ids: frozenset[int],
+        checkpoint: _Checkpoint,
+        child_pids: frozenset[int],
+    ) -> None:
+        self._llm = llm
+        self._settings = settings
+        self._version = settings.initial_version
+        self._version_labels = version_labels
+        self._eos_token_ids = eos_token_ids
+        self._checkpoint = checkpoint
+        self._child_pids = child_pids
+        self._requests: dict[str, _Request] = {}
+        self._serial = itertools.count()
+        self._update_lock = asyncio.Lock()
+        self._ready = asyncio.Event()  # cleared while weights are being swapped
+        self._ready.set()
+        self._good_weights: Path | None = None  # staged dir of the current version (rollback)
+        self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, settings: VllmEngineSettings) -> VllmEngine:
+        """Builds the AsyncLLM (engine-core and worker processes); tens of seconds on CPU."""
+        import psutil
+
+        _set_cpu_env_defaults()
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        llm = _build_async_llm(settings)
+        # multiprocessing's resource tracker is shared by the whole process and outlives vLLM.
+        children = {
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and not _is_resource_tracker(p)
+        }
+        version_labels = hasattr(llm, "update_weight_version") and _has_weight_spans()
+        engine = cls(
+            llm,
+            settings,
+            version_labels=version_labels,
+            eos_token_ids=_eos_token_ids(settings.model),
+            checkpoint=_read_checkpoint(Path(settings.model)),
+            child_pids=frozenset(children),
+        )
+        del llm  # the engine owns it: shutdown() must be able to drop the last reference
+        if version_labels:
+            await engine._llm.update_weight_version(str(settings.initial_version))
+        return engine
+
+    @classmethod
+    async def from_config(
+        cls, actor_rollout_ref: ActorRolloutRefConfig, **overrides: Any
+    ) -> VllmEngine:
+        return await cls.start(VllmEngineSettings.from_config(actor_rollout_ref, **overrides))
+
+    async def shutdown(self) -> None:
+        """Stops vLLM and waits until its child processes are gone (kills stragglers)."""
+        if self._closed:
+            return
+        self._closed = True
+        import psutil
+
+        self._llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        # AsyncLLM.__del__ shuts down again; at interpreter exit that fails noisily, so let the
+        # object go now, while the interpreter is whole.
+        del self._llm
+        gc.collect()
+        procs = []
+        for pid in self._child_pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(pid))
+        _, alive = await asyncio.to_thread(psutil.wait_procs, procs, SHUTDOWN_TIMEOUT_S)
+        for proc in alive:
+            log.warning("vLLM child process %d survived shutdown; killing it", proc.pid)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        if self._good_weights is not None:
+            shutil.rmtree(self._good_weights, ignore_errors=True)
+
+    async def __aenter__(self) -> VllmEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def child_pids(self) -> frozenset[int]:
+        """Processes vLLM started (engine core, workers): for shutdown checks."""
+        return self._child_pids
+
+    @property
+    def async_llm(self) -> AsyncLLM:
+        return self._llm
+
+    # -- Engine protocol -----------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
+        if self._closed:
+            raise RuntimeError("the vLLM engine is shut down")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        start = time.perf_counter()
+        req = _Request(request_id)
+        self._requests[request_id] = req
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish: FinishReason = "abort"
+        waited = 0.0
+        try:
+            while True:
+                t_wait = time.perf_counter()
+                await self._ready.wait()  # no submission while weights are being swapped
+                waited += time.perf_counter() - t_wait
+                if req.user_aborted:
+                    break
+                remaining = sampling.max_tokens - len(tokens)
+                # Only an update that starts after this point may mark this submission preempted.
+                req.preempted = False
+                out = await self._submit(req, [*prompt_ids, *tokens], sampling, remaining)
+                tokens += out.token_ids
+                logprobs += out.logprobs
+                versions += out.versions
+                finish = out.finish_reason
+                if finish != "abort" or not req.preempted or req.user_aborted:
+                    break
+                if len(tokens) >= sampling.max_tokens:
+                    finish = "length"
+                    break
+        finally:
+            del self._requests[request_id]
+        return Generation(
+            token_ids=tokens,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=finish,
+            stop_token_included=finish == "stop",
+            timings={"total_s": time.perf_counter() - start, "weight_update_wait_s": waited},
+        )
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        vllm_ids = []
+        for rid in request_ids:
+            if (req := self._requests.get(rid)) is not None:
+                req.user_aborted = True
+                if req.vllm_id:
+                    vllm_ids.append(req.vllm_id)
+        if vllm_ids:
+            await self._llm.abort(vllm_ids)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    async def load_weights(
+        self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode
+    ) -> float:
+        """Swaps in new weights as ``version``; returns the seconds taken. All or nothing: on any
+        error the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"mode must be 'abort' or 'keep', not {mode!r}")
+        start = time.perf_counter()
+        async with self._update_lock:
+            if self._closed:
+                raise WeightUpdateError("the engine is shut down")
+            self._check_update(version, tensors)
+            checked = time.perf_counter()
+            nbytes = sum(array.nbytes for _, array in tensors)
+            staged = await asyncio.to_thread(_stage_safetensors, tensors, self._stage_root(nbytes))
+            staged_at = time.perf_counter()
+            # The swap is not interruptible: a cancelled caller waits for it to finish, so the
+            # workers never keep half-loaded weights and generation is always resumed.
+            swap = asyncio.ensure_future(self._swap(version, staged, mode))
+            try:
+                await asyncio.shield(swap)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await swap
+                self._commit_or_discard(staged, swap)
+                raise
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            self._commit_or_discard(staged, swap)
+        end = time.perf_counter()
+        self.last_update_timings = {
+            "check_s": checked - start,
+            "stage_s": staged_at - checked,
+            "swap_s": end - staged_at,
+            "total_s": end - start,
+            "bytes": float(nbytes),
+        }
+        return end - start
+
+    def _commit_or_discard(self, staged: Path | None, swap: asyncio.Future[None]) -> None:
+        """Keeps the staged dir as the rollback copy if the swap succeeded (dropping the previous
+        copy), else deletes it."""
+        if swap.done() and not swap.cancelled() and swap.exception() is None:
+            staged, self._good_weights = self._good_weights, staged
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def _check_update(self, version: int, tensors: list[tuple[str, np.ndarray]]) -> None:
+        if version <= self._version:
+            raise WeightUpdateError(
+                f"version {version} is not newer than the current {self._version}"
+            )
+        ckpt = self._checkpoint
+        names = [name for name, _ in tensors]
+        problems = []
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"duplicate names {dupes[:5]}")
+        if unknown := sorted(set(names) - set(ckpt.shapes) - ckpt.optional):
+            problems.append(
+                f"unknown names {unknown[:5]} (the checkpoint has e.g. {sorted(ckpt.shapes)[:3]})"
+            )
+        if missing := sorted(set(ckpt.shapes) - set(names)):
+            problems.append(f"missing names {missing[:5]} ({len(missing)} in all)")
+        for name, array in tensors:
+            want = ckpt.shapes.get(name)
+            if want is not None and tuple(array.shape) != want:
+                problems.append(f"{name}: shape {tuple(array.shape)}, the model has {want}")
+            if array.dtype.kind not in "fV":  # V: bfloat16 via ml_dtypes
+                problems.append(f"{name}: dtype {array.dtype} is not a floating type")
+        if problems:
+            raise WeightUpdateError(
+                f"refused weights for version {version}: " + "; ".join(problems)
+            )
+
+    async def _swap(self, version: int, staged: Path, mode: UpdateMode) -> None:
+        keep = mode == "keep" and self._version_labels
+        self._ready.clear()
+        try:
+            if not keep:
+                # Mark before pausing: their "abort" outputs may arrive before pause returns.
+                for req in self._requests.values():
+                    req.preempted = True
+            await self._llm.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
+            try:
+                await self._reload(staged)
+            except Exception as e:
+                await self._rollback()
+                raise WeightUpdateError(
+                    f"reloading weights for version {version} failed: {e}"
+                ) from e
+            if self._version_labels:
+                await self._llm.update_weight_version(str(version))
+            self._version = version
+        finally:
+            await self._llm.resume_generation()
+            self._ready.set()
+
+    async def _reload(self, weights_dir: Path) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+
+    async def _rollback(self) -> None:
+        """Puts the last good weights back after a failed reload (it may have loaded some)."""
+        good = self._good_weights or Path(self._settings.model)
+        try:
+            await self._reload(good)
+        except Exception:
+            log.exception("rollback to %s failed: the engine's weights are undefined", good)
+            raise
+
+    def _stage_root(self, nbytes: int) -> str | None:
+        """/dev/shm (RAM, no disk I/O) when it has room; containers often give it only 64 MiB,
+        and then the default temp dir is used."""
+        if self._settings.shm_dir is not None:
+            return self._settings.shm_dir
+        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 1.1 * nbytes:
+            return "/dev/shm"
+        log.warning(
+            "/dev/shm lacks %.2f GB: staging weight updates in %s",
+            nbytes / 1e9,
+            tempfile.gettempdir(),
+        )
+        return None
+
+    # -- one vLLM submission -------------------------------------------------------------------
+
+    async def _submit(
+        self, req: _Request, prompt: list[int], sampling: SamplingSettings, max_tokens: int
+    ) -> _Piece:
+        from vllm.inputs import TokensPrompt
+
+        version = self._version
+        req.vllm_id = f"{req.request_id}#{next(self._serial)}"
+        params = self._sampling_params(sampling, max_tokens)
+        final = None
+        # cache_salt: blocks cached under older weights are never reused by this submission.
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=f"policy-v{version}"),
+            params,
+            request_id=req.vllm_id,
+        )
+        async for out in stream:  # FINAL_ONLY: one item; cancellation aborts the vLLM request
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
+        return self._piece(final.outputs[0], version)
+
+    def _sampling_params(self, s: SamplingSettings, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _piece(self, comp: Any, submitted_version: int) -> _Piece:
+        ids = list(comp.token_ids)
+        lps = comp.logprobs or []
+        logprobs = [float(lps[i][t].logprob) for i, t in enumerate(ids)] if lps else []
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+        versions = _versions_from_spans(getattr(comp, "weight_versions", None), len(ids))
+        if versions is None:
+            versions = [submitted_version] * len(ids)
+        reason = comp.finish_reason
+        finish: FinishReason = reason if reason in ("stop", "length") else "abort"
+        return _Piece(ids, logprobs, versions, finish)
+
+
+@dataclass
+class _Piece:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+
+
+def _versions_from_spans(spans: Any, n: int) -> list[int] | None:
+    """Per-token versions from vLLM's weight-version spans; None when vLLM gave none."""
+    if not spans:
+        return None if n else []
+    versions = [0] * n
+    for span in spans:
+        try:
+            label = int(span.version)
+        except ValueError:  # "default": a label this engine did not set
+            return None
+        versions[span.start : span.end] = [label] * (span.end - span.start)
+    return versions
+
+
+def _is_resource_tracker(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _has_weight_spans() -> bool:
+    from vllm.outputs import CompletionOutput
+
+    return "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
+
+
+def _set_cpu_env_defaults() -> None:
+    """On a CPU-only build, reserve a modest KV cache unless the user chose a size."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=s.model,
+        max_model_len=s.max_model_len,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        dtype=s.dtype,
+        enforce_eager=s.enforce_eager,
+        tensor_parallel_size=s.tensor_model_parallel_size,
+        seed=s.seed,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        trust_remote_code=s.trust_remote_code,
+        logprobs_mode=s.logprobs_mode,
+        disable_log_stats=True,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+def _eos_token_ids(model_dir: str) -> frozenset[int]:
+    import json
+
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)
+
+
+def _read_checkpoint(model_dir: Path) -> _Checkpoint:
+    """Names/shapes/dtypes from the safetensors headers (no tensor data is read)."""
+    import json
+    import struct
+
+    ckpt = _Checkpoint()
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}: cannot check weight updates")
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                ckpt.shapes[name] = tuple(info["shape"])
+                ckpt.dtypes[name] = info["dtype"]
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in ckpt.shapes:
+        ckpt.optional = frozenset({"lm_head.weight"})
+    return ckpt
+
+
+def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) -> Path:
+    """Writes the update as one safetensors file in a fresh temp dir (RAM-backed when possible)."""
+    from safetensors.numpy import save_file
+
+    out = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=root))
+    try:
+        save_file({name: array for name, array in tensors}, str(out / "model.safetensors"))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return out
