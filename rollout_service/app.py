@@ -14,15 +14,21 @@ from typing import Any
 async def serve(config: Any, run_dir: Path) -> int:
     from common.logging import get_logger
     from rollout_service.engine.vllm_engine import VllmEngine
-    from rollout_service.server import RolloutServer
+    from rollout_service.server import RolloutServer, StartupError
     from rollout_service.shipping import ShippingError
 
+    log = get_logger("rollout_service")
+    try:
+        server = RolloutServer(config, run_dir)  # names, data and state checked before the engine starts
+    except (StartupError, ValueError) as e:
+        log.error(f"cannot start: {e}")
+        return 2
     engine = await VllmEngine.from_config(config.actor_rollout_ref)
     try:
-        server = RolloutServer(config, run_dir, engine=engine)
+        server.attach_engine(engine)
         await server.run(max_groups=config.rollout_server.max_groups)
     except ShippingError as e:
-        get_logger("rollout_service").error(str(e))
+        log.error(str(e))
         return 1
     finally:
         await engine.shutdown()

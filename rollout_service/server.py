@@ -72,6 +72,10 @@ def build_tools(config: Any) -> dict[str, Any]:
             for name in config.actor_rollout_ref.rollout.multi_turn.tools}
 
 
+class StartupError(Exception):
+    """The server cannot start as configured; the message names the key or resource to change."""
+
+
 def check_names(config: Any, agent_types: set[str]) -> None:
     """Fail at start-up, naming the config key, for any agent, reward or tool name nothing provides."""
     import rollout_service.agents.tool_agent  # noqa: F401  (registers the agents)
@@ -92,7 +96,7 @@ def check_names(config: Any, agent_types: set[str]) -> None:
             problems.append(f"actor_rollout_ref.rollout.multi_turn.tools: unknown tool {name!r}; "
                             f"known: {', '.join(TOOLS.names())}")
     if problems:
-        raise SystemExit("rollout server: " + "; ".join(problems))
+        raise StartupError("; ".join(problems))
 
 
 def _first_leaf(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
@@ -121,14 +125,16 @@ def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        raise SystemExit(f"rollout server: shard {server.shard_index} of {server.shard_count} is in use by "
+        raise StartupError(f"shard {server.shard_index} of {server.shard_count} is in use by "
                          f"another rollout server ({path / 'lock'}); give this one another "
                          "rollout_server.shard_index") from None
     return path, lock
 
 
 class RolloutServer:
-    def __init__(self, config: Any, run_dir: Path, *, engine: Any) -> None:
+    def __init__(self, config: Any, run_dir: Path, *, engine: Any = None) -> None:
+        """Everything but the engine is checked and built here, so a bad name or data file fails
+        before the (slow) engine starts; ``attach_engine`` completes the server."""
         from transformers import AutoTokenizer
 
         from rollout_service.data import PromptSource
@@ -152,6 +158,9 @@ class RolloutServer:
         self._running = 0  # episodes in flight
         self._drain_waiting = False
         self._changed = anyio.Event()
+
+    def attach_engine(self, engine: Any) -> None:
+        self.engine = self.deps.engine = engine
 
     # -- wiring ------------------------------------------------------------------------------------
     def _build_shipper(self) -> Any:

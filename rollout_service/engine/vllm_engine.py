@@ -128,7 +128,6 @@ class VllmEngine:
         settings: VllmEngineSettings,
         *,
         version_labels: bool,
-        eos_token_ids: frozenset[int],
         checkpoint: _Checkpoint,
         child_pids: frozenset[int],
     ) -> None:
@@ -136,7 +135,6 @@ class VllmEngine:
         self._settings = settings
         self._version = settings.initial_version
         self._version_labels = version_labels
-        self._eos_token_ids = eos_token_ids
         self._checkpoint = checkpoint
         self._child_pids = child_pids
         self._requests: dict[str, _Request] = {}
@@ -169,7 +167,6 @@ class VllmEngine:
             llm,
             settings,
             version_labels=version_labels,
-            eos_token_ids=_eos_token_ids(settings.model),
             checkpoint=_read_checkpoint(Path(settings.model)),
             child_pids=frozenset(children),
         )
@@ -228,6 +225,11 @@ class VllmEngine:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def swapping_weights(self) -> bool:
+        """True while generation is paused for a weight swap (new submissions wait for it)."""
+        return not self._ready.is_set()
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
@@ -355,7 +357,7 @@ class VllmEngine:
             want = ckpt.shapes.get(name)
             if want is not None and tuple(array.shape) != want:
                 problems.append(f"{name}: shape {tuple(array.shape)}, the model has {want}")
-            if array.dtype.kind not in "fV":  # V: bfloat16 via ml_dtypes
+            if array.dtype.name not in SAFETENSORS_DTYPES:
                 problems.append(f"{name}: dtype {array.dtype} is not a floating type")
         if problems:
             raise WeightUpdateError(
@@ -532,18 +534,6 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
     return AsyncLLM.from_engine_args(args)
 
 
-def _eos_token_ids(model_dir: str) -> frozenset[int]:
-    import json
-
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return frozenset(ids)
-
-
 def _read_checkpoint(model_dir: Path) -> _Checkpoint:
     """Names/shapes/dtypes from the safetensors headers (no tensor data is read)."""
     import json
@@ -567,13 +557,53 @@ def _read_checkpoint(model_dir: Path) -> _Checkpoint:
     return ckpt
 
 
-def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) -> Path:
-    """Writes the update as one safetensors file in a fresh temp dir (RAM-backed when possible)."""
-    from safetensors.numpy import save_file
+# numpy dtype name -> safetensors dtype code (bfloat16/fp8 names are ml_dtypes').
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 
+
+def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) -> Path:
+    """Writes the update as one safetensors file in a fresh temp dir (RAM-backed when possible).
+
+    Written by hand (8-byte header length, JSON header, raw bytes) straight from the arrays'
+    buffers: safetensors.numpy.save_file first copies every tensor with tobytes(), one more full
+    copy of the model in RAM at the moment memory is tightest (same speed otherwise)."""
+    import json
+
+    import numpy as np
+
+    header: dict[str, Any] = {}
+    offset = 0
+    arrays = []
+    for name, array in tensors:
+        code = SAFETENSORS_DTYPES.get(array.dtype.name)
+        if code is None:
+            raise WeightUpdateError(
+                f"{name}: dtype {array.dtype} cannot be staged (known: {sorted(SAFETENSORS_DTYPES)})"
+            )
+        array = np.ascontiguousarray(array)
+        header[name] = {
+            "dtype": code,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+        arrays.append(array)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
     out = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=root))
     try:
-        save_file({name: array for name, array in tensors}, str(out / "model.safetensors"))
+        with (out / "model.safetensors").open("wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for array in arrays:
+                f.write(memoryview(array.reshape(-1)).cast("B"))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

