@@ -20,6 +20,8 @@ class ScriptedEngine:
         self.loaded: list[tuple[int, dict[str, bytes], str]] = []
         self.repeat_last = False  # keep answering with the last turn once the script is used up
         self.respond: Any = None  # or a function of the decoded context -> the turn's text
+        self.load_gate: Any = None  # an anyio.Event load_weights waits for, if set
+        self.delay_s = 0.0  # seconds each generate call takes
 
     @property
     def policy_version(self) -> int:
@@ -27,6 +29,10 @@ class ScriptedEngine:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
         self.calls.append((list(prompt_ids), sampling))
+        if self.delay_s:
+            import anyio
+
+            await anyio.sleep(self.delay_s)
         if self.respond is not None:
             turn = self.respond(self.tok.decode(list(prompt_ids)))
         elif self.repeat_last and len(self.turns) == 1:
@@ -45,6 +51,8 @@ class ScriptedEngine:
         pass
 
     async def load_weights(self, version: int, tensors: list[tuple[str, Any]], *, mode: str) -> float:
+        if self.load_gate is not None:  # a test holds the update back (a slow load)
+            await self.load_gate.wait()
         self.loaded.append((version, {name: bytes(memoryview(a)) for name, a in tensors}, mode))
         self.version = version
         return 0.001

@@ -155,3 +155,54 @@ def test_a_second_server_on_the_same_shard_is_refused(tmp_path: Path, tiny_model
     with pytest.raises(StartupError, match="shard 0 of 1 is in use"):
         RolloutServer(config, tmp_path / "run")
     first._state_lock.release()
+
+
+def test_stale_groups_are_dropped_whole() -> None:
+    from protocol.reference import synthetic_trajectory
+    from rollout_service.groups import stale
+
+    rng = np.random.default_rng(0)
+    fresh = [synthetic_trajectory(rng, server="s", version=4) for _ in range(2)]
+    old = synthetic_trajectory(rng, server="s", version=2)
+    assert not stale(fresh, newest_version=5, max_staleness=1)
+    assert stale([*fresh, old], newest_version=5, max_staleness=2) is True  # 5 - 2 > 2
+    assert not stale([*fresh, old], newest_version=5, max_staleness=3)
+    # Only sampled tokens count: a tool span tagged with an older version does not make it stale.
+    old.versions[old.response_mask == 1] = 5
+    assert not stale([old], newest_version=5, max_staleness=0)
+
+
+@pytest.mark.anyio
+async def test_admission_waits_while_weights_lag_and_stale_groups_are_not_shipped(
+        tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from protocol.reference import reference_weights
+    from rollout_service.server import RolloutServer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    learner = ReferenceLearner()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(learner.serve)
+        config = make_config(tmp_path, tiny_model, address, **{"actor_rollout_ref.rollout.max_staleness": 0,
+                                                               "rollout_server.max_concurrent_episodes": 2})
+        engine = ScriptedEngine(tok, ["answer 42"])
+        engine.repeat_last, engine.delay_s, engine.load_gate = True, 0.3, anyio.Event()
+        server = RolloutServer(config, tmp_path / "run", engine=engine)
+        tg.start_soon(server.run)
+        with anyio.fail_after(20):
+            while not learner.received:
+                await anyio.sleep(0.02)
+            learner.server.publish_weights(1, reference_weights(seed=1), chunk_bytes=16 << 10)
+            while server.newest_version != 1:  # announced, still loading (the gate is closed)
+                await anyio.sleep(0.02)
+            calls = len(engine.calls)
+            await anyio.sleep(1.0)
+            assert len(engine.calls) <= calls + 2, "episodes were admitted while the weights lagged"
+            shipped = len(learner.received)
+            engine.load_gate.set()
+            while len(learner.received) < shipped + 4:
+                await anyio.sleep(0.02)
+        tg.cancel_scope.cancel()
+    assert server.stats.counters.staleness_drops >= 2  # the group in flight finished on version 0
+    assert all(int(t.versions.min()) == 1 for t in learner.received[shipped:])
