@@ -88,3 +88,17 @@ def _is_json_type(value: Any, json_type: str) -> bool:
     if isinstance(value, bool) and json_type in ("number", "integer"):
         return False
     return isinstance(value, _JSON_TYPES.get(json_type, (object,)))
+
+
+def function_schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """An OpenAI-style function schema with a closed argument object (unknown arguments refused)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required,
+                       "additionalProperties": False}}}
+
+
+def invalid_args(tool: Tool, args: Any) -> ToolResult | None:
+    """An error response naming the bad argument, or None when ``args`` fit the tool's schema."""
+    problem = check_args(tool.schema["function"]["parameters"], args)
+    return ToolResult(text=f"Error: {problem}", ok=False) if problem else None

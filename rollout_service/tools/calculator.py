@@ -16,7 +16,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, check_args
+from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, function_schema, invalid_args
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 10_000  # about 3000 decimal digits
@@ -58,7 +58,11 @@ def _pow(a: Number, b: Number) -> Number:
 
 
 def _mul(a: Number, b: Number) -> Number:
-    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+    if (
+        isinstance(a, int)
+        and isinstance(b, int)
+        and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+    ):
         raise CalculatorError(f"result too large (more than {MAX_INT_BITS} bits)")
     return a * b
 
@@ -73,7 +77,10 @@ _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Number]] = {
     ast.Pow: _pow,
 }
 
-_UNARYOPS: dict[type[ast.unaryop], Callable[[Any], Number]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARYOPS: dict[type[ast.unaryop], Callable[[Any], Number]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
 
 _CONSTANTS: dict[str, float] = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf}
 
@@ -86,9 +93,34 @@ _FUNCTIONS: dict[str, Callable[..., Number]] = {
     **{
         name: getattr(math, name)
         for name in (
-            "sqrt", "cbrt", "exp", "log10", "log2", "sin", "cos", "tan", "asin", "acos", "atan",
-            "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "floor", "ceil", "trunc",
-            "hypot", "degrees", "radians", "gcd", "lcm", "isqrt", "fabs",
+            "sqrt",
+            "cbrt",
+            "exp",
+            "log10",
+            "log2",
+            "sin",
+            "cos",
+            "tan",
+            "asin",
+            "acos",
+            "atan",
+            "atan2",
+            "sinh",
+            "cosh",
+            "tanh",
+            "asinh",
+            "acosh",
+            "atanh",
+            "floor",
+            "ceil",
+            "trunc",
+            "hypot",
+            "degrees",
+            "radians",
+            "gcd",
+            "lcm",
+            "isqrt",
+            "fabs",
         )
         if hasattr(math, name)
     },
@@ -99,8 +131,12 @@ _FUNCTIONS: dict[str, Callable[..., Number]] = {
     "min": min,
     "max": max,
     "factorial": lambda n: math.factorial(_int_arg(n, MAX_FACTORIAL_ARG, "factorial")),
-    "comb": lambda n, k: math.comb(_int_arg(n, MAX_INT_BITS, "comb"), _int_arg(k, MAX_INT_BITS, "comb")),
-    "perm": lambda n, k: math.perm(_int_arg(n, MAX_FACTORIAL_ARG, "perm"), _int_arg(k, MAX_FACTORIAL_ARG, "perm")),
+    "comb": lambda n, k: math.comb(
+        _int_arg(n, MAX_INT_BITS, "comb"), _int_arg(k, MAX_INT_BITS, "comb")
+    ),
+    "perm": lambda n, k: math.perm(
+        _int_arg(n, MAX_FACTORIAL_ARG, "perm"), _int_arg(k, MAX_FACTORIAL_ARG, "perm")
+    ),
 }
 
 
@@ -127,7 +163,9 @@ def _eval(node: ast.AST) -> Number:
 def _call(node: ast.Call) -> Number:
     if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
         what = node.func.id if isinstance(node.func, ast.Name) else type(node.func).__name__
-        raise CalculatorError(f"unknown function {what!r}; functions: {', '.join(sorted(_FUNCTIONS))}")
+        raise CalculatorError(
+            f"unknown function {what!r}; functions: {', '.join(sorted(_FUNCTIONS))}"
+        )
     if node.keywords:
         raise CalculatorError("keyword arguments are not supported")
     args = [_eval(arg) for arg in node.args]
@@ -164,29 +202,19 @@ class Calculator:
 
     @property
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": (
-                    "Evaluate an arithmetic expression: numbers, + - * / // % ** (or ^), parentheses, "
-                    "constants pi e tau, and functions such as sqrt, log, exp, sin, factorial, comb."
-                ),
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "expression": {"type": "string", "description": "e.g. (3 + 4) * sqrt(2) / 7"}
-                    },
-                    "required": ["expression"],
-                    "additionalProperties": False,
-                },
-            },
-        }
+        return function_schema(
+            self.name,
+            (
+                "Evaluate an arithmetic expression: numbers, + - * / // % ** (or ^), parentheses, "
+                "constants pi e tau, and functions such as sqrt, log, exp, sin, factorial, comb."
+            ),
+            {"expression": {"type": "string", "description": "e.g. (3 + 4) * sqrt(2) / 7"}},
+            ["expression"],
+        )
 
     async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        problem = check_args(self.schema["function"]["parameters"], args)
-        if problem:
-            return ToolResult(text=f"Error: {problem}", ok=False)
+        if bad := invalid_args(self, args):
+            return bad
         try:
             return ToolResult(text=format_number(evaluate(args["expression"])))
         except CalculatorError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, check_args
+from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, function_schema, invalid_args
 
 
 class AnswerTool:
@@ -20,26 +20,16 @@ class AnswerTool:
 
     @property
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": "Give your final answer and end the episode. Call this exactly once, last.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "answer": {"type": ["string", "number"], "description": "the final answer"}
-                    },
-                    "required": ["answer"],
-                    "additionalProperties": False,
-                },
-            },
-        }
+        return function_schema(
+            self.name,
+            "Give your final answer and end the episode. Call this exactly once, last.",
+            {"answer": {"type": ["string", "number"], "description": "the final answer"}},
+            ["answer"],
+        )
 
     async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        problem = check_args(self.schema["function"]["parameters"], args)
-        if problem:
-            return ToolResult(text=f"Error: {problem}", ok=False)
+        if bad := invalid_args(self, args):
+            return bad
         value = args["answer"]
         answer = value if isinstance(value, str) else json.dumps(value)
         return ToolResult(text=f"Final answer recorded: {answer}", terminal=True, answer=answer)

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from rollout_service.sandbox import SandboxLimits, SandboxResult, run_python
-from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, check_args
+from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, function_schema, invalid_args
 
 _REASONS = {
     "timeout": "execution timed out after {timeout:g} s and was killed",
@@ -32,7 +32,7 @@ def truncate_middle(text: str, limit: int) -> str:
     marker = f"\n... [{len(text) - limit} characters cut] ...\n"
     keep = max(limit - len(marker), 0)
     head = keep // 2
-    return text[:head] + marker + text[len(text) - (keep - head):]
+    return text[:head] + marker + text[len(text) - (keep - head) :]
 
 
 def describe(res: SandboxResult, limits: SandboxLimits, max_chars: int) -> ToolResult:
@@ -43,10 +43,16 @@ def describe(res: SandboxResult, limits: SandboxLimits, max_chars: int) -> ToolR
         parts.append(f"stderr:\n{res.stderr}")
     if res.killed_reason is not None:
         template = _REASONS.get(res.killed_reason, "the program was killed ({reason})")
-        parts.append("Error: " + template.format(
-            timeout=limits.timeout_s, output=limits.max_output_bytes, memory=limits.memory_mb,
-            cpu=limits.cpu_s, reason=res.killed_reason,
-        ))
+        parts.append(
+            "Error: "
+            + template.format(
+                timeout=limits.timeout_s,
+                output=limits.max_output_bytes,
+                memory=limits.memory_mb,
+                cpu=limits.cpu_s,
+                reason=res.killed_reason,
+            )
+        )
     elif res.exit_code != 0:
         parts.append(f"Error: the program exited with status {res.exit_code}")
     text = "\n".join(part.rstrip("\n") for part in parts) or "(no output)"
@@ -63,31 +69,23 @@ class PythonTool:
 
     @property
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": (
-                    "Run a Python 3 program in a fresh sandbox (no network, no third-party packages, "
-                    f"{self.limits.timeout_s:g} s limit) and return what it prints. Use print() to see "
-                    "results; nothing is kept between calls."
-                ),
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "code": {"type": "string", "description": "the complete program"},
-                        "stdin": {"type": "string", "description": "text fed to standard input"},
-                    },
-                    "required": ["code"],
-                    "additionalProperties": False,
-                },
+        return function_schema(
+            self.name,
+            (
+                "Run a Python 3 program in a fresh sandbox (no network, no third-party packages, "
+                f"{self.limits.timeout_s:g} s limit) and return what it prints. Use print() to see "
+                "results; nothing is kept between calls."
+            ),
+            {
+                "code": {"type": "string", "description": "the complete program"},
+                "stdin": {"type": "string", "description": "text fed to standard input"},
             },
-        }
+            ["code"],
+        )
 
     async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        problem = check_args(self.schema["function"]["parameters"], args)
-        if problem:
-            return ToolResult(text=f"Error: {problem}", ok=False)
+        if bad := invalid_args(self, args):
+            return bad
         res = await run_python(args["code"], limits=self.limits, stdin=args.get("stdin", ""))
         return describe(res, self.limits, self.max_output_chars)
 
