@@ -57,7 +57,7 @@ def teach(model_dir: Path, out: Path, renderer: ChatRenderer, tools: list[dict[s
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     x = torch.tensor([ids])
-    targets = torch.tensor(ids[1:] + [0])[torch.from_numpy(train)]
+    targets = torch.tensor([*ids[1:], 0])[torch.from_numpy(train)]
     for _ in range(700):
         logits = model(x).logits[0][torch.from_numpy(train)]
         loss = torch.nn.functional.cross_entropy(logits, targets)
