@@ -94,7 +94,7 @@ async def test_multi_turn_tool_episode_on_vllm(tmp_path: Path, tiny_model: Path)
     engine = await VllmEngine.start(VllmEngineSettings(model=str(taught), max_model_len=1024, max_num_seqs=4,
                                                        initial_version=5))
     try:
-        deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=1, temperature=1.0),
+        deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=1, temperature=1.0, seed=1234),
                          limits=AgentLimits(response_length=300, max_model_len=1024, max_assistant_turns=4),
                          tools=tools, parser=HermesParser())
         ep = Episode("ep", "g", {"question": QUESTION, "answer": "42"}, data_source="arith", agent_type="tool_agent")
