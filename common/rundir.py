@@ -8,10 +8,10 @@ leaves behind exactly what it was started with.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from common.config import Config, dump_config
+from common.fileio import atomic_write_bytes
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
 
@@ -40,8 +40,5 @@ def prepare_run_dir(config: Config, run_dir: Path | None = None) -> Path:
     """
     run_dir = run_dir if run_dir is not None else resolve_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / RESOLVED_CONFIG_NAME
-    tmp = target.with_name(f".{RESOLVED_CONFIG_NAME}.{os.getpid()}.tmp")
-    tmp.write_text(dump_config(config), encoding="utf-8")
-    tmp.replace(target)
+    atomic_write_bytes(run_dir / RESOLVED_CONFIG_NAME, dump_config(config).encode("utf-8"), durable=False)
     return run_dir

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from common.config.training import DataConfig
+from common.fileio import atomic_write_bytes
 
 STATE_FILE = "data_cursor.json"
 STATE_FORMAT = 1
@@ -341,25 +342,3 @@ def _load_sources(sources: Sequence[Source], default_agent_type: str) -> list[_R
     if not rows:
         raise DataError("no training rows: every configured source is empty")
     return rows
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader (or a restart after a crash) sees either the old
-    or the new content, never a mix: write a temporary file, fsync it, rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename itself is only durable once the directory entry is on disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -23,11 +23,11 @@ from typing import Any
 import anyio
 import msgpack
 
+from common.fileio import atomic_write_bytes
 from protocol import codec
 from protocol.errors import ProtocolError
 from protocol.messages import TrajectoryBatch
 from protocol.trajectory import Trajectory
-from rollout_service.data import atomic_write_bytes
 
 FORMAT_VERSION = 1
 _DEFAULT_LIMITS = codec.CodecLimits()
@@ -79,13 +79,7 @@ def pack_batch_file(frames: Sequence[codec.Frame], *, server_id: str, seq: int,
 def write_batch_file(path: Path, frames: Sequence[codec.Frame], *, server_id: str, seq: int,
                      durable: bool) -> None:
     """Blocking: call it from a worker thread. ``durable``: fsync before the rename."""
-    data = pack_batch_file(frames, server_id=server_id, seq=seq)
-    if durable:
-        atomic_write_bytes(path, data)
-    else:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+    atomic_write_bytes(path, pack_batch_file(frames, server_id=server_id, seq=seq), durable=durable)
 
 
 def read_batch_file(path: Path,

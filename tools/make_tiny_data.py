@@ -13,6 +13,8 @@ import json
 import random
 from pathlib import Path
 
+from common.fileio import atomic_write_bytes
+
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -27,10 +29,7 @@ def make_rows(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False)
 
 
 def make_tiny_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0) -> Path:
