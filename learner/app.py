@@ -1,4 +1,8 @@
-"""bin/learner's run target. Until the trainer lands (issue 4) the learner runs its intake alone."""
+"""bin/learner's run target: the trainer (intake + Ray/FSDP workers) until the last step or a signal.
+
+Heavy imports (torch, Ray, verl) happen here, after the config has been checked, so `--help` and
+`--check` stay instant. The local Ray cluster started for the workers is shut down on every exit.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,12 @@ import anyio
 
 
 def run(config: Any, run_dir: Path) -> int:
-    from learner.intake import serve
+    from learner.trainer import Trainer
 
-    return anyio.run(serve, config, run_dir)
+    try:
+        return anyio.run(Trainer(config, run_dir).run)
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

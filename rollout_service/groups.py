@@ -11,7 +11,7 @@ its extras instead of losing the group.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -60,9 +60,25 @@ class GroupResult:
     episodes: list[Episode]
 
 
+REMAX_BASELINE = "remax_baseline"
+"""reward_extras key of the greedy episode's reward (ReMax's baseline), on every trajectory of a group."""
+
+
+async def greedy_baseline(*, group_uid: str, row: dict[str, Any], agent_type: str, data_source: str,
+                          deps: AgentDeps, rewards: RewardChoice) -> float:
+    """Reward of one greedy episode of ``row``: ReMax's baseline. The episode itself is not shipped
+    (it is not trained on)."""
+    greedy = replace(deps, sampling=replace(deps.sampling, temperature=0.0))
+    ep = Episode(f"{group_uid}-greedy", group_uid, row, data_source=data_source, agent_type=agent_type)
+    await AGENTS.get(agent_type)(greedy).run(ep)
+    return (await score(ep, deps.renderer, rewards)).score
+
+
 async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: str, data_source: str,
-                    deps: AgentDeps, rewards: RewardChoice, server_id: str) -> GroupResult:
-    """Run ``n`` episodes of ``row`` concurrently and score them."""
+                    deps: AgentDeps, rewards: RewardChoice, server_id: str,
+                    remax: bool = False) -> GroupResult:
+    """Run ``n`` episodes of ``row`` concurrently and score them; with ``remax``, also one greedy
+    episode whose reward every trajectory carries as its baseline."""
     agent = AGENTS.get(agent_type)(deps)
     episodes = [Episode(f"{group_uid}-{i}", group_uid, row, data_source=data_source, agent_type=agent_type)
                 for i in range(n)]
@@ -75,10 +91,21 @@ async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: 
         trajectories[i] = ep.to_trajectories(reward=result.score, reward_extras=result.extras,
                                              source_server=server_id)
 
+    baseline: list[float] = []
+
+    async def base() -> None:
+        baseline.append(await greedy_baseline(group_uid=group_uid, row=row, agent_type=agent_type,
+                                              data_source=data_source, deps=deps, rewards=rewards))
+
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
-    return GroupResult([t for ts in trajectories for t in ts], episodes)
+        if remax:
+            tg.start_soon(base)
+    flat = [t for ts in trajectories for t in ts]
+    for t in flat if remax else []:
+        t.reward_extras[REMAX_BASELINE] = baseline[0]
+    return GroupResult(flat, episodes)
 
 
 def stale(trajectories: list[Trajectory], newest_version: int, max_staleness: int) -> bool:

@@ -280,7 +280,8 @@ class RolloutServer:
         try:
             result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n,
                                      agent_type=item.agent_type, data_source=item.data_source, deps=self.deps,
-                                     rewards=self.rewards, server_id=self.server_id)
+                                     rewards=self.rewards, server_id=self.server_id,
+                                     remax=self.config.algorithm.adv_estimator == "remax")
         except BaseException:
             for _ in range(rollout.n):
                 self.stats.episode_abandoned()

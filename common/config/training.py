@@ -63,6 +63,17 @@ class CriticOptimConfig(Section):
 
     lr: float = Field(1e-5, gt=0)
     """Learning rate of the critic."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW weight decay."""
+
+
+class CriticFsdpConfig(Section):
+    """FSDP2 offloading switches of the critic."""
+
+    param_offload: bool = False
+    """Keep parameters on the CPU between uses."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on the CPU between steps."""
 
 
 class CriticConfig(Section):
@@ -76,6 +87,12 @@ class CriticConfig(Section):
     """Samples per forward/backward pass on one worker."""
     cliprange_value: float = Field(0.5, gt=0)
     """Clip of the value update around the old values."""
+    model_path: str | None = None
+    """Model the value head is put on; null: actor_rollout_ref.model.path."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clipping threshold."""
+    fsdp_config: CriticFsdpConfig = Field(default_factory=CriticFsdpConfig)
+    """FSDP2 settings."""
 
 
 def _one_or_many(value: object) -> object:
@@ -174,10 +191,13 @@ class TrainerConfig(Section):
     resume_path: resume from resume_from_path."""
     resume_from_path: str | None = None
     """Checkpoint directory to resume from (resume_mode=resume_path)."""
-    logger: list[Literal["console", "tensorboard", "jsonl"]] = Field(
+    logger: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = Field(
         default_factory=lambda: ["console"]
     )
-    """Metric sinks."""
+    """Metric sinks (wandb needs the wandb package; it runs offline unless WANDB_API_KEY or
+    WANDB_MODE is set)."""
+    seed: int = 0
+    """Seed of the learner's initialisation and sampling (checkpoints restore the RNG state)."""
     default_local_dir: str | None = None
     """Checkpoint directory; null: <run_dir>/checkpoints."""
     run_dir: str = Field("runs/{experiment_name}", min_length=1)

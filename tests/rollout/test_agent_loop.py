@@ -217,3 +217,28 @@ def test_buffers_stay_aligned_whatever_tools_return(renderer: ChatRenderer, toke
     assert len(ep.response_ids) <= budget
     (t,) = ep.to_trajectories(reward=0.0, reward_extras={}, source_server="s")
     assert len(t.response_ids) == len(t.response_mask) == len(t.rollout_logprobs) == len(t.versions)
+
+
+# -- ReMax baseline -------------------------------------------------------------------------------------
+def test_remax_group_carries_the_greedy_episodes_reward(renderer: ChatRenderer) -> None:
+    """With remax, one extra greedy episode (temperature 0) is run and scored; its reward is every
+    trajectory's baseline, and it is not itself shipped."""
+    import anyio
+
+    from rollout_service.groups import REMAX_BASELINE, RewardChoice, run_group
+    from rollout_service.rewards import load_builtin_rewards
+
+    load_builtin_rewards()
+    engine = ScriptedEngine(renderer.tok, [])
+    # sampled episodes answer wrong, the greedy one right: the baseline is 1, the rewards 0
+    engine.respond = lambda _ctx: "42" if engine.calls[-1][1].temperature == 0 else "41"
+    deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=8),
+                     limits=AgentLimits(response_length=64, max_model_len=512))
+    row = {"question": "what is 6*7?", "answer": "42"}
+    res = anyio.run(lambda: run_group(group_uid="g", row=row, n=3, agent_type="single_turn",
+                                      data_source="arith", deps=deps, rewards=RewardChoice("math"),
+                                      server_id="s", remax=True))
+    assert len(res.trajectories) == 3
+    assert [t.reward for t in res.trajectories] == [0.0, 0.0, 0.0]
+    assert all(t.reward_extras[REMAX_BASELINE] == 1.0 for t in res.trajectories)
+    assert sorted(s.temperature for _, s in engine.calls) == [0.0, 1.0, 1.0, 1.0]

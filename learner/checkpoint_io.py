@@ -1,0 +1,110 @@
+"""What a worker writes and reads: sharded training checkpoints, full weights, Hugging Face export.
+
+Design: training state is saved with torch.distributed.checkpoint (DCP), each rank writing its own
+shards in parallel, so saving never gathers a full copy and a checkpoint can be loaded by a
+different number of ranks. Per-rank extras (scheduler and RNG states) are small files read back with
+``weights_only=True``. Full weights for rollout servers and for export are gathered to rank 0 with
+the original checkpoint's tensor names and dtypes (tied weights the checkpoint does not hold are
+left out), which is what vLLM's reload and transformers expect.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TORCH_TO_WIRE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                 torch.float64: "float64", torch.int64: "int64", torch.int32: "int32"}
+WIRE_TO_TORCH = {v: k for k, v in TORCH_TO_WIRE.items()}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
+
+
+def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
+                 dtypes: Mapping[str, str] | None = None) -> list[tuple[str, str, tuple[int, ...], np.ndarray]] | None:
+    """Collective. On rank 0: (name, wire dtype, shape, raw array) for every name in ``names``, cast
+    to ``dtypes[name]`` when given (bf16 travels as its raw 16-bit pattern)."""
+    sd = _full_state_dict(lm)
+    if rank != 0:
+        return None
+    missing = [n for n in names if n not in sd]
+    if missing:
+        raise KeyError(f"the model has no tensors named {missing[:5]} (has e.g. {sorted(sd)[:5]})")
+    out = []
+    for n in names:
+        t = sd[n].detach()
+        if dtypes and n in dtypes:
+            t = t.to(WIRE_TO_TORCH[dtypes[n]])
+        wire = TORCH_TO_WIRE[t.dtype]
+        raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
+        out.append((n, wire, tuple(t.shape), raw.numpy()))
+    return out
+
+
+def save(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
+         scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
+    """Collective: DCP shards of every trainable model and its optimizer, plus this rank's extras."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = {}
+    for role, opt in optims.items():
+        msd, osd = get_state_dict(models[role], opt)
+        state[f"{role}.model"], state[f"{role}.optim"] = msd, osd
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(directory / "dcp"))
+    extras = {"sched": {r: s.state_dict() for r, s in scheds.items()}, "rng": torch.get_rng_state()}
+    torch.save(extras, directory / f"extras-rank{rank}.pt")
+
+
+def load(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
+         scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = {}
+    for role, opt in optims.items():
+        msd, osd = get_state_dict(models[role], opt)
+        state[f"{role}.model"], state[f"{role}.optim"] = msd, osd
+    dcp.load(state, checkpoint_id=str(directory / "dcp"))
+    for role, opt in optims.items():
+        set_state_dict(models[role], opt, model_state_dict=state[f"{role}.model"],
+                       optim_state_dict=state[f"{role}.optim"])
+    extras_file = directory / f"extras-rank{rank}.pt"
+    if not extras_file.exists():  # resumed on more ranks than saved: rank 0's schedule is everyone's
+        extras_file = directory / "extras-rank0.pt"
+    extras = torch.load(extras_file, weights_only=True)
+    for role, sd in extras["sched"].items():
+        if role in scheds:
+            scheds[role].load_state_dict(sd)
+    torch.set_rng_state(extras["rng"])
+
+
+def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int) -> None:
+    """Collective: a Hugging Face model directory (safetensors, config, tokenizer) on rank 0,
+    loadable by transformers and vLLM as is."""
+    sd = _full_state_dict(lm)
+    if rank != 0:
+        return
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in source_dir.iterdir():  # config, tokenizer, chat template, generation config
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, tmp / f.name)
+    source_dtype = getattr(lm.config, "dtype", None) or torch.float32
+    if isinstance(source_dtype, str):
+        source_dtype = getattr(torch, source_dtype)
+    sd = {k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)

@@ -1,0 +1,129 @@
+"""From received trajectories to what the workers train on: samples, rewards, advantages, metrics.
+
+Design: pure functions over numpy/torch on the trainer process, so every transformation between the
+wire and the loss can be unit-tested without workers. Per-token quantities live in padded
+[trajectories, longest response] tensors while advantages are computed (verl's layout, so the
+estimators are verl's), then are cut back to each sample's own length. The episode's reward is put
+on its last trained token (the last token with mask 1), where verl puts the score.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.samples import Sample
+from protocol.trajectory import Trajectory
+
+REMAX_BASELINE = "remax_baseline"  # reward_extras key set by the rollout side (rollout_service.groups)
+
+
+def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
+    out = []
+    for t in trajs:
+        ids = np.concatenate([np.asarray(t.prompt_ids, np.int64), np.asarray(t.response_ids, np.int64)])
+        s = Sample(ids, len(t.prompt_ids), np.asarray(t.response_mask, np.float32))
+        s.tokens["rollout_logprobs"] = np.asarray(t.rollout_logprobs, np.float32)
+        out.append(s)
+    return out
+
+
+def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(np.asarray(r), dtype=dtype)
+    return out
+
+
+def response_tensors(samples: Sequence[Sample], key: str | None = None) -> torch.Tensor:
+    """[N, R] padded response mask (key None) or per-token field ``key``."""
+    width = max((s.response_len for s in samples), default=1)
+    rows = [s.response_mask if key is None else s.tokens[key] for s in samples]
+    return pad(rows, width)
+
+
+def set_tokens(samples: Sequence[Sample], key: str, padded: torch.Tensor) -> None:
+    arr = padded.detach().float().cpu().numpy()
+    for i, s in enumerate(samples):
+        s.tokens[key] = np.ascontiguousarray(arr[i, : s.response_len], dtype=np.float32)
+
+
+def token_level_scores(trajs: Sequence[Trajectory], mask: torch.Tensor) -> torch.Tensor:
+    scores = torch.zeros_like(mask)
+    for i, t in enumerate(trajs):
+        trained = torch.nonzero(mask[i]).flatten()
+        if len(trained):  # an episode without a trained token carries no reward anywhere
+            scores[i, int(trained[-1])] = float(t.reward)
+    return scores
+
+
+def remax_baselines(trajs: Sequence[Trajectory]) -> torch.Tensor:
+    missing = [t.trajectory_id for t in trajs if REMAX_BASELINE not in t.reward_extras]
+    if missing:
+        raise ValueError(
+            f"algorithm.adv_estimator=remax needs the greedy baseline reward_extras[{REMAX_BASELINE!r}] "
+            f"on every trajectory; {len(missing)} lack it (e.g. {missing[0]}): are the rollout servers "
+            "running with the same algorithm.adv_estimator?")
+    return torch.tensor([float(t.reward_extras[REMAX_BASELINE]) for t in trajs])
+
+
+def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values, np.float64)
+    if not len(a):
+        return {}
+    return {f"{prefix}/mean": float(a.mean()), f"{prefix}/std": float(a.std()),
+            f"{prefix}/min": float(a.min()), f"{prefix}/max": float(a.max())}
+
+
+def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version: int) -> dict[str, Any]:
+    """Reward (overall and per data source), lengths, turns, terminations and staleness of a batch."""
+    out: dict[str, Any] = _stats("reward", [t.reward for t in trajs])
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        by_source[t.data_source or "unknown"].append(t.reward)
+    if len(by_source) > 1 or "unknown" not in by_source:
+        for src, rs in sorted(by_source.items()):
+            out[f"reward/mean/{src}"] = float(np.mean(rs))
+    out |= {k.replace("response/", "response/length_"): v
+            for k, v in _stats("response", [len(t.response_ids) for t in trajs]).items()}
+    out["response/trained_tokens_mean"] = float(np.mean([int(np.sum(t.response_mask)) for t in trajs]))
+    out["episode/turns_mean"] = float(np.mean([t.num_turns for t in trajs]))
+    out["episode/turns_max"] = float(np.max([t.num_turns for t in trajs]))
+    for term in sorted({t.termination for t in trajs}):
+        out[f"episode/termination/{term}"] = sum(t.termination == term for t in trajs) / len(trajs)
+    out["batch/trajectories"] = float(len(trajs))
+    out["batch/snapshots"] = float(sum(t.is_snapshot for t in trajs))
+    if staleness:
+        st = np.asarray(staleness)
+        out |= {"staleness/mean": float(st.mean()), "staleness/max": float(st.max()),
+                "staleness/min": float(st.min())}
+        for k in sorted(set(st.tolist())):
+            out[f"staleness/frac_{k}"] = float((st == k).mean())
+    return out
+
+
+def reduce_worker_metrics(per_rank: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Sums over ranks -> means: token-weighted (``*_tok``), per optimizer step (losses, grad norm)."""
+    total = defaultdict(float)
+    for m in per_rank:
+        for k, v in m.items():
+            total[k] += v
+    tokens = max(total.pop("tokens", 0.0), 1.0)
+    steps = max(per_rank[0].get("optimizer_steps", 1.0), 1.0)
+    out: dict[str, float] = {}
+    for k, v in total.items():
+        if k.endswith("_tok"):
+            out[f"{prefix}/{k[:-4]}"] = v / tokens
+        elif k == "grad_norm_sum":
+            out[f"{prefix}/grad_norm"] = v / len(per_rank) / steps
+        elif k in ("lr",):
+            out[f"{prefix}/lr"] = per_rank[0]["lr"]
+        elif k in ("optimizer_steps", "skipped_steps"):
+            out[f"{prefix}/{k}"] = per_rank[0].get(k, 0.0)
+        else:  # losses: each rank's sum over micro-batches is its share of the mini-batch loss
+            out[f"{prefix}/{k}"] = v / steps
+    return out

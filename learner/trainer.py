@@ -1,0 +1,340 @@
+"""The learner's training loop: intake -> prepare -> update -> broadcast -> metrics -> checkpoint.
+
+Design: one async task owns the loop; the intake serves rollout servers concurrently in the same
+task group, so receiving, acknowledging and credit-granting never pause while the workers train.
+The workers (Ray actors, FSDP2) are driven through `WorkerGroup`; the trainer itself only does the
+light, batch-level work (advantages, KL-in-reward, importance weights, metrics). Freshness is
+enforced on data, not on acknowledgements: the intake drops groups older than max_staleness, so the
+learner never waits for a rollout server's WEIGHTS_APPLIED and a slow or dead server never stalls it.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from common.logging import get_logger
+from common.rundir import checkpoint_dir
+from learner import checkpoints
+from learner.prepare import (
+    batch_metrics,
+    reduce_worker_metrics,
+    remax_baselines,
+    response_tensors,
+    set_tokens,
+    to_samples,
+    token_level_scores,
+)
+from learner.samples import Sample, split_for_ranks
+from learner.worker import WorkerSettings
+from protocol.weights import NamedBuffer
+
+
+def worker_settings(config: Any, total_steps: int) -> WorkerSettings:
+    arr, critic, trainer = config.actor_rollout_ref, config.critic, config.trainer
+    actor, optim = arr.actor, arr.actor.optim
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    device = trainer.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return WorkerSettings(
+        model_path=arr.model.path, device=device, trust_remote_code=arr.model.trust_remote_code,
+        gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+        param_offload=actor.fsdp_config.param_offload, optimizer_offload=actor.fsdp_config.optimizer_offload,
+        lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
+        warmup_steps=warmup, total_steps=total_steps, lr_scheduler=optim.lr_scheduler,
+        min_lr_ratio=optim.min_lr_ratio, grad_clip=actor.grad_clip, temperature=arr.rollout.temperature,
+        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+        need_ref=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
+        critic_model_path=(critic.model_path or arr.model.path) if critic.enable else None,
+        critic_lr=critic.optim.lr, critic_weight_decay=critic.optim.weight_decay,
+        critic_grad_clip=critic.grad_clip, cliprange_value=critic.cliprange_value, seed=trainer.seed,
+    )
+
+
+def total_steps(config: Any) -> int:
+    if config.trainer.total_training_steps:
+        return config.trainer.total_training_steps
+    from rollout_service.data import sources_from_config, load_rows
+
+    rows = sum(len(load_rows(p)) for src in sources_from_config(config.data) for p in src.paths)
+    return max(1, config.trainer.total_epochs * rows // config.data.train_batch_size)
+
+
+@dataclass
+class Timer:
+    marks: dict[str, float]
+
+    @classmethod
+    def start(cls) -> Timer:
+        return cls({"_t": time.perf_counter()})
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.marks[name] = now - self.marks["_t"]
+        self.marks["_t"] = now
+
+    def metrics(self) -> dict[str, float]:
+        parts = {f"timing/{k}_s": v for k, v in self.marks.items() if k != "_t"}
+        return parts | {"timing/step_s": sum(parts.values())}
+
+
+class Trainer:
+    def __init__(self, config: Any, run_dir: Path) -> None:
+        self.config, self.run_dir = config, run_dir
+        self.log = get_logger("learner")
+        self.total = total_steps(config)
+        self.settings = worker_settings(config, self.total)
+        self.world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+        self.step = 0
+        self.version = 0
+        self.ckpt_root = checkpoint_dir(config, run_dir)
+        self.max_staleness = config.actor_rollout_ref.rollout.max_staleness
+        self.kl_ctrl: Any = None
+        self.workers: Any = None
+        self.intake: Any = None
+        self.weight_names: list[str] = []
+        self.weight_dtypes: dict[str, str] = {}
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
+        t = self.config.trainer
+        path = checkpoints.resume_point(t.resume_mode, self.ckpt_root, t.resume_from_path)
+        return path, (checkpoints.read_state(path) if path else None)
+
+    async def _start_workers(self, resume: Path | None) -> None:
+        from learner.workers import WorkerGroup, init_ray
+
+        init_ray(self.config.ray.address, self.config.ray.num_cpus)
+        self.workers = WorkerGroup(self.settings, self.world)
+        info = await self.workers.start()
+        self.log.info("workers ready", world_size=self.world, backend=info[0]["backend"],
+                      device=info[0]["device"], params=info[0]["params"])
+        if resume is not None:
+            await self.workers.all("load_checkpoint", [(str(resume),)] * self.world)
+
+    async def _publish(self) -> float:
+        """Gather the policy and send it as ``self.version`` to every rollout server."""
+        t0 = time.perf_counter()
+        parts = await self.workers.all("full_weights", [(self.weight_names, self.weight_dtypes)] * self.world)
+        tensors = [NamedBuffer(n, d, shape, memoryview(np.ascontiguousarray(a)).cast("B"))
+                   for n, d, shape, a in parts[0]]
+        self.intake.publish_weights(self.version, tensors)
+        return time.perf_counter() - t0
+
+    def _init_algorithm_state(self, state: dict[str, Any] | None) -> None:
+        from learner.algorithms import make_kl_controller
+
+        k = self.config.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
+        torch.manual_seed(self.config.trainer.seed)
+        if state:
+            self.step, self.version = state["step"], state["policy_version"]
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+    # -- one step --------------------------------------------------------------------------------
+    async def _forward(self, role: str, samples: list[Sample], key: str, *, with_entropy: bool = False) -> None:
+        """Forward-only pass over ``samples`` on every rank; results land in sample.tokens[key]."""
+        micro = self.settings_micro
+        idx = list(range(len(samples)))
+        parts = [idx[r::self.world] for r in range(self.world)]
+        n_micro = max(1, max(math.ceil(len(p) / micro) for p in parts))
+        per_rank = []
+        for part in parts:
+            chunks: list[list[Sample | None]] = [[samples[i] for i in part[j:j + micro]]
+                                                 for j in range(0, len(part), micro)]
+            chunks += [[None]] * (n_micro - len(chunks))
+            per_rank.append(chunks)
+        results = await self.workers.all("forward", [(role, chunks, with_entropy) for chunks in per_rank])
+        out_key = "values" if role == "critic" else "logprobs"
+        for part, res in zip(parts, results, strict=True):
+            flat = [r for chunk in res for r in chunk]
+            for i, r in zip(part, flat, strict=True):
+                samples[i].tokens[key] = r[out_key]
+
+    @property
+    def settings_micro(self) -> int:
+        return self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+
+    async def _prepare(self, trajs: list[Any], samples: list[Sample]) -> dict[str, float]:
+        from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
+
+        cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
+        metrics: dict[str, float] = {}
+        if cfg.off_policy.old_logprobs == "recompute":
+            await self._forward("actor", samples, "old_logprobs")
+        else:
+            for s in samples:
+                s.tokens["old_logprobs"] = s.tokens["rollout_logprobs"]
+        if self.settings.need_ref:
+            await self._forward("ref", samples, "ref_logprobs")
+        if self.settings.critic_model_path:
+            await self._forward("critic", samples, "values")
+        mask = response_tensors(samples)
+        old = response_tensors(samples, "old_logprobs")
+        rewards = token_level_scores(trajs, mask)
+        if alg.use_kl_in_reward:
+            rewards, km = apply_kl_in_reward(rewards, old, response_tensors(samples, "ref_logprobs"), mask,
+                                             controller=self.kl_ctrl, kl_penalty_kind=alg.kl_penalty)
+            self.kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
+            metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
+        kwargs: dict[str, Any] = {
+            "token_level_rewards": rewards, "response_mask": mask,
+            "index": np.array([t.group_uid for t in trajs], dtype=object),
+            "gamma": alg.gamma, "lam": alg.lam, "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
+        }
+        if self.settings.critic_model_path:
+            kwargs["values"] = response_tensors(samples, "values")
+        if alg.adv_estimator == "remax":
+            kwargs["reward_baselines"] = remax_baselines(trajs)
+        adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
+        set_tokens(samples, "advantages", adv)
+        set_tokens(samples, "returns", returns)
+        if cfg.off_policy.old_logprobs == "recompute" and cfg.off_policy.is_level != "off":
+            w, wm = truncated_is_weights(old, response_tensors(samples, "rollout_logprobs"), mask,
+                                         cap=cfg.off_policy.is_cap, level=cfg.off_policy.is_level)
+            set_tokens(samples, "is_weights", w)
+            metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
+        m = mask.bool()
+        metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
+        metrics["rollout/logprob_diff"] = float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean()) if m.any() else 0.0
+        return metrics
+
+    async def _update(self, samples: list[Sample]) -> dict[str, float]:
+        cfg = self.config.actor_rollout_ref.actor
+        samples_per_step = self.config.data.train_batch_size * self.config.actor_rollout_ref.rollout.n
+        n_mini = max(1, samples_per_step // cfg.ppo_mini_batch_size)
+        for s in samples:
+            s.tokens.pop("rollout_logprobs", None)  # not needed by the loss: do not ship it
+            if not self.settings.use_kl_loss:
+                s.tokens.pop("ref_logprobs", None)
+        metrics: dict[str, float] = {}
+        if self.settings.critic_model_path:
+            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
+                                    micro_size=self.config.critic.ppo_micro_batch_size_per_gpu)
+            res = await self.workers.all("update_critic", [(p, cfg.ppo_epochs) for p in plans])
+            metrics |= reduce_worker_metrics(res, "critic")
+        if self.step >= self.config.trainer.critic_warmup:
+            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world, micro_size=self.settings_micro)
+            res = await self.workers.all("update_actor", [(p, cfg.ppo_epochs) for p in plans])
+            metrics |= reduce_worker_metrics(res, "actor")
+            self.version += 1
+        return metrics
+
+    async def train_step(self) -> dict[str, float]:
+        timer = Timer.start()
+        rollout = self.config.actor_rollout_ref.rollout
+        taken = await self.intake.next_batch(self.config.data.train_batch_size, self.version, self.max_staleness)
+        timer.lap("wait")
+        trajs = list(taken.trajectories)
+        metrics = batch_metrics(trajs, taken.staleness, self.version)
+        samples = to_samples(trajs)
+        metrics |= await self._prepare(trajs, samples)
+        timer.lap("prepare")
+        tokens = sum(len(s.input_ids) for s in samples)
+        metrics |= await self._update(samples)
+        timer.lap("update")
+        updated = "actor/pg_loss" in metrics
+        if updated:
+            await self._publish()
+        timer.lap("broadcast")
+        self.intake.mark_trained(taken)
+        self.step += 1
+        metrics |= timer.metrics()
+        stats = self.intake.stats
+        metrics |= {"perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
+                    "perf/update_tokens_per_s": tokens * self.config.actor_rollout_ref.actor.ppo_epochs
+                    / max(timer.marks.get("update", 0.0), 1e-9),
+                    "policy/version": float(self.version), "intake/dropped_stale": float(taken.dropped_stale),
+                    "intake/dropped_stale_total": float(stats.get("dropped_stale_groups", 0)),
+                    "intake/peers": float(stats.get("peers", 0)), "kl_ctrl/coef": float(self.kl_ctrl.value),
+                    "rollout/n": float(rollout.n)}
+        lag = [self.version - v for v in self.intake.peer_versions.values()]
+        if lag:
+            metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
+        return metrics
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    async def save_checkpoint(self) -> Path:
+        staging = checkpoints.staging_dir(self.ckpt_root, self.step)
+        await self.workers.all("save_checkpoint", [(str(staging),)] * self.world)
+        await self.workers.all("export_hf", [(str(staging / "hf"), self.config.actor_rollout_ref.model.path)] * self.world)
+        intake_state = self.intake.state_dict()
+        state = {"step": self.step, "policy_version": self.version, "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "intake": intake_state}
+        path = checkpoints.finalize(self.ckpt_root, staging, self.step, state)
+        self.intake.checkpoint_saved(intake_state)
+        self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
+        return path
+
+    # -- the run ---------------------------------------------------------------------------------
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> int:
+        from common.safetensors_buffers import load_dir
+        from learner.intake import Intake
+        from learner.sinks import MetricSinks
+
+        resume, state = self._resume_state()
+        self._init_algorithm_state(state)
+        v0 = load_dir(self.config.actor_rollout_ref.model.path)
+        self.weight_names = [t.name for t in v0]
+        self.weight_dtypes = {t.name: t.dtype for t in v0}
+        self.intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
+                             fresh=resume is None and self.config.trainer.resume_mode == "disable")
+        t = self.config.trainer
+        sinks = MetricSinks(t.logger, self.run_dir, total_steps=self.total, start_step=self.step,
+                            project=t.project_name, experiment=t.experiment_name,
+                            config=self.config.model_dump(mode="json"))
+        try:
+            async with anyio.create_task_group() as tg:
+                address = await tg.start(self.intake.run)
+                try:
+                    with anyio.CancelScope() as training:
+                        tg.start_soon(self._on_signal, training)
+                        await self._train(resume, v0, address, sinks, task_status)
+                        training.cancel()  # stops the signal watcher
+                finally:
+                    self.intake.close()  # BYE to every rollout server; intake.run returns once sent
+        finally:
+            sinks.close()
+            if self.workers is not None:
+                self.workers.shutdown()
+        return 0
+
+    async def _train(self, resume: Path | None, v0: list[NamedBuffer], address: str, sinks: Any,
+                     task_status: Any) -> None:
+        t = self.config.trainer
+        await self._start_workers(resume)
+        if resume is None:
+            self.intake.publish_weights(0, v0)  # the checkpoint the run starts from, as is
+        else:
+            await self._publish()
+        self.log.info("training", address=address, from_step=self.step, to_step=self.total,
+                      policy_version=self.version, resumed_from=str(resume) if resume else None)
+        task_status.started(address)
+        while self.step < self.total:
+            metrics = await self.train_step()
+            sinks.log(self.step, metrics)
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total):
+                await self.save_checkpoint()
+        if t.save_freq <= 0:  # no checkpoints: still leave the trained model behind
+            final = self.run_dir / "final-hf"
+            await self.workers.all("export_hf", [(str(final), self.config.actor_rollout_ref.model.path)] * self.world)
+            self.log.info("model exported", path=str(final))
+        self.log.info("training done", steps=self.step, policy_version=self.version)
+
+    async def _on_signal(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for sig in signals:
+                self.log.info("stopping", signal=signal.Signals(sig).name, step=self.step)
+                scope.cancel()
+                return

@@ -1,0 +1,244 @@
+"""One training worker: a rank of the learner's torch.distributed group, holding FSDP2 shards.
+
+Design: a plain class (run as a Ray actor by `learner.workers`, or directly in tests) whose methods
+are the collective steps of a training step; every rank is called with its own share of the data
+and the same number of micro-batches, so FSDP's collectives line up. Losses are normalised by the
+global counts of the mini-batch (`MiniBatchPlan`), so the gradient is the same whatever the number of
+ranks and micro-batches. Metrics come back as sums with their weights; the trainer reduces them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner import checkpoint_io
+from learner.samples import MiniBatchPlan, Sample
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model_path: str
+    device: str = "cpu"  # "cpu" or "cuda"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    total_steps: int = 1
+    lr_scheduler: str = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    need_ref: bool = False
+    critic_model_path: str | None = None  # None: no critic
+    critic_lr: float = 1e-5
+    critic_weight_decay: float = 0.01
+    critic_grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0: leave torch's default
+
+
+def lr_factor(step: int, s: WorkerSettings) -> float:
+    """Multiplier of the peak lr after ``step`` scheduler steps: linear warm-up, then constant or
+    cosine decay to min_lr_ratio at total_steps."""
+    if s.warmup_steps > 0 and step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.lr_scheduler == "constant":
+        return 1.0
+    span = max(1, s.total_steps - s.warmup_steps)
+    progress = min(1.0, (step - s.warmup_steps) / span)
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainWorker:
+    def __init__(self, rank: int, world_size: int, settings: WorkerSettings) -> None:
+        self.rank, self.world, self.s = rank, world_size, settings
+        self.device = torch.device("cpu")
+        self.models: dict[str, torch.nn.Module] = {}
+        self.optims: dict[str, torch.optim.Optimizer] = {}
+        self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 only: an address and free port for the process group."""
+        host = socket.gethostbyname(socket.gethostname()) if self.world > 1 else "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        if self.s.threads:
+            torch.set_num_threads(self.s.threads)
+        if self.s.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.world)
+        torch.manual_seed(self.s.seed)  # same initialisation everywhere (value head of the critic)
+        self._build()
+        return {"rank": self.rank, "backend": backend, "device": str(self.device),
+                "params": sum(p.numel() for p in self.models["actor"].parameters()) * self.world}
+
+    def _build(self) -> None:
+        from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
+
+        s, bf16 = self.s, self.device.type == "cuda"
+        lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
+                            gradient_checkpointing=s.gradient_checkpointing).to(self.device)
+        self.models["actor"] = shard(PolicyHead(lm, s.temperature), lm, device=self.device,
+                                     param_offload=s.param_offload, bf16=bf16)
+        self._add_optimizer("actor", s.lr, s.weight_decay)
+        if s.need_ref:
+            ref = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
+                                 gradient_checkpointing=False).to(self.device).eval()
+            ref.requires_grad_(False)
+            self.models["ref"] = shard(PolicyHead(ref, s.temperature), ref, device=self.device,
+                                       param_offload=s.param_offload, bf16=bf16)
+        if s.critic_model_path:
+            vm = load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code).to(self.device)
+            self.models["critic"] = shard(ValueHead(vm), vm, device=self.device,
+                                          param_offload=s.param_offload, bf16=bf16)
+            self._add_optimizer("critic", s.critic_lr, s.critic_weight_decay)
+
+    def _add_optimizer(self, role: str, lr: float, weight_decay: float) -> None:
+        opt = torch.optim.AdamW(self.models[role].parameters(), lr=lr, betas=self.s.betas,
+                                weight_decay=weight_decay)
+        self.optims[role] = opt
+        self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, self.s))
+        self._offload_optimizer(role)
+
+    # -- forward-only passes ----------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, role: str, micro_batches: Sequence[Sequence[Sample | None]],
+                with_entropy: bool = False) -> list[list[dict[str, np.ndarray]]]:
+        """Per micro-batch and sample: logprobs (+ entropy) for actor/ref, values for critic.
+        None entries are placeholders that keep this rank in step; their results are dropped."""
+        from learner.model import collate
+
+        model = self.models[role]
+        model.eval()
+        out = []
+        for micro in micro_batches:
+            real = [s for s in micro if s is not None]
+            batch = collate(real or [_placeholder()], self.device)
+            res = self._run(role, model, batch, with_entropy)
+            out.append([{k: v[i, :s.response_len].float().cpu().numpy() for k, v in res.items()}
+                        for i, s in enumerate(real)])
+        return out
+
+    def _run(self, role: str, model: torch.nn.Module, b: dict[str, torch.Tensor],
+             with_entropy: bool) -> dict[str, torch.Tensor]:
+        if role == "critic":
+            return {"values": model(b["input_ids"], b["attention_mask"], b["gather_idx"])}
+        logp, ent = model(b["input_ids"], b["attention_mask"], b["gather_idx"], b["labels"], with_entropy)
+        return {"logprobs": logp} | ({"entropy": ent} if ent is not None else {})
+
+    # -- updates --------------------------------------------------------------------------------
+    def update_actor(self, plans: Sequence[MiniBatchPlan], epochs: int = 1) -> dict[str, float]:
+        from learner.update import actor_micro_loss
+
+        return self._update("actor", plans, epochs, actor_micro_loss)
+
+    def update_critic(self, plans: Sequence[MiniBatchPlan], epochs: int = 1) -> dict[str, float]:
+        from learner.update import critic_micro_loss
+
+        return self._update("critic", plans, epochs, critic_micro_loss)
+
+    def _update(self, role: str, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: Any) -> dict[str, float]:
+        from learner.model import collate
+
+        model, opt = self.models[role], self.optims[role]
+        clip = self.s.grad_clip if role == "actor" else self.s.critic_grad_clip
+        self._onload_optimizer(role)
+        model.train()
+        sums: dict[str, float] = {}
+        grad_norms, skipped = [], 0
+        for _ in range(epochs):
+            for plan in plans:
+                opt.zero_grad(set_to_none=True)
+                for i, micro in enumerate(plan.micro_batches):
+                    model.set_requires_gradient_sync(i == len(plan.micro_batches) - 1)
+                    loss, metrics = micro_loss(model, collate(micro, self.device), plan, self.s, self.world)
+                    loss.backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                if math.isfinite(norm):
+                    opt.step()
+                else:  # a non-finite gradient would poison the weights: skip this step
+                    skipped += 1
+                grad_norms.append(norm)
+        self.scheds[role].step()
+        self._offload_optimizer(role)
+        opt.zero_grad(set_to_none=True)
+        sums["grad_norm_sum"] = float(np.nansum(grad_norms))
+        sums["optimizer_steps"] = float(len(grad_norms))
+        sums["skipped_steps"] = float(skipped)
+        sums["lr"] = float(self.scheds[role].get_last_lr()[0])
+        return sums
+
+    def _offload_optimizer(self, role: str) -> None:
+        if self.s.optimizer_offload and self.device.type == "cuda":
+            _move_optimizer_state(self.optims[role], torch.device("cpu"))
+
+    def _onload_optimizer(self, role: str) -> None:
+        if self.s.optimizer_offload and self.device.type == "cuda":
+            _move_optimizer_state(self.optims[role], self.device)
+
+    # -- weights and checkpoints ------------------------------------------------------------------
+    def full_weights(self, names: Sequence[str], dtypes: dict[str, str] | None = None
+                     ) -> list[tuple[str, str, tuple[int, ...], np.ndarray]] | None:
+        """Collective: the full policy weights; rank 0 returns them (as raw arrays), others None."""
+        return checkpoint_io.full_weights(self.models["actor"].lm, names, self.rank, dtypes)
+
+    def save_checkpoint(self, directory: str) -> None:
+        checkpoint_io.save(Path(directory), self.models, self.optims, self.scheds, self.rank)
+
+    def load_checkpoint(self, directory: str) -> None:
+        checkpoint_io.load(Path(directory), self.models, self.optims, self.scheds, self.rank)
+
+    def export_hf(self, directory: str, source_dir: str) -> None:
+        checkpoint_io.export_hf(self.models["actor"].lm, Path(directory), Path(source_dir), self.rank)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _placeholder() -> Sample:
+    return Sample(np.zeros(2, np.int64), 1, np.zeros(1, np.float32))
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in opt.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[k] = v.to(device, non_blocking=True)

@@ -1,0 +1,76 @@
+"""The group of training workers as Ray actors: placement, rendezvous and collective calls.
+
+Design: the trainer talks to one `WorkerGroup`; each collective step is "call the same method on
+every rank with that rank's arguments and await all of them", and a failure of any rank fails the
+step with that rank's error. Ray is started locally or joined (`ray.address`); each worker gets one
+GPU on GPU runs, or a share of the CPUs on CPU runs, and sets its torch thread count to that share
+so the ranks do not oversubscribe the cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from common.logging import get_logger
+from learner.worker import TrainWorker, WorkerSettings
+
+
+def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool = True) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p),
+                        "TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=log_to_driver)
+
+
+class WorkerGroup:
+    def __init__(self, settings: WorkerSettings, world_size: int) -> None:
+        import ray
+
+        self.world = world_size
+        self.log = get_logger("learner.workers")
+        if settings.device == "cuda":
+            opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
+        else:
+            cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)))
+            share = cpus / world_size
+            opts = {"num_cpus": min(1.0, share)}
+            if not settings.threads:
+                settings = _with_threads(settings, max(1, int(share)))
+        actor_cls = ray.remote(**opts)(TrainWorker)
+        self.actors = [actor_cls.remote(r, world_size, settings) for r in range(world_size)]
+
+    async def start(self) -> list[dict[str, Any]]:
+        addr, port = await self.actors[0].rendezvous.remote()
+        return await self.all("setup", [(addr, port)] * self.world)
+
+    async def all(self, method: str, args: Sequence[tuple[Any, ...]] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank (rank r gets ``args[r]``) and wait for all of them."""
+        import asyncio
+
+        args = args or [()] * self.world
+        refs = [getattr(a, method).remote(*args[r], **kwargs) for r, a in enumerate(self.actors)]
+        return list(await asyncio.gather(*refs))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception as exc:  # already dead: nothing left to stop
+                self.log.debug("worker already gone", error=str(exc))
+        self.actors = []
+
+
+def _with_threads(settings: WorkerSettings, threads: int) -> WorkerSettings:
+    from dataclasses import replace
+
+    return replace(settings, threads=threads)
