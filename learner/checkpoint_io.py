@@ -104,7 +104,11 @@ def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int)
     source_dtype = getattr(lm.config, "dtype", None) or torch.float32
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
-    sd = {k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    # Gathering unties tied weights (lm_head = embeddings): keep exactly the source checkpoint's names.
+    from common.safetensors_buffers import load_dir
+
+    names = {t.name for t in load_dir(source_dir)}
+    sd = {k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items() if k in names}
     lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)

@@ -88,3 +88,85 @@ def test_two_ranks_match_one_rank(tiny_model: Path, ray_cluster: Any, mode: str)
     assert moved > 1e-5, "the update did not change the weights"
     for n in one:
         np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
+
+
+def test_forward_logprobs_match_transformers(tiny_model: Path, ray_cluster: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from learner.workers import WorkerGroup
+
+    samples = make_samples(5, seed=3)
+
+    async def run() -> list[list[list[dict[str, np.ndarray]]]]:
+        group = WorkerGroup(settings(tiny_model, temperature=0.7), 2)
+        try:
+            await group.start()
+            chunks = [[samples[0], samples[2], samples[4]]], [[samples[1], samples[3]]]
+            return await group.all("forward", [("actor", chunks[0], True), ("actor", chunks[1], True)])
+        finally:
+            group.shutdown()
+
+    res = anyio.run(run)
+    got = {0: res[0][0][0], 2: res[0][0][1], 4: res[0][0][2], 1: res[1][0][0], 3: res[1][0][1]}
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for i, s in enumerate(samples):
+        with torch.no_grad():
+            logits = lm(torch.from_numpy(s.input_ids)[None]).logits[0].float() / 0.7
+        logp = torch.log_softmax(logits[s.prompt_len - 1:-1], -1)
+        want = logp.gather(1, torch.from_numpy(s.input_ids[s.prompt_len:])[:, None])[:, 0]
+        np.testing.assert_allclose(got[i]["logprobs"], want.numpy(), atol=1e-5)
+        ent = -(logp.exp() * logp).sum(-1)
+        np.testing.assert_allclose(got[i]["entropy"], ent.numpy(), atol=1e-4)
+
+
+def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Path, ray_cluster: Any,
+                                                                   tmp_path: Path) -> None:
+    """Train A, save, train B -> W. A fresh group that loads the checkpoint and trains B gets W too
+    (model, optimizer and schedule restored); the HF export loads in transformers."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from learner.workers import WorkerGroup
+
+    a, b = make_samples(8, seed=5), make_samples(8, seed=6)
+    names = [n for n, _ in _hf_names(tiny_model)]
+    kw = {"warmup_steps": 3, "total_steps": 10}
+
+    async def step(group: WorkerGroup, samples: list[Sample]) -> None:
+        plans = split_for_ranks(samples, mini_batches=2, ranks=2, micro_size=2)
+        await group.all("update_actor", [(p, 1) for p in plans])
+
+    async def first() -> dict[str, np.ndarray]:
+        group = WorkerGroup(settings(tiny_model, **kw), 2)
+        try:
+            await group.start()
+            await step(group, a)
+            await group.all("save_checkpoint", [(str(tmp_path / "ckpt"),)] * 2)
+            await group.all("export_hf", [(str(tmp_path / "hf"), str(tiny_model))] * 2)
+            await step(group, b)
+            return {n: x for n, _, _, x in (await group.all("full_weights", [(names,)] * 2))[0]}
+        finally:
+            group.shutdown()
+
+    async def resumed() -> dict[str, np.ndarray]:
+        group = WorkerGroup(settings(tiny_model, **kw), 2)
+        try:
+            await group.start()
+            await group.all("load_checkpoint", [(str(tmp_path / "ckpt"),)] * 2)
+            await step(group, b)
+            return {n: x for n, _, _, x in (await group.all("full_weights", [(names,)] * 2))[0]}
+        finally:
+            group.shutdown()
+
+    w1, w2 = anyio.run(first), anyio.run(resumed)
+    for n in names:
+        np.testing.assert_allclose(w2[n], w1[n], atol=1e-7, err_msg=n)
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(names)
+    lm = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    orig = load_file(str(tiny_model / "model.safetensors"))
+    assert any(not np.array_equal(exported[n], orig[n]) for n in names), "export holds the old weights"
+    sd = lm.state_dict()
+    for n in names:
+        np.testing.assert_array_equal(sd[n].numpy(), exported[n])
