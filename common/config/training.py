@@ -52,7 +52,7 @@ class AlgorithmConfig(Section):
     """Divide GRPO advantages by the group's std (false gives Dr.GRPO)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef * KL(actor || reference) from the per-token reward."""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "full"] = "kl"
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
     """KL estimator used in the reward."""
     kl_ctrl: KlCtrlConfig = Field(default_factory=KlCtrlConfig)
     """KL coefficient controller."""
