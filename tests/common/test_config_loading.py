@@ -211,7 +211,7 @@ def test_all_problems_are_listed(config_file: Path) -> None:
         config_file,
         "trainer.total_epochs=0",
         "data.train_batch_size=x",
-        "trainer.logger=[console,wandb]",
+        "trainer.logger=[console,mlflow]",
         "bad-override",
     )
     lines = message.splitlines()
