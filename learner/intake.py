@@ -1,18 +1,39 @@
-"""The learner's intake service: accepts rollout servers and takes their trajectory streams.
+"""The learner's intake: rollout servers stream trajectory batches in, the trainer takes groups out.
 
-It is the learner-side endpoint of protocol/ configured from the run config: it binds
-``learner.bind_address``, checks that peers use the same tokenizer as ``actor_rollout_ref.model.path``,
-validates token ids against that vocabulary, grants credits from a buffer of ``learner.buffer_batches``
-and deduplicates. ``bin/learner`` runs it on its own until the trainer is built on top of it; a stats
-line is logged every ``stats_interval_s`` and written to ``RUN_DIR/intake_stats.json`` on exit.
+``Intake`` is the learner-side endpoint of protocol/ configured from the run config: it binds
+``learner.bind_address``, checks that peers use the tokenizer of ``actor_rollout_ref.model.path``,
+validates token ids against its vocabulary, deduplicates, and grants credits from a room of
+``learner.buffer_batches`` batches. Design:
+
+- Durability. Every new batch is appended to the journal (``learner.journal``, fsynced) before
+  the protocol may acknowledge it (``LearnerServer(persist=...)``: the ACK is not even queued until
+  the append returned), because the ACK lets the rollout server delete its copy. An append that
+  fails refuses the batch (the sender keeps it and resends), it never stops the server.
+- Buffer. Accepted batches are split into groups (``learner.buffer``) and wait in arrival order;
+  ``next_batch`` takes the oldest fresh ones and drops stale ones as soon as it sees them. A
+  batch's room is freed (credits flow again) once all its groups are trained (``mark_trained``)
+  or dropped, so credits never promise more than the buffer holds.
+- Checkpoints. ``state_dict`` holds the dedup state, the groups not yet trained and the journal
+  position. An intake built with that state (after a crash, even SIGKILL) replays from the journal
+  exactly those groups plus every record appended after the position, and re-registers their
+  batches for deduplication, so nothing accepted is lost and nothing is trained twice (relative to
+  the checkpointed model). ``checkpoint_saved`` compacts the journal down to what a state needs.
+- Without a state the intake replays the whole journal (a learner that died before its first
+  checkpoint); ``fresh=True`` deletes it instead (a new run).
+
+``serve`` runs the intake alone (no trainer): every batch is marked trained as soon as it arrives.
+Either way the final stats are written to ``RUN_DIR/intake_stats.json`` when ``run`` returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +41,42 @@ import anyio
 
 from common.identity import wire_identities
 from common.logging import get_logger
-from common.safetensors_buffers import load_dir
+from learner.buffer import GroupBuffer, GroupKey
+from learner.journal import Journal
 from protocol.batch import token_count
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer
 from protocol.events import (
     BatchReceived,
+    BatchRefused,
     Event,
     PeerClosed,
     PeerError,
     PeerJoined,
     PeerTimedOut,
+    PeerWeightsApplied,
     ProtocolViolation,
 )
 from protocol.receiver import LearnerProtocol
+from protocol.trajectory import Trajectory
+from protocol.weights import NamedBuffer
 from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel
 
+STATE_FORMAT = 1
 
-def build_server(config: Any) -> tuple[LearnerServer, ZmqServerChannel]:
+
+class IntakeClosed(Exception):
+    """The intake was closed while a training batch was being waited for."""
+
+
+class IntakeStarved(RuntimeError):
+    """The buffer is full and still holds fewer groups than a training batch needs."""
+
+
+def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None = None,
+                 publish_initial: bool = True) -> tuple[LearnerServer, ZmqServerChannel]:
+    """The protocol server of the run config, bound. ``publish_initial`` serves the model directory's
+    weights as version 0 to rollout servers that ask."""
     t = config.transport
     _, tok = wire_identities(config.actor_rollout_ref.model.path)
     limits = CodecLimits(
@@ -53,76 +92,332 @@ def build_server(config: Any) -> tuple[LearnerServer, ZmqServerChannel]:
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
-    server = LearnerServer(proto, channel)
-    # Version 0 is the checkpoint the run starts from: served to rollout servers that ask for it.
-    server.publish_weights(0, load_dir(config.actor_rollout_ref.model.path),
-                           chunk_bytes=t.weight_chunk_bytes)
+    server = LearnerServer(proto, channel, persist=persist)
+    if publish_initial:
+        from common.safetensors_buffers import load_dir
+
+        server.publish_weights(0, load_dir(config.actor_rollout_ref.model.path), chunk_bytes=t.weight_chunk_bytes)
     return server, channel
 
 
-class IntakeStats:
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.trajectories = self.tokens = self.batches = self.violations = 0
-        self.peers: set[str] = set()
+@dataclass
+class TakenBatch:
+    """Groups for one training step: ``trajectories`` holds each group's trajectories contiguously,
+    in the order of ``group_uids``."""
 
-    def line(self) -> dict[str, Any]:
-        dt = max(time.monotonic() - self.started, 1e-9)
-        return {"peers": len(self.peers), "batches": self.batches, "trajectories": self.trajectories,
-                "traj_per_s": round(self.trajectories / dt, 1), "tokens_per_s": round(self.tokens / dt),
-                "violations": self.violations}
+    trajectories: list[Trajectory]
+    group_uids: list[str]
+    group_sizes: list[int]
+    staleness: list[int]  # per group: policy version - the oldest version of its trained tokens
+    dropped_stale: int  # groups dropped as stale since the previous batch was taken
+    wait_s: float
+    keys: list[GroupKey] = field(default_factory=list, repr=False)  # for mark_trained
 
 
-def handle(ev: Event, stats: IntakeStats, log: Any, consumed: Callable[[], None]) -> None:
-    match ev:
-        case BatchReceived():
-            stats.batches += 1
-            stats.trajectories += len(ev.trajectories)
-            stats.tokens += token_count(ev.trajectories)
-            consumed()  # no trainer yet: room is free again at once
-        case PeerJoined():
-            stats.peers.add(ev.peer_id)
-            log.info("rollout server joined", peer=ev.peer_id, epoch=ev.hello.epoch,
-                     policy_version=ev.hello.policy_version)
-        case PeerClosed() | PeerTimedOut():
-            stats.peers.discard(ev.peer_id)
-            log.info("rollout server left", peer=ev.peer_id, why=type(ev).__name__)
-        case ProtocolViolation():
-            stats.violations += 1
-            log.warning("invalid message", peer=ev.peer_id, code=ev.error.code.name, error=ev.error.message)
-        case PeerError():
-            log.warning("peer reported an error", peer=ev.peer_id, code=ev.error.code, error=ev.error.message)
+class Intake:
+    """The intake of one learner process. ``state``: an earlier intake's ``state_dict`` to resume
+    from (a checkpoint's); ``journal_dir``: where accepted batches are stored (default
+    ``run_dir/intake-journal``); ``fresh``: without a state, delete the journal instead of replaying
+    it (a new run). Binds the socket at once; ``run`` serves it."""
+
+    def __init__(self, config: Any, run_dir: Path, *, state: dict[str, Any] | None = None,
+                 journal_dir: Path | None = None, fresh: bool = False) -> None:
+        self.config, self.run_dir = config, Path(run_dir)
+        self._log = get_logger("learner.intake")
+        self._journal = Journal(journal_dir or Path(run_dir) / "intake-journal")
+        if fresh and state is None and len(self._journal):
+            self._log.info("fresh run: deleting the intake journal", records=len(self._journal),
+                           directory=str(self._journal.directory))
+            self._journal.clear()
+        try:
+            self._server, self._channel = build_server(config, persist=self._persist, publish_initial=False)
+        except BaseException:
+            self._journal.close()
+            raise
+        self.address: str = self._channel.address
+        self._proto = self._server.proto
+        self._buffer = GroupBuffer()
+        self._position = 0  # highest journal record id whose groups reached the buffer
+        self._counts = dict.fromkeys(("batches", "trajectories", "tokens", "violations", "persisted_bytes",
+                                      "persist_failures", "replayed_records", "replayed_groups"), 0)
+        self._peer_versions: dict[str, int] = {}
+        self._arrived: anyio.Event | None = None
+        self._rule: tuple[int, int] | None = None  # (policy version, max staleness) of the last request
+        self._dropped_reported = 0
+        self._closed = self._started = False
+        self._born = time.monotonic()
+        try:
+            self._restore(state)
+        except BaseException:
+            self._channel.sock.close(linger=0)
+            self._journal.close()
+            raise
+
+    # -- trainer API -----------------------------------------------------------------------------
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve rollout servers until ``close`` (BYE sent to each) or cancellation. Reports the
+        bound address through ``task_status``."""
+        if self._started:
+            raise RuntimeError("Intake.run() runs once")
+        self._started = True
+        if self._closed:  # closed before it ran: close() released everything
+            task_status.started(self.address)
+            return
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._server.run)
+                self._log.info("listening", address=self.address, tokenizer=self._proto.tokenizer.name,
+                               buffer_batches=self._proto.capacity, buffered_groups=len(self._buffer))
+                task_status.started(self.address)
+                async for ev in self._server.events:
+                    self._handle(ev)
+        finally:
+            self._closed = True
+            self._wake()
+            with anyio.CancelScope(shield=True):
+                await self._channel.aclose()
+            self._journal.close()
+            summary = self.summary()
+            self._log.info("intake stopped", **summary)
+            with contextlib.suppress(OSError):  # a report: never worth failing the shutdown for
+                (self.run_dir / "intake_stats.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    async def next_batch(self, n_groups: int, policy_version: int, max_staleness: int) -> TakenBatch:
+        """Wait until ``n_groups`` fresh groups are buffered and take them (oldest first). Groups
+        staler than ``max_staleness`` are dropped whenever they are seen."""
+        if n_groups < 1:
+            raise ValueError(f"n_groups must be >= 1 (got {n_groups})")
+        t0 = time.monotonic()
+        while True:
+            self._rule = (policy_version, max_staleness)  # also applied to arrivals until the next call
+            self._drop_stale(policy_version, max_staleness)
+            if len(self._buffer) >= n_groups:
+                break
+            if self._closed:
+                raise IntakeClosed("the intake was closed")
+            self._check_starved(n_groups)
+            self._arrived = self._arrived or anyio.Event()
+            await self._arrived.wait()
+        out = self._buffer.take(n_groups, policy_version, max_staleness)
+        self._free(out.done_records)  # (nothing is stale here: dropped just above)
+        groups = out.groups
+        dropped, self._dropped_reported = self._buffer.dropped_stale - self._dropped_reported, self._buffer.dropped_stale
+        return TakenBatch(
+            trajectories=[t for g in groups for t in g.trajectories], group_uids=[g.uid for g in groups],
+            group_sizes=[len(g.trajectories) for g in groups],
+            staleness=[g.staleness(policy_version) for g in groups], dropped_stale=dropped,
+            wait_s=time.monotonic() - t0, keys=[g.key for g in groups],
+        )
+
+    def mark_trained(self, taken: TakenBatch) -> None:
+        """``taken`` was trained on: batches whose groups are now all trained free their room."""
+        self._free(self._buffer.finish(taken.keys))
+
+    def publish_weights(self, version: int, tensors: list[NamedBuffer]) -> None:
+        """Send policy ``version`` to every rollout server (and to joiners that ask). The buffers must
+        stay unchanged until the next publish."""
+        self._server.publish_weights(version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes)
+        if self._rule is not None:
+            self._rule = (max(version, self._rule[0]), self._rule[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume without losing or re-training accepted data (plain
+        msgpack/JSON types). Take it after ``mark_trained`` of the checkpointed step."""
+        return {"format": STATE_FORMAT, "protocol": self._proto.export_state(),
+                "pending": [[rid, uid] for rid, uid in self._buffer.pending_keys()], "position": self._position}
+
+    def checkpoint_saved(self, state: dict[str, Any]) -> None:
+        """``state`` (from ``state_dict``) is now the oldest one a restart may resume from: delete the
+        journal records it does not need."""
+        needed = [int(rid) for rid, _ in state["pending"]] + [int(state["position"]) + 1]
+        removed = self._journal.truncate_before(min(needed))
+        if removed:
+            self._log.debug("journal compacted", records_removed=removed, records_left=len(self._journal))
+
+    def close(self) -> None:
+        """Say BYE to every rollout server and stop; ``run`` returns once that is sent. Waiting
+        ``next_batch`` calls raise ``IntakeClosed``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.close()
+        self._wake()
+        if not self._started:  # run() will never clean up: do it now
+            self._channel.sock.close(linger=0)
+            self._journal.close()
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        p = self._proto.stats
+        return {"peers": len(self._proto.ready_peers()), **self._counts,
+                "duplicate_batches": p["duplicate_batches"], "duplicate_trajectories": p["duplicate_trajectories"],
+                "dropped_stale_groups": self._buffer.dropped_stale, "buffered_groups": len(self._buffer),
+                "in_flight_groups": self._buffer.in_flight, "buffered_batches": self._proto.buffered,
+                "journal_records": len(self._journal)}
+
+    def summary(self) -> dict[str, int | float]:
+        """``stats`` plus rates since the intake was made (the periodic log line)."""
+        s = self.stats
+        dt = max(time.monotonic() - self._born, 1e-9)
+        return {**s, "traj_per_s": round(s["trajectories"] / dt, 1), "tokens_per_s": round(s["tokens"] / dt)}
+
+    @property
+    def peer_versions(self) -> dict[str, int]:
+        """Policy version each connected rollout server generates with: its last WEIGHTS_APPLIED(ok),
+        else the version its HELLO named (servers that asked for the current weights are absent
+        until they applied them)."""
+        return dict(self._peer_versions)
+
+    @property
+    def policy_version(self) -> int:
+        """The latest version published (or restored from the state)."""
+        return self._proto.policy_version
+
+    # -- internals -------------------------------------------------------------------------------
+    def _persist(self, ev: BatchReceived) -> tuple[int, int]:
+        """The driver's persist hook (a worker thread): (record id, bytes) once the batch is durable."""
+        return self._journal.append(ev.peer_id, ev.epoch, ev.seq, ev.trajectories)
+
+    def _restore(self, state: dict[str, Any] | None) -> None:
+        journal = self._journal
+        pending: dict[int, set[str]] = {}
+        position = 0
+        if state is not None:
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"intake state of format {state.get('format')!r}, expected {STATE_FORMAT}")
+            self._proto.restore_state(state["protocol"])
+            position = int(state["position"])
+            for rid, uid in state["pending"]:
+                pending.setdefault(int(rid), set()).add(uid)
+            journal.advance_to(position + 1)  # records appended from now on are replayed after a crash
+        wanted: dict[int, set[str] | None] = {**pending}  # record id -> group uids to replay (None: all)
+        wanted.update((rid, None) for rid in journal.record_ids if rid > position)
+        missing = sorted(rid for rid in wanted if rid not in journal)
+        if missing:
+            raise ValueError(
+                f"the intake journal {journal.directory} lacks {len(missing)} records the checkpoint needs "
+                f"(ids {missing[:5]}...): it belongs to another run, or it was compacted for a later "
+                "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run.")
+        for rec in journal.records(wanted):
+            n = self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id])
+            self._proto.replay_batch(rec.peer_id, rec.epoch, rec.seq, rec.trajectories.ids)
+            if not n:
+                self._proto.batch_consumed()
+            self._counts["replayed_records"] += 1
+            self._counts["replayed_groups"] += n
+        self._position = max([position, *wanted])
+        if wanted:
+            self._log.info("replayed the intake journal", records=len(wanted), groups=len(self._buffer),
+                           position=position, from_state=state is not None)
+
+    def _handle(self, ev: Event) -> None:
+        match ev:
+            case BatchReceived():
+                rid, nbytes = ev.persisted
+                c = self._counts
+                c["batches"] += 1
+                c["trajectories"] += len(ev.trajectories)
+                c["tokens"] += token_count(ev.trajectories)
+                c["persisted_bytes"] += nbytes
+                if not self._buffer.add(rid, ev.trajectories):
+                    self._free([rid])
+                self._position = max(self._position, rid)
+                if self._rule is not None:
+                    self._drop_stale(*self._rule)
+                self._wake()
+            case BatchRefused():
+                self._counts["persist_failures"] += 1
+                self._log.error("could not store a batch; its rollout server will resend it", peer=ev.peer_id,
+                                seq=ev.seq, error=ev.reason)
+            case PeerJoined():
+                if ev.hello.policy_version >= 0:
+                    self._peer_versions[ev.peer_id] = ev.hello.policy_version
+                else:
+                    self._peer_versions.pop(ev.peer_id, None)
+                self._log.info("rollout server joined", peer=ev.peer_id, epoch=ev.hello.epoch,
+                               policy_version=ev.hello.policy_version)
+            case PeerClosed() | PeerTimedOut():
+                self._peer_versions.pop(ev.peer_id, None)
+                self._log.info("rollout server left", peer=ev.peer_id, why=type(ev).__name__)
+            case PeerWeightsApplied():
+                a = ev.applied
+                if a.ok:
+                    self._peer_versions[ev.peer_id] = a.version
+                self._log.debug("weights applied", peer=ev.peer_id, version=a.version, ok=a.ok, error=a.error,
+                                apply_time_s=a.apply_time_s)
+            case ProtocolViolation():
+                self._counts["violations"] += 1
+                self._log.warning("invalid message", peer=ev.peer_id, code=ev.error.code.name, error=ev.error.message)
+            case PeerError():
+                self._log.warning("peer reported an error", peer=ev.peer_id, code=ev.error.code,
+                                  error=ev.error.message)
+
+    def _drop_stale(self, policy_version: int, max_staleness: int) -> None:
+        out = self._buffer.drop_stale(policy_version, max_staleness)
+        if out.dropped:
+            self._log.debug("stale groups dropped", groups=len(out.dropped), policy_version=policy_version,
+                            max_staleness=max_staleness)
+        self._free(out.done_records)
+
+    def _free(self, records: list[int]) -> None:
+        if records:
+            self._server.batch_consumed(len(records))
+
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
+    def _check_starved(self, n_groups: int) -> None:
+        """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any."""
+        buf, proto = self._buffer, self._proto
+        if not buf.in_flight and buf.records >= proto.capacity and proto.buffered == buf.records:
+            raise IntakeStarved(
+                f"the intake buffer is full ({buf.records} batches, learner.buffer_batches={proto.capacity}) "
+                f"but holds only {len(buf)} fresh groups and a training batch needs {n_groups}: raise "
+                "learner.buffer_batches (or ship more groups per batch)")
 
 
 async def serve(config: Any, run_dir: Path, *, stats_interval_s: float = 10.0,
                 task_status: Any = anyio.TASK_STATUS_IGNORED) -> int:
+    """The intake alone (no trainer): batches count as trained as soon as they arrive. Stops on
+    SIGINT/SIGTERM; a stats line is logged every ``stats_interval_s`` and written to
+    ``RUN_DIR/intake_stats.json`` on exit."""
+    from common.safetensors_buffers import load_dir
+
     log = get_logger("learner.intake")
-    server, channel = build_server(config)
-    stats = IntakeStats()
-    log.info("listening", address=channel.address, tokenizer=server.proto.tokenizer.name)
+    intake = Intake(config, run_dir, fresh=True)
+    # Version 0 is the checkpoint the run starts from: served to rollout servers that ask for it.
+    intake.publish_weights(0, load_dir(config.actor_rollout_ref.model.path))
+    keys = ("peers", "batches", "trajectories", "traj_per_s", "tokens_per_s", "violations", "duplicate_batches",
+            "duplicate_trajectories")
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(server.run)
-            task_status.started(channel.address)
+            await tg.start(intake.run)  # the group then waits for it to return (BYE sent to every peer)
+            task_status.started(intake.address)
 
             async def on_signal() -> None:
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for sig in signals:
                         log.info("stopping", signal=signal.Signals(sig).name)
-                        server.close()
-                        tg.cancel_scope.cancel()
+                        intake.close()
 
             async def report() -> None:
                 while True:
                     await anyio.sleep(stats_interval_s)
-                    log.info("intake", **stats.line())
+                    log.info("intake", **{k: v for k, v in intake.summary().items() if k in keys})
+                    intake.checkpoint_saved(intake.state_dict())  # nothing is kept: compact
 
-            tg.start_soon(on_signal)
-            tg.start_soon(report)
-            async for ev in server.events:
-                handle(ev, stats, log, server.batch_consumed)
+            async with anyio.create_task_group() as helpers:
+                helpers.start_soon(on_signal)
+                helpers.start_soon(report)
+                try:
+                    while True:
+                        taken = await intake.next_batch(max(1, int(intake.stats["buffered_groups"])), 0, sys.maxsize)
+                        intake.mark_trained(taken)
+                except IntakeClosed:
+                    pass
+                helpers.cancel_scope.cancel()
     finally:
-        await channel.aclose()
-        (run_dir / "intake_stats.json").write_text(json.dumps(stats.line(), indent=2) + "\n")
-        log.info("intake stopped", **stats.line())
+        intake.close()
     return 0

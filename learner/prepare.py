@@ -35,7 +35,7 @@ def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
 def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(np.asarray(r), dtype=dtype)
+        out[i, : len(r)] = torch.from_numpy(np.array(r, copy=True)).to(dtype)  # wire arrays are read-only
     return out
 
 

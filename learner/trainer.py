@@ -10,6 +10,7 @@ learner never waits for a rollout server's WEIGHTS_APPLIED and a slow or dead se
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -36,6 +37,9 @@ from learner.prepare import (
 from learner.samples import Sample, split_for_ranks
 from learner.worker import WorkerSettings
 from protocol.weights import NamedBuffer
+
+
+TRAINED_IDS = "trained.jsonl"
 
 
 def worker_settings(config: Any, total_steps: int) -> WorkerSettings:
@@ -250,6 +254,7 @@ class Trainer:
         timer.lap("broadcast")
         self.intake.mark_trained(taken)
         self.step += 1
+        self._audit(trajs)
         metrics |= timer.metrics()
         stats = self.intake.stats
         metrics |= {"perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
@@ -263,6 +268,15 @@ class Trainer:
         if lag:
             metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
         return metrics
+
+    def _audit(self, trajs: list[Any]) -> None:
+        """One line per step in RUN_DIR/trained.jsonl: which trajectories this step trained on (for
+        replay checks and for proving exactly-once training across restarts). A resumed run appends;
+        for a step written twice the later line is the one that counts."""
+        line = {"step": self.step, "policy_version": self.version,
+                "trajectory_ids": [t.trajectory_id for t in trajs]}
+        with open(self.run_dir / TRAINED_IDS, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     # -- checkpoints -----------------------------------------------------------------------------
     async def save_checkpoint(self) -> Path:
@@ -298,10 +312,10 @@ class Trainer:
             async with anyio.create_task_group() as tg:
                 address = await tg.start(self.intake.run)
                 try:
-                    with anyio.CancelScope() as training:
-                        tg.start_soon(self._on_signal, training)
+                    async with anyio.create_task_group() as training:
+                        training.start_soon(self._on_signal, training.cancel_scope)
                         await self._train(resume, v0, address, sinks, task_status)
-                        training.cancel()  # stops the signal watcher
+                        training.cancel_scope.cancel()  # stops the signal watcher
                 finally:
                     self.intake.close()  # BYE to every rollout server; intake.run returns once sent
         finally:

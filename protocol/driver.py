@@ -6,6 +6,13 @@ and sleeps until the next deadline or until poked. Only the flusher writes to th
 order is the machine's order. Events go to the application through a bounded memory stream; the
 reader blocks when the application falls behind, which is back-pressure, not loss.
 
+The learner driver can store every new batch before it is acknowledged (``persist``): the
+protocol holds the batch (``LearnerProtocol.hold_batches``) and queues no ACK for it until the
+reader has run the hook, in a worker thread so that the fsync does not stall heartbeats. The reader
+reads nothing else meanwhile, so batches are stored one at a time and in arrival order. A hook that
+raises gets the batch refused (ERROR INTERNAL: the sender keeps it and sends it again), and the
+reader pauses ``persist_retry_delay_s`` so a failing disk is not retried at network speed.
+
 The rollout driver reconnects by itself: when the machine drops to IDLE (learner silent, or it
 forgot us) the channel is closed and a fresh one is opened, so nothing queued in the old socket can
 arrive late, and the unacknowledged batches are resent after the new WELCOME.
@@ -15,13 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from protocol.batch import Trajectories
-from protocol.events import Event
+from protocol.events import BatchReceived, BatchRefused, Event
 from protocol.receiver import LearnerProtocol
 from protocol.sender import Frames, RolloutConnection, SenderState, encode_batch
 from protocol.trajectory import Trajectory
@@ -161,11 +168,21 @@ class LearnerServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         event_buffer: int = 1024,
+        persist: Callable[[BatchReceived], Any] | None = None,
+        persist_in_thread: bool = True,
+        persist_retry_delay_s: float = 0.5,
     ) -> None:
+        """``persist(batch)`` stores a new batch durably before its ACK can leave; what it returns
+        comes back as ``BatchReceived.persisted``. It runs in a worker thread unless
+        ``persist_in_thread`` is false, one batch at a time."""
         self.proto, self.channel, self._clock = proto, channel, clock
         self._waker = _Waker()
         self._send_events, self.events = anyio.create_memory_object_stream[Event](event_buffer)
         self._closing = False
+        self._persist, self._persist_in_thread = persist, persist_in_thread
+        self.persist_retry_delay_s = persist_retry_delay_s
+        if persist is not None:
+            proto.hold_batches = True
 
     def batch_consumed(self, n: int = 1) -> None:
         self.proto.batch_consumed(n)
@@ -188,9 +205,14 @@ class LearnerServer:
                 async def reader() -> None:
                     while True:
                         identity, frames = await self.channel.recv()
-                        for ev in self.proto.receive(identity, frames, self._clock()):
+                        events = self.proto.receive(identity, frames, self._clock())
+                        if (held := self.proto.held_batch) is not None:
+                            events += await self._settle(held)
+                        for ev in events:
                             await self._send_events.send(ev)
                         self._waker.poke()
+                        if any(isinstance(ev, BatchRefused) for ev in events):
+                            await anyio.sleep(self.persist_retry_delay_s)
 
                 tg.start_soon(reader)
                 task_status.started()
@@ -206,3 +228,16 @@ class LearnerServer:
                 tg.cancel_scope.cancel()
         finally:
             self._send_events.close()
+
+    async def _settle(self, held: BatchReceived) -> list[Event]:
+        """Store the held batch with the persist hook, then let the protocol acknowledge or refuse it."""
+        if self._persist is None:
+            return self.proto.accept_batch()
+        try:
+            if self._persist_in_thread:
+                receipt = await anyio.to_thread.run_sync(self._persist, held)
+            else:
+                receipt = self._persist(held)
+        except Exception as e:  # a storage failure: the batch is refused, the server goes on
+            return self.proto.refuse_batch(f"{type(e).__name__}: {e}")
+        return self.proto.accept_batch(receipt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.errors import ProtocolError
 from protocol.messages import Error, Hello, WeightsApplied, Welcome
@@ -93,6 +94,18 @@ class BatchReceived:
     seq: int
     trajectories: Sequence[Trajectory]  # column-wise ``protocol.batch.Trajectories`` unless deduplicated
     duplicate_trajectories: int
+    epoch: str = ""  # the sender's epoch (HELLO.epoch): (peer_id, epoch, seq) names the batch
+    persisted: Any = None  # what the learner's persist hook returned for it (e.g. a journal record id)
+
+
+@dataclass(frozen=True)
+class BatchRefused:
+    """Learner side: a new batch could not be stored (the persist hook failed). It was not
+    acknowledged: an ERROR INTERNAL told the sender to keep it and send it again."""
+
+    peer_id: str
+    seq: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -104,5 +117,5 @@ class PeerWeightsApplied:
 Event = (
     Connected | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
     | PeerError | ProtocolViolation | PeerClosed | PeerTimedOut | PeerJoined | BatchReceived
-    | PeerWeightsApplied
+    | PeerWeightsApplied | BatchRefused
 )

@@ -9,19 +9,30 @@ sequence numbers per sender epoch (cheap, catches resends after reconnects) and 
 bounded recency window (catches a restarted sender resending spooled trajectories in a new epoch).
 Any invalid input is answered with a typed ERROR to that peer only; nothing a peer sends can raise
 out of ``receive``.
+
+Durability (``hold_batches``): an ACK tells the sender it may delete the batch, so a learner that
+must not lose accepted data stores it first. With ``hold_batches`` a new batch is not acknowledged
+or recorded by ``receive``; it waits in ``held_batch`` until the application calls
+``accept_batch`` (stored: dedup state updated, ACK queued, ``BatchReceived`` returned) or
+``refuse_batch`` (ERROR INTERNAL, which makes the sender keep it and send it again). The dedup
+state moves between learner lifetimes with ``export_state``/``restore_state`` plus
+``replay_batch`` for batches stored after the export.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol import codec
 from protocol.batch import as_columns
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import (
     BatchReceived,
+    BatchRefused,
     Event,
     PeerClosed,
     PeerError,
@@ -39,6 +50,7 @@ from protocol.messages import (
     Hello,
     Identity,
     Limits,
+    MsgType,
     TrajectoryBatch,
     WeightsApplied,
     Welcome,
@@ -56,6 +68,9 @@ class _Stream:
 
     next_seq: int = 1
     above: set[int] = field(default_factory=set)
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, int) and (seq < self.next_seq or seq in self.above)
 
     def add(self, seq: int) -> bool:
         """Record ``seq``; False if it was already received."""
@@ -82,6 +97,15 @@ class _Peer:
         return self.hello.peer_id if self.hello else self.identity.hex()
 
 
+@dataclass
+class _Held:
+    """A new batch waiting to be stored by the application (``hold_batches``)."""
+
+    identity: bytes
+    ids: list[str]  # all of the batch's trajectory ids, duplicates included
+    event: BatchReceived
+
+
 class RecentIds:
     """The trajectory ids seen recently: remembers at least the last ``window`` and at most about
     twice that. Two generations of sets instead of an ordered dict: a batch of new ids (the common
@@ -98,6 +122,28 @@ class RecentIds:
 
     def __len__(self) -> int:
         return len(self._cur) + len(self._prev)
+
+    def unseen(self, ids: list[str]) -> list[int] | None:
+        """What ``add_new`` would return, without remembering anything."""
+        new = set(ids)
+        if len(new) == len(ids) and self._cur.isdisjoint(new) and self._prev.isdisjoint(new):
+            return None
+        keep, repeated = [], set()
+        for i, tid in enumerate(ids):
+            if tid not in self and tid not in repeated:
+                repeated.add(tid)
+                keep.append(i)
+        return keep
+
+    def export(self) -> list[str]:
+        """The remembered ids, older generation first."""
+        return [*self._prev, *self._cur]
+
+    def restore(self, ids: Sequence[str]) -> None:
+        """Remember ``ids`` (as ``export`` lists them) instead of what this window held."""
+        ids = list(ids)[-2 * self.window:]
+        self._cur = set(ids[-self.window:])
+        self._prev = set(ids[: -self.window]) if len(ids) > self.window else set()
 
     def add_new(self, ids: list[str]) -> list[int] | None:
         """Remember ``ids``. None if all were new (and distinct), else the indices of the new ones
@@ -131,6 +177,7 @@ class LearnerProtocol:
         heartbeat_timeout_s: float = 10.0,
         dedup_window: int = 1_000_000,
         version: ProtocolVersion = PROTOCOL_VERSION,
+        hold_batches: bool = False,
     ) -> None:
         self.tokenizer, self.peer_id = tokenizer, peer_id
         self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
@@ -145,7 +192,10 @@ class LearnerProtocol:
         self._seen = RecentIds(dedup_window)
         self._weights: list[Frames] = []  # frames of the latest published version, for joiners
         self._out: list[tuple[bytes, Frames]] = []
-        self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0}
+        self.hold_batches = hold_batches
+        self._held: _Held | None = None
+        self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0,
+                      "refused_batches": 0}
 
     # -- application API -------------------------------------------------------------------------
     @property
@@ -168,6 +218,64 @@ class LearnerProtocol:
         for p in self.peers.values():
             if p.hello is not None:
                 self._send_weights(p)
+
+    @property
+    def held_batch(self) -> BatchReceived | None:
+        """With ``hold_batches``: the new batch waiting for ``accept_batch`` or ``refuse_batch``
+        (``receive`` refuses to run until it is settled)."""
+        return self._held.event if self._held is not None else None
+
+    def accept_batch(self, receipt: Any = None) -> list[Event]:
+        """The held batch is stored: record it as received, queue its ACK, and hand it over as
+        ``BatchReceived`` (with ``persisted=receipt``). Its peer may have left meanwhile; the batch
+        is the learner's all the same (the sender's resend will be a duplicate)."""
+        held = self._take_held()
+        ev = held.event
+        self._streams.setdefault((ev.peer_id, ev.epoch), _Stream()).add(ev.seq)
+        self._seen.add_new(held.ids)
+        self.stats["batches"] += 1
+        self.stats["duplicate_trajectories"] += ev.duplicate_trajectories
+        self.buffered += 1
+        if (peer := self.peers.get(held.identity)) is not None:
+            self._out.append((peer.identity, codec.encode(Ack([ev.seq], self._top_up(peer)))))
+        return [dataclasses.replace(ev, persisted=receipt) if receipt is not None else ev]
+
+    def refuse_batch(self, reason: str) -> list[Event]:
+        """The held batch could not be stored: nothing is recorded, and the sender is told to keep it
+        and send it again (ERROR INTERNAL with its seq; both sides take back the credit it used)."""
+        held = self._take_held()
+        ev = held.event
+        self.stats["refused_batches"] += 1
+        if (peer := self.peers.get(held.identity)) is not None:
+            peer.credits += 1
+            e = ProtocolError(ErrorCode.INTERNAL, f"batch {ev.seq} could not be stored ({reason}); send it again")
+            e.ref_type, e.ref_seq = int(MsgType.TRAJECTORY_BATCH), ev.seq
+            self.stats["errors_sent"] += 1
+            self._out.append((peer.identity, codec.encode(codec.error_message(e))))
+        return [BatchRefused(ev.peer_id, ev.seq, reason)]
+
+    def export_state(self) -> dict[str, Any]:
+        """The dedup state and policy version as plain msgpack/JSON types, for a checkpoint."""
+        return {
+            "streams": [[pid, epoch, s.next_seq, sorted(s.above)] for (pid, epoch), s in self._streams.items()],
+            "recent_ids": self._seen.export(),
+            "policy_version": self.policy_version,
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take over ``export_state``'s output (of an earlier lifetime): reconnecting senders are told
+        the right ``next_seq`` and their resends are recognised as duplicates."""
+        self._streams = {(pid, epoch): _Stream(next_seq, set(above))
+                         for pid, epoch, next_seq, above in state["streams"]}
+        self._seen.restore(state["recent_ids"])
+        self.policy_version = int(state["policy_version"])
+
+    def replay_batch(self, peer_id: str, epoch: str, seq: int, trajectory_ids: list[str]) -> None:
+        """A batch stored in an earlier lifetime (a journal) is back in the application's buffer:
+        record it as received (idempotent) and count its room until ``batch_consumed``."""
+        self._streams.setdefault((peer_id, epoch), _Stream()).add(seq)
+        self._seen.add_new(trajectory_ids)
+        self.buffered += 1
 
     def close(self, reason: str = "learner shutting down") -> None:
         for p in self.peers.values():
@@ -204,6 +312,8 @@ class LearnerProtocol:
         return events
 
     def receive(self, identity: bytes, frames: Frames, now: float) -> list[Event]:
+        if self._held is not None:
+            raise RuntimeError("accept_batch() or refuse_batch() the held batch before receiving more")
         peer = self.peers.get(identity)
         msg = None
         try:
@@ -290,26 +400,32 @@ class LearnerProtocol:
             raise e
         peer.credits -= 1
         stream = self._streams[(peer.hello.peer_id, peer.hello.epoch)]
-        if not stream.add(msg.seq):
+        if msg.seq in stream:
             self.stats["duplicate_batches"] += 1
             peer.credits += 1  # a duplicate occupies no room: give its credit straight back
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq]))))
             return []
         batch = as_columns(msg.trajectories)
-        keep = self._seen.add_new(batch.ids)
+        keep = self._seen.unseen(batch.ids)
         dups = 0 if keep is None else len(batch) - len(keep)
         # The common case (nothing seen before) hands the columns on untouched.
         fresh: Sequence[Trajectory] = batch if keep is None else [batch[i] for i in keep]
-        self.stats["duplicate_trajectories"] += dups
-        self.stats["batches"] += 1
-        if fresh:
-            self.buffered += 1
-            refund = 0
-        else:
+        if not fresh:  # empty, or every trajectory a duplicate: nothing to store, no room taken
+            stream.add(msg.seq)
+            self.stats["duplicate_trajectories"] += dups
+            self.stats["batches"] += 1
             peer.credits += 1
-            refund = 1
-        self._out.append((peer.identity, codec.encode(Ack([msg.seq], refund + self._top_up(peer)))))
-        return [BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups)] if fresh else []
+            self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer)))))
+            return []
+        self._held = _Held(peer.identity, batch.ids,
+                           BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups, peer.hello.epoch))
+        return [] if self.hold_batches else self.accept_batch()
+
+    def _take_held(self) -> _Held:
+        if self._held is None:
+            raise RuntimeError("no batch is held")
+        held, self._held = self._held, None
+        return held
 
     def _take_room(self, want: int) -> int:
         return max(0, min(want, self.free_room))

@@ -1,0 +1,164 @@
+"""The intake's buffer of accepted groups, from which training batches are taken.
+
+A group is the trajectories of one ``group_uid`` in one received batch (a journal record): GRPO's
+samples of a prompt, plus the StateLM snapshots of its episodes, so groups vary in size. Groups are
+kept in arrival order under the key ``(record_id, group_uid)`` and taken oldest first.
+
+Staleness of a group = the learner's policy version minus the *oldest* policy version that produced
+any of the group's trained tokens (``response_mask == 1``); a trajectory without such tokens counts
+with its oldest response token of any kind, and one without any response token does not count. A
+group with no response tokens at all has staleness 0. A group whose staleness exceeds
+``max_staleness`` is dropped (counted) instead of trained; versions only grow, so a group found
+stale once stays stale and is dropped as soon as it is seen.
+
+Room: the protocol counts room per received batch, not per group. The buffer therefore counts, per
+record, the groups not yet finished (queued, or taken and not yet trained); the record's room is
+freed (``batch_consumed``) by whoever finishes its last group, trained or dropped, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol.trajectory import Trajectory
+
+GroupKey = tuple[int, str]  # (journal record id, group_uid)
+
+
+def oldest_version(t: Trajectory) -> int | None:
+    """The oldest policy version among ``t``'s trained tokens (any response token if none is
+    trained); None if it has no response."""
+    versions = t.versions
+    if not len(versions):
+        return None
+    trained = versions[np.asarray(t.response_mask).view(np.uint8) == 1]
+    return int(trained.min() if len(trained) else versions.min())
+
+
+@dataclass(eq=False)
+class Group:
+    key: GroupKey
+    trajectories: list[Trajectory]
+    oldest_version: int | None  # None: no response tokens at all
+
+    @property
+    def record_id(self) -> int:
+        return self.key[0]
+
+    @property
+    def uid(self) -> str:
+        return self.key[1]
+
+    def staleness(self, policy_version: int) -> int:
+        return 0 if self.oldest_version is None else max(0, policy_version - self.oldest_version)
+
+
+def split_groups(record_id: int, trajectories: Sequence[Trajectory]) -> list[Group]:
+    """The groups of one batch, in order of first appearance (a group's trajectories in batch order)."""
+    by_uid: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_uid.setdefault(t.group_uid, []).append(t)
+    groups = []
+    for uid, trajs in by_uid.items():
+        olds = [v for v in map(oldest_version, trajs) if v is not None]
+        groups.append(Group((record_id, uid), trajs, min(olds) if olds else None))
+    return groups
+
+
+@dataclass
+class Taken:
+    groups: list[Group] = field(default_factory=list)  # fresh groups, now in flight
+    dropped: list[Group] = field(default_factory=list)  # stale groups dropped by this call
+    done_records: list[int] = field(default_factory=list)  # records whose last group was dropped here
+
+
+class GroupBuffer:
+    def __init__(self) -> None:
+        self._queue: OrderedDict[GroupKey, Group] = OrderedDict()
+        self._inflight: dict[GroupKey, Group] = {}
+        self._remaining: dict[int, int] = {}  # record id -> groups queued or in flight
+        self.dropped_stale = 0  # groups dropped as stale, ever
+
+    def __len__(self) -> int:
+        """Groups waiting to be taken."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Groups taken and not yet finished."""
+        return len(self._inflight)
+
+    @property
+    def records(self) -> int:
+        """Records with groups queued or in flight: the protocol room the buffer holds."""
+        return len(self._remaining)
+
+    @property
+    def trajectories(self) -> int:
+        return sum(len(g.trajectories) for g in self._queue.values())
+
+    def add(self, record_id: int, trajectories: Sequence[Trajectory], *,
+            only: Collection[str] | None = None) -> int:
+        """Queue the groups of record ``record_id`` (only the group uids in ``only``, if given: a
+        record replayed after a restart that was partly trained); returns how many. A record that
+        yields no group holds no room: the caller frees it at once."""
+        if record_id in self._remaining:
+            raise ValueError(f"record {record_id} is already in the buffer")
+        groups = split_groups(record_id, trajectories)
+        if only is not None:
+            missing = set(only) - {g.uid for g in groups}
+            if missing:
+                raise ValueError(f"record {record_id} has no group {sorted(missing)[:3]}")
+            groups = [g for g in groups if g.uid in only]
+        for g in groups:
+            self._queue[g.key] = g
+        if groups:
+            self._remaining[record_id] = len(groups)
+        return len(groups)
+
+    def drop_stale(self, policy_version: int, max_staleness: int) -> Taken:
+        """Drop every queued group whose staleness exceeds ``max_staleness``."""
+        out = Taken()
+        for key in [k for k, g in self._queue.items() if g.staleness(policy_version) > max_staleness]:
+            g = self._queue.pop(key)
+            out.dropped.append(g)
+            out.done_records += self._finish_one(g.record_id)
+        self.dropped_stale += len(out.dropped)
+        return out
+
+    def take(self, n_groups: int, policy_version: int, max_staleness: int) -> Taken:
+        """Drop the stale groups, then take up to ``n_groups`` fresh ones, oldest first. Taken groups
+        are in flight until ``finish``."""
+        out = self.drop_stale(policy_version, max_staleness)
+        while self._queue and len(out.groups) < n_groups:
+            key, g = self._queue.popitem(last=False)
+            self._inflight[key] = g
+            out.groups.append(g)
+        return out
+
+    def finish(self, keys: Iterable[GroupKey]) -> list[int]:
+        """Taken groups were trained; returns the records that have no group left (free their room)."""
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self._inflight]
+        if unknown or len(set(keys)) != len(keys):
+            raise ValueError(f"groups not in flight (finished twice?): {unknown[:3] or 'repeated keys'}")
+        done = []
+        for k in keys:
+            del self._inflight[k]
+            done += self._finish_one(k[0])
+        return done
+
+    def pending_keys(self) -> list[GroupKey]:
+        """Every group not yet trained or dropped (queued or in flight), in key order."""
+        return sorted([*self._inflight, *self._queue])
+
+    def _finish_one(self, record_id: int) -> list[int]:
+        self._remaining[record_id] -= 1
+        if self._remaining[record_id]:
+            return []
+        del self._remaining[record_id]
+        return [record_id]
