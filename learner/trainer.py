@@ -38,7 +38,6 @@ from learner.samples import Sample, split_for_ranks
 from learner.worker import WorkerSettings
 from protocol.weights import NamedBuffer
 
-
 TRAINED_IDS = "trained.jsonl"
 
 
@@ -69,7 +68,7 @@ def worker_settings(config: Any, total_steps: int) -> WorkerSettings:
 def total_steps(config: Any) -> int:
     if config.trainer.total_training_steps:
         return config.trainer.total_training_steps
-    from rollout_service.data import sources_from_config, load_rows
+    from rollout_service.data import load_rows, sources_from_config
 
     rows = sum(len(load_rows(p)) for src in sources_from_config(config.data) for p in src.paths)
     return max(1, config.trainer.total_epochs * rows // config.data.train_batch_size)
@@ -117,9 +116,8 @@ class Trainer:
         return path, (checkpoints.read_state(path) if path else None)
 
     async def _start_workers(self, resume: Path | None) -> None:
-        from learner.workers import WorkerGroup, init_ray
+        from learner.workers import WorkerGroup
 
-        init_ray(self.config.ray.address, self.config.ray.num_cpus)
         self.workers = WorkerGroup(self.settings, self.world)
         info = await self.workers.start()
         self.log.info("workers ready", world_size=self.world, backend=info[0]["backend"],
@@ -296,9 +294,12 @@ class Trainer:
         from common.safetensors_buffers import load_dir
         from learner.intake import Intake
         from learner.sinks import MetricSinks
+        from learner.workers import init_ray
 
         resume, state = self._resume_state()
         self._init_algorithm_state(state)
+        # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
+        init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
         self.weight_names = [t.name for t in v0]
         self.weight_dtypes = {t.name: t.dtype for t in v0}

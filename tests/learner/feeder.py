@@ -27,7 +27,7 @@ from protocol.zmq_transport import client_factory
 
 
 async def main(args: argparse.Namespace) -> None:
-    out = open(args.out, "a", buffering=1)  # noqa: SIM115 - the file lives as long as the process
+    out = open(args.out, "a", buffering=1)
     conn = RolloutConnection(peer_id=args.peer_id, epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
                              tokenizer=tokenizer_from_dir(args.model))
     client = RolloutClient(conn, client_factory(args.connect), reconnect_delay_s=0.2)

@@ -190,7 +190,7 @@ def test_held_batch_is_not_acknowledged_until_accepted() -> None:
     assert pump(learner, conn) == []  # nothing handed over, nothing acknowledged
     held = learner.held_batch
     assert held is not None and held.epoch == "e1" and ids(list(held.trajectories)) == ids(make_batch("a"))
-    assert learner.buffered == 0 and conn.pending == 1
+    assert learner.buffered == 1 and conn.pending == 1  # its room counts while it is held
     with pytest.raises(RuntimeError, match="held batch"):
         learner.receive(b"r0", on_wire(codec.encode(Ack([], 0))), 0.0)
     (ev,) = learner.accept_batch(receipt=(7, 100))
@@ -219,6 +219,35 @@ def test_refused_batch_gets_internal_error_and_its_credit_back() -> None:
     learner.accept_batch()
     pump(learner, conn)
     assert conn.pending == 0 and conn.credits == learner.peers[b"r0"].credits == 2
+
+
+@pytest.mark.parametrize("outcome", ["accepted", "refused"])
+def test_room_of_a_held_batch_is_not_promised_twice(outcome: str) -> None:
+    """Room freed while a batch is being stored (training consumed a batch) is granted again; the
+    held batch's own room is not part of it."""
+    learner = LearnerProtocol(tokenizer=TOK, capacity=4, max_credits_per_peer=2, hold_batches=True)
+    a = RolloutConnection(peer_id="a", epoch="e1", model=TOK, tokenizer=TOK)
+    b = RolloutConnection(peer_id="b", epoch="e1", model=TOK, tokenizer=TOK)
+    a.start(0.0)
+    pump(learner, a, b"ra")
+    b.start(0.0)
+    pump(learner, b, b"rb")  # 2 credits each: the room is all promised
+    a.submit(make_batch("x"))
+    pump(learner, a, b"ra")
+    learner.accept_batch()
+    pump(learner, a, b"ra")
+    a.submit(make_batch("y"))
+    pump(learner, a, b"ra")
+    assert learner.held_batch is not None and learner.peers[b"ra"].credits == 0
+
+    def total() -> int:
+        return learner.buffered + sum(p.credits for p in learner.peers.values())
+
+    assert total() == 4
+    learner.batch_consumed(1)  # batch x trained: one batch of room to hand out, not two
+    assert learner.peers[b"ra"].credits == 1 and total() == 4
+    learner.accept_batch() if outcome == "accepted" else learner.refuse_batch("disk full")
+    assert total() == 4 and learner.buffered == (1 if outcome == "accepted" else 0)
 
 
 def test_exported_state_makes_a_new_learner_recognise_old_batches() -> None:

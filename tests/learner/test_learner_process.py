@@ -60,7 +60,7 @@ def write_config(tmp: Path, model: Path, port: int, **trainer: Any) -> Path:
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
+    return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
 

@@ -48,7 +48,7 @@ def test_samples_and_reward_on_last_trained_token() -> None:
 def test_remax_needs_the_baseline_from_the_rollout_side() -> None:
     ok = traj("a", "g", 2, [1], 1.0, reward_extras={"remax_baseline": 0.25})
     assert remax_baselines([ok]).tolist() == [0.25]
-    with pytest.raises(ValueError, match="remax_baseline.*adv_estimator"):
+    with pytest.raises(ValueError, match=r"remax_baseline.*adv_estimator"):
         remax_baselines([ok, traj("b", "g", 2, [1], 0.0)])
 
 
