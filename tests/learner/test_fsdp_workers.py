@@ -170,3 +170,36 @@ def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Pa
     sd = lm.state_dict()
     for n in names:
         np.testing.assert_array_equal(sd[n].numpy(), exported[n])
+
+
+def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) -> None:
+    """The critic (value head on the same base) gives values at the response positions and its
+    clipped value loss falls when it is trained towards fixed returns (GAE's path)."""
+    from learner.workers import WorkerGroup
+
+    samples = make_samples(6, seed=9)
+    for s in samples:
+        s.tokens["returns"] = np.full(s.response_len, 0.5, np.float32)
+
+    async def run() -> list[float]:
+        group = WorkerGroup(settings(tiny_model, critic_model_path=str(tiny_model), critic_lr=3e-4,
+                                     cliprange_value=10.0), 2)
+        losses = []
+        try:
+            await group.start()
+            for _ in range(6):
+                chunks = [[samples[r::2]] for r in range(2)]
+                res = await group.all("forward", [("critic", chunks[r]) for r in range(2)])
+                for r in range(2):
+                    for s, out in zip(samples[r::2], res[r][0], strict=True):
+                        assert out["values"].shape == (s.response_len,)
+                        s.tokens["values"] = out["values"]
+                plans = split_for_ranks(samples, mini_batches=1, ranks=2, micro_size=2)
+                metrics = await group.all("update_critic", [(p, 1) for p in plans])
+                losses.append(sum(m["value_loss"] for m in metrics))
+            return losses
+        finally:
+            group.shutdown()
+
+    losses = anyio.run(run)
+    assert losses[-1] < losses[0] * 0.5, losses
