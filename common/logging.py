@@ -49,7 +49,17 @@ class _OurHandler(logging.Handler):
 
 
 class _StreamHandler(logging.StreamHandler, _OurHandler):  # type: ignore[type-arg]
-    pass
+    """With no fixed stream, writes to whatever sys.stderr is at the time: a live progress bar
+    (rich) redirects sys.stderr so log lines print above the bar instead of through it."""
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream)
+        self._follow = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follow:
+            self.stream = sys.stderr
+        super().emit(record)
 
 
 class _FileHandler(logging.FileHandler, _OurHandler):
@@ -109,7 +119,7 @@ def configure_logging(
     )
 
     out = stream if stream is not None else sys.stderr
-    handlers: list[logging.Handler] = [_StreamHandler(out)]
+    handlers: list[logging.Handler] = [_StreamHandler(stream)]
     handlers[0].setFormatter(_formatter(fmt, foreign, colors=_is_tty(out)))
     if file is not None:
         path = Path(file)
