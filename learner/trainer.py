@@ -305,6 +305,9 @@ class Trainer:
         self.weight_dtypes = {t.name: t.dtype for t in v0}
         self.intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
                              fresh=resume is None and self.config.trainer.resume_mode == "disable")
+        # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
+        # export): rollout servers that join get it at once, before the workers are even up.
+        self.intake.publish_weights(self.version, v0 if resume is None else load_dir(resume / "hf"))
         t = self.config.trainer
         sinks = MetricSinks(t.logger, self.run_dir, total_steps=self.total, start_step=self.step,
                             project=t.project_name, experiment=t.experiment_name,
@@ -315,7 +318,7 @@ class Trainer:
                 try:
                     async with anyio.create_task_group() as training:
                         training.start_soon(self._on_signal, training.cancel_scope)
-                        await self._train(resume, v0, address, sinks, task_status)
+                        await self._train(resume, address, sinks, task_status)
                         training.cancel_scope.cancel()  # stops the signal watcher
                 finally:
                     self.intake.close()  # BYE to every rollout server; intake.run returns once sent
@@ -325,14 +328,10 @@ class Trainer:
                 self.workers.shutdown()
         return 0
 
-    async def _train(self, resume: Path | None, v0: list[NamedBuffer], address: str, sinks: Any,
+    async def _train(self, resume: Path | None, address: str, sinks: Any,
                      task_status: Any) -> None:
         t = self.config.trainer
         await self._start_workers(resume)
-        if resume is None:
-            self.intake.publish_weights(0, v0)  # the checkpoint the run starts from, as is
-        else:
-            await self._publish()
         self.log.info("training", address=address, from_step=self.step, to_step=self.total,
                       policy_version=self.version, resumed_from=str(resume) if resume else None)
         task_status.started(address)

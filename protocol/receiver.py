@@ -235,7 +235,6 @@ class LearnerProtocol:
         self._seen.add_new(held.ids)
         self.stats["batches"] += 1
         self.stats["duplicate_trajectories"] += ev.duplicate_trajectories
-        self.buffered += 1
         if (peer := self.peers.get(held.identity)) is not None:
             self._out.append((peer.identity, codec.encode(Ack([ev.seq], self._top_up(peer)))))
         return [dataclasses.replace(ev, persisted=receipt) if receipt is not None else ev]
@@ -246,12 +245,15 @@ class LearnerProtocol:
         held = self._take_held()
         ev = held.event
         self.stats["refused_batches"] += 1
+        self.buffered -= 1
         if (peer := self.peers.get(held.identity)) is not None:
-            peer.credits += 1
+            peer.credits += 1  # its room is promised to the sender again
             e = ProtocolError(ErrorCode.INTERNAL, f"batch {ev.seq} could not be stored ({reason}); send it again")
             e.ref_type, e.ref_seq = int(MsgType.TRAJECTORY_BATCH), ev.seq
             self.stats["errors_sent"] += 1
             self._out.append((peer.identity, codec.encode(codec.error_message(e))))
+        else:
+            self._grant()
         return [BatchRefused(ev.peer_id, ev.seq, reason)]
 
     def export_state(self) -> dict[str, Any]:
@@ -417,6 +419,7 @@ class LearnerProtocol:
             peer.credits += 1
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer)))))
             return []
+        self.buffered += 1  # its credit's room is buffered now, also while held (never granted twice)
         self._held = _Held(peer.identity, batch.ids,
                            BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups, peer.hello.epoch))
         return [] if self.hold_batches else self.accept_batch()
