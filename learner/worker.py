@@ -102,7 +102,7 @@ class TrainWorker:
         torch.manual_seed(self.s.seed)  # same initialisation everywhere (value head of the critic)
         self._build()
         return {"rank": self.rank, "backend": backend, "device": str(self.device),
-                "params": sum(p.numel() for p in self.models["actor"].parameters()) * self.world}
+                "params": sum(p.numel() for p in self.models["actor"].parameters())}  # DTensors: global sizes
 
     def _build(self) -> None:
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
