@@ -1,0 +1,363 @@
+"""Supervised warm-up of a tiny model on tool-episode demonstrations, so that RL has a signal.
+
+A randomly initialised model never writes a tool call nor a right answer: every reward is 0 and
+GRPO's group advantages are all zero. This teaches the *format* of a tool episode, briefly:
+- demonstrations come from the data rows: the question (rendered by ``ChatRenderer`` with the tool
+  schemas, as the tool agent renders it), a hermes ``<tool_call>`` to the calculator with the
+  expression of the question ("What is 51 + 99? ..." -> ``51 + 99``), the calculator's real
+  response (the tool itself is called) appended as the tool agent appends it
+  (``renderer.tool_delta_ids``), then ``The answer is \\boxed{N}.``: a plain last turn, which the
+  tool agent ends as ``no_tool_call`` and the math reward reads from the box;
+- the loss is on the model's tokens only (both turns and their end tokens), never on the prompt or
+  the tool response: exactly the mask the rollouts carry;
+- it is deliberately short: the defaults leave the model *partially* competent at temperature 1
+  (some episodes right, most groups with reward variance), so RL has something to learn;
+- deterministic for a seed (torch's CPU kernels, a seeded generator for batches); ``max_seconds``
+  is a safety cap that breaks that promise only when it triggers, and the summary says so;
+- the output is the source directory with new weights: ``model.safetensors`` under the
+  checkpoint's own tensor names, every config and tokenizer file copied unchanged, and
+  ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
+  would no longer hold.
+torch, transformers and the rollout service are imported inside functions: ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_service.agents.rendering import ChatRenderer
+
+DEFAULT_STEPS = 300
+DEFAULT_EXAMPLES = 256
+DEFAULT_LR = 3e-3
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_DRILL_WEIGHT = 1.0
+DRILL_BATCH = 32  # drill strings per step
+DRILL_MAX_COPY = 8  # tokens of the copied string: 2..8
+DRILL_MAX_NOISE = 8  # tokens of noise before and between the two copies
+COOLDOWN = 0.2
+DEFAULT_SEED = 0
+DEFAULT_MAX_SECONDS = 120.0
+DEFAULT_TOOLS = ("calculator", "finish")  # configs/default.yaml: the schemas the prompt shows
+METADATA = "warmup.json"
+# Files of the source directory that are not copied: its weights (rewritten) and the tiny model's
+# metadata (its file hashes would be wrong for the new weights).
+NOT_COPIED = {"model.safetensors", "tiny_model.json", METADATA}
+_QUESTION = re.compile(r"What is (.+?)\?")
+
+
+@dataclass
+class Demonstration:
+    ids: list[int]
+    train: list[bool]  # train[i]: the token at i + 1 is a model token (the loss position)
+    expression: str
+    answer: str
+
+
+def expression_of(question: str) -> str:
+    """The arithmetic in a make_tiny_data question: "What is 51 + 99? Use ..." -> "51 + 99"."""
+    m = _QUESTION.search(question)
+    if m is None:
+        raise ValueError(f"no 'What is ...?' in question {question!r}")
+    return m.group(1).strip()
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One hermes call, as the chat template renders an assistant tool call."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def answer_text(answer: str) -> str:
+    return f"The answer is \\boxed{{{answer}}}."
+
+
+def load_rows(data_file: str | Path, n: int) -> list[dict[str, Any]]:
+    rows = []
+    with Path(data_file).open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if len(rows) == n:
+                break
+    if not rows:
+        raise ValueError(f"{data_file} has no rows")
+    return rows
+
+
+def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
+                         tools: dict[str, Any]) -> list[Demonstration]:
+    """One episode per row, tokenised exactly as the tool agent's context grows. Rows whose
+    calculator result does not match their answer are refused: a demonstration must be right."""
+    import anyio
+
+    from rollout_service.tools.base import ToolContext
+
+    schemas = [t.schema for t in tools.values()]
+    calculator = tools["calculator"]
+    tok = renderer.tok
+    demos = []
+    for i, row in enumerate(rows):
+        expression = expression_of(str(row["question"]))
+        result = anyio.run(calculator.call, {"expression": expression}, ToolContext(episode_id=f"warmup-{i}", row=row))
+        if not result.ok or result.text != str(row["answer"]).strip():
+            raise ValueError(f"row {i}: calculator({expression!r}) gives {result.text!r}, the row says {row['answer']!r}")
+        prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
+        call = [*tok.encode(tool_call_text("calculator", {"expression": expression}), add_special_tokens=False),
+                renderer.eos_id]
+        delta = renderer.tool_delta_ids([{"role": "tool", "content": result.text}])
+        answer = [*tok.encode(answer_text(result.text), add_special_tokens=False), renderer.eos_id]
+        ids = prompt + call + delta + answer
+        train = [False] * len(ids)
+        for start, n in ((len(prompt), len(call)), (len(prompt) + len(call) + len(delta), len(answer))):
+            train[start - 1 : start - 1 + n] = [True] * n
+        demos.append(Demonstration(ids, train, expression, result.text))
+    return demos
+
+
+def _prepare_out_dir(model_dir: Path, out: Path) -> None:
+    if out.resolve() == model_dir.resolve():
+        raise ValueError("out_dir must differ from model_dir")
+    if out.is_dir():
+        # Rewriting an earlier warm-up is fine; anything else in the way is someone else's.
+        if any(out.iterdir()) and not (out / METADATA).exists():
+            raise FileExistsError(f"{out} exists and is not a warm-up output ({METADATA} missing)")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _log(msg: str) -> None:
+    print(f"warmup: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Packed:
+    """Demonstrations as padded tensors, split at the prefix they all share (system prompt, tool
+    schemas, the start of the question): that part is run once per step, not once per example."""
+
+    ids: torch.Tensor  # [n, width], right-padded
+    attn: torch.Tensor  # [n, width], 1 on real tokens
+    train: torch.Tensor  # [n, width] bool, loss positions
+    targets: torch.Tensor  # [n, width], the next token of each position
+    prefix: int
+
+
+def _pack(demos: list[Demonstration], pad: int) -> _Packed:
+    import torch
+
+    width = max(len(d.ids) for d in demos)
+    ids = torch.full((len(demos), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(demos), width), dtype=torch.long)
+    train = torch.zeros((len(demos), width), dtype=torch.bool)
+    for i, d in enumerate(demos):
+        n = len(d.ids)
+        ids[i, :n], attn[i, :n], train[i, :n] = torch.tensor(d.ids), 1, torch.tensor(d.train)
+    prefix = 0
+    first_loss = min(d.train.index(True) for d in demos)  # the prefix ends before any loss position
+    while prefix < first_loss and bool((ids[:, prefix] == ids[0, prefix]).all()):
+        prefix += 1
+    return _Packed(ids, attn, train, torch.roll(ids, -1, dims=1), prefix)
+
+
+def _demo_loss(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
+    """Mean cross-entropy on the model tokens of ``rows``; the shared prefix is computed once (batch
+    1) and its keys/values broadcast to the batch, which keeps its gradient exact."""
+    import torch
+    from transformers import DynamicCache
+
+    b, p = torch.tensor(rows), data.prefix
+    width = data.ids.shape[1]
+    cache = None
+    if p > 0:
+        shared = model(input_ids=data.ids[:1, :p], use_cache=True).past_key_values
+        cache = DynamicCache([(layer.keys.expand(len(rows), -1, -1, -1), layer.values.expand(len(rows), -1, -1, -1))
+                              for layer in shared.layers])
+    positions = torch.arange(p, width).expand(len(rows), -1)
+    logits = model(input_ids=data.ids[b, p:], attention_mask=data.attn[b], past_key_values=cache,
+                   position_ids=positions).logits
+    mask = data.train[b, p:]
+    return torch.nn.functional.cross_entropy(logits[mask], data.targets[b, p:][mask])
+
+
+def _drill_batch(pool: torch.Tensor, gen: torch.Generator, batch: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy-drill strings ``[noise] s [noise] s`` over the expression/answer tokens, and the mask
+    of the positions that predict the second ``s``. Noise from the same alphabet and lengths that
+    vary per string make a fixed-offset copy useless: the model has to find ``s`` by content and
+    copy it in order, which is what both copies of the episode need (question -> call, tool
+    response -> box). Measured: with the demonstrations alone that circuit forms after 200 to over
+    800 steps, depending on batch order; with this drill, in every one of 8 seeds by about 200."""
+    import torch
+
+    def draw(lo: int, hi: int) -> torch.Tensor:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        return pool[torch.randint(len(pool), (n,), generator=gen)]
+
+    width = 2 * DRILL_MAX_COPY + 2 * DRILL_MAX_NOISE
+    x = torch.full((batch, width), pad, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.bool)
+    for i in range(batch):
+        s = draw(2, DRILL_MAX_COPY)
+        row = torch.cat([draw(0, DRILL_MAX_NOISE), s, draw(1, DRILL_MAX_NOISE), s])
+        x[i, : len(row)] = row
+        mask[i, len(row) - len(s) - 1 : len(row) - 1] = True
+    return x, mask
+
+
+def _drill_loss(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits[mask], torch.roll(x, -1, dims=1)[mask])
+
+
+def _lr_factor(done: int, steps: int) -> float:
+    """Constant, then a linear cooldown to 10% over the last COOLDOWN of the steps: the copy circuit
+    is still settling when training stops, and a full learning rate at the last steps leaves the
+    model wherever the last noisy step threw it (measured: reward-like figures swing 10x)."""
+    start = steps * (1 - COOLDOWN)
+    if done < start:
+        return 1.0
+    return max(0.1, 1.0 - 0.9 * (done - start) / max(1.0, steps - start))
+
+
+def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *, steps: int = DEFAULT_STEPS,
+           examples: int = DEFAULT_EXAMPLES, lr: float = DEFAULT_LR, seed: int = DEFAULT_SEED,
+           max_seconds: float = DEFAULT_MAX_SECONDS, batch_size: int = DEFAULT_BATCH_SIZE,
+           drill_weight: float = DEFAULT_DRILL_WEIGHT, tools: tuple[str, ...] = DEFAULT_TOOLS,
+           log_every: int = 25) -> dict[str, Any]:
+    """Train ``steps`` Adam steps (batches of ``batch_size`` episodes from the first ``examples``
+    rows of ``data_file``, plus the copy drill weighted ``drill_weight``; 0 turns it off) and write
+    the model to ``out_dir``; returns the summary (also written to warmup.json)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout_service.agents.rendering import ChatRenderer
+    from rollout_service.tools import load_builtin_tools
+
+    if steps < 1 or examples < 1 or batch_size < 1:
+        raise ValueError("steps, examples and batch_size must be >= 1")
+    t0 = time.perf_counter()
+    model_dir, out = Path(model_dir), Path(out_dir)
+    _prepare_out_dir(model_dir, out)
+    registry = load_builtin_tools()
+    tool_objs = {name: registry.get(name)() for name in tools}
+    if "calculator" not in tool_objs:
+        raise ValueError("the demonstrations call the calculator: it must be among the tools")
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model_dir)))
+    tok = renderer.tok
+    demos = build_demonstrations(load_rows(data_file, examples), renderer, tool_objs)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
+    data = _pack(demos, pad)
+    pool = torch.tensor(sorted({t for d in demos for text in (d.expression, d.answer)
+                                for t in tok.encode(text, add_special_tokens=False)}))
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: _lr_factor(done, steps))
+    order: list[int] = []
+    losses: list[float] = []
+    drill_losses: list[float] = []
+    stopped = "steps"
+    _log(f"{len(demos)} demonstrations ({data.ids.shape[1]} tokens max, {data.prefix} shared, "
+         f"{int(data.train.sum())} loss tokens), {steps} steps of {batch_size}, lr {lr:g}, drill {drill_weight:g}")
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:  # epochs of seeded shuffles: every example is seen evenly
+            order += torch.randperm(len(demos), generator=gen).tolist()
+        batch, order = order[:batch_size], order[batch_size:]
+        loss = _demo_loss(model, data, batch)
+        total = loss
+        if drill_weight > 0:
+            drill = _drill_loss(model, *_drill_batch(pool, gen, DRILL_BATCH, pad))
+            total = loss + drill_weight * drill
+            drill_losses.append(drill.item())
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % log_every == 0 or step == steps:
+            drill_note = f" drill {drill_losses[-1]:.4f}" if drill_losses else ""
+            _log(f"step {step}/{steps} loss {losses[-1]:.4f}{drill_note} ({time.perf_counter() - t0:.1f} s)")
+        if time.perf_counter() - t0 > max_seconds and step < steps:
+            stopped = "max_seconds"
+            _log(f"stopping after {step} steps: max_seconds {max_seconds:g} reached")
+            break
+
+    state = model.state_dict()
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        names = list(f.keys())  # the checkpoint's own names (the tied lm_head is not one)
+    save_file({k: state[k].detach().contiguous() for k in names}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and f.name not in NOT_COPIED:
+            shutil.copy(f, out / f.name)
+    last = losses[-10:]
+    summary = {
+        "out_dir": str(out), "source_model": str(model_dir), "data_file": str(data_file),
+        "examples": len(demos), "steps": len(losses), "requested_steps": steps, "stopped": stopped,
+        "batch_size": batch_size, "lr": lr, "seed": seed, "drill_weight": drill_weight, "tools": list(tools),
+        "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
+        "mean_loss_last_10": round(sum(last) / len(last), 6),
+        "final_drill_loss": round(drill_losses[-1], 6) if drill_losses else None,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    (out / METADATA).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="warmup",
+        description="Short supervised warm-up of a (tiny) model on calculator tool episodes built "
+                    "from data rows, so RL starts with a reward signal. Prints a JSON summary.",
+    )
+    p.add_argument("--model", type=Path, default=Path("runs/tiny-model"), help="source model dir (default %(default)s)")
+    p.add_argument("--data", type=Path, default=Path("runs/tiny-data/train.jsonl"),
+                   help="JSONL rows with question/answer (default %(default)s)")
+    p.add_argument("--out", type=Path, required=True, help="output model dir (created)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
+    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="first N rows used (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="episodes per step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default %(default)s)")
+    p.add_argument("--drill-weight", type=float, default=DEFAULT_DRILL_WEIGHT,
+                   help="weight of the copy drill's loss; 0: off (default %(default)s)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="(default %(default)s)")
+    p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                   help="stop early past this wall time (default %(default)s)")
+    p.add_argument("--tools", default=",".join(DEFAULT_TOOLS),
+                   help="tools whose schemas the prompt shows, in config order (default %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr is for our progress lines
+    try:
+        summary = warmup(a.model, a.data, a.out, steps=a.steps, examples=a.examples, lr=a.lr, seed=a.seed,
+                         max_seconds=a.max_seconds, batch_size=a.batch_size, drill_weight=a.drill_weight,
+                         tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()))
+    except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
+        print(f"warmup: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
