@@ -11,7 +11,6 @@ learner never waits for a rollout server's WEIGHTS_APPLIED and a slow or dead se
 from __future__ import annotations
 
 import json
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from learner.prepare import (
     to_samples,
     token_level_scores,
 )
-from learner.samples import Sample, split_for_ranks
+from learner.samples import Sample, split_for_ranks, split_forward
 from learner.worker import WorkerSettings
 from protocol.weights import NamedBuffer
 
@@ -147,21 +146,14 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
     async def _forward(self, role: str, samples: list[Sample], key: str, *, with_entropy: bool = False) -> None:
         """Forward-only pass over ``samples`` on every rank; results land in sample.tokens[key]."""
-        micro = self.settings_micro
-        idx = list(range(len(samples)))
-        parts = [idx[r::self.world] for r in range(self.world)]
-        n_micro = max(1, max(math.ceil(len(p) / micro) for p in parts))
-        per_rank = []
-        for part in parts:
-            chunks: list[list[Sample | None]] = [[samples[i] for i in part[j:j + micro]]
-                                                 for j in range(0, len(part), micro)]
-            chunks += [[None]] * (n_micro - len(chunks))
-            per_rank.append(chunks)
+        plan = split_forward(samples, ranks=self.world, micro_size=self.settings_micro)
+        per_rank = [[[samples[i] if i >= 0 else None for i in chunk] for chunk in rank] for rank in plan]
         results = await self.workers.all("forward", [(role, chunks, with_entropy) for chunks in per_rank])
         out_key = "values" if role == "critic" else "logprobs"
-        for part, res in zip(parts, results, strict=True):
+        for rank, res in zip(plan, results, strict=True):
+            real = [i for chunk in rank for i in chunk if i >= 0]
             flat = [r for chunk in res for r in chunk]
-            for i, r in zip(part, flat, strict=True):
+            for i, r in zip(real, flat, strict=True):
                 samples[i].tokens[key] = r[out_key]
 
     @property

@@ -4,7 +4,7 @@ it) on batches with variable group sizes and tool-token holes, plus hand-compute
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
@@ -12,19 +12,11 @@ import torch
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
+from common.config.training import AdvEstimator
 from common.registry import UnknownEntry
 from learner.algorithms import ADVANTAGE_ESTIMATORS, MissingAdvantageInput, compute_advantages
 
-ALL = [
-    "gae",
-    "grpo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "rloo",
-    "remax",
-    "opo",
-    "gpg",
-]
+ALL = list(get_args(AdvEstimator))  # every name the config accepts
 GROUPED = ["grpo", "reinforce_plus_plus_baseline", "rloo", "opo", "gpg"]
 GAMMA, LAM = 0.97, 0.9
 
