@@ -66,8 +66,8 @@ def build_tools(config: Any) -> dict[str, Any]:
     import rollout_service.tools as tools_pkg
 
     tools_pkg.load_builtin_tools()
-    server = config.rollout_server
-    options = {"python": {"timeout_s": server.sandbox_timeout_s, "memory_mb": server.sandbox_memory_mb}}
+    py = config.tools.python
+    options = {"python": {"timeout_s": py.timeout_s, "memory_mb": py.memory_mb, "max_output_chars": py.max_output_chars}}
     return {name: TOOLS.get(name)(**options.get(name, {}))
             for name in config.actor_rollout_ref.rollout.multi_turn.tools}
 

@@ -5,7 +5,7 @@ reject unknown keys; `load_config` reads a YAML file, applies dotted `key=value`
 validates once, raising a `ConfigError` that names the file or override, the dotted key and the
 fault for every problem found. Modules: `base` (section base class), `actor_rollout_ref`,
 `training` (algorithm, critic, data, trainer, ray), `services` (rollout_server, learner, transport,
-logging), `root` (Config and cross-section rules), `errors`, `loader`.
+logging), `agents` (agents, tools, tool_server), `root` (Config and cross-section rules), `errors`, `loader`.
 """
 
 from common.config.actor_rollout_ref import (
@@ -14,6 +14,17 @@ from common.config.actor_rollout_ref import (
     ModelConfig,
     MultiTurnConfig,
     RolloutConfig,
+)
+from common.config.agents import (
+    AgentsConfig,
+    CodeAgentConfig,
+    RateLimit,
+    RateLimitsConfig,
+    RemoteToolsConfig,
+    SearchToolConfig,
+    StateLMConfig,
+    ToolsConfig,
+    ToolServerConfig,
 )
 from common.config.errors import ConfigError, Issue
 from common.config.loader import dump_config, load_config, parse_override
@@ -35,6 +46,15 @@ from common.config.training import (
 )
 
 __all__ = [
+    "AgentsConfig",
+    "CodeAgentConfig",
+    "RateLimit",
+    "RateLimitsConfig",
+    "RemoteToolsConfig",
+    "SearchToolConfig",
+    "StateLMConfig",
+    "ToolServerConfig",
+    "ToolsConfig",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, model_validator
 
 from common.config.actor_rollout_ref import ActorRolloutRefConfig
+from common.config.agents import AgentsConfig, ToolsConfig, ToolServerConfig
 from common.config.base import Section
 from common.config.errors import ConfigError, Issue
 from common.config.services import (
@@ -57,6 +58,12 @@ class Config(Section):
     """Learner <-> rollout server protocol limits."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Log format and level."""
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)
+    """Options of the agent loops (StateLM, code agent)."""
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """Tool options, remote tools and rate limits."""
+    tool_server: ToolServerConfig = Field(default_factory=ToolServerConfig)
+    """bin/tool-server."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:

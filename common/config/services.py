@@ -46,10 +46,6 @@ class RolloutServerConfig(Section):
     """Reward function (registry name: math, qa_f1, qa_em, code) for rows that name none."""
     reward_by_data_source: dict[str, str] = Field(default_factory=dict)
     """Reward function per data source, overriding reward_fn (a row's own `reward_fn` field wins)."""
-    sandbox_timeout_s: float = Field(10.0, gt=0)
-    """Wall-clock limit of one sandboxed code run (the process group is killed after it)."""
-    sandbox_memory_mb: int = Field(512, gt=0)
-    """Address-space limit of one sandboxed code run, in MiB."""
     tool_timeout_s: float = Field(30.0, gt=0)
     """Wall-clock limit of one tool call of any kind; a slower call becomes an error response."""
 
