@@ -44,18 +44,24 @@ class MaskSpan(Section):
     """A span of model text between two markers (markers included)."""
 
     start: str = Field(min_length=1)
+    """Marker that opens the span."""
     end: str = Field(min_length=1)
+    """Marker that closes the span."""
 
 
 class CodeAgentConfig(Section):
     """The code-execution agent (seed 000): code between tags runs in the sandbox."""
 
     code_start_tag: str = Field("<code>", min_length=1)
+    """Opens a code block in the model's text."""
     code_end_tag: str = Field("</code>", min_length=1)
+    """Closes a code block; the block runs when this tag is generated (generation stops on it)."""
     result_start_tag: str = Field("<execution_results>", min_length=1)
     """Opens the sandbox output appended after a code block (mask 0)."""
     result_end_tag: str = Field("</execution_results>", min_length=1)
+    """Closes the sandbox output."""
     answer_start_tag: str = Field("<answer>", min_length=1)
+    """Opens the final answer."""
     answer_end_tag: str = Field("</answer>", min_length=1)
     """Text between the answer tags ends the episode and is the final answer."""
     mask_spans: list[MaskSpan] = Field(default_factory=list)
@@ -69,7 +75,9 @@ class AgentsConfig(Section):
     """Options of the agent loops that have any."""
 
     statelm: StateLMConfig = Field(default_factory=StateLMConfig)
+    """The StateLM context-managing agent (agent type `statelm`)."""
     code: CodeAgentConfig = Field(default_factory=CodeAgentConfig)
+    """The code-execution agent (agent type `code`)."""
 
 
 class SearchToolConfig(Section):
@@ -145,9 +153,13 @@ class ToolsConfig(Section):
     """Tool options, where tools run, and their rate limits."""
 
     python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    """Sandboxed Python (the python tool, the code agent, the code reward)."""
     search: SearchToolConfig = Field(default_factory=SearchToolConfig)
+    """BM25 search over a local corpus."""
     remote: RemoteToolsConfig = Field(default_factory=RemoteToolsConfig)
+    """Tools served by a tool server."""
     rate_limits: RateLimitsConfig = Field(default_factory=RateLimitsConfig)
+    """Global per-key rate limits."""
 
 
 class ToolServerConfig(Section):
