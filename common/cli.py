@@ -1,4 +1,4 @@
-"""Command-line front end shared by bin/learner and bin/rollout-server.
+"""Command-line front end shared by bin/learner, bin/rollout-server and bin/tool-server.
 
 Design: the entrypoints are thin; this module parses arguments, loads and validates the config,
 prepares the run directory and logging, then imports the process's `run(config, run_dir)` from a
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported lazily at run time, see the module docstring
 
 LEARNER_TARGET = "learner.app:run"
 ROLLOUT_SERVER_TARGET = "rollout_service.app:run"
+TOOL_SERVER_TARGET = "rollout_service.tool_server:run"
 
 Resolver = Callable[["Config"], dict[str, Any]]
 """Fills runtime values (a server id) into the config before it is saved; returns the fields that
@@ -64,8 +65,11 @@ def main(
     target: str,
     component: str,
     resolve: Resolver | None = None,
+    check_paths: bool = True,
 ) -> int:
-    """Parse `argv`, validate the config, then run `target` ("module:function"); returns the exit status."""
+    """Parse `argv`, validate the config, then run `target` ("module:function"); returns the exit status.
+    `check_paths` False skips the filesystem checks (model directory, key files) for a process
+    that never reads them."""
     args = build_parser(prog, description).parse_args(argv)
 
     from common.config import ConfigError, dump_config, load_config
@@ -73,7 +77,7 @@ def main(
     from common.rundir import prepare_run_dir, resolve_run_dir
 
     try:
-        config = load_config(args.config, args.overrides, check_paths=True)
+        config = load_config(args.config, args.overrides, check_paths=check_paths)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -153,3 +157,26 @@ def resolve_rollout_server(config: Config) -> dict[str, Any]:
     server = config.rollout_server
     server.server_id = server.resolved_server_id()
     return {"server_id": server.server_id}
+
+
+def tool_server_main(argv: Sequence[str] | None = None) -> int:
+    """bin/tool-server: serves tools over HTTP to rollout servers (tools.remote.url)."""
+    return main(
+        argv,
+        prog="tool-server",
+        description="Run a tool server: serves the tools named in tool_server.tools (sandboxed "
+        "python, search, ...) over HTTP for rollout servers that set tools.remote.url.",
+        target=TOOL_SERVER_TARGET,
+        component="tool-server",
+        resolve=resolve_tool_server,
+        check_paths=False,  # the tool host shares the config file but not the model or the keys
+    )
+
+
+def resolve_tool_server(config: Config) -> dict[str, Any]:
+    """Name this tool server `<hostname>-<pid>`: its run subdirectory and a field of its logs,
+    so it does not overwrite the learner's saved config when they share a run directory."""
+    import os
+    import socket
+
+    return {"server_id": f"{socket.gethostname()}-{os.getpid()}"}

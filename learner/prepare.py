@@ -80,14 +80,20 @@ def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
 
 
 def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version: int) -> dict[str, Any]:
-    """Reward (overall and per data source), lengths, turns, terminations and staleness of a batch."""
+    """Reward, lengths, turns and terminations of a batch, overall and per data source (keys end
+    in ``/{source}``: ``reward/mean/math``, ``batch/count/math``...), and its staleness."""
     out: dict[str, Any] = _stats("reward", [t.reward for t in trajs])
-    by_source: dict[str, list[float]] = defaultdict(list)
+    by_source: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
-        by_source[t.data_source or "unknown"].append(t.reward)
+        by_source[t.data_source or "unknown"].append(t)
     if len(by_source) > 1 or "unknown" not in by_source:
-        for src, rs in sorted(by_source.items()):
-            out[f"reward/mean/{src}"] = float(np.mean(rs))
+        for src, ts in sorted(by_source.items()):
+            out[f"reward/mean/{src}"] = float(np.mean([t.reward for t in ts]))
+            out[f"batch/count/{src}"] = float(len(ts))
+            out[f"response/length_mean/{src}"] = float(np.mean([len(t.response_ids) for t in ts]))
+            out[f"episode/turns_mean/{src}"] = float(np.mean([t.num_turns for t in ts]))
+            for term in sorted({t.termination for t in ts}):
+                out[f"episode/termination/{term}/{src}"] = sum(t.termination == term for t in ts) / len(ts)
     out |= {k.replace("response/", "response/length_"): v
             for k, v in _stats("response", [len(t.response_ids) for t in trajs]).items()}
     out["response/trained_tokens_mean"] = float(np.mean([int(np.sum(t.response_mask)) for t in trajs]))

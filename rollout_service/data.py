@@ -13,6 +13,13 @@ indices seeded by ``(seed, epoch)``, and this server keeps the indices with
 cover it. Positions in this server's stream are numbered across epochs
 (``epoch * shard_size + offset``), which gives one integer order for the cursor.
 
+Mixed sources (every ``Source`` has a ``ratio``, as ``data.datasets`` do): the epoch is a schedule
+of whole batches in which each source has the same exact count (``rollout_service.mixing`` has the
+design). Batch ``b`` of an epoch goes to shard ``b % shard_count``, so each server's stream is
+whole batches and any ``batch_size`` consecutive positions from a batch boundary hold the exact
+mix. A small source repeats within an epoch, so group uids name the slot, not the row:
+``e{epoch}-m{batch * batch_size + place}`` (``e{epoch}-i{index}`` without mixing).
+
 Resumption: a prompt is only *done* once its group has been acknowledged by the learner
 (``commit``). Groups finish out of order, so the cursor is the lowest position not yet done plus
 the done positions ahead of it; it is written to a small JSON file atomically (tmp, fsync,
@@ -36,10 +43,12 @@ import numpy as np
 
 from common.config.training import DataConfig
 from common.fileio import atomic_write_bytes
+from rollout_service.mixing import MixedSchedule, batch_counts, smallest_fitting_batch_size
 
 STATE_FILE = "data_cursor.json"
 STATE_FORMAT = 1
-_GROUP_UID = re.compile(r"^e(\d+)-i(\d+)$")
+_GROUP_UID = re.compile(r"^e(\d+)-([im])(\d+)$")  # i: row index (plain), m: slot in the epoch (mixed)
+_MIX_KEYS = ("ratios", "batch_size", "source_rows")  # in the cursor's fingerprint when mixing
 
 
 class DataError(ValueError):
@@ -55,18 +64,22 @@ class PromptItem:
     data_source: str
     agent_type: str
     group_uid: str
-    """Deterministic from (epoch, index): the same prompt in the same epoch gets the same uid."""
+    """Deterministic from (epoch, index), or (epoch, slot) when mixing: unique within an epoch."""
     position: int
     """Place in this shard's stream across epochs; what ``PromptSource.commit`` counts."""
+    batch: int | None = None
+    """Mixed sources: the batch of the epoch (over all shards) that holds this prompt; else None."""
 
 
 @dataclass(frozen=True)
 class Source:
-    """One named group of files; ``name``/``agent_type`` None: taken from each row (or defaults)."""
+    """One named group of files; ``name``/``agent_type`` None: taken from each row (or defaults).
+    ``ratio``: share of every batch (all sources have one, or none; normalised to sum 1)."""
 
     paths: tuple[str, ...]
     name: str | None = None
     agent_type: str | None = None
+    ratio: float | None = None
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -162,7 +175,7 @@ class _Row:
 def sources_from_config(data: DataConfig) -> list[Source]:
     """``data.datasets`` (each its own name and agent type) or else ``data.train_files``."""
     if data.datasets:
-        return [Source(tuple(d.path), d.name, d.agent_type) for d in data.datasets]
+        return [Source(tuple(d.path), d.name, d.agent_type, d.ratio) for d in data.datasets]
     if not data.train_files:
         raise DataError("no training data: set data.train_files or data.datasets")
     return [Source(tuple(data.train_files))]
@@ -172,7 +185,7 @@ class PromptSource:
     """This shard's prompts in a deterministic per-epoch shuffled order, resumable from a state file.
 
     Iterate it (endless unless ``max_epochs``), run each item, and call ``commit(item)`` once its
-    group has been acknowledged by the learner.
+    group has been acknowledged by the learner. Sources with ratios need ``batch_size``.
     """
 
     def __init__(
@@ -186,16 +199,27 @@ class PromptSource:
         default_agent_type: str = "single_turn",
         state_dir: str | os.PathLike[str] | None = None,
         max_epochs: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise DataError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
         self.shard_index, self.shard_count = shard_index, shard_count
         self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
-        self.rows = _load_sources(sources, default_agent_type)
-        self.shard_size = len(range(shard_index, len(self.rows), shard_count))
-        if self.shard_size == 0:
-            raise DataError(f"shard {shard_index} of {shard_count} is empty: the data has only "
-                            f"{len(self.rows)} rows")
+        self.rows, self.source_rows = _load_sources(sources, default_agent_type)
+        self.ratios = [s.ratio for s in sources]
+        self.mix = _mixed_schedule(sources, self.source_rows, batch_size, seed=seed, shuffle=shuffle)
+        if self.mix is None:
+            self.shard_size = len(range(shard_index, len(self.rows), shard_count))
+            if self.shard_size == 0:
+                raise DataError(f"shard {shard_index} of {shard_count} is empty: the data has only "
+                                f"{len(self.rows)} rows")
+        else:
+            batches = len(range(shard_index, self.mix.batches_per_epoch, shard_count))
+            if batches == 0:
+                raise DataError(f"shard {shard_index} of {shard_count} is empty: an epoch of the mixed "
+                                f"data has only {self.mix.batches_per_epoch} batches of "
+                                f"{self.mix.batch_size} (data.train_batch_size); use fewer rollout servers")
+            self.shard_size = batches * self.mix.batch_size
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
         self._next_undone = 0  # every position below this is done
         self._done_ahead: set[int] = set()  # done positions above it (groups finish out of order)
@@ -209,7 +233,7 @@ class PromptSource:
                     max_epochs: int | None = None) -> PromptSource:
         return cls(sources_from_config(data), shard_index=shard_index, shard_count=shard_count,
                    seed=data.seed, shuffle=data.shuffle, default_agent_type=data.agent_type,
-                   state_dir=state_dir, max_epochs=max_epochs)
+                   state_dir=state_dir, max_epochs=max_epochs, batch_size=data.train_batch_size)
 
     # -- iteration ---------------------------------------------------------------------------------
 
@@ -225,20 +249,30 @@ class PromptSource:
         epoch, offset = divmod(position, self.shard_size)
         index = int(self._order(epoch)[offset])
         r = self.rows[index]
+        batch, uid = None, f"e{epoch}-i{index}"
+        if self.mix is not None:
+            k, place = divmod(offset, self.mix.batch_size)
+            batch = self.shard_index + k * self.shard_count
+            uid = f"e{epoch}-m{batch * self.mix.batch_size + place}"
         return PromptItem(index=index, epoch=epoch, row=r.row, data_source=r.data_source,
-                          agent_type=r.agent_type, group_uid=f"e{epoch}-i{index}", position=position)
+                          agent_type=r.agent_type, group_uid=uid, position=position, batch=batch)
 
     def _order(self, epoch: int) -> np.ndarray:
         """This shard's global indices in epoch ``epoch``'s order (cached for the last two epochs,
         since items in flight can straddle an epoch boundary)."""
         order = self._orders.get(epoch)
         if order is None:
-            everything = np.arange(len(self.rows))
-            if self.shuffle:
-                # One permutation of the whole data set per epoch, filtered to this shard: the
-                # order depends only on (seed, epoch), never on the shard layout.
-                everything = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
-            order = everything[everything % self.shard_count == self.shard_index]
+            if self.mix is not None:
+                # The epoch's whole schedule, dealt to the shards in whole batches.
+                batches = self.mix.epoch(epoch).reshape(self.mix.batches_per_epoch, self.mix.batch_size)
+                order = batches[self.shard_index::self.shard_count].reshape(-1)
+            else:
+                everything = np.arange(len(self.rows))
+                if self.shuffle:
+                    # One permutation of the whole data set per epoch, filtered to this shard: the
+                    # order depends only on (seed, epoch), never on the shard layout.
+                    everything = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+                order = everything[everything % self.shard_count == self.shard_index]
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order
         return order
@@ -270,12 +304,17 @@ class PromptSource:
         """The position of the prompt a ``group_uid`` of this source names; None when it names
         none of this shard's prompts (another data set or sharding produced it)."""
         m = _GROUP_UID.match(group_uid)
-        if m is None:
+        if m is None or (m.group(2) == "m") != (self.mix is not None):
             return None
-        epoch, index = int(m.group(1)), int(m.group(2))
-        if index >= len(self.rows) or index % self.shard_count != self.shard_index:
+        epoch, number = int(m.group(1)), int(m.group(3))
+        if self.mix is not None:
+            batch, place = divmod(number, self.mix.batch_size)
+            if batch >= self.mix.batches_per_epoch or batch % self.shard_count != self.shard_index:
+                return None
+            return epoch * self.shard_size + batch // self.shard_count * self.mix.batch_size + place
+        if number >= len(self.rows) or number % self.shard_count != self.shard_index:
             return None
-        offsets = np.flatnonzero(self._order(epoch) == index)
+        offsets = np.flatnonzero(self._order(epoch) == number)
         return epoch * self.shard_size + int(offsets[0])
 
     def hold_groups(self, group_uids: Iterable[str]) -> int:
@@ -296,10 +335,14 @@ class PromptSource:
         if position is not None:
             self.commit(position)
 
-    def _fingerprint(self) -> dict[str, int]:
-        # A cursor is only meaningful for the same rows, shuffle and sharding.
-        return {"rows": len(self.rows), "seed": self.seed, "shuffle": int(self.shuffle),
-                "shard_index": self.shard_index, "shard_count": self.shard_count}
+    def _fingerprint(self) -> dict[str, Any]:
+        # A cursor is only meaningful for the same rows, shuffle, sharding and mix. The mixing keys
+        # are left out without mixing, so cursors saved before mixing existed still load.
+        fp: dict[str, Any] = {"rows": len(self.rows), "seed": self.seed, "shuffle": int(self.shuffle),
+                              "shard_index": self.shard_index, "shard_count": self.shard_count}
+        if self.mix is not None:
+            fp |= {"ratios": self.ratios, "batch_size": self.mix.batch_size, "source_rows": self.source_rows}
+        return fp
 
     def _save_state(self) -> None:
         if self.state_path is None:
@@ -314,7 +357,9 @@ class PromptSource:
         try:
             state = json.loads(self.state_path.read_text(encoding="utf-8"))
             fmt, nxt, ahead = state["format"], state["next_undone"], state["done_ahead"]
-            saved = {k: state[k] for k in self._fingerprint()}
+            saved = {k: state[k] for k in self._fingerprint() if k not in _MIX_KEYS}
+            # A cursor saved with(out) mixing must not pass for one saved without (with) it.
+            saved |= {k: state.get(k) for k in _MIX_KEYS if k in state or self.mix is not None}
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DataError(f"{self.state_path}: unreadable data cursor ({type(e).__name__}: {e}); "
                             "delete it to start the data from the beginning") from None
@@ -328,17 +373,53 @@ class PromptSource:
         self._next_undone, self._done_ahead = nxt, set(ahead)
 
 
-def _load_sources(sources: Sequence[Source], default_agent_type: str) -> list[_Row]:
+def _load_sources(sources: Sequence[Source], default_agent_type: str) -> tuple[list[_Row], list[int]]:
+    """Every source's rows, concatenated, and how many rows each source has."""
     rows: list[_Row] = []
+    sizes: list[int] = []
     for source in sources:
+        before = len(rows)
         for path in source.paths:
             fallback_name = source.name or Path(path).stem
             for row in load_rows(path):
-                # A dataset's name is authoritative (the mixer and metrics group by it); plain
-                # train_files keep each row's own data_source.
+                # A dataset's name is authoritative (metrics and rewards group by it); plain
+                # train_files keep each row's own data_source. The agent is the most specific one
+                # named: the row's own, else the dataset's, else data.agent_type.
                 name = source.name or row.get("data_source") or fallback_name
                 agent = row.get("agent") or source.agent_type or default_agent_type
                 rows.append(_Row(row, name, agent))
+        sizes.append(len(rows) - before)
     if not rows:
         raise DataError("no training rows: every configured source is empty")
-    return rows
+    return rows, sizes
+
+
+def _mixed_schedule(sources: Sequence[Source], sizes: Sequence[int], batch_size: int | None, *,
+                    seed: int, shuffle: bool) -> MixedSchedule | None:
+    """The mixed schedule when the sources carry ratios; None when none does."""
+    ratios = [s.ratio for s in sources]
+    if all(r is None for r in ratios):
+        return None
+    names = [_source_name(s) for s in sources]
+    if any(r is None or r <= 0 for r in ratios):
+        bad = ", ".join(f"{n}={r}" for n, r in zip(names, ratios, strict=True) if r is None or r <= 0)
+        raise DataError(f"data.datasets: every source of a mix needs a ratio above 0 (got {bad})")
+    if batch_size is None or batch_size < 1:
+        raise DataError(f"mixed sources need a batch size of at least 1 (data.train_batch_size), got {batch_size}")
+    for name, size in zip(names, sizes, strict=True):
+        if size == 0:
+            raise DataError(f"data.datasets: source {name!r} has no rows")
+    ratios_f = [float(r) for r in ratios if r is not None]
+    counts = batch_counts(ratios_f, batch_size)
+    for name, ratio, count in zip(names, ratios_f, counts, strict=True):
+        if count == 0:
+            fix = smallest_fitting_batch_size(ratios_f, batch_size)
+            raise DataError(
+                f"data.datasets: source {name!r} (ratio {ratio:g}) gets 0 of the {batch_size} prompts "
+                f"of a batch (data.train_batch_size={batch_size}, counts {dict(zip(names, counts, strict=True))}); "
+                f"data.train_batch_size={fix} gives every source at least one, or raise its ratio")
+    return MixedSchedule(sizes, counts, seed=seed, shuffle=shuffle)
+
+
+def _source_name(source: Source) -> str:
+    return source.name or (Path(source.paths[0]).stem if source.paths else "<no files>")

@@ -80,6 +80,7 @@ async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: 
     """Run ``n`` episodes of ``row`` concurrently and score them; with ``remax``, also one greedy
     episode whose reward every trajectory carries as its baseline."""
     agent = AGENTS.get(agent_type)(deps)
+    segmenting = getattr(agent, "trajectories", None)
     episodes = [Episode(f"{group_uid}-{i}", group_uid, row, data_source=data_source, agent_type=agent_type)
                 for i in range(n)]
     trajectories: list[list[Trajectory]] = [[] for _ in episodes]
@@ -88,8 +89,11 @@ async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: 
         ep = episodes[i]
         await agent.run(ep)
         result = await score(ep, deps.renderer, rewards)
-        trajectories[i] = ep.to_trajectories(reward=result.score, reward_extras=result.extras,
-                                             source_server=server_id)
+        if segmenting is not None:  # the agent shapes rewards and picks segments (StateLM)
+            trajectories[i] = segmenting(ep, result, server_id)
+        else:
+            trajectories[i] = ep.to_trajectories(reward=result.score, reward_extras=result.extras,
+                                                 source_server=server_id)
 
     baseline: list[float] = []
 

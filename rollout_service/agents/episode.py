@@ -108,6 +108,11 @@ class Episode:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([version] * len(ids))
 
+    def mask_out(self, index: int) -> None:
+        """Keep response token ``index`` as context only (mask 0, logprob 0): state masking."""
+        self.mask[index] = 0
+        self.logprobs[index] = 0.0
+
     @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -122,25 +127,37 @@ class Episode:
         return Segment(list(self.prompt_ids), list(self.response_ids), list(self.mask), list(self.logprobs),
                        list(self.versions), is_snapshot)
 
-    def to_trajectories(self, *, reward: float, reward_extras: dict[str, Any], source_server: str) -> list[Trajectory]:
-        """Every segment (snapshots, then the final one) as a trajectory sharing the episode's reward."""
+    def all_segments(self) -> list[Segment]:
+        """The closed snapshots and the current (final) segment."""
+        return [*self.segments, self._segment(is_snapshot=False)]
+
+    def to_trajectories(self, *, reward: float, reward_extras: dict[str, Any], source_server: str,
+                        segment_rewards: Sequence[float] | None = None,
+                        keep: Sequence[int] | None = None) -> list[Trajectory]:
+        """Segments (snapshots, then the final one) as trajectories: all of them sharing ``reward``,
+        or the segments numbered in ``keep`` with ``segment_rewards[i]`` each. Ids and
+        snapshot_index keep each segment's place in the episode."""
         if self.termination is None:
             raise IllegalTransition(f"episode {self.episode_id} is not terminated")
-        segments = [*self.segments, self._segment(is_snapshot=False)]
+        segments = self.all_segments()
+        rewards = list(segment_rewards) if segment_rewards is not None else [reward] * len(segments)
+        if len(rewards) != len(segments):
+            raise ValueError(f"{len(rewards)} segment rewards for {len(segments)} segments")
+        chosen = sorted(set(keep)) if keep is not None else range(len(segments))
         timings = {**self.timings, "episode_s": time.monotonic() - self.started}
         return [
             Trajectory(
                 trajectory_id=f"{self.episode_id}-{i}" if len(segments) > 1 else self.episode_id,
                 group_uid=self.group_uid,
-                prompt_ids=np.asarray(s.prompt_ids, np.int32),
-                response_ids=np.asarray(s.response_ids, np.int32),
-                response_mask=np.asarray(s.mask, np.uint8),
-                rollout_logprobs=np.asarray(s.logprobs, np.float32),
-                versions=np.asarray(s.versions, np.int32),
-                reward=float(reward), snapshot_index=i, is_snapshot=s.is_snapshot,
+                prompt_ids=np.asarray(segments[i].prompt_ids, np.int32),
+                response_ids=np.asarray(segments[i].response_ids, np.int32),
+                response_mask=np.asarray(segments[i].mask, np.uint8),
+                rollout_logprobs=np.asarray(segments[i].logprobs, np.float32),
+                versions=np.asarray(segments[i].versions, np.int32),
+                reward=float(rewards[i]), snapshot_index=i, is_snapshot=segments[i].is_snapshot,
                 source_server=source_server, data_source=self.data_source, agent_type=self.agent_type,
                 termination=self.termination, num_turns=self.turns, reward_extras=dict(reward_extras),
                 timings=dict(timings),
             )
-            for i, s in enumerate(segments)
+            for i in chosen
         ]

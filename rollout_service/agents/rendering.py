@@ -35,6 +35,7 @@ class ChatRenderer:
         if eos is None:
             raise ValueError("the tokenizer has no eos_token_id: cannot find where a turn ends")
         self.eos_id = int(eos)
+        self._special = {int(t) for t in tokenizer.all_special_ids}
         self._base_cut = self._turn_end_cut()
 
     def _turn_end_cut(self) -> int:
@@ -55,12 +56,16 @@ class ChatRenderer:
                                                  add_generation_prompt=True))
         return full[self._base_cut:]
 
+    def text_ids(self, text: str) -> list[int]:
+        """Plain text (no template) as ids: what an agent inserts mid-turn (sandbox output)."""
+        return [int(t) for t in self.tok.encode(text, add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def turn_text(self, ids: Sequence[int]) -> str:
         """The text of a model turn for the transcript and the parser: without its end token."""
         ids = list(ids)
-        if ids and ids[-1] == self.eos_id:
-            ids.pop()
+        if ids and (ids[-1] == self.eos_id or ids[-1] in self._special):
+            ids.pop()  # the end token (<|im_end|>, or another end token such as <|endoftext|>)
         return self.decode(ids)

@@ -11,15 +11,31 @@ exceeds its time limit) becomes a response text the model reads; a run of
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 
 from common.logging import get_logger
 from rollout_service.agents.base import AGENTS, AgentDeps, generate_turn, start
 from rollout_service.agents.episode import Episode, State
-from rollout_service.agents.parsers import ToolCall
+from rollout_service.agents.parsers import ParsedTurn, ToolCall
 from rollout_service.tools.base import ToolContext, ToolResult
 
 log = get_logger("agent")
+
+
+def append_tool_turn(ep: Episode, deps: AgentDeps, tool_messages: list[dict[str, Any]]) -> bool:
+    """Append tool messages as context (mask 0) after a model turn; False (terminated: length)
+    when they would leave no room for a reply."""
+    limits = deps.limits
+    delta = deps.renderer.tool_delta_ids(tool_messages)
+    if len(ep.response_ids) + len(delta) >= limits.response_length or \
+            ep.context_len + len(delta) >= limits.max_model_len:
+        ep.terminate("length")  # no room for the responses and a reply to them
+        return False
+    ep.messages.extend(tool_messages)
+    ep.add_tool(delta)
+    return True
 
 
 def truncate(text: str, limit: int, side: str) -> str:
@@ -62,7 +78,7 @@ class ToolAgent:
         self.schemas = [t.schema for t in deps.tools.values()]
 
     async def run(self, ep: Episode) -> None:
-        if not start(ep, self.deps, self.schemas):
+        if not self.begin(ep):
             return
         limits, failed_turns = self.deps.limits, 0
         while ep.state is State.GENERATING:
@@ -71,12 +87,13 @@ class ToolAgent:
                 return
             text = self.deps.renderer.turn_text(gen.token_ids)
             parsed = self.deps.parser.parse(text)  # type: ignore[union-attr]
-            ep.messages.append({"role": "assistant", "content": text})
+            self.on_assistant(ep, text, parsed)
             if not parsed.attempted:
                 ep.terminate("no_tool_call")
                 return
             ep.goto(State.PROCESSING_TOOLS)
-            results = await self._run_calls(ep, parsed.calls, parsed.errors)
+            answered = await self._run_calls(ep, parsed.calls, parsed.errors)
+            results = [r for _, r in answered]
             if any(r.terminal and r.ok for r in results):
                 ep.final_answer = next(r.answer for r in results if r.terminal and r.ok)
                 ep.terminate("answered")
@@ -91,23 +108,40 @@ class ToolAgent:
             if limits.max_user_turns is not None and ep.turns >= limits.max_user_turns:
                 ep.terminate("max_turns")
                 return
-            tool_messages = [{"role": "tool", "content": truncate(r.text, limits.max_tool_response_length,
-                                                                  limits.tool_response_truncate_side)}
-                             for r in results]
-            delta = self.deps.renderer.tool_delta_ids(tool_messages)
-            if len(ep.response_ids) + len(delta) >= limits.response_length or \
-                    ep.context_len + len(delta) >= limits.max_model_len:
-                ep.terminate("length")  # no room for the responses and a reply to them
+            if not self.continue_after_tools(ep, answered):
                 return
-            ep.messages.extend(tool_messages)
-            ep.add_tool(delta)
             ep.goto(State.GENERATING)
 
-    async def _run_calls(self, ep: Episode, calls: list[ToolCall], parse_errors: list[str]) -> list[ToolResult]:
+    # -- hooks (the StateLM agent overrides them) ----------------------------------------------------
+    def begin(self, ep: Episode) -> bool:
+        """PENDING -> GENERATING with the rendered prompt; False if the episode terminated instead."""
+        return start(ep, self.deps, self.schemas)
+
+    def on_assistant(self, ep: Episode, text: str, parsed: ParsedTurn) -> None:
+        """Record a model turn in the transcript."""
+        ep.messages.append({"role": "assistant", "content": text})
+
+    def continue_after_tools(self, ep: Episode, answered: list[tuple[str, ToolResult]]) -> bool:
+        """Append the tool responses (mask 0) and the next turn's header; False (terminated) when
+        there is no room for them and a reply."""
+        tool_messages = [{"role": "tool", "content": self.response_text(r)} for _, r in answered]
+        return append_tool_turn(ep, self.deps, tool_messages)
+
+    def response_text(self, result: ToolResult) -> str:
+        limits = self.deps.limits
+        return truncate(result.text, limits.max_tool_response_length, limits.tool_response_truncate_side)
+
+    def tool_context(self, ep: Episode) -> ToolContext:
+        return ToolContext(episode_id=ep.episode_id, row=ep.row, state=ep.tool_state)
+
+    async def _run_calls(self, ep: Episode, calls: list[ToolCall],
+                         parse_errors: list[str]) -> list[tuple[str, ToolResult]]:
+        """Every call's (tool name, result): accepted calls in order, then parse errors (name ""),
+        then calls refused by the parallel-call limit."""
         limit = self.deps.limits.max_parallel_calls
         accepted, refused = calls[:limit], calls[limit:]
         results: list[ToolResult | None] = [None] * len(accepted)
-        ctx = ToolContext(episode_id=ep.episode_id, row=ep.row, state=ep.tool_state)
+        ctx = self.tool_context(ep)
 
         async def one(i: int, call: ToolCall) -> None:
             results[i] = await self._call(call, ctx)
@@ -115,12 +149,12 @@ class ToolAgent:
         async with anyio.create_task_group() as tg:
             for i, call in enumerate(accepted):
                 tg.start_soon(one, i, call)
-        out = [r for r in results if r is not None]
-        out += [ToolResult(f"error: {e}", ok=False) for e in parse_errors]
-        out += [ToolResult(f"error: call to {c.name!r} refused: at most {limit} tool calls per turn", ok=False)
-                for c in refused]
+        out = [(c.name, r) for c, r in zip(accepted, results, strict=True) if r is not None]
+        out += [("", ToolResult(f"error: {e}", ok=False)) for e in parse_errors]
+        out += [(c.name, ToolResult(f"error: call to {c.name!r} refused: at most {limit} tool calls per turn",
+                                    ok=False)) for c in refused]
         ep.tool_calls += len(out)
-        ep.tool_errors += sum(not r.ok for r in out)
+        ep.tool_errors += sum(not r.ok for _, r in out)
         return out
 
     async def _call(self, call: ToolCall, ctx: ToolContext) -> ToolResult:

@@ -25,6 +25,8 @@ class SamplingSettings:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    choices: tuple[str, ...] = ()  # constrain the output to one of these texts (vLLM structured outputs)
+    stop: tuple[str, ...] = ()  # stop strings (the code agent's closing tag); the ids that spell one stay in the output
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Generation:
     versions: list[int]  # policy version that produced each token
     finish_reason: FinishReason
     stop_token_included: bool = True  # an EOS/stop token that ended the turn is in token_ids
+    stop_string: str | None = None  # the stop string that ended generation, if one did
     timings: dict[str, float] = field(default_factory=dict)
 
 

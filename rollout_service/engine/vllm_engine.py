@@ -245,6 +245,7 @@ class VllmEngine:
         logprobs: list[float] = []
         versions: list[int] = []
         finish: FinishReason = "abort"
+        stop_string: str | None = None
         waited = 0.0
         try:
             while True:
@@ -260,7 +261,7 @@ class VllmEngine:
                 tokens += out.token_ids
                 logprobs += out.logprobs
                 versions += out.versions
-                finish = out.finish_reason
+                finish, stop_string = out.finish_reason, out.stop_string
                 if finish != "abort" or not req.preempted or req.user_aborted:
                     break
                 if len(tokens) >= sampling.max_tokens:
@@ -274,6 +275,7 @@ class VllmEngine:
             versions=versions,
             finish_reason=finish,
             stop_token_included=finish == "stop",
+            stop_string=stop_string,
             timings={"total_s": time.perf_counter() - start, "weight_update_wait_s": waited},
         )
 
@@ -438,7 +440,7 @@ class VllmEngine:
 
     def _sampling_params(self, s: SamplingSettings, max_tokens: int) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         return SamplingParams(
             max_tokens=max_tokens,
@@ -448,8 +450,10 @@ class VllmEngine:
             seed=s.seed,
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            stop=list(s.stop) or None,
+            structured_outputs=StructuredOutputsParams(choice=list(s.choices)) if s.choices else None,
             logprobs=0,
-            detokenize=False,
+            detokenize=bool(s.stop),  # stop strings are matched on text; ids are what we keep
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -465,7 +469,8 @@ class VllmEngine:
             versions = [submitted_version] * len(ids)
         reason = comp.finish_reason
         finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-        return _Piece(ids, logprobs, versions, finish)
+        stop = comp.stop_reason if isinstance(getattr(comp, "stop_reason", None), str) else None
+        return _Piece(ids, logprobs, versions, finish, stop)
 
 
 @dataclass
@@ -474,6 +479,7 @@ class _Piece:
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason
+    stop_string: str | None = None
 
 
 def _versions_from_spans(spans: Any, n: int) -> list[int] | None:

@@ -91,6 +91,21 @@ def test_batch_metrics_per_source_and_staleness() -> None:
     assert m["response/length_mean"] == 1.5
 
 
+def test_batch_metrics_per_source_counts_lengths_turns_terminations() -> None:
+    trajs = [traj("a", "g", 2, [1, 1, 1, 1], 1.0, data_source="math", num_turns=3),
+             traj("b", "g", 2, [1, 1], 0.0, data_source="math", num_turns=1, termination="length"),
+             traj("c", "h", 2, [1], 0.5, data_source="nq", num_turns=2)]
+    m = batch_metrics(trajs, [0, 0, 1], version=5)
+    assert m["batch/count/math"] == 2.0 and m["batch/count/nq"] == 1.0 and m["batch/trajectories"] == 3.0
+    assert m["response/length_mean/math"] == 3.0 and m["response/length_mean/nq"] == 1.0
+    assert m["episode/turns_mean/math"] == 2.0 and m["episode/turns_mean/nq"] == 2.0
+    assert m["episode/termination/length/math"] == 0.5 and m["episode/termination/answered/math"] == 0.5
+    assert m["episode/termination/answered/nq"] == 1.0 and "episode/termination/length/nq" not in m
+    # one unnamed source: the overall keys say it all, no per-source copies
+    plain = batch_metrics([traj("d", "g", 2, [1], 1.0)], [0], version=5)
+    assert not any(k.startswith("batch/count/") for k in plain) and "reward/mean/unknown" not in plain
+
+
 def test_worker_metrics_reduce_to_means() -> None:
     ranks = [{"pg_loss": 0.25, "tokens": 10.0, "clipfrac_tok": 2.0, "grad_norm_sum": 4.0, "optimizer_steps": 2.0,
               "lr": 1e-3, "skipped_steps": 0.0},

@@ -20,6 +20,7 @@ class ScriptedEngine:
         self.loaded: list[tuple[int, dict[str, bytes], str]] = []
         self.repeat_last = False  # keep answering with the last turn once the script is used up
         self.respond: Any = None  # or a function of the decoded context -> the turn's text
+        self.per_request: Any = None  # or a function of the episode id -> that episode's turns
         self.load_gate: Any = None  # an anyio.Event load_weights waits for, if set
         self.delay_s = 0.0  # seconds each generate call takes
 
@@ -33,7 +34,11 @@ class ScriptedEngine:
             import anyio
 
             await anyio.sleep(self.delay_s)
-        if self.respond is not None:
+        if self.per_request is not None:  # a script per episode: request ids are "<episode>-t<turn>"
+            episode, turn_no = request_id.rsplit("-t", 1)
+            script = self.per_request(episode)
+            turn = script[int(turn_no)] if int(turn_no) < len(script) else "(script ended)"
+        elif self.respond is not None:
             turn = self.respond(self.tok.decode(list(prompt_ids)))
         elif self.repeat_last and len(self.turns) == 1:
             turn = self.turns[0]
@@ -41,11 +46,16 @@ class ScriptedEngine:
             turn = self.turns.pop(0) if self.turns else "(script ended)"
         if isinstance(turn, Generation):
             return turn
-        ids = [*self.tok.encode(turn, add_special_tokens=False), self.tok.eos_token_id]
+        # A turn ending in a stop string stops there, as vLLM does (the ids spelling it are kept,
+        # no eos follows); any other turn ends with eos.
+        stop_string = next((s for s in sampling.stop if turn.endswith(s)), None)
+        ids = self.tok.encode(turn, add_special_tokens=False)
+        if stop_string is None:
+            ids.append(self.tok.eos_token_id)
         finish = "stop"
         if len(ids) > sampling.max_tokens:
-            ids, finish = ids[: sampling.max_tokens], "length"
-        return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), finish)
+            ids, finish, stop_string = ids[: sampling.max_tokens], "length", None
+        return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), finish, stop_string=stop_string)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         pass

@@ -110,10 +110,12 @@ def test_datasets_are_tagged_with_name_and_agent_type(tmp_path: Path) -> None:
     cfg = DataConfig(datasets=[{"name": "math", "path": str(a), "ratio": 0.5, "agent_type": "tool"},
                                {"name": "search", "path": [str(b)], "ratio": 0.5}],
                      agent_type="single_turn", shuffle=False)
-    items = _take(PromptSource.from_config(cfg, shard_index=0, shard_count=1), 6)
+    # datasets with ratios are mixed: batches of 4 (the default data.train_batch_size) of 2 + 2
+    items = _take(PromptSource.from_config(cfg, shard_index=0, shard_count=1), 8)
     assert [(it.index, it.data_source, it.agent_type) for it in items] == [
-        (0, "math", "tool"), (1, "math", "tool"), (2, "math", "tool"),
-        (3, "search", "single_turn"), (4, "search", "single_turn"), (5, "search", "code")]
+        (0, "math", "tool"), (1, "math", "tool"), (3, "search", "single_turn"), (4, "search", "single_turn"),
+        (2, "math", "tool"), (0, "math", "tool"), (5, "search", "code"), (3, "search", "single_turn")]
+    assert [it.batch for it in items] == [0, 0, 0, 0, 1, 1, 1, 1]
     with pytest.raises(DataError, match="no training data"):
         PromptSource.from_config(DataConfig(), shard_index=0, shard_count=1)
     with pytest.raises(DataError, match="shard 4 of 5 is empty"):

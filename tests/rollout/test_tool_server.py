@@ -1,0 +1,318 @@
+"""bin/tool-server as a real child process on loopback, called through RemoteToolClient/RemoteTool:
+sandboxed python, search, errors, malformed requests, its concurrency limit, clean shutdown on
+SIGTERM/SIGINT; and the client's retries against a dead port and a server that answers 503."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import psutil
+import pytest
+
+from rollout_service.tool_server import make_app
+from rollout_service.tools import ToolContext, ToolResult
+from rollout_service.tools.base import function_schema
+from rollout_service.tools.remote import RemoteTool, RemoteToolClient, fetch_schemas
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL_SERVER = REPO / "bin" / "tool-server"
+CTX = ToolContext(episode_id="ep-remote")
+SLEEP_S = 0.75  # one sleeping python call in the concurrency test
+PY_TIMEOUT_S = 1.5
+
+
+def write_config(tmp: Path, **python: Any) -> Path:
+    corpus = tmp / "corpus.jsonl"
+    corpus.write_text(
+        json.dumps({"id": "erebus", "title": "Mount Erebus", "text": "An active volcano with a lava lake."}) + "\n"
+        + json.dumps({"id": "tea", "title": "Tea", "text": "An aromatic beverage from Camellia leaves."}) + "\n"
+    )
+    py = ", ".join(f"{k}: {v}" for k, v in {"timeout_s": PY_TIMEOUT_S, **python}.items())
+    path = tmp / "tools.yaml"
+    # The tool server never reads the model or the data: any path will do (no path checks).
+    path.write_text(textwrap.dedent(f"""\
+        actor_rollout_ref:
+          model: {{path: {tmp}/no-model}}
+        data: {{train_files: train.jsonl}}
+        trainer:
+          experiment_name: tooltest
+          run_dir: {tmp}/runs/{{experiment_name}}
+        tools:
+          python: {{{py}}}
+          search: {{corpus: {corpus}}}
+        """))
+    return path
+
+
+@contextmanager
+def tool_server(tmp: Path, *overrides: str, **python: Any) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """Start bin/tool-server on a free port; yield the process, its URL (read from its log) and
+    its output lines so far (a thread keeps draining the pipe)."""
+    cmd = [sys.executable, str(TOOL_SERVER), "--config", str(write_config(tmp, **python)),
+           "--log-format", "console", "tool_server.port=0", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not found and (m := re.search(r"tool server listening.*url=(http://\S+)", line)):
+                found.append(m.group(1))
+                ready.set()
+        ready.set()  # EOF: the server died before listening
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(30) and found, "no 'tool server listening' line:\n" + "".join(lines)
+        yield proc, found[0], lines
+    finally:
+        if proc.poll() is None:
+            for child in descendants(proc.pid):
+                child.kill()
+            proc.kill()
+        proc.wait(30)
+        reader.join(10)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with tool_server(tmp_path_factory.mktemp("toolserver"), "tool_server.max_concurrent_calls=2") as (_, url, _):
+        yield url
+
+
+def client_for(url: str, **options: Any) -> RemoteToolClient:
+    return RemoteToolClient(url, **{"timeout_s": 10.0, "retries": 1, "backoff_s": 0.05, "max_concurrent": 8, **options})
+
+
+def remote_tools(url: str, client: RemoteToolClient) -> dict[str, RemoteTool]:
+    return {name: RemoteTool(name, schema, client) for name, schema in fetch_schemas(url).items()}
+
+
+def test_health_and_schemas(server: str) -> None:
+    assert httpx.get(f"{server}/health").json() == {"ok": True, "tools": ["python", "search", "calculator"]}
+    schemas = fetch_schemas(server)
+    assert list(schemas) == ["python", "search", "calculator"]
+    assert schemas["python"]["function"]["parameters"]["required"] == ["code"]
+
+
+@pytest.mark.anyio
+async def test_python_search_and_calculator_over_http(server: str) -> None:
+    async with client_for(server) as client:
+        tools = remote_tools(server, client)
+        py = await tools["python"].call({"code": "import sys\nprint(sum(range(10)), sys.stdin.read())", "stdin": "in"}, CTX)
+        assert py.ok and py.text == "45 in" and py.metrics["sandbox_timed_out"] == 0.0
+        crash = await tools["python"].call({"code": "1 / 0"}, CTX)
+        assert not crash.ok and "ZeroDivisionError" in crash.text
+        found = await tools["search"].call({"query": "lava volcano"}, CTX)
+        assert found.ok and found.text.startswith("[1] Mount Erebus\n")
+        calc = await tools["calculator"].call({"expression": "6 * 7"}, CTX)
+        assert calc.ok and calc.text == "42"
+        bad = await tools["search"].call({"query": 3}, CTX)
+        assert not bad.ok and "'query'" in bad.text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # takes the whole timeout; once is enough
+async def test_sandbox_timeout_is_reported(server: str) -> None:
+    async with client_for(server) as client:
+        res = await client.call("python", {"code": "while True: pass"}, episode_id="ep")
+    assert not res.ok and f"timed out after {PY_TIMEOUT_S:g} s" in res.text
+    assert res.metrics["sandbox_timed_out"] == 1.0
+
+
+@pytest.mark.anyio
+async def test_unknown_tool_fails_at_once_naming_it(server: str) -> None:
+    async with client_for(server, retries=3, backoff_s=1.0) as client:
+        start = time.monotonic()
+        res = await client.call("nosuch", {}, episode_id="ep")
+    assert not res.ok and "unknown tool 'nosuch'" in res.text and "python" in res.text
+    assert time.monotonic() - start < 1.0  # a 404 is not retried
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"episode_id": "e"}', "field 'arguments'"),
+        (b'{"arguments": [1]}', "field 'arguments'"),
+        (b'{"arguments": {}, "episode_id": 5}', "field 'episode_id'"),
+    ],
+)
+def test_malformed_body_is_a_400_naming_the_problem(server: str, content: bytes, field: str) -> None:
+    response = httpx.post(f"{server}/call/calculator", content=content)
+    assert response.status_code == 400 and field in response.json()["error"]
+    ok = httpx.post(f"{server}/call/calculator", json={"arguments": {"expression": "1+1"}})
+    assert ok.status_code == 200 and ok.json()["text"] == "2"  # still serving
+
+
+@pytest.mark.anyio
+async def test_concurrency_limit_is_honoured(server: str) -> None:
+    """max_concurrent_calls=2: four calls sleeping SLEEP_S take two rounds, not one or four."""
+    code = f"import time; time.sleep({SLEEP_S}); print('done')"
+    async with client_for(server) as client:
+        results: list[ToolResult] = []
+
+        async def one() -> None:
+            results.append(await client.call("python", {"code": code}, episode_id="ep"))
+
+        start = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(one)
+        elapsed = time.monotonic() - start
+    assert [r.text for r in results] == ["done"] * 4
+    assert 2 * SLEEP_S <= elapsed < 4 * SLEEP_S, elapsed  # 4 * SLEEP_S: one at a time
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_finishes_running_calls_then_exits_0(tmp_path: Path, signum: int) -> None:
+    with tool_server(tmp_path) as (proc, url, lines), ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, f"{url}/call/python", timeout=20,
+                              json={"arguments": {"code": "import time; time.sleep(1); print('finished')"}})
+        children = wait_for_children(proc.pid)
+        proc.send_signal(signum)
+        assert proc.wait(20) == 0, "".join(lines)
+        assert running.result().json()["text"] == "finished"  # graceful: the call completed
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    assert "tool server stopped" in "".join(lines)
+
+
+def test_call_outlasting_the_grace_period_is_killed(tmp_path: Path) -> None:
+    with tool_server(tmp_path, timeout_s=60) as (proc, url, lines), ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, f"{url}/call/python", timeout=30,
+                              json={"arguments": {"code": "import time; time.sleep(60)"}})
+        children = wait_for_children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, "".join(lines)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        abandoned = running.result()
+        assert abandoned.status_code == 503 and "shutting down" in abandoned.json()["error"]
+    assert "abandoned running calls" in "".join(lines) and "Traceback" not in "".join(lines)
+
+
+def wait_for_children(pid: int) -> list[psutil.Process]:
+    """The sandbox processes of a call that has started (polled: they give no other sign)."""
+    deadline = time.monotonic() + 15
+    while not (children := descendants(pid)):
+        assert time.monotonic() < deadline, "the sandbox process never started"
+        time.sleep(0.02)
+    return children
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_fails_after_retries_with_backoff() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with client_for(url, retries=2, backoff_s=0.1) as client:
+        start = time.monotonic()
+        tool = RemoteTool("python", function_schema("python", "run code", {}, []), client)
+        res = await tool.call({}, CTX)
+        elapsed = time.monotonic() - start
+    assert not res.ok and res.text.startswith(f"error: tool server {url} unreachable after 3 attempts")
+    assert 0.1 + 0.2 <= elapsed < 2.0, elapsed
+    with pytest.raises(ValueError, match=rf"tools\.remote\.url: tool server {re.escape(url)} unreachable"):
+        fetch_schemas(url, timeout_s=1.0, attempts=2)
+
+
+@contextmanager
+def flaky_server(failures: int) -> Iterator[tuple[str, list[float]]]:
+    """A tiny HTTP server answering 503 to its first ``failures`` requests, then a ToolResult."""
+    arrivals: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            arrivals.append(time.monotonic())
+            status, body = (503, {"error": "busy"}) if len(arrivals) <= failures else (
+                200, {"text": "finally", "ok": True, "terminal": False, "answer": None, "metrics": {}})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", arrivals
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+@pytest.mark.anyio
+async def test_503_is_retried_until_it_succeeds() -> None:
+    with flaky_server(failures=2) as (url, arrivals):
+        async with client_for(url, retries=3, backoff_s=0.1) as client:
+            res = await client.call("anything", {"x": 1}, episode_id="ep")
+    assert res.ok and res.text == "finally"
+    assert len(arrivals) == 3  # two 503s, then the answer
+    assert arrivals[1] - arrivals[0] >= 0.1 and arrivals[2] - arrivals[1] >= 0.2  # exponential
+    with flaky_server(failures=5) as (url, arrivals):
+        async with client_for(url, retries=1, backoff_s=0.05) as client:
+            res = await client.call("anything", {}, episode_id="ep")
+    assert not res.ok and "unreachable after 2 attempts: HTTP 503: busy" in res.text
+    assert len(arrivals) == 2
+
+
+class Exploding:
+    name = "explode"
+    schema = function_schema("explode", "fails", {"nan": {"type": "boolean"}}, [])
+
+    async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        if args.get("nan"):
+            return ToolResult(text="x", metrics={"bad": float("nan")})
+        raise RuntimeError(f"kaboom in {ctx.episode_id}")
+
+
+@pytest.mark.anyio
+async def test_a_tool_that_raises_is_a_failed_call_not_a_dead_server() -> None:
+    app = make_app({"explode": Exploding()}, max_concurrent_calls=1)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tools") as http:
+        response = await http.post("/call/explode", json={"arguments": {}, "episode_id": "ep-9"})
+        assert response.status_code == 200
+        assert response.json()["ok"] is False and "RuntimeError: kaboom in ep-9" in response.json()["text"]
+        nan = await http.post("/call/explode", json={"arguments": {"nan": True}})
+        assert nan.status_code == 200 and nan.json()["ok"] is False  # not JSON-safe: reported, not a 500
+        assert (await http.get("/health")).json() == {"ok": True, "tools": ["explode"]}
