@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import signal
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ import numpy as np
 
 from common.identity import wire_identities
 from common.logging import get_logger
+from common.ratelimit import GlobalRateLimiter, set_shared
+from common.rundir import resolve_run_dir
 from protocol.events import Connected, WeightsAnnounced, WeightsFailed, WeightsReceived
 from protocol.weights import ReceivedWeights
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
@@ -40,7 +44,7 @@ from rollout_service.groups import RewardChoice, run_group, stale
 from rollout_service.metrics import RolloutStats
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
-from rollout_service.tools.base import TOOLS
+from rollout_service.tools.factory import close_tools
 
 
 def agent_limits(config: Any) -> AgentLimits:
@@ -62,14 +66,35 @@ def sampling_settings(config: Any) -> SamplingSettings:
                             top_k=r.top_k, seed=None)
 
 
-def build_tools(config: Any) -> dict[str, Any]:
-    import rollout_service.tools as tools_pkg
+@dataclass(frozen=True)
+class AgentSetup:
+    tools: list[str]  # tool names the agent offers
+    options: Any = None  # its config section
 
-    tools_pkg.load_builtin_tools()
-    py = config.tools.python
-    options = {"python": {"timeout_s": py.timeout_s, "memory_mb": py.memory_mb, "max_output_chars": py.max_output_chars}}
-    return {name: TOOLS.get(name)(**options.get(name, {}))
-            for name in config.actor_rollout_ref.rollout.multi_turn.tools}
+
+# agent type -> what it needs from the config; agents not listed use multi_turn.tools.
+AGENT_SETUPS: dict[str, Callable[[Any], AgentSetup]] = {
+    "single_turn": lambda c: AgentSetup([]),
+    "statelm": lambda c: AgentSetup(list(c.agents.statelm.tools), c.agents.statelm),
+    "code": lambda c: AgentSetup(["python"], c.agents.code),
+}
+
+
+def agent_setup(config: Any, agent_type: str) -> AgentSetup:
+    make = AGENT_SETUPS.get(agent_type)
+    return make(config) if make else AgentSetup(list(config.actor_rollout_ref.rollout.multi_turn.tools))
+
+
+def build_agent_deps(config: Any, base: AgentDeps, agent_types: set[str], limiter: Any) -> dict[str, AgentDeps]:
+    """Per agent type, its tools (local or remote, rate-limited where a bucket is configured; one
+    build, so remote tools share one client) and options."""
+    from rollout_service.tools.factory import build_tools
+    from rollout_service.tools.limited import rate_limited
+
+    setups = {a: agent_setup(config, a) for a in sorted(agent_types)}
+    names = list(dict.fromkeys(n for s in setups.values() for n in s.tools))
+    tools = rate_limited(build_tools(config, names), limiter)
+    return {a: replace(base, tools={n: tools[n] for n in s.tools}, options=s.options) for a, s in setups.items()}
 
 
 class StartupError(Exception):
@@ -77,13 +102,13 @@ class StartupError(Exception):
 
 
 def check_names(config: Any, agent_types: set[str]) -> None:
-    """Fail at start-up, naming the config key, for any agent, reward or tool name nothing provides."""
-    import rollout_service.agents.tool_agent  # noqa: F401  (registers the agents)
+    """Fail at start-up, naming the config key, for any agent or reward name nothing provides
+    (unknown tools are reported by the tool factory, which also knows the tool server's)."""
     import rollout_service.rewards as rewards_pkg
-    import rollout_service.tools as tools_pkg
+    from rollout_service.agents import load_builtin_agents
 
     rewards_pkg.load_builtin_rewards()
-    tools_pkg.load_builtin_tools()
+    load_builtin_agents()
     problems = [f"agent type {a!r} (data rows / data.agent_type / data.datasets[].agent_type): "
                 f"known: {', '.join(AGENTS.names())}" for a in sorted(agent_types) if a not in AGENTS]
     server = config.rollout_server
@@ -91,12 +116,18 @@ def check_names(config: Any, agent_types: set[str]) -> None:
                       *((f"rollout_server.reward_by_data_source.{k}", v) for k, v in server.reward_by_data_source.items())]:
         if name not in REWARDS:
             problems.append(f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}")
-    for name in config.actor_rollout_ref.rollout.multi_turn.tools:
-        if name not in TOOLS:
-            problems.append(f"actor_rollout_ref.rollout.multi_turn.tools: unknown tool {name!r}; "
-                            f"known: {', '.join(TOOLS.names())}")
+    if config.tools.remote.url is None:  # else the tool factory checks, knowing what the server serves
+        import rollout_service.tools as tools_pkg
+
+        registry = tools_pkg.load_builtin_tools()
+        keys = {"statelm": "agents.statelm.tools"}
+        for agent in sorted({a for a in agent_types if a in AGENTS} | {"tool_agent"}):  # multi_turn.tools always
+            key = keys.get(agent, "actor_rollout_ref.rollout.multi_turn.tools")
+            for name in agent_setup(config, agent).tools:
+                if name not in registry:
+                    problems.append(f"{key}: unknown tool {name!r}; known: {', '.join(registry.names())}")
     if problems:
-        raise StartupError("; ".join(problems))
+        raise StartupError("; ".join(dict.fromkeys(problems)))
 
 
 def _first_leaf(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
@@ -149,9 +180,15 @@ class RolloutServer:
         check_names(config, {r.agent_type for r in self.source.rows})
         self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path))
         mt = config.actor_rollout_ref.rollout.multi_turn
-        self.deps = AgentDeps(engine=engine, renderer=self.renderer, sampling=sampling_settings(config),
-                              limits=agent_limits(config), tools=build_tools(config),
-                              parser=PARSERS.get(mt.format)())
+        self.limiter = GlobalRateLimiter.from_config(config.tools.rate_limits, resolve_run_dir(config))
+        set_shared(self.limiter)  # reward functions that call external APIs take tokens from it
+        base = AgentDeps(engine=engine, renderer=self.renderer, sampling=sampling_settings(config),
+                         limits=agent_limits(config), parser=PARSERS.get(mt.format)())
+        try:
+            self.deps = build_agent_deps(config, base, {r.agent_type for r in self.source.rows}, self.limiter)
+        except ValueError as e:
+            self._state_lock.release()
+            raise StartupError(str(e)) from None
         self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
         self.stats = RolloutStats(server_id=self.server_id)
         self.newest_version = 0  # newest policy version the learner announced
@@ -160,7 +197,9 @@ class RolloutServer:
         self._changed = anyio.Event()
 
     def attach_engine(self, engine: Any) -> None:
-        self.engine = self.deps.engine = engine
+        self.engine = engine
+        for deps in self.deps.values():
+            deps.engine = engine
 
     # -- wiring ------------------------------------------------------------------------------------
     def _build_shipper(self) -> Any:
@@ -180,7 +219,7 @@ class RolloutServer:
             curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
                                     Path(c.transport.curve.server_public_key_file))
         client = RolloutClient(conn, client_factory(server.learner_address, curve=curve))
-        recordings = self.run_dir / "recordings" / self.server_id
+        recordings = resolve_run_dir(c) / "recordings" / self.server_id  # one place per run, for bin/replay
         recorder = Recorder(recordings, server_id=self.server_id) if server.record else None
         # A group found in the spool at start is resent, not rerun; its prompt is committed once
         # the learner acknowledges the resent batch.
@@ -207,6 +246,9 @@ class RolloutServer:
         finally:
             self.stats.stop_metrics_server()
             self._state_lock.release()
+            set_shared(None)
+            with anyio.CancelScope(shield=True):
+                await close_tools({n: t for d in self.deps.values() for n, t in d.tools.items()})
 
     async def _serve(self, max_groups: int | None) -> None:
         from rollout_service.metrics import run_stats_logger
@@ -279,7 +321,8 @@ class RolloutServer:
             self.stats.episode_started()
         try:
             result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n,
-                                     agent_type=item.agent_type, data_source=item.data_source, deps=self.deps,
+                                     agent_type=item.agent_type, data_source=item.data_source,
+                                     deps=self.deps[item.agent_type],
                                      rewards=self.rewards, server_id=self.server_id,
                                      remax=self.config.algorithm.adv_estimator == "remax")
         except BaseException:

@@ -111,6 +111,7 @@ def build_tools(
 
 async def close_tools(tools: Mapping[str, Tool]) -> None:
     """Close the remote clients used by ``tools`` (each once); local tools hold nothing to close."""
-    clients = {id(t.client): t.client for t in tools.values() if isinstance(t, RemoteTool)}
+    found = [getattr(t, "client", None) for t in tools.values()]  # RemoteTool, or a wrapper of one
+    clients = {id(c): c for c in found if isinstance(c, RemoteToolClient)}
     for client in clients.values():
         await client.aclose()
