@@ -70,7 +70,10 @@ def total_steps(config: Any) -> int:
     from rollout_service.data import load_rows, sources_from_config
 
     rows = sum(len(load_rows(p)) for src in sources_from_config(config.data) for p in src.paths)
-    return max(1, config.trainer.total_epochs * rows // config.data.train_batch_size)
+    batches = rows // config.data.train_batch_size
+    if config.data.datasets:  # a mixed epoch is ceil(rows / batch) batches (rollout_service/mixing.py)
+        batches = -(-rows // config.data.train_batch_size)
+    return max(1, config.trainer.total_epochs * batches)
 
 
 @dataclass

@@ -169,6 +169,20 @@ def test_grpo_with_and_without_std_and_a_singleton() -> None:
     torch.testing.assert_close(adv, _verl("grpo", batch, norm_by_std=False)[0], atol=1e-6, rtol=0)
 
 
+def test_grpo_groups_of_statelm_segments_have_variable_size() -> None:
+    # StateLM: one prompt's episodes yield 3 + 2 segments (rewards broadcast per episode), another's
+    # 1 + 3; each group's statistics run over all of its segments, whatever their number.
+    scores = [1.0, 1.0, 1.0, 0.0, 0.0, -1.0, 1.0, 1.0, 1.0]
+    index = ["p", "p", "p", "p", "p", "q", "q", "q", "q"]
+    rewards, mask = _outcome(scores)
+    adv, _ = compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, index=index)
+    expected = []
+    for uid in ("p", "q"):
+        group = torch.tensor([s for s, i in zip(scores, index, strict=True) if i == uid])
+        expected += ((group - group.mean()) / (group.std() + 1e-6)).tolist()
+    torch.testing.assert_close(adv[:, -1], torch.tensor(expected))
+
+
 def test_rloo_leave_one_out_and_singleton() -> None:
     # group a (n=3): 1 - (0+2)/2 = 0, 0 - (1+2)/2 = -1.5, 2 - (1+0)/2 = 1.5; singleton b: A = r.
     rewards, mask = _outcome([1.0, 0.0, 2.0, 5.0])
