@@ -1,10 +1,12 @@
-"""Fixtures of the rollout-service tests: the tiny model (made once per session). Also makes
-``scripted`` (scripted engine and tools for unit tests) importable under any pytest import mode."""
+"""Fixtures of the rollout-service tests: the tiny model, its tokenizer and chat renderer (made once
+per session). Also makes ``scripted`` (scripted engine and tools for unit tests) importable under
+any pytest import mode."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,3 +20,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tools.make_tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def renderer(tokenizer: Any) -> Any:
+    """The tiny model's chat template as the agents render it."""
+    from rollout_service.agents.rendering import ChatRenderer
+
+    return ChatRenderer(tokenizer)

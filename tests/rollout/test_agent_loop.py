@@ -4,7 +4,6 @@ engine and the tiny model's real tokenizer and chat template."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,18 +18,6 @@ from rollout_service.agents.parsers import PARSERS, HermesParser
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.agents.tool_agent import truncate
 from rollout_service.engine.base import Generation, SamplingSettings
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model))
-
-
-@pytest.fixture(scope="module")
-def renderer(tokenizer: Any) -> ChatRenderer:
-    return ChatRenderer(tokenizer)
 
 
 def call(name: str, **args: Any) -> str:

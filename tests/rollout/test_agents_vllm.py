@@ -65,13 +65,6 @@ async def engine(tiny_model: Path) -> AsyncIterator[Any]:
         await eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def renderer(tiny_model: Path) -> ChatRenderer:
-    from transformers import AutoTokenizer
-
-    return ChatRenderer(AutoTokenizer.from_pretrained(str(tiny_model)))
-
-
 @pytest.mark.anyio
 async def test_statelm_episode_on_vllm(engine: Any, renderer: ChatRenderer) -> None:
     forced = Forced(engine, SCRIPT)

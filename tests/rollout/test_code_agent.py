@@ -4,7 +4,6 @@ and state masking takes configured spans out of the loss."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +20,6 @@ from rollout_service.tools.base import TOOLS
 
 TAGS = CodeAgentConfig(code_start_tag="[[py]]", code_end_tag="[[/py]]", result_start_tag="<<out>>",
                        result_end_tag="<</out>>", answer_start_tag="<<ans>>", answer_end_tag="<</ans>>")
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model: Path) -> ChatRenderer:
-    from transformers import AutoTokenizer
-
-    return ChatRenderer(AutoTokenizer.from_pretrained(str(tiny_model)))
 
 
 def agent(renderer: ChatRenderer, engine: Any, options: CodeAgentConfig = TAGS, **limits: Any) -> CodeAgent:

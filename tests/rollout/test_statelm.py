@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,18 +51,6 @@ SCRIPT = [
     call("checkBudget"),                                              # a14, t15
     call("finish", answer=SECRET),                                    # a16      -> final segment
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model))
-
-
-@pytest.fixture(scope="module")
-def renderer(tokenizer: Any) -> ChatRenderer:
-    return ChatRenderer(tokenizer)
 
 
 def deps(renderer: ChatRenderer, engine: Any, options: StateLMConfig | None = None, **limits: Any) -> AgentDeps:
