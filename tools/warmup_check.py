@@ -37,7 +37,8 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
     from rollout_service.engine.vllm_engine import VllmEngine
     from rollout_service.groups import RewardChoice, score
     from rollout_service.rewards import load_builtin_rewards
-    from rollout_service.server import agent_limits, build_tools, sampling_settings
+    from rollout_service.server import agent_limits, sampling_settings
+    from rollout_service.tools.factory import build_tools
     from tools.warmup import load_rows
 
     config = load_config(config_file, [f"actor_rollout_ref.model.path={model}"], check_paths=False)
@@ -46,7 +47,7 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
     agent_type = config.data.agent_type
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     mt = config.actor_rollout_ref.rollout.multi_turn
-    base = dict(renderer=renderer, limits=agent_limits(config), tools=build_tools(config),
+    base = dict(renderer=renderer, limits=agent_limits(config), tools=build_tools(config, config.actor_rollout_ref.rollout.multi_turn.tools),
                 parser=PARSERS.get(mt.format)())
     sampling = sampling_settings(config)
     rewards = RewardChoice(config.rollout_server.reward_fn)

