@@ -21,6 +21,11 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
 - Without a state the intake replays the whole journal (a learner that died before its first
   checkpoint); ``fresh=True`` deletes it instead (a new run).
 
+- Validation. ``validate`` asks every connected rollout server that offers validation to run the
+  validation set on a policy version and waits (bounded) for their metrics, or for them to leave
+  (``learner.validation`` has the round and the metrics). Validation answers carry no trajectories:
+  they never touch the buffer, the journal or the credits.
+
 ``serve`` runs the intake alone (no trainer): every batch is marked trained as soon as it arrives.
 Either way the final stats are written to ``RUN_DIR/intake_stats.json`` when ``run`` returns.
 """
@@ -32,6 +37,7 @@ import json
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +49,7 @@ from common.identity import wire_identities
 from common.logging import get_logger
 from learner.buffer import GroupBuffer, GroupKey
 from learner.journal import Journal
+from learner.validation import ValidationRound
 from protocol.batch import token_count
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer
@@ -56,6 +63,8 @@ from protocol.events import (
     PeerTimedOut,
     PeerWeightsApplied,
     ProtocolViolation,
+    ValidationAbandoned,
+    ValidationReceived,
 )
 from protocol.receiver import LearnerProtocol
 from protocol.trajectory import Trajectory
@@ -142,6 +151,8 @@ class Intake:
                                       "persist_failures", "replayed_records", "replayed_groups"), 0)
         self._peer_versions: dict[str, int] = {}
         self._arrived: anyio.Event | None = None
+        self._joined: anyio.Event | None = None  # set when a rollout server joins
+        self._rounds: dict[str, ValidationRound] = {}  # validation requests being waited for
         self._rule: tuple[int, int] | None = None  # (policy version, max staleness) of the last request
         self._dropped_reported = 0
         self._closed = self._started = False
@@ -174,6 +185,7 @@ class Intake:
         finally:
             self._closed = True
             self._wake()
+            self._end_validations()
             with anyio.CancelScope(shield=True):
                 await self._channel.aclose()
             self._journal.close()
@@ -213,6 +225,34 @@ class Intake:
         """``taken`` was trained on: batches whose groups are now all trained free their room."""
         self._free(self._buffer.finish(taken.keys))
 
+    async def validate(self, policy_version: int, *, timeout_s: float, request_id: str | None = None
+                       ) -> ValidationRound:
+        """Ask every connected rollout server that offers validation to validate ``policy_version``
+        (or newer) and wait until each answered or left, at most ``timeout_s`` in all. With no rollout
+        server connected at all (before the first step), first wait within the same budget for one to
+        join; servers that do not offer validation (protocol 1.0) are not asked. The round is
+        returned with whatever arrived; answers after it returned are ignored."""
+        deadline = time.monotonic() + timeout_s
+        rnd = ValidationRound(request_id or f"v{policy_version}-{uuid.uuid4().hex[:8]}", policy_version)
+        with anyio.move_on_after(timeout_s):
+            while not self._proto.ready_peers() and not self._closed:
+                self._joined = self._joined or anyio.Event()
+                await self._joined.wait()
+        left = deadline - time.monotonic()
+        if left > 0 and not self._closed:
+            self._rounds[rnd.request_id] = rnd
+            rnd.started = time.monotonic()  # the duration is the run's, not the wait for a server to join
+            try:
+                rnd.asked = self._server.request_validation(rnd.request_id, policy_version, timeout_s=left)
+                self._log.info("validation requested", request=rnd.request_id, policy_version=policy_version,
+                               servers=rnd.asked, timeout_s=round(left, 1))
+                with anyio.move_on_after(left):
+                    await rnd.wait()
+            finally:
+                del self._rounds[rnd.request_id]
+        rnd.duration_s = time.monotonic() - rnd.started
+        return rnd
+
     def publish_weights(self, version: int, tensors: list[NamedBuffer]) -> None:
         """Send policy ``version`` to every rollout server (and to joiners that ask). The buffers must
         stay unchanged until the next publish."""
@@ -242,6 +282,7 @@ class Intake:
         self._closed = True
         self._server.close()
         self._wake()
+        self._end_validations()
         if not self._started:  # run() will never clean up: do it now
             self._channel.sock.close(linger=0)
             self._journal.close()
@@ -330,6 +371,9 @@ class Intake:
                 self._log.error("could not store a batch; its rollout server will resend it", peer=ev.peer_id,
                                 seq=ev.seq, error=ev.reason)
             case PeerJoined():
+                if self._joined is not None:
+                    self._joined.set()
+                    self._joined = None
                 if ev.hello.policy_version >= 0:
                     self._peer_versions[ev.peer_id] = ev.hello.policy_version
                 else:
@@ -345,6 +389,17 @@ class Intake:
                     self._peer_versions[ev.peer_id] = a.version
                 self._log.debug("weights applied", peer=ev.peer_id, version=a.version, ok=a.ok, error=a.error,
                                 apply_time_s=a.apply_time_s)
+            case ValidationReceived():
+                r = ev.result
+                if (rnd := self._rounds.get(r.request_id)) is not None:
+                    rnd.answered(ev.peer_id, r)
+                self._log.info("validation result", peer=ev.peer_id, request=r.request_id, ok=r.ok, episodes=r.count,
+                               policy_version=r.policy_version, error=r.error or None, late=rnd is None)
+            case ValidationAbandoned():
+                if (rnd := self._rounds.get(ev.request_id)) is not None:
+                    rnd.left(ev.peer_id, ev.reason)
+                    self._log.warning("a rollout server left before its validation result", peer=ev.peer_id,
+                                      request=ev.request_id, why=ev.reason)
             case ProtocolViolation():
                 self._counts["violations"] += 1
                 self._log.warning("invalid message", peer=ev.peer_id, code=ev.error.code.name, error=ev.error.message)
@@ -367,6 +422,15 @@ class Intake:
         if self._arrived is not None:
             self._arrived.set()
             self._arrived = None
+
+    def _end_validations(self) -> None:
+        """The intake is closing: nobody will join or answer any more."""
+        for rnd in self._rounds.values():
+            for peer in rnd.outstanding:
+                rnd.left(peer, "the intake closed")
+        if self._joined is not None:
+            self._joined.set()
+            self._joined = None
 
     def _check_starved(self, n_groups: int) -> None:
         """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any."""

@@ -6,6 +6,9 @@ The workers (Ray actors, FSDP2) are driven through `WorkerGroup`; the trainer it
 light, batch-level work (advantages, KL-in-reward, importance weights, metrics). Freshness is
 enforced on data, not on acknowledgements: the intake drops groups older than max_staleness, so the
 learner never waits for a rollout server's WEIGHTS_APPLIED and a slow or dead server never stalls it.
+Validation (``trainer.val_before_train``, every ``trainer.test_freq`` steps) is the one wait on the
+rollout servers: ``_validate`` asks them to run the validation set and blocks training until they
+answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from learner.prepare import (
     token_level_scores,
 )
 from learner.samples import Sample, split_for_ranks, split_forward
+from learner.validation import due
 from learner.worker import WorkerSettings
 from protocol.weights import NamedBuffer
 
@@ -330,8 +335,12 @@ class Trainer:
         self.log.info("training", address=address, from_step=self.step, to_step=self.total,
                       policy_version=self.version, resumed_from=str(resume) if resume else None)
         task_status.started(address)
+        if t.val_before_train:  # also when resuming, as verl does
+            sinks.log(self.step, await self._validate())
         while self.step < self.total:
             metrics = await self.train_step()
+            if due(self.step, t.test_freq):
+                metrics |= await self._validate()
             sinks.log(self.step, metrics)
             if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total):
                 await self.save_checkpoint()
@@ -340,6 +349,26 @@ class Trainer:
             await self.workers.all("export_hf", [(str(final), self.config.actor_rollout_ref.model.path)] * self.world)
             self.log.info("model exported", path=str(final))
         self.log.info("training done", steps=self.step, policy_version=self.version)
+
+    # -- validation ------------------------------------------------------------------------------
+    async def _validate(self) -> dict[str, float]:
+        """Validate the current policy on the rollout servers (blocking, bounded by
+        trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
+        from learner.validation import validation_metrics
+
+        rnd = await self.intake.validate(self.version, timeout_s=self.config.trainer.val_timeout_s,
+                                         request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}")
+        metrics = validation_metrics(rnd)
+        missing = {**rnd.lost, **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s")}
+        self.log.info("validation", step=self.step, policy_version=self.version, servers=len(rnd.asked),
+                      episodes=int(metrics["val/count"]), reward=metrics.get("val/reward/mean"),
+                      seconds=round(rnd.duration_s, 1), missing=missing or None, failed=rnd.failed or None)
+        if not rnd.asked:
+            self.log.warning("validation skipped: no rollout server connected within trainer.val_timeout_s, or "
+                             "none offers validation", step=self.step)
+        elif not metrics["val/count"] and not missing:
+            self.log.warning("validation ran no episode: do the rollout servers have data.val_files?", step=self.step)
+        return metrics
 
     async def _on_signal(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -29,6 +29,7 @@ from anyio.abc import TaskStatus
 
 from protocol.batch import Trajectories
 from protocol.events import BatchReceived, BatchRefused, Event
+from protocol.messages import ValidateResult
 from protocol.receiver import LearnerProtocol
 from protocol.sender import Frames, RolloutConnection, SenderState, encode_batch
 from protocol.trajectory import Trajectory
@@ -105,6 +106,12 @@ class RolloutClient:
                         apply_time_s: float = 0.0) -> None:
         self.conn.weights_applied(version, transfer_id, ok=ok, error=error, apply_time_s=apply_time_s)
         self._waker.poke()
+
+    def validation_result(self, result: ValidateResult) -> bool:
+        """Answer a ``ValidationRequested``; False when the session that asked is gone (dropped)."""
+        queued = self.conn.validation_result(result)
+        self._waker.poke()
+        return queued
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run until the connection is CLOSED or FAILED (then return), reconnecting as needed."""
@@ -191,6 +198,12 @@ class LearnerServer:
     def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20) -> None:
         self.proto.publish_weights(version, tensors, chunk_bytes=chunk_bytes)
         self._waker.poke()
+
+    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+        """Ask every peer that offers validation; returns the peers asked (see ``LearnerProtocol``)."""
+        asked = self.proto.request_validation(request_id, policy_version, timeout_s=timeout_s)
+        self._waker.poke()
+        return asked
 
     def close(self, reason: str = "learner shutting down") -> None:
         self.proto.close(reason)

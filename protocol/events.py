@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ProtocolError
-from protocol.messages import Error, Hello, WeightsApplied, Welcome
+from protocol.messages import Error, Hello, ValidateRequest, ValidateResult, WeightsApplied, Welcome
 from protocol.trajectory import Trajectory
 from protocol.weights import ReceivedWeights
 
@@ -114,8 +114,34 @@ class PeerWeightsApplied:
     applied: WeightsApplied
 
 
+@dataclass(frozen=True)
+class ValidationRequested:
+    """Rollout side: the learner asks for a validation run. Answer it exactly once with
+    ``RolloutConnection.validation_result`` (an answer after the session ended is dropped)."""
+
+    request: ValidateRequest
+
+
+@dataclass(frozen=True)
+class ValidationReceived:
+    """Learner side: a peer answered a validation request it was sent."""
+
+    peer_id: str
+    result: ValidateResult
+
+
+@dataclass(frozen=True)
+class ValidationAbandoned:
+    """Learner side: a peer asked to validate left (BYE, timeout, or replaced by a new session of
+    the same peer_id) before answering; its result will never come."""
+
+    peer_id: str
+    request_id: str
+    reason: str
+
+
 Event = (
     Connected | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
     | PeerError | ProtocolViolation | PeerClosed | PeerTimedOut | PeerJoined | BatchReceived
-    | PeerWeightsApplied | BatchRefused
+    | PeerWeightsApplied | BatchRefused | ValidationRequested | ValidationReceived | ValidationAbandoned
 )

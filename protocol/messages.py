@@ -6,7 +6,8 @@ lets a receiver route before decoding. Only TRAJECTORY_BATCH and WEIGHTS_CHUNK c
 their payload objects live in ``trajectory`` and ``weights``.
 
 Evolution rule: fields are only appended, always with a default, and never change meaning. A decoder
-ignores keys it does not know. Type codes are never reused.
+ignores keys it does not know. Type codes are never reused; a type added by a minor version is only
+sent to a peer that announced the matching capability in HELLO (VALIDATE_REQUEST: "validation").
 """
 
 from __future__ import annotations
@@ -30,9 +31,23 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 8
     ERROR = 9
     BYE = 10
+    VALIDATE_REQUEST = 11  # since 1.1
+    VALIDATE_RESULT = 12  # since 1.1
 
 
 Role = Literal["rollout-server", "learner"]
+
+VALIDATION_CAPABILITY = "validation"
+"""HELLO capability of a rollout server that answers VALIDATE_REQUEST (protocol 1.1)."""
+
+
+class FieldError(ValueError):
+    """A cross-field check of a message failed on ``field`` (a path relative to the message), so
+    the decoder's INVALID_FIELD can name it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -199,9 +214,113 @@ class Bye:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class ValidateRequest:
+    """L->R (1.1): run this server's shard of the validation set on policy ``policy_version`` or
+    newer and answer with exactly one VALIDATE_RESULT of the same ``request_id``. ``timeout_s``: how
+    long the learner waits for it (0: unstated); a server may give up after that."""
+
+    request_id: str
+    policy_version: int
+    timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        if self.policy_version < 0:
+            raise FieldError("policy_version", "policy_version must be >= 0")
+        if self.timeout_s < 0:
+            raise FieldError("timeout_s", "timeout_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class SourceMetrics:
+    """Validation metrics of one data source on one rollout server: sums and means over ``count``
+    episodes, so the learner can merge servers weighted by counts. ``reward_mean`` is
+    ``reward_sum / count`` (0 when count is 0). ``extras_mean[k]`` is the mean of the numeric
+    reward extra ``k`` over the ``extras_count[k]`` episodes that have it."""
+
+    data_source: str
+    count: int
+    reward_sum: float
+    reward_mean: float
+    response_length_mean: float = 0.0  # response tokens of an episode's final trajectory
+    turns_mean: float = 0.0
+    terminations: dict[str, int] = field(default_factory=dict)  # termination -> episodes
+    extras_mean: dict[str, float] = field(default_factory=dict)
+    extras_count: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise FieldError("count", "count must be >= 0")
+        expected = self.reward_sum / self.count if self.count else 0.0
+        if abs(self.reward_mean - expected) > 1e-6 * max(1.0, abs(expected)):
+            raise FieldError("reward_mean", f"reward_mean {self.reward_mean} is not reward_sum / count "
+                             f"({self.reward_sum} / {self.count})")
+        if self.count == 0 and self.reward_sum != 0:
+            raise FieldError("reward_sum", "reward_sum must be 0 when count is 0")
+        if self.response_length_mean < 0 or self.turns_mean < 0:
+            raise FieldError("response_length_mean" if self.response_length_mean < 0 else "turns_mean",
+                             "means of lengths and turns must be >= 0")
+        for k, v in self.terminations.items():
+            if v < 0:
+                raise FieldError(f"terminations.{k}", "termination counts must be >= 0")
+        if sum(self.terminations.values()) > self.count:
+            raise FieldError("terminations", f"termination counts add up to more than count ({self.count})")
+        for k, v in self.extras_count.items():
+            if not 0 <= v <= self.count:
+                raise FieldError(f"extras_count.{k}", f"must be in [0, count={self.count}]")
+        for k in self.extras_mean:
+            if k not in self.extras_count:
+                raise FieldError(f"extras_count.{k}", "every extras_mean key needs its extras_count")
+
+
+@dataclass(frozen=True)
+class ValidateResult:
+    """R->L (1.1): the answer to VALIDATE_REQUEST ``request_id``: metrics only, never trajectories,
+    so validation episodes can neither be trained on nor use credits. ``policy_version``: the
+    weights the episodes ran on (the oldest, if new weights arrived meanwhile). ``ok`` false:
+    validation could not run (``error`` says why; ``sources`` are ignored). A server without
+    validation data answers ok with no sources."""
+
+    request_id: str
+    policy_version: int
+    ok: bool = True
+    error: str = ""
+    sources: list[SourceMetrics] = field(default_factory=list)
+    shard_index: int = 0  # this server's shard of the validation set (rows i % count == index)
+    shard_count: int = 1
+    prompts: int = 0  # validation prompts in the shard
+    duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_request_id(self.request_id)
+        if self.policy_version < 0:
+            raise FieldError("policy_version", "policy_version must be >= 0")
+        if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
+            raise FieldError("shard_index", f"shard {self.shard_index} of {self.shard_count} is not a shard "
+                             "(need 0 <= shard_index < shard_count)")
+        if self.prompts < 0 or self.duration_s < 0:
+            raise FieldError("prompts" if self.prompts < 0 else "duration_s", "must be >= 0")
+        seen: set[str] = set()
+        for i, s in enumerate(self.sources):
+            if s.data_source in seen:
+                raise FieldError(f"sources[{i}].data_source", f"data source {s.data_source!r} is listed twice")
+            seen.add(s.data_source)
+
+    @property
+    def count(self) -> int:
+        """Episodes over all sources."""
+        return sum(s.count for s in self.sources)
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > 128:
+        raise FieldError("request_id", "request_id must be 1 to 128 characters")
+
+
 Message = (
     Hello | Welcome | TrajectoryBatch | Ack | WeightsAnnounce | WeightsChunk | WeightsApplied
-    | Heartbeat | Error | Bye
+    | Heartbeat | Error | Bye | ValidateRequest | ValidateResult
 )
 
 MESSAGE_TYPES: dict[MsgType, type] = {
@@ -215,5 +334,7 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.HEARTBEAT: Heartbeat,
     MsgType.ERROR: Error,
     MsgType.BYE: Bye,
+    MsgType.VALIDATE_REQUEST: ValidateRequest,
+    MsgType.VALIDATE_RESULT: ValidateResult,
 }
 TYPE_OF: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}

@@ -17,6 +17,12 @@ or recorded by ``receive``; it waits in ``held_batch`` until the application cal
 ``refuse_batch`` (ERROR INTERNAL, which makes the sender keep it and send it again). The dedup
 state moves between learner lifetimes with ``export_state``/``restore_state`` plus
 ``replay_batch`` for batches stored after the export.
+
+Validation (1.1): ``request_validation`` asks every peer in session whose HELLO offered the
+"validation" capability (never another: a 1.0 peer would not know the message) and remembers the
+request per peer; its VALIDATE_RESULT becomes ``ValidationReceived``, a result nobody asked that
+peer for is UNEXPECTED, and a peer that leaves with requests unanswered yields one
+``ValidationAbandoned`` per request, so the application never waits for an answer that cannot come.
 """
 
 from __future__ import annotations
@@ -40,9 +46,12 @@ from protocol.events import (
     PeerTimedOut,
     PeerWeightsApplied,
     ProtocolViolation,
+    ValidationAbandoned,
+    ValidationReceived,
 )
 from protocol.messages import (
     TYPE_OF,
+    VALIDATION_CAPABILITY,
     Ack,
     Bye,
     Error,
@@ -52,6 +61,8 @@ from protocol.messages import (
     Limits,
     MsgType,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsApplied,
     Welcome,
 )
@@ -91,10 +102,15 @@ class _Peer:
     last_recv: float = 0.0
     last_sent: float = 0.0
     policy_version: int = 0
+    validations: set[str] = field(default_factory=set)  # requests sent and not answered yet
 
     @property
     def name(self) -> str:
         return self.hello.peer_id if self.hello else self.identity.hex()
+
+    @property
+    def validates(self) -> bool:
+        return self.hello is not None and VALIDATION_CAPABILITY in self.hello.capabilities
 
 
 @dataclass
@@ -205,6 +221,23 @@ class LearnerProtocol:
     def ready_peers(self) -> list[str]:
         return [p.name for p in self.peers.values() if p.hello is not None]
 
+    def validation_peers(self) -> list[str]:
+        """Peers in session that answer validation requests."""
+        return [p.name for p in self.peers.values() if p.validates]
+
+    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+        """Ask every peer in session that offers validation to validate ``policy_version`` (or newer);
+        returns the names of the peers asked. Their answers come as ``ValidationReceived``, or as
+        ``ValidationAbandoned`` for a peer that leaves first."""
+        frames = codec.encode(ValidateRequest(request_id, policy_version, timeout_s))
+        asked = []
+        for p in self.peers.values():
+            if p.validates and request_id not in p.validations:
+                p.validations.add(request_id)
+                self._out.append((p.identity, frames))
+                asked.append(p.name)
+        return asked
+
     def batch_consumed(self, n: int = 1) -> None:
         """The application finished with ``n`` batches: their room becomes credits again."""
         self.buffered = max(0, self.buffered - n)
@@ -309,6 +342,7 @@ class LearnerProtocol:
                 del self.peers[ident]
                 if p.hello is not None:
                     events.append(PeerTimedOut(p.name))
+                    events += _abandoned(p, "timed out")
         if events:
             self._grant()
         return events
@@ -351,10 +385,16 @@ class LearnerProtocol:
                 return [PeerWeightsApplied(peer.name, msg)]
             case Error():
                 return [PeerError(peer.name, msg)]
+            case ValidateResult():
+                if msg.request_id not in peer.validations:
+                    raise ProtocolError(ErrorCode.UNEXPECTED, f"VALIDATE_RESULT for request {msg.request_id!r}, "
+                                        "which this peer was not asked or has answered already")
+                peer.validations.discard(msg.request_id)
+                return [ValidationReceived(peer.name, msg)]
             case Bye():
                 del self.peers[peer.identity]
                 self._grant()
-                return [PeerClosed(peer.name, msg.reason)]
+                return [PeerClosed(peer.name, msg.reason), *_abandoned(peer, "closed")]
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a learner")
 
     def _on_hello(self, identity: bytes, msg: Hello, now: float) -> list[Event]:
@@ -375,9 +415,11 @@ class LearnerProtocol:
                 f"the learner {self.tokenizer.name} ({self.tokenizer.sha256[:12]})",
                 field="HELLO.tokenizer",
             )
+        replaced: list[Event] = []
         for ident, p in list(self.peers.items()):  # same server, new socket: forget the old one
-            if p.hello is not None and p.hello.peer_id == msg.peer_id:
+            if p.hello is not None and (p.hello.peer_id == msg.peer_id or ident == identity):
                 del self.peers[ident]
+                replaced += _abandoned(p, "replaced by a new session")
         peer = self.peers[identity] = _Peer(identity, msg, 0, now, now, msg.policy_version)
         stream = self._streams.setdefault((msg.peer_id, msg.epoch), _Stream())
         credits = self._take_room(self.max_credits_per_peer)
@@ -392,7 +434,7 @@ class LearnerProtocol:
         self._out.append((identity, codec.encode(welcome)))
         if self._weights and (msg.policy_version < 0 or msg.policy_version < self.policy_version):
             self._send_weights(peer)
-        return [PeerJoined(msg.peer_id, msg)]
+        return [*replaced, PeerJoined(msg.peer_id, msg)]
 
     def _on_batch(self, peer: _Peer, msg: TrajectoryBatch) -> list[Event]:
         assert peer.hello is not None
@@ -452,3 +494,8 @@ class LearnerProtocol:
     def error_for(self, identity: bytes, code: ErrorCode, message: str) -> None:
         """Queue an ERROR to a peer (used by drivers for transport-level problems)."""
         self._out.append((identity, codec.encode(Error(int(code), message, code.fatal))))
+
+
+def _abandoned(peer: _Peer, reason: str) -> list[Event]:
+    """One ``ValidationAbandoned`` per request ``peer`` leaves unanswered."""
+    return [ValidationAbandoned(peer.name, rid, reason) for rid in sorted(peer.validations)]

@@ -5,7 +5,10 @@ peer on each side before the real servers do, and so those servers can be compar
 ``ReferenceLearner`` accepts batches, keeps the trajectories it received (deduplicated), frees room
 at once, and serves a small fixed weight set as version 0 to joiners that ask for it.
 ``ReferenceRolloutServer`` streams synthetic valid trajectories and applies received weights into
-a dict (verifying them is the assembler's job).
+a dict (verifying them is the assembler's job). Validation (1.1): the reference rollout server
+offers the "validation" capability and answers every VALIDATE_REQUEST at once with metrics of a
+few synthetic episodes; the reference learner, with ``validate_on_join``, asks every peer that
+offers it to validate right after its handshake and keeps the results.
 
 Run one from a shell: ``python -m protocol.reference learner --bind tcp://127.0.0.1:5555``
 or ``python -m protocol.reference rollout-server --connect tcp://127.0.0.1:5555``.
@@ -22,11 +25,18 @@ import numpy as np
 
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
-from protocol.events import BatchReceived, WeightsReceived
-from protocol.messages import Identity
+from protocol.events import (
+    BatchReceived,
+    PeerJoined,
+    ValidationReceived,
+    ValidationRequested,
+    WeightsReceived,
+)
+from protocol.messages import VALIDATION_CAPABILITY, Identity, ValidateRequest, ValidateResult
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection
 from protocol.trajectory import Trajectory
+from protocol.validation import EpisodeOutcome, summarize
 from protocol.weights import NamedBuffer
 from protocol.zmq_transport import (
     CurveClientKeys,
@@ -80,7 +90,9 @@ class ReferenceLearner:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 5.0
     curve: CurveServerKeys | None = None
+    validate_on_join: bool = False  # ask every peer that offers validation to validate after its WELCOME
     received: list[Trajectory] = field(default_factory=list)
+    validations: list[tuple[str, ValidateResult]] = field(default_factory=list)  # (peer, result)
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         channel = ZmqServerChannel(self.bind, curve=self.curve, max_message_bytes=self.limits.max_message_bytes)
@@ -100,6 +112,12 @@ class ReferenceLearner:
                     if isinstance(ev, BatchReceived):
                         self.received.extend(ev.trajectories)
                         server.batch_consumed()
+                    elif isinstance(ev, PeerJoined) and self.validate_on_join:
+                        if VALIDATION_CAPABILITY in ev.hello.capabilities:
+                            server.request_validation(f"ref-{uuid.uuid4().hex[:8]}", proto.policy_version,
+                                                      timeout_s=30.0)
+                    elif isinstance(ev, ValidationReceived):
+                        self.validations.append((ev.peer_id, ev.result))
         finally:
             await channel.aclose()
 
@@ -116,7 +134,7 @@ class ReferenceRolloutServer:
 
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         conn = RolloutConnection(peer_id=self.peer_id, epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
-                                 tokenizer=self.tokenizer)
+                                 tokenizer=self.tokenizer, capabilities=[VALIDATION_CAPABILITY])
         self.client = client = RolloutClient(conn, client_factory(self.connect, curve=self.curve))
         rng = np.random.default_rng(0)
         async with anyio.create_task_group() as tg:
@@ -141,7 +159,19 @@ class ReferenceRolloutServer:
                     w = ev.weights
                     self.applied[w.version] = {spec.name: bytes(buf) for spec, buf in w.tensors}
                     client.weights_applied(w.version, w.transfer_id, ok=True)
+                elif isinstance(ev, ValidationRequested):
+                    client.validation_result(synthetic_validation(ev.request, conn.policy_version))
             tg.cancel_scope.cancel()
+
+
+def synthetic_validation(request: ValidateRequest, policy_version: int, *, episodes: int = 4,
+                         seed: int = 0) -> ValidateResult:
+    """The reference answer to a validation request: metrics of a few synthetic episodes."""
+    rng = np.random.default_rng(seed)
+    outcomes = [EpisodeOutcome("synthetic", float(rng.random()), response_length=64, turns=2,
+                               termination="answered", extras={"acc": bool(i % 2)}) for i in range(episodes)]
+    return ValidateResult(request.request_id, max(policy_version, request.policy_version),
+                          sources=summarize(outcomes), prompts=episodes)
 
 
 def main() -> None:
@@ -151,11 +181,13 @@ def main() -> None:
     ap.add_argument("--connect", default="tcp://127.0.0.1:5555", help="rollout-server: learner address")
     ap.add_argument("--batches", type=int, default=0, help="rollout-server: batches to send (0 = forever)")
     ap.add_argument("--model", help="rollout-server: announce the tokenizer of this model directory")
+    ap.add_argument("--validate-on-join", action="store_true",
+                    help="learner: ask every rollout server that offers validation to validate after it joins")
     args = ap.parse_args()
 
     async def run() -> None:
         if args.role == "learner":
-            learner = ReferenceLearner(bind=args.bind)
+            learner = ReferenceLearner(bind=args.bind, validate_on_join=args.validate_on_join)
             async with anyio.create_task_group() as tg:
                 addr = await tg.start(learner.serve)
                 print(f"reference learner listening on {addr}", flush=True)

@@ -117,7 +117,9 @@ def from_wire(cls: type, obj: Any, path: str) -> Any:
     except ProtocolError:
         raise
     except (TypeError, ValueError) as e:  # __post_init__ checks of cross-field invariants
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {e}", field=path) from e
+        sub = getattr(e, "field", None)  # messages.FieldError names the field it is about
+        where = f"{path}.{sub}" if isinstance(sub, str) and sub else path
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}: {e}", field=where) from e
 
 
 def to_wire(obj: Any) -> Any:

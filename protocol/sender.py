@@ -9,6 +9,10 @@ Delivery: every batch is kept (as encoded frames) until ACKed or refused as inva
 session the unacknowledged ones go back to the front of the queue and are resent with their
 original sequence numbers, skipping those the learner reports (WELCOME.next_seq) as received. A
 batch is only sent while a credit is available; ACKs and WELCOME grant credits.
+
+Validation (1.1, capability "validation"): a VALIDATE_REQUEST becomes a ``ValidationRequested``
+event; ``validation_result`` queues the answer, but only while the session that asked is still
+open (a learner that lost the session has forgotten the request), and only once per request.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from protocol.events import (
     PeerError,
     PeerTimedOut,
     ProtocolViolation,
+    ValidationRequested,
     WeightsAnnounced,
     WeightsFailed,
     WeightsReceived,
 )
 from protocol.messages import (
     TYPE_OF,
+    VALIDATION_CAPABILITY,
     Ack,
     Bye,
     Error,
@@ -42,6 +48,8 @@ from protocol.messages import (
     Identity,
     Limits,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsAnnounce,
     WeightsApplied,
     WeightsChunk,
@@ -98,6 +106,7 @@ class RolloutConnection:
         self._unacked: OrderedDict[int, Frames] = OrderedDict()  # sent in this session
         self._out: list[Frames] = []
         self._last_sent = self._last_recv = 0.0
+        self._validations: set[str] = set()  # requests of this session not yet answered
         self.assembler = WeightAssembler()
 
     # -- application API -------------------------------------------------------------------------
@@ -113,6 +122,7 @@ class RolloutConnection:
         self._requeue_unacked()
         self._out.clear()
         self.credits = 0
+        self._validations.clear()  # asked by a session that is gone: its learner forgot them
         hello = Hello(
             protocol_version=list(self.version), peer_id=self.peer_id, role="rollout-server",
             epoch=self.epoch, model=self.model, tokenizer=self.tokenizer,
@@ -143,6 +153,20 @@ class RolloutConnection:
         if ok:
             self.policy_version = version
         self._out.append(codec.encode(WeightsApplied(version, transfer_id, ok, error, apply_time_s)))
+
+    def validation_result(self, result: ValidateResult) -> bool:
+        """Queue the answer to a ``ValidationRequested``. False (nothing sent) when the request is
+        not one this session received and has not answered yet: the session that asked is gone."""
+        if self.state is not SenderState.READY or result.request_id not in self._validations:
+            return False
+        self._validations.discard(result.request_id)
+        self._out.append(codec.encode(result))
+        return True
+
+    @property
+    def validations_pending(self) -> set[str]:
+        """Validation requests of this session not answered yet."""
+        return set(self._validations)
 
     def close(self, reason: str = "") -> None:
         if self.state in (SenderState.HELLO_SENT, SenderState.READY):
@@ -217,6 +241,8 @@ class RolloutConnection:
                 return ev + self._weights(lambda: self.assembler.announce(msg), msg.version, msg.transfer_id)
             case WeightsChunk():
                 return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
+            case ValidateRequest():
+                return self._on_validate_request(msg)
             case Bye():
                 # The learner is going away, perhaps to restart: keep everything and reconnect.
                 self._requeue_unacked()
@@ -246,6 +272,15 @@ class RolloutConnection:
         if acked:
             events.append(BatchAcked(acked, acked))
         return events
+
+    def _on_validate_request(self, msg: ValidateRequest) -> list[Event]:
+        if VALIDATION_CAPABILITY not in self.capabilities:
+            raise ProtocolError(ErrorCode.UNEXPECTED, "VALIDATE_REQUEST to a rollout server whose HELLO did not "
+                                f"offer the {VALIDATION_CAPABILITY!r} capability")
+        if self.state is not SenderState.READY or msg.request_id in self._validations:
+            return []  # outside a session (stale), or a repeat of a request being worked on
+        self._validations.add(msg.request_id)
+        return [ValidationRequested(msg)]
 
     def _on_ack(self, msg: Ack) -> list[Event]:
         if self.state is not SenderState.READY:

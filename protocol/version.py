@@ -1,7 +1,11 @@
 """Protocol version and the compatibility rule.
 
 Major versions must match exactly. Minor versions interoperate: a newer minor only appends optional
-fields (with defaults), and decoders ignore keys they do not know, so either side may be newer.
+fields (with defaults) or message types that are only sent to peers announcing the matching HELLO
+capability, and decoders ignore keys they do not know, so either side may be newer.
+
+History: 1.0 the first version; 1.1 adds VALIDATE_REQUEST / VALIDATE_RESULT (capability
+"validation").
 """
 
 from __future__ import annotations
@@ -20,4 +24,4 @@ class ProtocolVersion(NamedTuple):
         return self.major == other.major
 
 
-PROTOCOL_VERSION = ProtocolVersion(1, 0)
+PROTOCOL_VERSION = ProtocolVersion(1, 1)

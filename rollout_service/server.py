@@ -16,10 +16,16 @@ is complete it is loaded into the running engine according to ``on_weight_update
 generation is interrupted and continued on the new weights by the engine), ``drain`` (admission
 stops, running groups finish, then the weights load). WEIGHTS_APPLIED goes back only after the
 engine generates with them; a failed load is reported with ok=false and the old weights stay.
+
+Validation: the server offers the "validation" capability; each VALIDATE_REQUEST becomes a task
+in the group (``_validate``) that waits until the engine runs the requested policy version (or
+newer), runs the shard of ``data.val_files`` (``rollout_service.validation``, beside training
+admission under its own limit) and answers with metrics only, never shipping an episode.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import uuid
 from collections.abc import Callable
@@ -34,7 +40,14 @@ from common.identity import wire_identities
 from common.logging import get_logger
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.rundir import resolve_run_dir
-from protocol.events import Connected, WeightsAnnounced, WeightsFailed, WeightsReceived
+from protocol.events import (
+    Connected,
+    ValidationRequested,
+    WeightsAnnounced,
+    WeightsFailed,
+    WeightsReceived,
+)
+from protocol.messages import VALIDATION_CAPABILITY, ValidateRequest, ValidateResult
 from protocol.weights import ReceivedWeights
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
 from rollout_service.agents.parsers import PARSERS
@@ -45,6 +58,7 @@ from rollout_service.metrics import RolloutStats
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
+from rollout_service.validation import ValidationRunner
 
 
 def agent_limits(config: Any) -> AgentLimits:
@@ -178,6 +192,11 @@ class RolloutServer:
         self.source = PromptSource.from_config(config.data, shard_index=server.shard_index,
                                                shard_count=server.shard_count, state_dir=self.state_dir)
         check_names(config, {r.agent_type for r in self.source.rows})
+        self.validation = ValidationRunner.from_config(config, server_id=self.server_id)
+        self.validation.check_agents(lambda a: a in AGENTS)  # a bad validation set never stops training
+        if self.validation.problem:
+            self.log.warning("validation unavailable: requests will be answered with this error",
+                             reason=self.validation.problem)
         self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path))
         mt = config.actor_rollout_ref.rollout.multi_turn
         self.limiter = GlobalRateLimiter.from_config(config.tools.rate_limits, resolve_run_dir(config))
@@ -185,7 +204,8 @@ class RolloutServer:
         base = AgentDeps(engine=engine, renderer=self.renderer, sampling=sampling_settings(config),
                          limits=agent_limits(config), parser=PARSERS.get(mt.format)())
         try:
-            self.deps = build_agent_deps(config, base, {r.agent_type for r in self.source.rows}, self.limiter)
+            self.deps = build_agent_deps(config, base, {r.agent_type for r in self.source.rows}
+                                         | self.validation.agent_types, self.limiter)
         except ValueError as e:
             self._state_lock.release()
             raise StartupError(str(e)) from None
@@ -195,6 +215,7 @@ class RolloutServer:
         self._running = 0  # episodes in flight
         self._drain_waiting = False
         self._changed = anyio.Event()
+        self._tasks: Any = None  # the serving task group (validation requests run in it)
 
     def attach_engine(self, engine: Any) -> None:
         self.engine = engine
@@ -212,6 +233,7 @@ class RolloutServer:
         c, server = self.config, self.config.rollout_server
         model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
         conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
+                                 capabilities=[VALIDATION_CAPABILITY],
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
                                  heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
         curve = None
@@ -255,6 +277,7 @@ class RolloutServer:
 
         server = self.config.rollout_server
         async with anyio.create_task_group() as tg:
+            self._tasks = tg  # validation requests run as tasks of this group
             tg.start_soon(self._signals, tg.cancel_scope)
             await tg.start(self.shipper.run)
             self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
@@ -350,6 +373,8 @@ class RolloutServer:
                 await self._apply(ev.weights)
             elif isinstance(ev, WeightsFailed):
                 self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
+            elif isinstance(ev, ValidationRequested):
+                self._tasks.start_soon(self._validate, ev.request)
 
     def _announce(self, version: int) -> None:
         if version > self.newest_version:
@@ -377,3 +402,31 @@ class RolloutServer:
         self.stats.set_weight_version(w.version)
         self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
         self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 3))
+
+    # -- validation --------------------------------------------------------------------------------
+    async def _validate(self, req: ValidateRequest) -> None:
+        """Answer one validation request: once the engine runs ``req.policy_version`` or newer (weights
+        still on their way are waited for), run the validation shard and send its metrics. With
+        ``req.timeout_s`` set, give up after that long (the learner stops waiting then) and answer
+        ok=false."""
+        v = self.validation
+        self.log.info("validation requested", request=req.request_id, policy_version=req.policy_version,
+                      engine_version=self.engine.policy_version, prompts=len(v.rows), episodes_per_prompt=v.n)
+        result: ValidateResult | None = None
+        with anyio.move_on_after(req.timeout_s if req.timeout_s > 0 else math.inf):
+            while self.engine.policy_version < req.policy_version:
+                await self._changed.wait()  # poked when weights are applied
+            result = await v.run(req.request_id, self.engine.policy_version, deps=self.deps, rewards=self.rewards)
+        if result is None:
+            version = self.engine.policy_version
+            result = ValidateResult(
+                req.request_id, version, ok=False,
+                error=f"not done within the request's timeout of {req.timeout_s:g} s (weights version {version}, "
+                      f"{req.policy_version} requested)",
+                shard_index=v.shard_index, shard_count=v.shard_count, prompts=len(v.rows), duration_s=req.timeout_s)
+        sent = self.shipper.client.validation_result(result)
+        reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
+        self.log.info("validation served" if result.ok else "validation failed", request=req.request_id,
+                      policy_version=result.policy_version, episodes=result.count, reward_mean=round(reward, 4),
+                      seconds=round(result.duration_s, 2), error=result.error or None,
+                      sent=sent or "no: the session that asked has ended")

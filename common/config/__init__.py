@@ -5,7 +5,8 @@ reject unknown keys; `load_config` reads a YAML file, applies dotted `key=value`
 validates once, raising a `ConfigError` that names the file or override, the dotted key and the
 fault for every problem found. Modules: `base` (section base class), `actor_rollout_ref`,
 `training` (algorithm, critic, data, trainer, ray), `services` (rollout_server, learner, transport,
-logging), `agents` (agents, tools, tool_server), `root` (Config and cross-section rules), `errors`, `loader`.
+logging), `agents` (agents, tools, tool_server), `launch` (bin/train), `root` (Config and
+cross-section rules), `errors`, `loader`.
 """
 
 from common.config.actor_rollout_ref import (
@@ -27,6 +28,7 @@ from common.config.agents import (
     ToolServerConfig,
 )
 from common.config.errors import ConfigError, Issue
+from common.config.launch import LaunchConfig
 from common.config.loader import dump_config, load_config, parse_override
 from common.config.root import Config, consistency_issues
 from common.config.services import (
@@ -58,6 +60,7 @@ __all__ = [
     "DataConfig",
     "DatasetConfig",
     "Issue",
+    "LaunchConfig",
     "LearnerConfig",
     "LoggingConfig",
     "ModelConfig",

@@ -137,6 +137,23 @@ class MultiTurnConfig(Section):
     all failed."""
 
 
+class ValKwargsConfig(Section):
+    """Sampling of validation episodes (verl's `val_kwargs`); the rest of the rollout settings (token
+    budgets, agents, tools, rewards) are the training ones."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of validation episodes; 0 is greedy (only used when do_sample is true)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass of validation episodes (only used when do_sample is true)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k of validation episodes; -1 disables it (only used when do_sample is true)."""
+    n: int = Field(1, gt=0)
+    """Episodes per validation prompt (metrics average over all of them)."""
+    do_sample: bool = False
+    """Sample validation episodes with temperature/top_p/top_k; false: greedy decoding whatever
+    the temperature says."""
+
+
 class RolloutConfig(Section):
     """Sampling by the vLLM engine of a rollout server."""
 
@@ -176,6 +193,8 @@ class RolloutConfig(Section):
     version that produced them), or drain them before loading the weights."""
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     """Multi-turn / tool settings."""
+    val_kwargs: ValKwargsConfig = Field(default_factory=ValKwargsConfig)
+    """Sampling of validation episodes (run by the rollout servers when the learner validates)."""
 
 
 class RefFsdpConfig(Section):

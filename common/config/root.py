@@ -19,6 +19,7 @@ from common.config.actor_rollout_ref import ActorRolloutRefConfig
 from common.config.agents import AgentsConfig, ToolsConfig, ToolServerConfig
 from common.config.base import Section
 from common.config.errors import ConfigError, Issue
+from common.config.launch import LaunchConfig
 from common.config.services import (
     CURVE_REQUIRED_FIELDS,
     LearnerConfig,
@@ -64,6 +65,8 @@ class Config(Section):
     """Tool options, remote tools and rate limits."""
     tool_server: ToolServerConfig = Field(default_factory=ToolServerConfig)
     """bin/tool-server."""
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    """bin/train: the processes of a whole job on this machine."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:

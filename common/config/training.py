@@ -184,6 +184,10 @@ class TrainerConfig(Section):
     """Validate every this many steps; -1 or 0 never."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    val_timeout_s: float = Field(600.0, gt=0)
+    """How long one validation may take: waiting for a rollout server to connect (before the first
+    step), then for every asked server's result. Training waits meanwhile; when it expires the
+    results that arrived are logged and training goes on."""
     critic_warmup: int = Field(0, ge=0)
     """Steps that update only the critic before the actor starts learning."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

@@ -23,16 +23,18 @@ import anyio
 import numpy as np
 from anyio.from_thread import start_blocking_portal
 
+from protocol import codec
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
-from protocol.events import BatchReceived, WeightsReceived
-from protocol.messages import Hello
+from protocol.events import BatchReceived, PeerJoined, ValidationRequested, WeightsReceived
+from protocol.messages import VALIDATION_CAPABILITY, Hello, ValidateRequest, ValidateResult
 from protocol.receiver import LearnerProtocol, _Peer
 from protocol.reference import (
     REFERENCE_MODEL,
     REFERENCE_TOKENIZER,
     reference_weights,
     synthetic_trajectory,
+    synthetic_validation,
 )
 from protocol.sender import Frames, RolloutConnection, SenderState
 from protocol.zmq_transport import ZmqServerChannel, client_factory
@@ -66,7 +68,36 @@ class IgnoresCredits(LearnerProtocol):
         return super()._on_batch(peer, msg)
 
 
-# -- a broken rollout sender ------------------------------------------------------------------------
+class AsksEveryone(LearnerProtocol):
+    """Sends VALIDATE_REQUEST to every peer, whether its HELLO offered "validation" or not."""
+
+    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+        for p in self.peers.values():
+            if p.hello is not None and VALIDATION_CAPABILITY not in p.hello.capabilities:
+                self._out.append((p.identity, codec.encode(ValidateRequest(request_id, policy_version))))
+        return super().request_validation(request_id, policy_version, timeout_s=timeout_s)
+
+
+class IgnoresStrayResults(LearnerProtocol):
+    """Drops a VALIDATE_RESULT nobody asked for without a word."""
+
+    def _dispatch(self, peer: _Peer, msg: object) -> list:
+        if isinstance(msg, ValidateResult) and msg.request_id not in peer.validations:
+            return []
+        return super()._dispatch(peer, msg)
+
+
+# -- broken rollout senders -------------------------------------------------------------------------
+class AnswersTwice(RolloutConnection):
+    """Sends every VALIDATE_RESULT twice."""
+
+    def validation_result(self, result: ValidateResult) -> bool:
+        if super().validation_result(result):
+            self._out.append(codec.encode(result))
+            return True
+        return False
+
+
 class IgnoresCreditsSender(RolloutConnection):
     """Sends every queued batch as soon as it is READY, credits or not."""
 
@@ -77,11 +108,12 @@ class IgnoresCreditsSender(RolloutConnection):
 
 
 # -- serving in a background thread -----------------------------------------------------------------
-async def serve_learner(proto: LearnerProtocol, bind: str, consume: bool = True, *,
+async def serve_learner(proto: LearnerProtocol, bind: str, consume: bool = True, validate_on_join: bool = True, *,
                         task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """ReferenceLearner.serve with a given protocol object (so broken ones can be served).
 
     ``consume=False``: batches are never consumed, so room only shrinks (a stalled trainer).
+    ``validate_on_join``: every peer that offers validation is asked to validate once it joined.
     """
     channel = ZmqServerChannel(bind, max_message_bytes=proto.limits.max_message_bytes)
     server = LearnerServer(proto, channel)
@@ -93,18 +125,22 @@ async def serve_learner(proto: LearnerProtocol, bind: str, consume: bool = True,
             async for ev in server.events:
                 if isinstance(ev, BatchReceived) and consume:
                     server.batch_consumed()
+                elif isinstance(ev, PeerJoined) and validate_on_join:  # like ReferenceLearner(validate_on_join)
+                    if VALIDATION_CAPABILITY in ev.hello.capabilities:
+                        server.request_validation(f"ref-{uuid.uuid4().hex[:8]}", proto.policy_version)
     finally:
         await channel.aclose()
 
 
 @contextmanager
 def learner_in_thread(proto_cls: type[LearnerProtocol] = LearnerProtocol, *, consume: bool = True,
-                      **kw) -> Iterator[str]:
+                      validate_on_join: bool = True, **kw) -> Iterator[str]:
     """A learner (reference or broken) on a free loopback port; yields its address."""
     kw = {"tokenizer": REFERENCE_TOKENIZER, "capacity": 8, "max_credits_per_peer": 4, "limits": SMALL_LIMITS,
           "heartbeat_interval_s": 0.3, "heartbeat_timeout_s": 5.0, **kw}
     with start_blocking_portal() as portal:
-        fut, address = portal.start_task(serve_learner, proto_cls(**kw), "tcp://127.0.0.1:0", consume)
+        fut, address = portal.start_task(serve_learner, proto_cls(**kw), "tcp://127.0.0.1:0", consume,
+                                         validate_on_join)
         try:
             yield address
         finally:
@@ -128,6 +164,8 @@ async def serve_rollout(conn: RolloutConnection, address: str, request_weights: 
         async for ev in client.events:
             if isinstance(ev, WeightsReceived):
                 client.weights_applied(ev.weights.version, ev.weights.transfer_id, ok=True)
+            elif isinstance(ev, ValidationRequested):
+                client.validation_result(synthetic_validation(ev.request, conn.policy_version))
         tg.cancel_scope.cancel()
 
 
@@ -135,14 +173,16 @@ class RolloutInThread:
     """Starts a rollout server (reference or broken) once the suite's ROUTER is bound."""
 
     def __init__(self, portal, conn_cls: type[RolloutConnection] = RolloutConnection, *,
-                 request_weights: bool = False) -> None:
+                 request_weights: bool = False, capabilities: tuple[str, ...] = (VALIDATION_CAPABILITY,)) -> None:
         self.portal, self.conn_cls, self.request_weights = portal, conn_cls, request_weights
+        self.capabilities = capabilities
         self.conn: RolloutConnection | None = None
         self.future = None
 
     def __call__(self, address: str) -> None:  # the runner's on_listening callback
         self.conn = self.conn_cls(peer_id=f"test-rollout-{uuid.uuid4().hex[:6]}", epoch=uuid.uuid4().hex,
-                                  model=REFERENCE_MODEL, tokenizer=REFERENCE_TOKENIZER)
+                                  model=REFERENCE_MODEL, tokenizer=REFERENCE_TOKENIZER,
+                                  capabilities=list(self.capabilities))
         self.future = self.portal.start_task_soon(serve_rollout, self.conn, address, self.request_weights)
 
     def stopped(self, timeout: float = 5.0) -> SenderState:
@@ -185,7 +225,7 @@ def child(*args: str) -> Iterator[subprocess.Popen[str]]:
 @contextmanager
 def reference_learner_process() -> Iterator[str]:
     """``python -m protocol.reference learner`` on a free port; yields the address it printed."""
-    with child("-m", "protocol.reference", "learner", "--bind", "tcp://127.0.0.1:0") as proc:
+    with child("-m", "protocol.reference", "learner", "--bind", "tcp://127.0.0.1:0", "--validate-on-join") as proc:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "reference learner listening on tcp://127.0.0.1:PORT"
         m = re.search(r"(tcp://\S+)", line)

@@ -10,7 +10,9 @@ import time
 import pytest
 from conformance_testkit import (
     AcceptsAnyMajor,
+    AsksEveryone,
     IgnoresCredits,
+    IgnoresStrayResults,
     NeverAcks,
     free_port,
     learner_in_thread,
@@ -18,6 +20,7 @@ from conformance_testkit import (
     run_cli,
 )
 
+from protocol.version import PROTOCOL_VERSION
 from tools.conformance import registry, report, runner
 
 ALL = [c.name for c in registry.checks("learner")]
@@ -39,6 +42,30 @@ def test_every_check_passes_against_the_reference_learner() -> None:
     assert failures(rep) == {}
     credit = next(r for r in rep.results if r.name == "credit_limit")
     assert credit.notes and "rejected" in credit.notes[0]  # enforcement was exercised, not skipped
+    val = next(r for r in rep.results if r.name == "validation_request")
+    assert val.notes and val.notes[0].startswith("request 'ref-") and val.details["policy_version"] == 0
+
+
+def test_validation_request_is_only_noted_when_the_learner_does_not_validate() -> None:
+    with learner_in_thread(validate_on_join=False) as address:
+        rep = run_suite(address, "validation_request", "validation_unsolicited", timeout=1.0)
+    assert failures(rep) == {}
+    assert rep.results[0].notes == ["not exercised: no VALIDATE_REQUEST within 1.0 s (the learner validates on "
+                                    "its own schedule)"]
+
+
+def test_a_learner_that_asks_peers_without_the_capability_fails() -> None:
+    with learner_in_thread(AsksEveryone) as address:
+        rep = run_suite(address, "validation_request")
+    reason = failures(rep)["validation_request"]
+    assert reason.startswith("a peer whose HELLO did not offer 'validation' was sent VALIDATE_REQUEST(request_id=ref-")
+
+
+def test_a_learner_that_ignores_stray_results_fails() -> None:
+    with learner_in_thread(IgnoresStrayResults) as address:
+        rep = run_suite(address, "validation_unsolicited", timeout=1.0)
+    reason = failures(rep)["validation_unsolicited"]
+    assert reason.startswith("no ERROR UNEXPECTED for a VALIDATE_RESULT nobody asked for within 1.0 s"), reason
 
 
 def test_cli_against_a_reference_learner_process() -> None:
@@ -75,9 +102,11 @@ def test_a_learner_that_never_acks_fails_with_what_it_sent_instead() -> None:
 def test_a_learner_that_accepts_another_major_version_fails_version_mismatch() -> None:
     with learner_in_thread(AcceptsAnyMajor) as address:
         rep = run_suite(address, "version_mismatch", "handshake")
-    assert failures(rep) == {"version_mismatch": "HELLO with protocol 2.0 was accepted (WELCOME, protocol 1.0): "
-                                                 "expected ERROR VERSION_MISMATCH"}
-    assert report.line(rep.results[1], 16).startswith("FAIL version_mismatch: HELLO with protocol 2.0")
+    ours = f"{PROTOCOL_VERSION.major}.{PROTOCOL_VERSION.minor}"
+    theirs = f"{PROTOCOL_VERSION.major + 1}.{PROTOCOL_VERSION.minor}"
+    assert failures(rep) == {"version_mismatch": f"HELLO with protocol {theirs} was accepted (WELCOME, protocol "
+                                                 f"{ours}): expected ERROR VERSION_MISMATCH"}
+    assert report.line(rep.results[1], 16).startswith(f"FAIL version_mismatch: HELLO with protocol {theirs}")
 
 
 def test_a_learner_that_ignores_credits_fails_credit_limit() -> None:

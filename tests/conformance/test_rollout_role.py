@@ -16,6 +16,7 @@ from anyio.from_thread import start_blocking_portal
 from conformance_testkit import (
     CLI,
     REPO,
+    AnswersTwice,
     IgnoresCreditsSender,
     RolloutInThread,
     child,
@@ -31,11 +32,11 @@ ALL = [c.name for c in registry.checks("rollout-server")]
 
 
 @contextmanager
-def rollout_server(conn_cls: type[RolloutConnection] = RolloutConnection, *,
-                   request_weights: bool = False) -> Iterator[RolloutInThread]:
+def rollout_server(conn_cls: type[RolloutConnection] = RolloutConnection, *, request_weights: bool = False,
+                   **kw) -> Iterator[RolloutInThread]:
     """A rollout server in a background thread, started once the suite's ROUTER is bound."""
-    with start_blocking_portal() as portal, RolloutInThread(portal, conn_cls,
-                                                             request_weights=request_weights) as server:
+    with start_blocking_portal() as portal, RolloutInThread(portal, conn_cls, request_weights=request_weights,
+                                                             **kw) as server:
         yield server
 
 
@@ -59,6 +60,22 @@ def test_every_check_passes_against_the_reference_rollout_server() -> None:
     details = {r.name: r.details for r in rep.results}
     assert details["resend_after_reconnect"]["new_connection"] is True
     assert details["credit_respected"]["batches_after_grant"] == 2
+    assert details["validation"]["ok"] is True and details["validation"]["count"] == 4
+    assert details["validation"]["sources"] == ["synthetic"]
+
+
+def test_validation_is_only_noted_for_a_server_without_the_capability() -> None:
+    with rollout_server(capabilities=()) as server:
+        rep = run_against(server, "validation")
+    assert failures(rep) == {}
+    assert rep.results[1].notes == ["not exercised: HELLO does not offer 'validation'"]
+
+
+def test_a_server_that_answers_a_validation_twice_fails() -> None:
+    with rollout_server(AnswersTwice) as server:
+        rep = run_against(server, "validation")
+    reason = failures(rep)["validation"]
+    assert reason.startswith("1 more VALIDATE_RESULT(s) after the first: VALIDATE_RESULT(request_id=conformance-")
 
 
 def test_cli_against_a_reference_rollout_server_process() -> None:

@@ -27,8 +27,11 @@ from protocol.messages import (
     Identity,
     Limits,
     MsgType,
+    SourceMetrics,
     TensorSpec,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsAnnounce,
     WeightsApplied,
     WeightsChunk,
@@ -99,7 +102,20 @@ def sample_messages() -> dict[MsgType, Any]:
         MsgType.HEARTBEAT: Heartbeat(12.5, 7),
         MsgType.ERROR: Error(3, "bad", False, "HELLO.peer_id", 1, 0),
         MsgType.BYE: Bye("done"),
+        MsgType.VALIDATE_REQUEST: ValidateRequest("val-1", 7, 30.0),
+        MsgType.VALIDATE_RESULT: ValidateResult(
+            "val-1", 7, True, "", [source_metrics("math"), source_metrics("qa", count=0)], 1, 2, 3, 4.5),
     }
+
+
+def source_metrics(name: str = "math", *, count: int = 4, **kw: Any) -> SourceMetrics:
+    """Consistent validation metrics of one source (rewards 0.5 each, half of them correct)."""
+    fields: dict[str, Any] = dict(
+        data_source=name, count=count, reward_sum=0.5 * count, reward_mean=0.5 if count else 0.0,
+        response_length_mean=12.0 if count else 0.0, turns_mean=1.5 if count else 0.0,
+        terminations={"answered": count}, extras_mean={"acc": 0.5} if count else {},
+        extras_count={"acc": count} if count else {})
+    return SourceMetrics(**(fields | kw))
 
 
 # -- raw frame surgery ------------------------------------------------------------------------------

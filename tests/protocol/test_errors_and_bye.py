@@ -86,14 +86,16 @@ def test_invalid_batch_is_rejected_and_dropped_the_session_goes_on() -> None:
     assert [header(r.frames)["seq"] for r in net.sent("up", MsgType.TRAJECTORY_BATCH)] == [1, 2]  # never resent
 
 
-@pytest.mark.parametrize("t", [MsgType.WELCOME, MsgType.ACK, MsgType.WEIGHTS_ANNOUNCE, MsgType.WEIGHTS_CHUNK])
+@pytest.mark.parametrize("t", [MsgType.WELCOME, MsgType.ACK, MsgType.WEIGHTS_ANNOUNCE, MsgType.WEIGHTS_CHUNK,
+                               MsgType.VALIDATE_REQUEST])
 def test_learner_refuses_messages_meant_for_rollout_servers(t: MsgType) -> None:
     net = connected()
     (ev,) = net.learner.receive(b"r0", on_wire(codec.encode(SAMPLES[t])), net.clock.now)
     assert ev.error.code is ErrorCode.UNEXPECTED and net.learner.ready_peers() == ["rollout-0"]
 
 
-@pytest.mark.parametrize("t", [MsgType.HELLO, MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_APPLIED])
+@pytest.mark.parametrize("t", [MsgType.HELLO, MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_APPLIED,
+                               MsgType.VALIDATE_RESULT])
 def test_sender_refuses_messages_meant_for_the_learner(t: MsgType) -> None:
     conn = connected().conns[b"r0"]
     (ev,) = conn.receive(on_wire(codec.encode(SAMPLES[t])), 0.0)

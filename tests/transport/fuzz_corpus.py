@@ -25,7 +25,10 @@ from protocol.messages import (
     Hello,
     Limits,
     MsgType,
+    SourceMetrics,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsApplied,
     Welcome,
 )
@@ -57,6 +60,9 @@ def valid_encodings() -> list[Frames]:
         Heartbeat(1.5, 2),
         Error(3, "bad", False, "HELLO.peer_id", 1, 0),
         Bye("bye"),
+        ValidateRequest("fuzz-val", 1, 5.0),
+        ValidateResult("fuzz-val", 1, sources=[SourceMetrics("s", 2, 1.0, 0.5, 3.0, 1.0, {"answered": 2},
+                                                             {"acc": 0.5}, {"acc": 2})]),
     ]
     out = [wire(codec.encode(m)) for m in msgs]
     assert {f[0][0] for f in out} == {int(t) for t in MsgType}

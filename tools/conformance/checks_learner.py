@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import uuid
 from collections.abc import Callable
 
 import msgpack
@@ -20,11 +21,15 @@ import numpy as np
 from protocol import codec
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
+    VALIDATION_CAPABILITY,
     Ack,
     Bye,
     Error,
     Heartbeat,
     MsgType,
+    SourceMetrics,
+    ValidateRequest,
+    ValidateResult,
     WeightsAnnounce,
     WeightsApplied,
     WeightsChunk,
@@ -284,6 +289,10 @@ def _malformed_cases(t: LearnerTarget) -> list[tuple[str, Frames, ErrorCode, int
             return a
         return edit
 
+    result = codec.encode(ValidateResult("conformance-bad", 0, sources=[
+        SourceMetrics("conformance", 1, 1.0, 1.0, terminations={"answered": 1})]))
+    cases.append(("VALIDATE_RESULT with count -1",
+                  wire.with_header(result, lambda h: h["sources"][0].update(count=-1)), ErrorCode.INVALID_FIELD, 0))
     seq = 100
     batch_cases = [
         ("mask value 2", lambda f: wire.with_column(f, "response_mask", set_first(2))),
@@ -417,6 +426,75 @@ async def check_weights(t: LearnerTarget) -> None:
     await p.await_credit()
     await p.send_batch(t.batch(1))
     await _ack_of(p, 1, "ACK for a batch sent after WEIGHTS_APPLIED")
+
+
+@register("learner")
+async def check_validation_request(t: LearnerTarget) -> None:
+    """A VALIDATE_REQUEST goes only to a peer offering "validation"; answered, the session goes on.
+
+    The learner validates on its own schedule: when no request comes within --timeout the check
+    passes with a note that it was not exercised. A request that comes is answered with a
+    well-formed VALIDATE_RESULT, after which a batch must still be ACKed (no ERROR for the result);
+    a peer in session without the capability must receive no VALIDATE_REQUEST meanwhile.
+    """
+    plain = t.peer("validation-plain")
+    await plain.hello()
+    p = t.peer("validation")
+    w = await p.hello(capabilities=(VALIDATION_CAPABILITY,))
+    started = time.monotonic()
+    deadline, rec = started + p.timeout, None
+    while rec is None and time.monotonic() < deadline:  # in slices: both sessions are kept alive
+        try:
+            rec = await p.expect("VALIDATE_REQUEST", lambda r: r.is_(ValidateRequest),
+                                 deadline=min(deadline, time.monotonic() + w.heartbeat_interval_s),
+                                 fail_on_error="while waiting for a VALIDATE_REQUEST")
+        except CheckFailed as e:
+            if not e.reason.startswith("no VALIDATE_REQUEST within"):
+                raise
+            for q in (p, plain):
+                await q.send_msg(Heartbeat(time.time()))
+    if rec is None:
+        t.note(f"not exercised: no VALIDATE_REQUEST within {p.timeout:.1f} s (the learner validates on its "
+               "own schedule)")
+    else:
+        req = rec.msg
+        assert isinstance(req, ValidateRequest)
+        t.details.update(request_id=req.request_id, policy_version=req.policy_version, timeout_s=req.timeout_s,
+                         after_s=round(time.monotonic() - started, 3))
+        from protocol.reference import synthetic_validation
+
+        await p.send_msg(synthetic_validation(req, req.policy_version))
+        try:
+            await _send_and_ack(t, p, 1)
+        except CheckFailed as e:
+            raise CheckFailed(f"after a VALIDATE_RESULT answering {req.request_id!r}: {e.reason}") from None
+        t.note(f"request {req.request_id!r} for policy version {req.policy_version} answered")
+    await _send_and_ack(t, plain, 1)  # barrier: everything sent to it before this ACK has arrived
+    stray = [r for r in plain.log if r.type == MsgType.VALIDATE_REQUEST]
+    if stray:
+        raise CheckFailed(f"a peer whose HELLO did not offer {VALIDATION_CAPABILITY!r} was sent "
+                          f"{stray[0].describe()}")
+
+
+@register("learner")
+async def check_validation_unsolicited(t: LearnerTarget) -> None:
+    """A VALIDATE_RESULT for a request never sent -> ERROR UNEXPECTED (not fatal); the session goes on."""
+    p = t.peer("validation-unsolicited")
+    await p.hello(capabilities=(VALIDATION_CAPABILITY,))
+    rid = f"conformance-unasked-{uuid.uuid4().hex[:8]}"
+    await p.send_msg(ValidateResult(rid, 0))
+    err = await _error_for(p, "ERROR UNEXPECTED for a VALIDATE_RESULT nobody asked for")
+    problems = []
+    if err.code != ErrorCode.UNEXPECTED:
+        problems.append(f"expected ERROR UNEXPECTED, got {wire.describe_message(err)}")
+    if err.fatal:
+        problems.append("the ERROR is marked fatal")
+    try:
+        await _send_and_ack(t, p, 1)
+    except CheckFailed as e:
+        problems.append(f"after the unsolicited result, a valid batch: {e.reason}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
 
 
 @register("learner")

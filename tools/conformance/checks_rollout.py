@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -18,12 +19,15 @@ import msgpack
 from protocol import codec
 from protocol.errors import ErrorCode
 from protocol.messages import (
+    VALIDATION_CAPABILITY,
     Bye,
     Error,
     Heartbeat,
     Hello,
     MsgType,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsAnnounce,
     WeightsApplied,
     WeightsChunk,
@@ -261,6 +265,49 @@ async def check_weights(fl: FakeLearner) -> None:
                         verdict, fail_if=_is(Error))
     if isinstance(rec.msg, WeightsApplied) and rec.msg.ok:
         raise CheckFailed(f"a transfer with a corrupted byte (version {bad_version}) was applied (ok=True)")
+
+
+@register("rollout-server")
+async def check_validation(fl: FakeLearner) -> None:
+    """VALIDATE_REQUEST (if HELLO offers "validation") -> exactly one well-formed VALIDATE_RESULT of its id.
+
+    The server runs its validation set, which may take a while: the result is waited for up to
+    --timeout + --wait seconds. An ok result must be for the requested policy version or newer,
+    and every source's termination counts must add up to its episode count.
+    """
+    s = fl.require_session()
+    if VALIDATION_CAPABILITY not in s.hello.capabilities:
+        fl.note(f"not exercised: HELLO does not offer {VALIDATION_CAPABILITY!r}")
+        return
+    req = ValidateRequest(f"conformance-{uuid.uuid4().hex[:8]}", fl.policy_version, fl.timeout + fl.wait)
+    started = time.monotonic()
+    await fl.send_msg(s.identity, req)
+    rec = await fl.next(f"VALIDATE_RESULT for request {req.request_id} (policy version {req.policy_version})",
+                        lambda r: r.type == MsgType.VALIDATE_RESULT and r.identity == s.identity,
+                        timeout=fl.timeout + fl.wait, fail_if=lambda r: isinstance(r.msg, Error))
+    res = rec.msg
+    if not isinstance(res, ValidateResult):
+        raise CheckFailed(f"the VALIDATE_RESULT does not decode: {rec.describe()}")
+    problems = []
+    if res.request_id != req.request_id:
+        problems.append(f"VALIDATE_RESULT.request_id is {res.request_id!r}, the request was {req.request_id!r}")
+    if res.ok and res.policy_version < req.policy_version:
+        problems.append(f"ok result for policy version {res.policy_version}, version {req.policy_version} was "
+                        "requested (and is applied)")
+    for src in res.sources if res.ok else []:
+        if sum(src.terminations.values()) != src.count:
+            problems.append(f"source {src.data_source!r}: termination counts {src.terminations} do not add up to "
+                            f"count {src.count}")
+    extra = await fl.collect(QUIET_S, lambda r: r.type == MsgType.VALIDATE_RESULT and r.identity == s.identity)
+    if extra:
+        problems.append(f"{len(extra)} more VALIDATE_RESULT(s) after the first: {wire.describe(extra)}")
+    fl.details.update(request_id=req.request_id, ok=res.ok, error=res.error, count=res.count,
+                      sources=[src.data_source for src in res.sources], shard=[res.shard_index, res.shard_count],
+                      answered_after_s=round(time.monotonic() - started, 3))
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    what = f"{res.count} episodes over {len(res.sources)} source(s)" if res.ok else f"failed: {res.error}"
+    fl.note(f"answered in {time.monotonic() - started:.1f} s: {what}")
 
 
 @register("rollout-server")

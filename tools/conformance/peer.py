@@ -60,11 +60,12 @@ class Peer:
         self.credits -= 1
         await self.send(frames)
 
-    async def hello(self, *, policy_version: int = 0, frames: Frames | None = None) -> Welcome:
+    async def hello(self, *, policy_version: int = 0, frames: Frames | None = None,
+                    capabilities: tuple[str, ...] = ()) -> Welcome:
         """HELLO -> WELCOME, or CheckFailed naming what came back instead."""
         if frames is None:
             frames = codec.encode(wire.hello(self.peer_id, self.epoch, model=self.model, tokenizer=self.tokenizer,
-                                             policy_version=policy_version))
+                                             policy_version=policy_version, capabilities=capabilities))
         await self.send(frames)
         try:
             rec = await self.expect("WELCOME", lambda r: r.is_(Welcome), fail_on_error="HELLO refused")

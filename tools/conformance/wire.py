@@ -30,6 +30,8 @@ from protocol.messages import (
     Message,
     MsgType,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsApplied,
     Welcome,
 )
@@ -108,6 +110,11 @@ def describe_message(msg: Message) -> str:
             return f"WEIGHTS_APPLIED(version={msg.version}, ok={msg.ok})"
         case Hello():
             return f"HELLO(peer_id={msg.peer_id}, version={'.'.join(map(str, msg.protocol_version))})"
+        case ValidateRequest():
+            return f"VALIDATE_REQUEST(request_id={_clip(msg.request_id, 30)}, version={msg.policy_version})"
+        case ValidateResult():
+            state = "ok" if msg.ok else f"failed: {_clip(msg.error, 40)}"
+            return f"VALIDATE_RESULT(request_id={_clip(msg.request_id, 30)}, count={msg.count}, {state})"
     return name
 
 
@@ -151,10 +158,11 @@ def mentions_version(text: str, major: int) -> bool:
 
 # -- building valid traffic ---------------------------------------------------------------------------
 def hello(peer_id: str, epoch: str, *, model: Identity = DEFAULT_MODEL, tokenizer: Identity = DEFAULT_TOKENIZER,
-          policy_version: int = 0, version: Sequence[int] = PROTOCOL_VERSION) -> Hello:
+          policy_version: int = 0, version: Sequence[int] = PROTOCOL_VERSION,
+          capabilities: Sequence[str] = ()) -> Hello:
     return Hello(protocol_version=list(version), peer_id=peer_id, role="rollout-server", epoch=epoch,
                  model=model, tokenizer=tokenizer, policy_version=policy_version,
-                 capabilities=["conformance"])
+                 capabilities=["conformance", *capabilities])
 
 
 def tiny_trajectory(tid: str, *, vocab: int = 100, prompt_len: int = 4, response_len: int = 6) -> Trajectory:

@@ -35,7 +35,10 @@ from protocol.messages import (
     Identity,
     Limits,
     MsgType,
+    SourceMetrics,
     TrajectoryBatch,
+    ValidateRequest,
+    ValidateResult,
     WeightsApplied,
     Welcome,
 )
@@ -97,6 +100,13 @@ def messages() -> dict[str, Any]:
                        "trajectories[1].rollout_logprobs[0]: logprobs must be finite and <= 0",
                        False, "trajectories[1].rollout_logprobs[0]", int(MsgType.TRAJECTORY_BATCH), 42),
         "bye": Bye("rollout server shutting down"),
+        "validate_request": ValidateRequest("step2-0a1b2c", 7, 600.0),
+        "validate_result": ValidateResult(
+            "step2-0a1b2c", 7, True, "",
+            [SourceMetrics("arithmetic", 4, 1.5, 0.375, 21.25, 1.5, {"answered": 3, "length": 1},
+                           {"correct": 0.25}, {"correct": 4}),
+             SourceMetrics("gsm8k", 0, 0.0, 0.0)],
+            0, 2, 3, 12.5),
     }
 
 

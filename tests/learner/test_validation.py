@@ -1,0 +1,205 @@
+"""Validation on the learner side without Ray: when it is due, the ``val/...`` metrics of a round,
+and ``Intake.validate`` against rollout senders over ZeroMQ (answers merged, a server that leaves
+mid-validation reported at once, a server without the capability never asked, nobody connected
+bounded by the timeout, late answers ignored). asyncio only (zmq.asyncio)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from common.config import load_config
+from common.identity import wire_identities
+from learner.intake import Intake
+from learner.validation import ValidationRound, due, validation_metrics
+from protocol.driver import RolloutClient
+from protocol.events import Event, ValidationRequested
+from protocol.messages import VALIDATION_CAPABILITY, ValidateResult
+from protocol.sender import RolloutConnection
+from protocol.validation import EpisodeOutcome, summarize
+from protocol.zmq_transport import client_factory
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def result(request_id: str, rewards: list[float], source: str = "math", **kw: Any) -> ValidateResult:
+    outcomes = [EpisodeOutcome(source, r, 10, 1, "answered", {"acc": r > 0}) for r in rewards]
+    return ValidateResult(request_id, 2, sources=summarize(outcomes), **kw)
+
+
+# -- schedule and metrics --------------------------------------------------------------------------------
+def test_due() -> None:
+    assert [s for s in range(0, 9) if due(s, 2)] == [2, 4, 6, 8]
+    assert not any(due(s, f) for s in range(10) for f in (0, -1))
+    assert [s for s in range(1, 5) if due(s, 1)] == [1, 2, 3, 4]
+
+
+def test_metrics_merge_servers_by_counts_and_count_the_missing() -> None:
+    rnd = ValidationRound("r", 2, asked=["a", "b", "c", "d"])
+    rnd.answered("a", result("r", [1.0, 1.0, 0.0]))
+    rnd.answered("b", result("r", [0.0], source="qa"))
+    rnd.answered("c", ValidateResult("r", 2, ok=False, error="no weights"))
+    rnd.left("d", "timed out")
+    rnd.answered("stranger", result("r", [5.0]))  # not asked: ignored
+    m = validation_metrics(rnd)
+    assert m["val/count"] == 4 and m["val/reward/mean"] == 0.5
+    assert (m["val/count/math"], m["val/reward/mean/math"]) == (3, pytest.approx(2 / 3))
+    assert (m["val/count/qa"], m["val/reward/mean/qa"]) == (1, 0.0)
+    assert m["val/extras/acc/mean/math"] == pytest.approx(2 / 3) and m["val/extras/acc/mean"] == 0.5
+    assert m["val/episode/termination/answered"] == 1.0 and m["val/response/length_mean/qa"] == 10.0
+    assert (m["val/servers_asked"], m["val/servers_answered"], m["val/servers_failed"],
+            m["val/servers_missing"]) == (4, 2, 1, 1)
+    assert rnd.outstanding == [] and rnd.failed == {"c": "no weights"}
+    empty = validation_metrics(ValidationRound("r", 0))
+    assert empty["val/count"] == 0 and "val/reward/mean" not in empty
+
+
+# -- Intake.validate over ZeroMQ ---------------------------------------------------------------------------
+def make_config(model: Path) -> Any:
+    return load_config(None, [
+        f"actor_rollout_ref.model.path={model}", "data.train_files=unused.jsonl",
+        "learner.bind_address=tcp://127.0.0.1:0", "transport.heartbeat_interval_s=0.2",
+        "transport.heartbeat_timeout_s=3.0",
+    ], check_paths=False)
+
+
+class Server:
+    """A rollout sender that answers validation requests with ``answer(request)`` (None: stay silent)."""
+
+    def __init__(self, address: str, model: Path, peer_id: str, *, validates: bool = True,
+                 answer: Callable[[Any], ValidateResult | None] | None = None) -> None:
+        model_id, tok_id = wire_identities(model)
+        self.conn = RolloutConnection(peer_id=peer_id, epoch=uuid.uuid4().hex, model=model_id, tokenizer=tok_id,
+                                      capabilities=[VALIDATION_CAPABILITY] if validates else [],
+                                      heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
+        self.client = RolloutClient(self.conn, client_factory(address), reconnect_delay_s=0.05)
+        self.answer = answer or (lambda req: result(req.request_id, [1.0, 0.0]))
+        self.events: list[Event] = []
+
+    async def drain(self) -> None:
+        async for ev in self.client.events:
+            self.events.append(ev)
+            if isinstance(ev, ValidationRequested) and (res := self.answer(ev.request)) is not None:
+                self.client.validation_result(res)
+
+    @property
+    def requests(self) -> list[str]:
+        return [e.request.request_id for e in self.events if isinstance(e, ValidationRequested)]
+
+
+@asynccontextmanager
+async def serving(intake: Intake, *servers_args: dict[str, Any]) -> AsyncIterator[list[Server]]:
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(intake.run)
+        servers = [Server(address, **kw) for kw in servers_args]
+        async with anyio.create_task_group() as clients:
+            for s in servers:
+                await clients.start(s.client.run)
+                clients.start_soon(s.drain)
+            with anyio.fail_after(10):
+                while len(intake._proto.ready_peers()) < len(servers):
+                    await anyio.sleep(0.01)
+            try:
+                yield servers
+            finally:
+                clients.cancel_scope.cancel()
+                intake.close()
+
+
+@pytest.mark.anyio
+async def test_validate_merges_the_answers_of_the_servers_that_offer_it(tmp_path: Path, tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(intake, {"model": tiny_model, "peer_id": "a"}, {"model": tiny_model, "peer_id": "b"},
+                       {"model": tiny_model, "peer_id": "old", "validates": False}) as (a, b, old):
+        rnd = await intake.validate(3, timeout_s=10.0, request_id="step2-x")
+        assert sorted(rnd.asked) == ["a", "b"] and sorted(rnd.results) == ["a", "b"] and rnd.duration_s < 5
+        m = validation_metrics(rnd)
+        assert m["val/count"] == 4 and m["val/reward/mean/math"] == 0.5 and m["val/servers_missing"] == 0
+        assert a.requests == b.requests == ["step2-x"] and old.requests == []
+        assert intake.stats["batches"] == 0 and intake._proto.buffered == 0  # no trajectories, no room
+
+
+@pytest.mark.anyio
+async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(tmp_path: Path,
+                                                                             tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    silent = {"model": tiny_model, "peer_id": "silent", "answer": lambda req: None}
+    async with serving(intake, {"model": tiny_model, "peer_id": "ok"}, silent) as (_, quitter):
+
+        async def leave_soon() -> None:
+            while not quitter.requests:
+                await anyio.sleep(0.01)
+            await quitter.client.close("going away mid-validation")
+
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leave_soon)
+            rnd = await intake.validate(0, timeout_s=30.0)
+        assert time.monotonic() - t0 < 5, "the learner waited for a server that had left"
+        assert list(rnd.results) == ["ok"] and rnd.lost == {"silent": "closed"}
+        assert validation_metrics(rnd)["val/servers_missing"] == 1
+
+
+@pytest.mark.anyio
+async def test_timeouts_bound_the_wait(tmp_path: Path, tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    mute = {"model": tiny_model, "peer_id": "mute", "answer": lambda req: None}
+    async with anyio.create_task_group() as tg:
+        await tg.start(intake.run)
+        t0 = time.monotonic()
+        nobody = await intake.validate(0, timeout_s=0.5)  # no rollout server connected at all
+        assert nobody.asked == [] and 0.4 < time.monotonic() - t0 < 3
+        intake.close()
+    intake = Intake(make_config(tiny_model), tmp_path / "2", fresh=True)
+    async with serving(intake, mute) as (server,):
+        rnd = await intake.validate(0, timeout_s=0.5)
+        assert rnd.asked == ["mute"] and rnd.outstanding == ["mute"] and rnd.results == {}
+        server.client.validation_result(result(rnd.request_id, [1.0]))  # late: logged, ignored
+        await anyio.sleep(0.3)
+        assert rnd.results == {}
+
+
+@pytest.mark.anyio
+async def test_validate_waits_for_the_first_server_to_join(tmp_path: Path, tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(intake.run)
+        server = Server(address, tiny_model, "late")
+
+        async def join_later() -> None:
+            await anyio.sleep(0.5)
+            await tg.start(server.client.run)
+            tg.start_soon(server.drain)
+
+        tg.start_soon(join_later)
+        rnd = await intake.validate(0, timeout_s=20.0)
+        assert rnd.asked == ["late"] and rnd.results["late"].count == 2
+        tg.cancel_scope.cancel()
+        intake.close()
+
+
+@pytest.mark.anyio
+async def test_servers_without_the_capability_are_not_waited_for(tmp_path: Path, tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(intake, {"model": tiny_model, "peer_id": "old", "validates": False}) as (old,):
+        t0 = time.monotonic()
+        rnd = await intake.validate(0, timeout_s=30.0)
+        assert rnd.asked == [] and time.monotonic() - t0 < 2 and old.requests == []
+        assert validation_metrics(rnd)["val/count"] == 0
