@@ -1,0 +1,189 @@
+"""bin/train's child processes: start each in its own session, watch it, stop its whole tree.
+
+Design: every child (learner, rollout server, tool server) leads a new session and process group,
+so what it starts (Ray's GCS, raylet and workers; vLLM's EngineCore) shares its group and can be
+stopped with it even after the leader is gone. Stopping is bounded: SIGTERM to each leader (its own
+shutdown stops its children in order: ray.shutdown, the engine's), up to `grace` seconds, then
+SIGKILL to every group that still has a live member. Every child also carries the launch's id in
+its environment (`LAUNCH_ID_ENV`), inherited by everything it starts, so a final sweep finds a
+process that left the group (a daemon that called setsid) and no process of a run outlives it.
+Output goes to one log file per child, appended, so a restarted child continues its file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAUNCH_ID_ENV = "AGENTRL_LAUNCH_ID"
+"""Environment variable naming the bin/train run a process belongs to (inherited by descendants)."""
+
+
+@dataclass
+class Child:
+    """One supervised process: its command, log file, and the current incarnation."""
+
+    name: str
+    """Short name used on the console and for the log file (learner, rollout-0, tool-server)."""
+    title: str
+    """How messages name it (learner, rollout server rs0, tool server)."""
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    pids: list[int] = field(default_factory=list)
+    """Every leader pid it has had (restarts included)."""
+
+    def start(self, note: str) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            out.write(f"----- bin/train: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} -----\n".encode())
+            out.flush()
+            # start_new_session: its own group (stopped as one) and no terminal signals (Ctrl-C
+            # reaches bin/train only, which then stops the children in order).
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.pids.append(self.proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited (negative: killed by that signal), else None."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def describe_exit(self) -> str:
+        code = self.returncode()
+        if code is None:
+            return "running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit status {code}"
+
+    def tail(self, lines: int = 20) -> str:
+        """The last `lines` lines of its log (for an error message)."""
+        try:
+            with self.log.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError as e:
+            return f"(cannot read {self.log}: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def child_env(launch_id: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[LAUNCH_ID_ENV] = launch_id
+    env["PYTHONUNBUFFERED"] = "1"  # log files follow the process as it runs
+    return env
+
+
+def python_argv(script: Path, args: Sequence[str]) -> list[str]:
+    return [sys.executable, str(script), *args]
+
+
+# ---------------------------------------------------------------- process groups
+
+
+def live_group_members(pgids: Iterable[int]) -> dict[int, list[int]]:
+    """Live (not zombie) processes of each process group in `pgids`."""
+    import psutil
+
+    wanted = set(pgids)
+    found: dict[int, list[int]] = {g: [] for g in wanted}
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            group = os.getpgid(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+        if group in wanted:
+            found[group].append(p.pid)
+    return found
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(child: Child, timeout: float = 10.0) -> None:
+    """SIGKILL a child's whole process group now and wait until no member is alive (a dead
+    rollout server's vLLM EngineCore would otherwise hold its memory and inherited files)."""
+    if child.proc is None:
+        return
+    pgid = child.proc.pid  # a session leader's group id is its pid
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    child.proc.wait(timeout=timeout)
+    while live_group_members([pgid])[pgid] and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def stop_all(children: Sequence[Child], grace: float, *,
+             hurry: Callable[[], bool] | None = None) -> dict[str, list[int]]:
+    """Stop every child: SIGTERM to the leaders, up to `grace` seconds for them to exit, then
+    SIGKILL to every group with a live member. `hurry()` true (a second Ctrl-C) skips the grace.
+    Returns, per child name, the pids that had to be SIGKILLed."""
+    started = [c for c in children if c.proc is not None]
+    for c in started:
+        if c.returncode() is None:
+            try:
+                c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    while any(c.returncode() is None for c in started) and time.monotonic() < deadline:
+        if hurry is not None and hurry():
+            break
+        time.sleep(0.1)
+    # The leaders are gone (or out of time): whatever is left in their groups is killed.
+    by_group = {c.proc.pid: c for c in started}  # type: ignore[union-attr]
+    killed: dict[str, list[int]] = {}
+    for pgid, members in live_group_members(by_group).items():
+        if members:
+            killed[by_group[pgid].name] = members
+            _signal_group(pgid, signal.SIGKILL)
+    for c in started:
+        try:
+            c.proc.wait(timeout=10)  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + 10
+    while any(live_group_members(by_group).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return killed
+
+
+def sweep(launch_id: str) -> list[int]:
+    """SIGKILL every process whose environment carries this launch's id (except ourselves): what
+    left its child's process group. Returns their pids."""
+    import psutil
+
+    me = os.getpid()
+    killed: list[int] = []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or p.environ().get(LAUNCH_ID_ENV) != launch_id:
+                continue
+            p.kill()
+            killed.append(p.pid)
+        except psutil.Error:
+            continue
+    return killed

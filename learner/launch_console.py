@@ -1,0 +1,171 @@
+"""What bin/train reads while its children run, and what it shows: progress and step lines.
+
+Design: bin/train learns what its children do only from files they already write, read
+incrementally from where they ended when the launch began (a resumed run appends to them): the
+learner's JSON log (``RUN_DIR/logs/learner.jsonl``: "rollout server joined"/"left", "training")
+tells which rollout servers are connected, and ``RUN_DIR/metrics.jsonl`` brings one record per
+finished step. The console shows a rich progress bar over the steps with the learner's own step
+line (`learner.sinks.step_line`) above it; when stdout is not a terminal only the lines are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from learner.sinks import short, step_line
+
+
+class JsonlTail:
+    """New JSON lines of a file another process appends to, from its size at construction on.
+
+    A line is returned once complete (ends in a newline); a line that is not JSON is skipped.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        st = path.stat() if path.exists() else None
+        self.offset = st.st_size if st else 0
+        self.inode = st.st_ino if st else None
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.inode:  # a new file (or the first): read it from the start
+                    self.inode, self.offset, self._partial = st.st_ino, 0, b""
+                elif st.st_size < self.offset:  # cut back (a writer dropped its partial last line)
+                    self.offset, self._partial = st.st_size, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
+class Connections:
+    """Which rollout servers are connected to the learner, from its log's join/leave events."""
+
+    JOINED, LEFT = "rollout server joined", "rollout server left"
+
+    def __init__(self, learner_log: Path, expected: list[str]) -> None:
+        self.tail = JsonlTail(learner_log)
+        self.expected = expected
+        self.connected: set[str] = set()
+        self.ever: set[str] = set()
+        self.learner_ready = False
+
+    def poll(self) -> list[tuple[str, str]]:
+        """(event, peer) pairs since the last call: ("joined" | "rejoined" | "left", server id),
+        and ("ready", "") once the learner's workers are up."""
+        events = []
+        for record in self.tail.read():
+            event, peer = record.get("event"), str(record.get("peer", ""))
+            if event == self.JOINED:
+                events.append(("rejoined" if peer in self.ever else "joined", peer))
+                self.connected.add(peer)
+                self.ever.add(peer)
+            elif event == self.LEFT:
+                self.connected.discard(peer)
+                events.append(("left", peer))
+            elif event == "training" and not self.learner_ready:
+                self.learner_ready = True
+                events.append(("ready", ""))
+        return events
+
+    @property
+    def missing(self) -> list[str]:
+        """Expected servers that have not connected yet (even once)."""
+        return [s for s in self.expected if s not in self.ever]
+
+
+def metric_values(record: Mapping[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record as the step line wants it: numbers only, null read as NaN."""
+    return {k: (math.nan if v is None else float(v)) for k, v in record.items()
+            if k not in ("step", "time") and (v is None or isinstance(v, int | float))}
+
+
+class Display:
+    """The launch's console: a progress bar over the steps (on a terminal) and one line per step."""
+
+    def __init__(self, total_steps: int, console: Console | None = None) -> None:
+        self.console = console if console is not None else Console()
+        self.total = total_steps
+        self.progress = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            refresh_per_second=2,
+            speed_estimate_period=6 * 3600,  # RL steps can take minutes (see learner.sinks)
+        )
+        self.task = self.progress.add_task("starting", total=total_steps)
+        self.live = self.console.is_terminal
+        if self.live:
+            self.progress.start()
+
+    def status(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def step(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.console.print(step_line(step, self.total, metrics), soft_wrap=True)
+        self.progress.update(self.task, completed=step, description="training")
+
+    def print(self, text: str, style: str | None = None) -> None:
+        self.console.print(text, style=style, soft_wrap=True, highlight=False)
+
+    def close(self) -> None:
+        if self.live:
+            self.progress.stop()
+            self.live = False
+
+
+def summary_lines(run_dir: Path, records: list[dict[str, Any]], total: int, wall_s: float,
+                  restarts: Mapping[str, int], plot: Path | None, checkpoints: Path) -> list[str]:
+    """The final summary: steps, wall time, reward from first to last step, where things are."""
+    steps = records[-1]["step"] if records else 0
+    lines = [f"done: {steps}/{total} steps in {time.strftime('%H:%M:%S', time.gmtime(wall_s))}"]
+    rewards = [(r["step"], r["reward/mean"]) for r in records if isinstance(r.get("reward/mean"), int | float)]
+    if rewards:
+        (s0, r0), (s1, r1) = rewards[0], rewards[-1]
+        lines.append(f"reward mean: {short(r0)} at step {s0} -> {short(r1)} at step {s1}")
+    restarted = {name: n for name, n in restarts.items() if n}
+    if restarted:
+        lines.append("restarted: " + ", ".join(f"{name} x{n}" for name, n in restarted.items()))
+    lines.append(f"run directory: {run_dir}")
+    where = [("config", run_dir / "config.resolved.yaml"), ("metrics", run_dir / "metrics.jsonl"),
+             ("plot", plot), ("logs", run_dir / "logs"), ("checkpoints", checkpoints),
+             ("model", run_dir / "final-hf"), ("tensorboard", run_dir / "tensorboard"),
+             ("recordings", run_dir / "recordings")]
+    lines += [f"  {label:<12}{path}" for label, path in where if path is not None and path.exists()]
+    return lines

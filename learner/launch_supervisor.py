@@ -1,0 +1,243 @@
+"""bin/train's supervision loop: start the children, follow the run, restart, stop, report.
+
+Design: one loop on the main thread, every `POLL_S`: signals first (a handler only records them),
+then the learner's exit, the tool server's, each rollout server's, then the learner's log (who is
+connected) and metrics.jsonl (steps done). Every way out of the loop goes through one `finally`
+that stops all children and sweeps their stray descendants, so nothing of a run outlives bin/train
+whatever ends it. Failures are reported after the stop, with the tail of the failed child's log.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from common.fileio import atomic_write_bytes
+from learner.launch import POLL_S, PROCESSES_FILE, TAIL_LINES, Plan
+from learner.launch_children import Child, kill_tree, stop_all, sweep
+from learner.launch_console import Connections, Display, JsonlTail, metric_values, summary_lines
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class Supervisor:
+    def __init__(self, plan: Plan, log: Any, display: Display | None = None) -> None:
+        self.plan, self.log = plan, log
+        self.display = display if display is not None else Display(plan.total_steps)
+        self.signals: list[int] = []
+        self.failure: tuple[str, Child | None, list[Child]] | None = None
+        """(message, the child it names, children whose log tails to show)."""
+        self.records: list[dict[str, Any]] = []
+        self.metrics = JsonlTail(plan.run_dir / "metrics.jsonl")
+        self.connections = Connections(plan.run_dir / "logs" / "learner.jsonl",
+                                       [f"rs{i}" for i in range(len(plan.rollouts))])
+        # Without info records in the learner's log the joins cannot be seen: do not wait for them.
+        self.track_connections = plan.config.logging.level in ("debug", "info")
+        self.rollouts_started = False
+        self.finished: set[str] = set()
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        plan = self.plan
+        start = time.monotonic()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        status = EXIT_FAILED
+        try:
+            self.log.info("starting", run_dir=str(plan.run_dir), logs=str(plan.run_dir / "logs"),
+                          rollout_servers=len(plan.rollouts), tool_server=plan.tool_server is not None,
+                          steps=plan.total_steps)
+            if not self.track_connections:
+                self.log.warning("logging.level hides the learner's info records: not waiting for "
+                                 "rollout servers to connect")
+            if plan.tool_server is not None:
+                self._start(plan.tool_server, "start")
+            self._start(plan.learner, "start")
+            status = self._supervise(start)
+        finally:
+            self.display.close()
+            if self.signals:
+                self.log.warning("stopping", signal=signal.Signals(self.signals[0]).name)
+            elif status == EXIT_OK:
+                self.log.info("training done: stopping the other processes")
+            t0 = time.monotonic()
+            killed = stop_all(plan.children, plan.config.launch.stop_timeout_s,
+                              hurry=lambda: len(self.signals) > 1)
+            if stray := sweep(plan.launch_id):
+                self.log.warning("killed processes that had left their group", pids=stray)
+            self.log.info("every process stopped", seconds=round(time.monotonic() - t0, 1),
+                          sigkilled={name: len(pids) for name, pids in killed.items()})
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        self._write_processes()
+        if status != EXIT_OK:
+            self._report_failure()
+            return status
+        return self._finish(time.monotonic() - start)
+
+    def _supervise(self, start: float) -> int:
+        plan, launch = self.plan, self.plan.config.launch
+        connect_deadline = start + launch.connect_timeout_s
+        self.display.status("starting")
+        while True:
+            if self.signals:
+                return EXIT_INTERRUPTED
+            self._poll_files()
+            code = plan.learner.returncode()
+            if code is not None:
+                self._poll_files()  # the last step's record
+                return self._learner_exited(code)
+            ts = plan.tool_server
+            if ts is not None and ts.returncode() is not None:
+                return self._fail(f"{ts.title} died ({ts.describe_exit()})", ts)
+            if not self.rollouts_started:
+                if self._tool_server_ready():
+                    for child in plan.rollouts:
+                        self._start(child, "start")
+                    self.rollouts_started = True
+                elif time.monotonic() > connect_deadline:
+                    return self._fail(f"tool server did not answer {plan.tool_health_url}/health within "
+                                      f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)", ts)
+            for child in plan.rollouts:
+                if (status := self._check_rollout(child)) is not None:
+                    return status
+            waiting = self.track_connections and self.connections.missing
+            if waiting and time.monotonic() > connect_deadline:
+                missing = [c for i, c in enumerate(plan.rollouts) if f"rs{i}" in waiting]
+                names = ", ".join(c.title for c in missing)
+                return self._fail(f"{names} did not connect to the learner within "
+                                  f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
+                                  None, missing or [plan.learner])
+            time.sleep(POLL_S)
+
+    # -- events ----------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)  # acted on by the loop; a second one hurries the stop
+
+    def _start(self, child: Child, note: str) -> None:
+        child.start(note)
+        self._write_processes()
+        self.log.info(f"{child.title} started", pid=child.pid, log=str(child.log))
+
+    def _poll_files(self) -> None:
+        for event, peer in self.connections.poll():
+            if event == "ready":
+                self.log.info("learner ready")
+            elif event in ("joined", "rejoined"):
+                n, total = len(self.connections.ever), len(self.connections.expected)
+                self.log.info(f"rollout server {peer} {'re' if event == 'rejoined' else ''}connected",
+                              connected=f"{len(self.connections.connected)}/{total}")
+                if event == "joined":
+                    self.display.status(f"{n}/{total} rollout servers connected")
+        for record in self.metrics.read():
+            if isinstance(record.get("step"), int):
+                self.records.append(record)
+                self.display.step(record["step"], metric_values(record))
+
+    def _tool_server_ready(self) -> bool:
+        """True when there is no tool server or it answers GET /health (rollout servers ask it
+        for its tools as they start)."""
+        url = self.plan.tool_health_url
+        if self.plan.tool_server is None or url is None:
+            return True
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
+                ready = bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+        if ready:
+            self.log.info("tool server ready", url=url)
+        return ready
+
+    def _learner_exited(self, code: int) -> int:
+        learner = self.plan.learner
+        if code != 0:
+            return self._fail(f"learner failed ({learner.describe_exit()})", learner)
+        done = self.records[-1]["step"] if self.records else self._last_step()
+        if done < self.plan.total_steps:
+            return self._fail(f"learner exited at step {done} of {self.plan.total_steps}", learner)
+        return EXIT_OK
+
+    def _last_step(self) -> int:
+        from learner.sinks import read_metrics
+
+        try:
+            records = read_metrics(self.plan.run_dir)
+        except (OSError, ValueError):
+            return 0
+        return int(records[-1]["step"]) if records else 0
+
+    def _check_rollout(self, child: Child) -> int | None:
+        """None while it runs (or after it was restarted); an exit status when the run must end."""
+        code = child.returncode()
+        if code is None or child.name in self.finished:
+            return None
+        if code == 0:  # rollout_server.max_groups reached: finished, not dead
+            self.finished.add(child.name)
+            self.log.info(f"{child.title} finished", log=str(child.log))
+            return None
+        limit = self.plan.config.launch.max_restarts
+        if child.restarts >= limit:
+            return self._fail(f"{child.title} died ({child.describe_exit()}) and was restarted "
+                              f"{child.restarts} time(s) already (launch.max_restarts={limit})", child)
+        self.log.warning(f"{child.title} died ({child.describe_exit()}): restarting "
+                         f"({child.restarts + 1}/{limit})", log=str(child.log))
+        kill_tree(child)  # its vLLM engine process too, before a new one loads the model
+        child.restarts += 1
+        self._start(child, f"restart {child.restarts} after {child.describe_exit()}")
+        return None
+
+    def _fail(self, message: str, child: Child | None, tails: list[Child] | None = None) -> int:
+        if self.failure is None:
+            self.failure = (message, child, tails if tails is not None else [child] if child else [])
+        self.log.error(message + ": stopping")
+        return EXIT_FAILED
+
+    # -- reporting -------------------------------------------------------------------------------
+    def _report_failure(self) -> None:
+        if self.failure is None:
+            self.log.warning("interrupted", run_dir=str(self.plan.run_dir))
+            return
+        message, child, tails = self.failure
+        self.log.error(message, log=str(child.log) if child else None)
+        for c in tails:
+            print(f"----- last {TAIL_LINES} lines of {c.log} ({c.title}) -----\n{c.tail(TAIL_LINES)}",
+                  file=sys.stderr, flush=True)
+
+    def _finish(self, wall_s: float) -> int:
+        from common.rundir import checkpoint_dir
+        from learner.sinks import read_metrics
+
+        run_dir = self.plan.run_dir
+        plot: Path | None = None
+        try:
+            from tools.plot import plot_run
+
+            plot = plot_run(run_dir)
+            self.log.info("training curves drawn", path=str(plot))
+        except Exception as e:  # the run itself succeeded; a missing plot is worth a warning only
+            self.log.warning("could not draw the training curves", error=f"{type(e).__name__}: {e}")
+        try:
+            records = read_metrics(run_dir)
+        except (OSError, ValueError):
+            records = self.records
+        restarts = {c.title: c.restarts for c in self.plan.rollouts}
+        for line in summary_lines(run_dir, records, self.plan.total_steps, wall_s, restarts, plot,
+                                  checkpoint_dir(self.plan.config, run_dir)):
+            self.display.print(line)
+        return EXIT_OK
+
+    def _write_processes(self) -> None:
+        import json
+        import os
+
+        plan = self.plan
+        doc = {"launch_id": plan.launch_id, "pid": os.getpid(), "run_dir": str(plan.run_dir),
+               "children": {c.name: {"title": c.title, "pid": c.pid, "pids": c.pids, "restarts": c.restarts,
+                                     "log": str(c.log), "exit": c.returncode()} for c in plan.children}}
+        atomic_write_bytes(plan.run_dir / PROCESSES_FILE, json.dumps(doc, indent=1).encode(), durable=False)

