@@ -100,6 +100,7 @@ _HEADLINE = (
     ("actor/kl_loss", "kl"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
+    ("val/reward/mean", "val"),
 )
 _TIMING_SPLIT = (
     ("timing/wait_s", "wait"),
