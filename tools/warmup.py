@@ -105,9 +105,15 @@ def load_rows(data_file: str | Path, n: int) -> list[dict[str, Any]]:
 
 
 def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
-                         tools: dict[str, Any]) -> list[Demonstration]:
+                         tools: dict[str, Any], *, guess_fraction: float = 0.0,
+                         seed: int = DEFAULT_SEED) -> list[Demonstration]:
     """One episode per row, tokenised exactly as the tool agent's context grows. Rows whose
-    calculator result does not match their answer are refused: a demonstration must be right."""
+    calculator result does not match their answer are refused: a demonstration must be right.
+    With ``guess_fraction`` f, every row whose seeded draw falls below f is instead an episode that
+    skips the tool and boxes a guess (a wrong number): the warmed model then calls the calculator
+    only some of the time, a choice RL can learn from the reward alone (the demo's task)."""
+    import random
+
     import anyio
 
     from rollout_service.tools.base import ToolContext
@@ -115,8 +121,12 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
     schemas = [t.schema for t in tools.values()]
     calculator = tools["calculator"]
     tok = renderer.tok
+    rng = random.Random(seed)
     demos = []
     for i, row in enumerate(rows):
+        if rng.random() < guess_fraction:
+            demos.append(_guess_demonstration(row, renderer, schemas, rng))
+            continue
         expression = expression_of(str(row["question"]))
         result = anyio.run(calculator.call, {"expression": expression}, ToolContext(episode_id=f"warmup-{i}", row=row))
         if not result.ok or result.text != str(row["answer"]).strip():
@@ -132,6 +142,17 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
             train[start - 1 : start - 1 + n] = [True] * n
         demos.append(Demonstration(ids, train, expression, result.text))
     return demos
+
+
+def _guess_demonstration(row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
+                         rng: Any) -> Demonstration:
+    """A one-turn episode that boxes a wrong number without calling the tool."""
+    right = int(str(row["answer"]).strip())
+    guess = right + rng.choice([-1, 1]) * rng.randint(1, 50)
+    prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
+    answer = [*renderer.tok.encode(answer_text(str(guess)), add_special_tokens=False), renderer.eos_id]
+    train = [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
+    return Demonstration(prompt + answer, train, expression_of(str(row["question"])), str(guess))
 
 
 def _prepare_out_dir(model_dir: Path, out: Path) -> None:
@@ -248,11 +269,14 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
            examples: int = DEFAULT_EXAMPLES, lr: float = DEFAULT_LR, seed: int = DEFAULT_SEED,
            max_seconds: float = DEFAULT_MAX_SECONDS, target: float | None = DEFAULT_TARGET,
            batch_size: int = DEFAULT_BATCH_SIZE, drill_weight: float = DEFAULT_DRILL_WEIGHT,
-           tools: tuple[str, ...] = DEFAULT_TOOLS, log_every: int = 50) -> dict[str, Any]:
+           tools: tuple[str, ...] = DEFAULT_TOOLS, log_every: int = 50,
+           guess_fraction: float = 0.0) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
     stopping once the probe on the next PROBE_ROWS rows reaches ``target`` (None: never), and write
-    the model to ``out_dir``. Returns the summary (also written to warmup.json)."""
+    the model to ``out_dir``. ``guess_fraction``: the share of episodes that skip the tool and box a
+    guess (see build_demonstrations; the probe always scores the tool episode). Returns the summary
+    (also written to warmup.json)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -275,7 +299,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     rows = load_rows(data_file, examples + PROBE_ROWS)
     n_probe = min(PROBE_ROWS, len(rows) // 4)  # a short file still keeps some rows out for the probe
     n_train = min(examples, len(rows) - n_probe)
-    demos = build_demonstrations(rows[:n_train], renderer, tool_objs)
+    demos = build_demonstrations(rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
     data = _pack(demos, pad)
     probe_data = _pack(build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs), pad) \
@@ -342,6 +366,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
         "examples": n_train, "probe_rows": n_probe, "steps": len(losses), "max_steps": steps, "stopped": stopped,
         "target": target, "probe": probes[-1][1] if probes else None, "probe_history": probes,
         "batch_size": batch_size, "lr": lr, "seed": seed, "drill_weight": drill_weight, "tools": list(tools),
+        "guess_fraction": guess_fraction,
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
         "mean_loss_last_10": round(sum(last) / len(last), 6),
         "final_drill_loss": round(drill_losses[-1], 6) if drill_losses else None,
@@ -369,6 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"train on the first N rows; the next {PROBE_ROWS} are the probe's (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="episodes per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default %(default)s)")
+    p.add_argument("--guess-fraction", type=float, default=0.0,
+                   help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
+                        "model then chooses between the two, and RL learns to call the tool (default %(default)s)")
     p.add_argument("--drill-weight", type=float, default=DEFAULT_DRILL_WEIGHT,
                    help="weight of the copy drill's loss; 0: off (default %(default)s)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="(default %(default)s)")
@@ -387,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = warmup(a.model, a.data, a.out, steps=a.steps, examples=a.examples, lr=a.lr, seed=a.seed,
                          max_seconds=a.max_seconds, target=a.target or None, batch_size=a.batch_size,
-                         drill_weight=a.drill_weight,
+                         drill_weight=a.drill_weight, guess_fraction=a.guess_fraction,
                          tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()))
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"warmup: error: {e}", file=sys.stderr)

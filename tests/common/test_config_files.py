@@ -81,3 +81,19 @@ def test_yaml_reads_exponent_floats() -> None:
     assert parse_yaml("lr: 1e-6", "x") == {"lr": 1e-6}
     assert parse_yaml("lr: 5.0e-7", "x") == {"lr": 5e-7}
     assert parse_yaml("v: 1", "x") == {"v": 1}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_config_passes_check_on_this_machine(path: Path, tmp_path: Path) -> None:
+    """`bin/train --check` (the learner's and the rollout server's loader too) accepts every shipped
+    config once its model path points at a model directory that exists here."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    out = subprocess.run([sys.executable, str(CONFIG_DIR.parent / "bin" / "train"), "--config", str(path),
+                          f"actor_rollout_ref.model.path={model}", "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "actor_rollout_ref:" in out.stdout
