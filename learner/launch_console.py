@@ -19,16 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
-from learner.sinks import short, step_line
+from learner.sinks import short, step_line, step_progress
 
 
 class JsonlTail:
@@ -117,18 +109,7 @@ class Display:
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
         self.console = console if console is not None else Console()
         self.total = total_steps
-        self.progress = Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=self.console,
-            refresh_per_second=2,
-            speed_estimate_period=6 * 3600,  # RL steps can take minutes (see learner.sinks)
-        )
+        self.progress = step_progress(self.console)
         self.task = self.progress.add_task("starting", total=total_steps)
         self.live = self.console.is_terminal
         if self.live:

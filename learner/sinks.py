@@ -137,6 +137,24 @@ def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) 
     return line
 
 
+def step_progress(console: Console) -> Progress:
+    """The progress bar over training steps (shared by the console sink and bin/train)."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("steps"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        refresh_per_second=2,
+        # rich drops speed samples older than this period; RL steps can take minutes, and with
+        # rich's 30 s default the ETA would stay unknown. Its sample deque (1000) keeps it recent.
+        speed_estimate_period=6 * 3600,
+    )
+
+
 @SINKS.register("console")
 class ConsoleSink:
     """A rich progress bar (steps, elapsed, ETA) with one readable line per step printed above it.
@@ -149,21 +167,7 @@ class ConsoleSink:
     def __init__(self, ctx: SinkContext) -> None:
         self.console = ctx.console if ctx.console is not None else Console()
         self.total_steps = ctx.total_steps
-        self.progress = Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=self.console,
-            refresh_per_second=2,
-            # rich drops speed samples older than this period; RL steps can take minutes, and
-            # with rich's 30 s default the ETA would stay unknown. Its sample deque (1000) still
-            # keeps the estimate recent.
-            speed_estimate_period=6 * 3600,
-        )
+        self.progress = step_progress(self.console)
         self.task = self.progress.add_task(
             "training", total=ctx.total_steps, completed=ctx.start_step
         )
