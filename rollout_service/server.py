@@ -160,8 +160,6 @@ def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
     """
     from filelock import FileLock, Timeout
 
-    from common.rundir import resolve_run_dir
-
     server = config.rollout_server
     root = resolve_run_dir(config) if run_dir.is_relative_to(resolve_run_dir(config)) else run_dir
     path = root / "rollout-state" / f"shard-{server.shard_index}-of-{server.shard_count}"

@@ -13,12 +13,11 @@ server reads, so the real loaders, agents, tools and rewards run on them:
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
-from common.fileio import atomic_write_bytes
+from tools.make_tiny_data import write_jsonl
 
 PROJECTS = ["Falcon", "Heron", "Otter", "Lynx", "Marten", "Badger", "Kestrel", "Ibis", "Puffin", "Stoat"]
 FILLER = ["The committee met on a Tuesday and discussed the budget at length.",
@@ -78,10 +77,6 @@ def qa_rows_and_corpus(n: int, seed: int) -> tuple[list[dict[str, Any]], list[di
         corpus.append({"id": f"noise-{i}", "title": f"Note {i}", "text": _paragraph(rng, 3)})
     rng.shuffle(rows)
     return (rows * (n // len(rows) + 1))[:n], corpus
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False)
 
 
 def make_agent_data(out_dir: str | Path, *, train: int = 64, val: int = 8, seed: int = 0) -> Path:
