@@ -20,6 +20,15 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
+def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype as in NamedBuffer, shape) from a safetensors header; no tensor data is read."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {name: (DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
+            for name, meta in header.items() if name != "__metadata__"}
+
+
 def load_file(path: Path) -> list[NamedBuffer]:
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

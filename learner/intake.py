@@ -45,6 +45,7 @@ from typing import Any
 
 import anyio
 
+from common.hostkey import host_key
 from common.identity import wire_identities
 from common.logging import get_logger
 from learner.buffer import GroupBuffer, GroupKey
@@ -97,7 +98,7 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
         curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
     channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=t.max_message_bytes)
     proto = LearnerProtocol(
-        tokenizer=tok,
+        tokenizer=tok, host=host_key(),
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
@@ -150,6 +151,9 @@ class Intake:
         self._counts = dict.fromkeys(("batches", "trajectories", "tokens", "violations", "persisted_bytes",
                                       "persist_failures", "replayed_records", "replayed_groups"), 0)
         self._peer_versions: dict[str, int] = {}
+        self._published_at: dict[int, float] = {}  # version -> when publishing began (monotonic)
+        self._applied: dict[int, dict[str, Any]] = {}  # version -> weights/* metrics once all applied
+        self._apply_times: dict[int, list[float]] = {}  # version -> each server's apply_time_s
         self._arrived: anyio.Event | None = None
         self._joined: anyio.Event | None = None  # set when a rollout server joins
         self._rounds: dict[str, ValidationRound] = {}  # validation requests being waited for
@@ -253,12 +257,47 @@ class Intake:
         rnd.duration_s = time.monotonic() - rnd.started
         return rnd
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer]) -> None:
+    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, file: str = "",
+                        started: float | None = None) -> None:
         """Send policy ``version`` to every rollout server (and to joiners that ask). The buffers must
-        stay unchanged until the next publish."""
-        self._server.publish_weights(version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes)
+        stay unchanged until the next publish. With ``file`` (a safetensors file holding exactly
+        ``tensors``), servers on this machine load that file instead of receiving chunks.
+        ``started``: when gathering the weights began (``time.monotonic``), for ``weights/applied_s``."""
+        self._published_at[version] = time.monotonic() if started is None else started
+        self._server.publish_weights(version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes,
+                                     file=file)
         if self._rule is not None:
             self._rule = (max(version, self._rule[0]), self._rule[1])
+
+    def _note_applied(self, version: int, apply_time_s: float) -> None:
+        """Once every connected server runs ``version``: how long that took from the publish."""
+        self._apply_times.setdefault(version, []).append(apply_time_s)
+        started = self._published_at.get(version)
+        if started is None or any(v < version for v in self._peer_versions.values()):
+            return
+        times = self._apply_times.pop(version)
+        self._applied[version] = {"weights/applied_s": time.monotonic() - started,
+                                  "weights/apply_s": max(times), "weights/version": version}
+        for old in [v for v in self._published_at if v <= version]:
+            self._published_at.pop(old)
+            self._apply_times.pop(old, None)
+
+    def weight_update_metrics(self) -> dict[str, Any]:
+        """``weights/*`` of the newest version every server applied since the last call ({} if none):
+        ``applied_s`` from the start of the publish until the last server generates with it,
+        ``apply_s`` the slowest server's own load time."""
+        if not self._applied:
+            return {}
+        newest = self._applied[max(self._applied)]
+        self._applied.clear()
+        return newest
+
+    def file_peers_oldest_version(self) -> int | None:
+        return self._proto.file_peers_oldest_version()
+
+    @property
+    def chunks_planned(self) -> bool:
+        return self._proto.chunks_planned
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume without losing or re-training accepted data (plain
@@ -387,6 +426,7 @@ class Intake:
                 a = ev.applied
                 if a.ok:
                     self._peer_versions[ev.peer_id] = a.version
+                    self._note_applied(a.version, a.apply_time_s)
                 self._log.debug("weights applied", peer=ev.peer_id, version=a.version, ok=a.ok, error=a.error,
                                 apply_time_s=a.apply_time_s)
             case ValidationReceived():

@@ -115,6 +115,7 @@ class Trainer:
         self.intake: Any = None
         self.weight_names: list[str] = []
         self.weight_dtypes: dict[str, str] = {}
+        self.weight_files: Any = None  # learner.weights_files.WeightFiles when learner.weights_file_dir is set
 
     # -- start-up --------------------------------------------------------------------------------
     def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
@@ -132,14 +133,58 @@ class Trainer:
         if resume is not None:
             await self.workers.all("load_checkpoint", [(str(resume),)] * self.world)
 
-    async def _publish(self) -> float:
-        """Gather the policy and send it as ``self.version`` to every rollout server."""
+    async def _publish(self) -> dict[str, Any]:
+        """Gather the policy and send it as ``self.version`` to every rollout server: written by
+        rank 0 into a /dev/shm slot file when there is one (servers on this machine reload it in
+        place, others get chunks cut from its pages), else gathered through Ray and chunked."""
+        from common.safetensors_buffers import load_file
+
         t0 = time.perf_counter()
+        started = time.monotonic()
+        take = None
+        if self.weight_files is not None:
+            take = self.weight_files.take(self.version, oldest_applied=self.intake.file_peers_oldest_version(),
+                                          current_chunked=self.intake.chunks_planned)
+        if take is not None:
+            slot, path = take
+            try:
+                parts = await self.workers.all(
+                    "write_weights_file", [(self.weight_names, self.weight_dtypes, slot, str(path))] * self.world)
+            except BaseException:
+                self.weight_files.failed(slot)
+                raise
+            self.intake.publish_weights(self.version, load_file(path), file=str(path), started=started)
+            self.weight_files.published(self.version)
+            info = parts[0]
+            return {"weights/gather_s": info["gather_s"], "weights/copy_s": info["copy_s"],
+                    "weights/pinned": float(info["pinned"]), "weights/via_file": 1.0,
+                    "weights/publish_s": time.perf_counter() - t0}
         parts = await self.workers.all("full_weights", [(self.weight_names, self.weight_dtypes)] * self.world)
         tensors = [NamedBuffer(n, d, shape, memoryview(np.ascontiguousarray(a)).cast("B"))
                    for n, d, shape, a in parts[0]]
-        self.intake.publish_weights(self.version, tensors)
-        return time.perf_counter() - t0
+        self.intake.publish_weights(self.version, tensors, started=started)
+        return {"weights/via_file": 0.0, "weights/publish_s": time.perf_counter() - t0}
+
+    def _weight_files(self, model_bytes: int) -> Any:
+        """Slot files for the file hand-over, when ``learner.weights_file_dir`` is set and has room
+        for every slot (else weights go as chunks only, with a warning)."""
+        import shutil
+
+        from learner.weights_files import WeightFiles
+
+        c = self.config.learner
+        if not c.weights_file_dir:
+            return None
+        try:
+            free = shutil.disk_usage(c.weights_file_dir).free
+            if free < 1.1 * c.weights_file_slots * model_bytes:
+                raise OSError(f"{free / 1e9:.2f} GB free, {c.weights_file_slots} slots need "
+                              f"{1.1 * c.weights_file_slots * model_bytes / 1e9:.2f} GB")
+            return WeightFiles(c.weights_file_dir, c.weights_file_slots)
+        except OSError as e:
+            self.log.warning("weights go to rollout servers as chunks only: learner.weights_file_dir is not usable",
+                             dir=c.weights_file_dir, error=str(e))
+            return None
 
     def _init_algorithm_state(self, state: dict[str, Any] | None) -> None:
         from learner.algorithms import make_kl_controller
@@ -248,8 +293,9 @@ class Trainer:
         timer.lap("update")
         updated = "actor/pg_loss" in metrics
         if updated:
-            await self._publish()
+            metrics |= await self._publish()
         timer.lap("broadcast")
+        metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
         self.step += 1
         self._audit(trajs)
@@ -308,6 +354,7 @@ class Trainer:
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
         self.intake.publish_weights(self.version, v0 if resume is None else load_dir(resume / "hf"))
+        self.weight_files = self._weight_files(sum(t.data.nbytes for t in v0))
         t = self.config.trainer
         sinks = MetricSinks(t.logger, self.run_dir, total_steps=self.total, start_step=self.step,
                             project=t.project_name, experiment=t.experiment_name,
@@ -326,6 +373,8 @@ class Trainer:
             sinks.close()
             if self.workers is not None:
                 self.workers.shutdown()
+            if self.weight_files is not None:
+                self.weight_files.close()
         return 0
 
     async def _train(self, resume: Path | None, address: str, sinks: Any,

@@ -217,6 +217,16 @@ class TrainWorker:
         """Collective: the full policy weights; rank 0 returns them (as raw arrays), others None."""
         return checkpoint_io.full_weights(self.models["actor"].lm, names, self.rank, dtypes)
 
+    def write_weights_file(self, names: Sequence[str], dtypes: dict[str, str] | None, slot: int,
+                           path: str) -> dict[str, Any] | None:
+        """Collective: the full policy written by rank 0 into slot file ``path`` (see
+        ``learner.weights_file_writer``); rank 0 returns timings, others None."""
+        from learner.weights_file_writer import WeightsFileWriter
+
+        if not hasattr(self, "_weights_writer"):
+            self._weights_writer = WeightsFileWriter()
+        return self._weights_writer.write(self.models["actor"].lm, names, self.rank, dtypes, slot, path)
+
     def save_checkpoint(self, directory: str) -> None:
         checkpoint_io.save(Path(directory), self.models, self.optims, self.scheds, self.rank)
 
@@ -229,6 +239,8 @@ class TrainWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if hasattr(self, "_weights_writer"):
+            self._weights_writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

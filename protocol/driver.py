@@ -195,8 +195,9 @@ class LearnerServer:
         self.proto.batch_consumed(n)
         self._waker.poke()
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20) -> None:
-        self.proto.publish_weights(version, tensors, chunk_bytes=chunk_bytes)
+    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20,
+                        file: str = "") -> None:
+        self.proto.publish_weights(version, tensors, chunk_bytes=chunk_bytes, file=file)
         self._waker.poke()
 
     def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:

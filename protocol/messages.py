@@ -8,6 +8,8 @@ their payload objects live in ``trajectory`` and ``weights``.
 Evolution rule: fields are only appended, always with a default, and never change meaning. A decoder
 ignores keys it does not know. Type codes are never reused; a type added by a minor version is only
 sent to a peer that announced the matching capability in HELLO (VALIDATE_REQUEST: "validation").
+Fields appended after 1.1 carry ``OMIT_DEFAULT`` metadata: they are left out of the encoding while
+they hold their default, so every message an older peer could send encodes byte for byte as before.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ Role = Literal["rollout-server", "learner"]
 
 VALIDATION_CAPABILITY = "validation"
 """HELLO capability of a rollout server that answers VALIDATE_REQUEST (protocol 1.1)."""
+
+WEIGHTS_FILE_CAPABILITY = "weights_file"
+"""HELLO capability of a rollout server that loads weights from a file named in WEIGHTS_ANNOUNCE
+when its HELLO ``host`` equals the learner's (protocol 1.2)."""
+
+OMIT_DEFAULT = {"omit_default": True}
+"""Field metadata: not encoded while equal to its default (fields added since 1.2)."""
 
 
 class FieldError(ValueError):
@@ -85,6 +94,8 @@ class Hello:
     tokenizer: Identity
     policy_version: int = 0
     capabilities: list[str] = field(default_factory=list)
+    # since 1.2: which machine (and /dev/shm) the sender runs on, for the "weights_file" capability
+    host: str = field(default="", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if len(self.protocol_version) != 2:
@@ -162,6 +173,9 @@ class WeightsAnnounce:
     tensors: list[TensorSpec]
     num_chunks: int
     checksum_algo: str = "xxh3_64"
+    # since 1.2, only to a "weights_file" peer on the learner's host: the tensors are not chunked
+    # but lie in this safetensors file (num_chunks 0; checksums 0: the file never left the machine)
+    file: str = field(default="", metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from protocol.events import (
 from protocol.messages import (
     TYPE_OF,
     VALIDATION_CAPABILITY,
+    WEIGHTS_FILE_CAPABILITY,
     Ack,
     Bye,
     Error,
@@ -60,9 +61,11 @@ from protocol.messages import (
     Identity,
     Limits,
     MsgType,
+    TensorSpec,
     TrajectoryBatch,
     ValidateRequest,
     ValidateResult,
+    WeightsAnnounce,
     WeightsApplied,
     Welcome,
 )
@@ -103,6 +106,7 @@ class _Peer:
     last_sent: float = 0.0
     policy_version: int = 0
     validations: set[str] = field(default_factory=set)  # requests sent and not answered yet
+    refused_file: bool = False  # failed a file hand-over: gets chunks
 
     @property
     def name(self) -> str:
@@ -111,6 +115,18 @@ class _Peer:
     @property
     def validates(self) -> bool:
         return self.hello is not None and VALIDATION_CAPABILITY in self.hello.capabilities
+
+
+@dataclass
+class _Publication:
+    """The latest published weights; chunk frames are planned lazily (``_chunk_frames``)."""
+
+    version: int
+    tensors: list[NamedBuffer]
+    chunk_bytes: int
+    file: str = ""
+    file_frames: Frames | None = None
+    file_transfer_id: str = ""
 
 
 @dataclass
@@ -194,7 +210,9 @@ class LearnerProtocol:
         dedup_window: int = 1_000_000,
         version: ProtocolVersion = PROTOCOL_VERSION,
         hold_batches: bool = False,
+        host: str = "",
     ) -> None:
+        self.host = host  # this machine's key (``common.hostkey``): peers with the same may get files
         self.tokenizer, self.peer_id = tokenizer, peer_id
         self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
         self.limits = limits or codec.CodecLimits()
@@ -207,6 +225,7 @@ class LearnerProtocol:
         self._streams: dict[tuple[str, str], _Stream] = {}
         self._seen = RecentIds(dedup_window)
         self._weights: list[Frames] = []  # frames of the latest published version, for joiners
+        self._publication: _Publication | None = None
         self._out: list[tuple[bytes, Frames]] = []
         self.hold_batches = hold_batches
         self._held: _Held | None = None
@@ -243,11 +262,22 @@ class LearnerProtocol:
         self.buffered = max(0, self.buffered - n)
         self._grant()
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20) -> None:
-        """Send policy ``version`` to every connected peer (and later to joiners that ask)."""
-        announce, chunks = plan_transfer(version, tensors, chunk_bytes=chunk_bytes)
+    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20,
+                        file: str = "") -> None:
+        """Send policy ``version`` to every connected peer (and later to joiners that ask).
+
+        With ``file`` (a safetensors file holding exactly ``tensors``, e.g. memory-mapped from it),
+        peers on this machine that offer "weights_file" get only a manifest naming the file; the
+        chunks (and their checksums) are made only once some other peer needs them."""
         self.policy_version = version
-        self._weights = [codec.encode(announce), *(codec.encode(c) for c in chunks)]
+        self._weights = []
+        self._publication = _Publication(version, tensors, chunk_bytes, file)
+        if file:
+            specs = [TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0) for t in tensors]
+            announce = WeightsAnnounce(version, uuid.uuid4().hex, specs, 0, file=file)
+            self._publication.file_frames, self._publication.file_transfer_id = codec.encode(announce), announce.transfer_id
+        else:
+            self._chunk_frames()
         for p in self.peers.values():
             if p.hello is not None:
                 self._send_weights(p)
@@ -382,6 +412,10 @@ class LearnerProtocol:
             case WeightsApplied():
                 if msg.ok:
                     peer.policy_version = msg.version
+                elif (pub := self._publication) is not None and msg.transfer_id == pub.file_transfer_id:
+                    # The peer could not use the file (another /dev/shm, say): chunks from now on.
+                    peer.refused_file = True
+                    self._send_weights(peer)
                 return [PeerWeightsApplied(peer.name, msg)]
             case Error():
                 return [PeerError(peer.name, msg)]
@@ -432,7 +466,7 @@ class LearnerProtocol:
                           self.limits.max_tokens_per_trajectory),
         )
         self._out.append((identity, codec.encode(welcome)))
-        if self._weights and (msg.policy_version < 0 or msg.policy_version < self.policy_version):
+        if self._publication and (msg.policy_version < 0 or msg.policy_version < self.policy_version):
             self._send_weights(peer)
         return [*replaced, PeerJoined(msg.peer_id, msg)]
 
@@ -489,7 +523,37 @@ class LearnerProtocol:
                 self._out.append((p.identity, codec.encode(Ack([], n))))
 
     def _send_weights(self, peer: _Peer) -> None:
-        self._out.extend((peer.identity, frames) for frames in self._weights)
+        pub = self._publication
+        if pub is None:
+            return
+        if pub.file_frames is not None and self._takes_files(peer):
+            self._out.append((peer.identity, pub.file_frames))
+            return
+        self._out.extend((peer.identity, frames) for frames in self._chunk_frames())
+
+    def file_peers_oldest_version(self) -> int | None:
+        """The lowest weights version applied by a connected peer that takes weight files (None:
+        no such peer): files of older versions will not be read again."""
+        versions = [p.policy_version for p in self.peers.values() if self._takes_files(p)]
+        return min(versions) if versions else None
+
+    @property
+    def chunks_planned(self) -> bool:
+        """Chunks of the current publication were planned (some peer needed them)."""
+        return bool(self._weights)
+
+    def _takes_files(self, peer: _Peer) -> bool:
+        h = peer.hello
+        return (h is not None and not peer.refused_file and bool(self.host) and h.host == self.host
+                and WEIGHTS_FILE_CAPABILITY in h.capabilities)
+
+    def _chunk_frames(self) -> list[Frames]:
+        """The chunked transfer of the current publication, planned on first use."""
+        pub = self._publication
+        if pub is not None and not self._weights:
+            announce, chunks = plan_transfer(pub.version, pub.tensors, chunk_bytes=pub.chunk_bytes)
+            self._weights = [codec.encode(announce), *(codec.encode(c) for c in chunks)]
+        return self._weights
 
     def error_for(self, identity: bytes, code: ErrorCode, message: str) -> None:
         """Queue an ERROR to a peer (used by drivers for transport-level problems)."""

@@ -122,10 +122,24 @@ def from_wire(cls: type, obj: Any, path: str) -> Any:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}: {e}", field=where) from e
 
 
+@functools.cache
+def _omitted_defaults(cls: type) -> dict[str, Any]:
+    """Fields marked ``omit_default`` (appended since 1.2) and the default they are omitted at."""
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if f.metadata.get("omit_default") and f.default is not _MISSING}
+
+
 def to_wire(obj: Any) -> Any:
-    """Dataclass tree -> msgpack-ready map, in field declaration order."""
+    """Dataclass tree -> msgpack-ready map, in field declaration order (fields marked
+    ``omit_default`` left out at their default, so older messages keep their exact bytes)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {name: to_wire(getattr(obj, name)) for name, *_ in _fields(type(obj))}
+        skip = _omitted_defaults(type(obj))
+        wire = {}
+        for name, *_ in _fields(type(obj)):
+            value = getattr(obj, name)
+            if not (name in skip and value == skip[name]):
+                wire[name] = to_wire(value)
+        return wire
     if isinstance(obj, (list, tuple)):
         return [to_wire(v) for v in obj]
     if isinstance(obj, dict):

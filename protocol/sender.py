@@ -40,6 +40,7 @@ from protocol.events import (
 from protocol.messages import (
     TYPE_OF,
     VALIDATION_CAPABILITY,
+    WEIGHTS_FILE_CAPABILITY,
     Ack,
     Bye,
     Error,
@@ -57,7 +58,7 @@ from protocol.messages import (
 )
 from protocol.trajectory import Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
-from protocol.weights import WeightAssembler
+from protocol.weights import ReceivedWeights, WeightAssembler
 
 Frames = list[codec.Frame]
 
@@ -88,7 +89,9 @@ class RolloutConnection:
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 10.0,
         version: ProtocolVersion = PROTOCOL_VERSION,
+        host: str = "",
     ) -> None:
+        self.host = host  # this machine's key, sent in HELLO (file hand-over of weights)
         self.peer_id, self.epoch = peer_id, epoch
         self.model, self.tokenizer = model, tokenizer
         self.capabilities = capabilities or []
@@ -127,7 +130,7 @@ class RolloutConnection:
             protocol_version=list(self.version), peer_id=self.peer_id, role="rollout-server",
             epoch=self.epoch, model=self.model, tokenizer=self.tokenizer,
             policy_version=-1 if request_weights else self.policy_version,
-            capabilities=self.capabilities,
+            capabilities=self.capabilities, host=self.host,
         )
         self._out.append(codec.encode(hello))
         self.state = SenderState.HELLO_SENT
@@ -238,7 +241,7 @@ class RolloutConnection:
                 return []
             case WeightsAnnounce():
                 ev: list[Event] = [WeightsAnnounced(msg.version)]
-                return ev + self._weights(lambda: self.assembler.announce(msg), msg.version, msg.transfer_id)
+                return ev + self._weights(lambda: self._announce(msg), msg.version, msg.transfer_id)
             case WeightsChunk():
                 return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
             case ValidateRequest():
@@ -308,6 +311,12 @@ class RolloutConnection:
             else:
                 events.append(BatchRejected(msg.ref_seq, msg))
         return events
+
+    def _announce(self, msg: WeightsAnnounce) -> ReceivedWeights | None:
+        if msg.file and WEIGHTS_FILE_CAPABILITY not in self.capabilities:
+            raise ProtocolError(ErrorCode.UNEXPECTED, "a weights file announced to a rollout server whose "
+                                f"HELLO did not offer the {WEIGHTS_FILE_CAPABILITY!r} capability", field="file")
+        return self.assembler.announce(msg)
 
     def _weights(self, step, version: int, transfer_id: str) -> list[Event]:
         try:

@@ -5,7 +5,8 @@ fields (with defaults) or message types that are only sent to peers announcing t
 capability, and decoders ignore keys they do not know, so either side may be newer.
 
 History: 1.0 the first version; 1.1 adds VALIDATE_REQUEST / VALIDATE_RESULT (capability
-"validation").
+"validation"); 1.2 adds HELLO ``host`` and WEIGHTS_ANNOUNCE ``file`` (capability "weights_file":
+weights handed over as a local file, not chunks, when learner and rollout server share a machine).
 """
 
 from __future__ import annotations
@@ -24,4 +25,4 @@ class ProtocolVersion(NamedTuple):
         return self.major == other.major
 
 
-PROTOCOL_VERSION = ProtocolVersion(1, 1)
+PROTOCOL_VERSION = ProtocolVersion(1, 2)

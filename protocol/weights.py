@@ -7,6 +7,11 @@ nothing is copied before ZeroMQ; the same frames go to every rollout server. Cal
 those buffers until the transfer is done (publish a snapshot). The receiver writes parts into
 buffers preallocated from the manifest, ignores repeated chunks, and only hands the weights over
 once every chunk has arrived and every checksum matches: a transfer is never half-applied.
+
+File hand-over (1.2, capability "weights_file"): to a rollout server on its own machine the learner
+sends only the manifest, naming a safetensors file (on /dev/shm) that holds exactly those tensors;
+no chunks follow and the assembler returns the file path at once. The receiving application checks
+the file's header against the manifest before loading it.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class ReceivedWeights:
     version: int
     transfer_id: str
     tensors: list[tuple[TensorSpec, bytearray]]
+    file: str = ""  # file hand-over: the tensors (``specs``) lie in this local safetensors file
+    specs: list[TensorSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +133,12 @@ class WeightAssembler:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"weights of {total} bytes exceed {self.max_total_bytes}")
         if self._current is not None:
             self._abandoned.add(self._current.announce.transfer_id)
+            self._current = None
+        if msg.file:
+            if msg.num_chunks != 0:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, "a file announce has no chunks", field="num_chunks")
+            self._finished.add(msg.transfer_id)
+            return ReceivedWeights(msg.version, msg.transfer_id, [], file=msg.file, specs=list(msg.tensors))
         self._current = _Transfer(msg, [bytearray(s.nbytes) for s in msg.tensors], [0] * len(msg.tensors))
         return self._finish_if_complete()
 

@@ -47,7 +47,8 @@ from protocol.events import (
     WeightsFailed,
     WeightsReceived,
 )
-from protocol.messages import VALIDATION_CAPABILITY, ValidateRequest, ValidateResult
+from common.hostkey import host_key
+from protocol.messages import VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ValidateRequest, ValidateResult
 from protocol.weights import ReceivedWeights
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
 from rollout_service.agents.parsers import PARSERS
@@ -231,7 +232,7 @@ class RolloutServer:
         c, server = self.config, self.config.rollout_server
         model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
         conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
-                                 capabilities=[VALIDATION_CAPABILITY],
+                                 capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY], host=host_key(),
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
                                  heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
         curve = None
@@ -381,13 +382,19 @@ class RolloutServer:
 
     async def _apply(self, w: ReceivedWeights) -> None:
         policy = self.config.actor_rollout_ref.rollout.on_weight_update
-        tensors = [(spec.name, np.frombuffer(buf, dtype=spec.dtype).reshape(spec.shape)) for spec, buf in w.tensors]
+        mode = "abort" if policy == "abort" else "keep"
         try:
             if policy == "drain":
                 self._drain_waiting = True
                 while self._running:
                     await self._changed.wait()
-            seconds = await self.engine.load_weights(w.version, tensors, mode="abort" if policy == "abort" else "keep")
+            if w.file:  # the learner's file on this machine (protocol 1.2 file hand-over)
+                if not hasattr(self.engine, "load_weights_file"):
+                    raise RuntimeError(f"{type(self.engine).__name__} cannot load weights from a file")
+                seconds = await self.engine.load_weights_file(w.version, w.file, mode=mode)
+            else:
+                tensors = [(s.name, np.frombuffer(buf, dtype=s.dtype).reshape(s.shape)) for s, buf in w.tensors]
+                seconds = await self.engine.load_weights(w.version, tensors, mode=mode)
         except Exception as e:
             self.log.error("weights not applied; generation continues on the old ones", version=w.version,
                            error=f"{type(e).__name__}: {e}")
@@ -399,7 +406,9 @@ class RolloutServer:
         self._announce(w.version)
         self.stats.set_weight_version(w.version)
         self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
-        self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 3))
+        timings = getattr(self.engine, "last_update_timings", {})
+        self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 4),
+                      via="file" if w.file else "chunks", reload_s=round(timings.get("reload_s", 0.0), 4))
 
     # -- validation --------------------------------------------------------------------------------
     async def _validate(self, req: ValidateRequest) -> None:

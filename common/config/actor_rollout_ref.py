@@ -8,7 +8,7 @@ compare sections (mini-batch size against the data batch size, prompt lengths) l
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -174,9 +174,14 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Fraction of accelerator memory vLLM may use (of RAM on the CPU engine, where 0.9 fails)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Engine weight dtype; float32 is what the CPU engine runs reliably."""
+    """Engine weight dtype; auto: bfloat16 on CUDA, float32 on CPU (what the CPU engine runs reliably)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (faster start, needed on CPU)."""
+    compilation_config: dict[str, Any] | None = None
+    """vLLM's own ``compilation_config`` (its keys, passed through), used when enforce_eager is
+    false. E.g. ``{mode: 0, cudagraph_mode: FULL_DECODE_ONLY}``: CUDA graphs for decode steps without
+    torch.compile, which starts in seconds instead of minutes on a fresh GPU machine; null: vLLM's
+    default (torch.compile + piecewise/full graphs)."""
     tensor_model_parallel_size: int = Field(1, gt=0)
     """GPUs one engine is sharded over."""
     seed: int = 0

@@ -62,6 +62,13 @@ class LearnerConfig(Section):
     buffer_batches: int = Field(16, gt=0)
     """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
     granted and unused): the room that credit-based flow control hands out to rollout servers."""
+    weights_file_dir: str | None = "/dev/shm"
+    """Where new weights are written as safetensors files for rollout servers on this machine,
+    which reload them in place instead of receiving chunks (the fast path; others still get
+    chunks); null: chunks only. The directory must be RAM-backed and hold a few model copies."""
+    weights_file_slots: int = Field(3, ge=2)
+    """Files the learner keeps there at most; one is rewritten in place (no new pages to fault
+    in) once every rollout server using files has applied a newer version."""
 
 
 class CurveConfig(Section):

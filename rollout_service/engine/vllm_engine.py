@@ -15,6 +15,9 @@ Design:
   the scheduler (``keep``: requests stay frozen with their KV; ``abort``: vLLM aborts them),
   ``collective_rpc("reload_weights", weights_path=...)`` in every worker, relabel, resume.
   If the reload fails the last good weights are reloaded and the version stays unchanged.
+- file hand-over (``load_weights_file``): when the learner runs on this machine it writes the new
+  weights as a safetensors file on /dev/shm itself, and the engine reloads straight from it after
+  checking its header: no bytes cross a socket and nothing is staged again (the fast path on GPU).
 - ``abort`` continuation: ``generate`` sees its request finish with "abort" because of the
   update, waits for the new weights and resubmits prompt + tokens so far with the remaining
   ``max_tokens``; the caller gets one ``Generation`` with old then new versions. Prefix caching
@@ -69,6 +72,7 @@ class VllmEngineSettings:
     gpu_memory_utilization: float = 0.3
     dtype: str = "float32"
     enforce_eager: bool = True
+    compilation_config: dict[str, Any] | None = None  # vLLM's keys; used when not enforce_eager
     tensor_model_parallel_size: int = 1
     seed: int = 0
     max_num_seqs: int = 64
@@ -91,6 +95,7 @@ class VllmEngineSettings:
             "gpu_memory_utilization": rollout.gpu_memory_utilization,
             "dtype": rollout.dtype,
             "enforce_eager": rollout.enforce_eager,
+            "compilation_config": rollout.compilation_config,
             "tensor_model_parallel_size": rollout.tensor_model_parallel_size,
             "seed": rollout.seed,
             "max_num_seqs": rollout.max_num_seqs,
@@ -143,7 +148,9 @@ class VllmEngine:
         self._ready = asyncio.Event()  # cleared while weights are being swapped
         self._ready.set()
         self._good_weights: Path | None = None  # staged dir of the current version (rollback)
+        self._good_file_dir: Path | None = None  # or the learner's file of it (file hand-over)
         self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
+        self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -153,7 +160,9 @@ class VllmEngine:
         """Builds the AsyncLLM (engine-core and worker processes); tens of seconds on CPU."""
         import psutil
 
-        _set_cpu_env_defaults()
+        from rollout_service.engine.vllm_compat import set_platform_env, vllm_info
+
+        set_platform_env()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         llm = _build_async_llm(settings)
         # multiprocessing's resource tracker is shared by the whole process and outlives vLLM.
@@ -162,7 +171,7 @@ class VllmEngine:
             for p in psutil.Process().children(recursive=True)
             if p.pid not in before and not _is_resource_tracker(p)
         }
-        version_labels = hasattr(llm, "update_weight_version") and _has_weight_spans()
+        version_labels = vllm_info().weight_version_spans
         engine = cls(
             llm,
             settings,
@@ -302,7 +311,7 @@ class VllmEngine:
         async with self._update_lock:
             if self._closed:
                 raise WeightUpdateError("the engine is shut down")
-            self._check_update(version, tensors)
+            self._check_update(version, [(n, a.shape, a.dtype.name) for n, a in tensors])
             checked = time.perf_counter()
             nbytes = sum(array.nbytes for _, array in tensors)
             staged = await asyncio.to_thread(_stage_safetensors, tensors, self._stage_root(nbytes))
@@ -326,9 +335,48 @@ class VllmEngine:
             "check_s": checked - start,
             "stage_s": staged_at - checked,
             "swap_s": end - staged_at,
+            "reload_s": self._last_reload_s,
             "total_s": end - start,
             "bytes": float(nbytes),
         }
+        return end - start
+
+    async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
+        """Swaps in ``version`` from a safetensors file on this machine (the learner's file
+        hand-over); returns the seconds taken. All or nothing, like ``load_weights``. The file's
+        directory must hold no other weights; it is not copied, so the caller keeps it until the
+        next version is applied (it is also the rollback source while it exists)."""
+        from common.safetensors_buffers import read_header
+
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"mode must be 'abort' or 'keep', not {mode!r}")
+        start = time.perf_counter()
+        async with self._update_lock:
+            if self._closed:
+                raise WeightUpdateError("the engine is shut down")
+            try:
+                header = read_header(path)
+            except (OSError, ValueError, KeyError) as e:
+                raise WeightUpdateError(f"cannot read the weights file {path}: {e}") from e
+            self._check_update(version, [(n, shape, dtype) for n, (dtype, shape) in header.items()])
+            checked = time.perf_counter()
+            folder = Path(path).parent
+            swap = asyncio.ensure_future(self._swap(version, folder, mode))
+            try:
+                await asyncio.shield(swap)  # not interruptible midway: see load_weights
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await swap
+                raise
+            # The file is the rollback source now; a staged copy of an older version is not.
+            if self._good_weights is not None:
+                shutil.rmtree(self._good_weights, ignore_errors=True)
+                self._good_weights = None
+            self._good_file_dir = folder
+        end = time.perf_counter()
+        self.last_update_timings = {"check_s": checked - start, "stage_s": 0.0, "swap_s": end - checked,
+                                    "reload_s": self._last_reload_s, "total_s": end - start,
+                                    "bytes": float(Path(path).stat().st_size)}
         return end - start
 
     def _commit_or_discard(self, staged: Path | None, swap: asyncio.Future[None]) -> None:
@@ -336,16 +384,18 @@ class VllmEngine:
         copy), else deletes it."""
         if swap.done() and not swap.cancelled() and swap.exception() is None:
             staged, self._good_weights = self._good_weights, staged
+            self._good_file_dir = None
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
 
-    def _check_update(self, version: int, tensors: list[tuple[str, np.ndarray]]) -> None:
+    def _check_update(self, version: int, tensors: list[tuple[str, tuple[int, ...], str]]) -> None:
+        """``tensors``: (name, shape, numpy-style dtype name) of every tensor of the update."""
         if version <= self._version:
             raise WeightUpdateError(
                 f"version {version} is not newer than the current {self._version}"
             )
         ckpt = self._checkpoint
-        names = [name for name, _ in tensors]
+        names = [name for name, _, _ in tensors]
         problems = []
         if dupes := sorted({n for n in names if names.count(n) > 1}):
             problems.append(f"duplicate names {dupes[:5]}")
@@ -355,12 +405,12 @@ class VllmEngine:
             )
         if missing := sorted(set(ckpt.shapes) - set(names)):
             problems.append(f"missing names {missing[:5]} ({len(missing)} in all)")
-        for name, array in tensors:
+        for name, shape, dtype in tensors:
             want = ckpt.shapes.get(name)
-            if want is not None and tuple(array.shape) != want:
-                problems.append(f"{name}: shape {tuple(array.shape)}, the model has {want}")
-            if array.dtype.name not in SAFETENSORS_DTYPES:
-                problems.append(f"{name}: dtype {array.dtype} is not a floating type")
+            if want is not None and tuple(shape) != want:
+                problems.append(f"{name}: shape {tuple(shape)}, the model has {want}")
+            if dtype not in SAFETENSORS_DTYPES:
+                problems.append(f"{name}: dtype {dtype} is not a floating type")
         if problems:
             raise WeightUpdateError(
                 f"refused weights for version {version}: " + "; ".join(problems)
@@ -376,7 +426,9 @@ class VllmEngine:
                     req.preempted = True
             await self._llm.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
             try:
+                t_reload = time.perf_counter()
                 await self._reload(staged)
+                self._last_reload_s = time.perf_counter() - t_reload
             except Exception as e:
                 await self._rollback()
                 raise WeightUpdateError(
@@ -394,7 +446,8 @@ class VllmEngine:
 
     async def _rollback(self) -> None:
         """Puts the last good weights back after a failed reload (it may have loaded some)."""
-        good = self._good_weights or Path(self._settings.model)
+        file_dir = self._good_file_dir if self._good_file_dir and self._good_file_dir.exists() else None
+        good = self._good_weights or file_dir or Path(self._settings.model)
         try:
             await self._reload(good)
         except Exception:
@@ -505,30 +558,19 @@ def _is_resource_tracker(proc: Any) -> bool:
         return False
 
 
-def _has_weight_spans() -> bool:
-    from vllm.outputs import CompletionOutput
-
-    return "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
-
-
-def _set_cpu_env_defaults() -> None:
-    """On a CPU-only build, reserve a modest KV cache unless the user chose a size."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
 def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from rollout_service.engine.vllm_compat import resolve_dtype
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
         model=s.model,
         max_model_len=s.max_model_len,
         gpu_memory_utilization=s.gpu_memory_utilization,
-        dtype=s.dtype,
+        dtype=resolve_dtype(s.dtype),
         enforce_eager=s.enforce_eager,
+        **({"compilation_config": dict(s.compilation_config)} if s.compilation_config else {}),
         tensor_parallel_size=s.tensor_model_parallel_size,
         seed=s.seed,
         max_num_seqs=s.max_num_seqs,

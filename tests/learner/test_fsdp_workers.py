@@ -203,3 +203,41 @@ def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) 
 
     losses = anyio.run(run)
     assert losses[-1] < losses[0] * 0.5, losses
+
+
+async def _weights_file_vs_gather(model: Path, folder: Path) -> tuple[dict, dict, list[dict]]:
+    from learner.workers import WorkerGroup
+
+    group = WorkerGroup(settings(model), 2)
+    try:
+        await group.start()
+        await group.all("update_actor", [(p, 1) for p in split_for_ranks(make_samples(6), mini_batches=1, ranks=2, micro_size=3)])
+        names = [n for n, _ in _hf_names(model)]
+        dtypes = {n: "bfloat16" for n in names}  # cast on the way, as for a bf16 serving engine
+        gathered = {n: a for n, _, _, a in (await group.all("full_weights", [(names, dtypes)] * 2))[0]}
+        infos = []
+        for slot_dir in ("v1", "v2"):  # the second write reuses the same slot file in place
+            path = folder / "slot" / "model.safetensors"
+            path.parent.mkdir(exist_ok=True)
+            infos.append((await group.all("write_weights_file", [(names, dtypes, 1, str(path))] * 2))[0])
+            (folder / slot_dir).write_text("")
+        from common.safetensors_buffers import load_file
+
+        written = {t.name: np.frombuffer(t.data, np.uint16).reshape(t.shape) for t in load_file(path)}
+        return gathered, written, infos
+    finally:
+        group.shutdown()
+
+
+def test_weights_file_matches_the_gathered_weights(tiny_model: Path, ray_cluster: Any, tmp_path: Path) -> None:
+    """The file hand-over's writer (two ranks, rank 0 writes) produces a valid safetensors file with
+    exactly the bytes the chunked path sends, also when it rewrites its slot in place."""
+    gathered, written, infos = anyio.run(lambda: _weights_file_vs_gather(tiny_model, tmp_path))
+    assert set(written) == set(gathered)
+    for n, a in gathered.items():
+        np.testing.assert_array_equal(written[n], a.view(np.uint16).reshape(a.shape), err_msg=n)
+    assert all(i["bytes"] == sum(a.nbytes for a in gathered.values()) for i in infos)
+    from safetensors.torch import load_file as st_load  # the reader vLLM and transformers use
+
+    loaded = st_load(str(tmp_path / "slot" / "model.safetensors"))
+    assert {str(t.dtype) for t in loaded.values()} == {"torch.bfloat16"}

@@ -1,0 +1,136 @@
+"""Rank 0 writes the full policy into a safetensors file on /dev/shm: the weights file hand-over.
+
+Design: a file's layout (header and offsets) depends only on tensor names, dtypes and shapes, which
+never change during a run, so the learner keeps a few slot files and rewrites one in place per
+version (``learner.weights_files`` picks it). The file is memory-mapped once per slot: its pages
+are faulted in once and, on CUDA, registered with the driver (cudaHostRegister) once, so each later
+update is one device-to-host copy per tensor straight into the file at pinned-memory speed, with no
+staging buffer and no socket. Tensors are laid out by element size, largest first, so each starts
+aligned for its dtype (the byte views need that; safetensors allows any order but no holes).
+The gather is FSDP2's full state dict kept on the device (every rank takes part; rank 0 writes).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from learner.checkpoint_io import WIRE_TO_TORCH
+
+SAFETENSORS_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+@dataclass
+class _Mapped:
+    path: str
+    inode: int
+    header: bytes
+    mm: mmap.mmap
+    view: torch.Tensor  # uint8 over the whole file
+    registered: bool
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+        del self.view
+        self.mm.close()
+
+
+def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int], int]:
+    header: dict[str, Any] = {}
+    offsets, off = [], 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        offsets.append(off)
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes; data then starts aligned
+    return raw, offsets, off
+
+
+class WeightsFileWriter:
+    """Per worker process: the mapped slot files (only rank 0 maps any)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, _Mapped] = {}
+
+    def write(self, lm: torch.nn.Module, names: Sequence[str], rank: int, dtypes: Mapping[str, str] | None,
+              slot: int, path: str) -> dict[str, Any] | None:
+        """Collective. Rank 0 writes every tensor in ``names`` (cast to ``dtypes[name]``) into
+        ``path`` and returns timings; other ranks return None."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        t0 = time.perf_counter()
+        sd = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        if rank != 0:
+            return None
+        missing = [n for n in names if n not in sd]
+        if missing:
+            raise KeyError(f"the model has no tensors named {missing[:5]} (has e.g. {sorted(sd)[:5]})")
+        tensors = []
+        for n in names:
+            t = sd[n].detach()
+            if dtypes and n in dtypes:
+                t = t.to(WIRE_TO_TORCH[dtypes[n]])
+            tensors.append((n, t.contiguous()))
+        tensors.sort(key=lambda nt: (-nt[1].element_size(), nt[0]))
+        cuda = tensors[0][1].is_cuda
+        if cuda:
+            torch.cuda.synchronize()
+        gathered = time.perf_counter()
+        header, offsets, total = _layout(tensors)
+        m = self._mapping(slot, path, header, total, cuda)
+        base = 8 + len(header)
+        for (_, t), off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            m.view[base + off : base + off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=m.registered)
+        if cuda:
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        del sd, tensors
+        return {"gather_s": gathered - t0, "copy_s": end - gathered, "bytes": total, "pinned": m.registered}
+
+    def _mapping(self, slot: int, path: str, header: bytes, total: int, cuda: bool) -> _Mapped:
+        m = self._slots.get(slot)
+        if m is not None:
+            try:
+                same = os.stat(path).st_ino == m.inode and m.header == header
+            except FileNotFoundError:
+                same = False
+            if same:
+                return m
+            m.close()
+            del self._slots[slot]
+        size = 8 + len(header) + total
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        mm[:8] = len(header).to_bytes(8, "little")
+        mm[8 : 8 + len(header)] = header
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        registered = False
+        if cuda and os.environ.get("AGENTRL_WEIGHTS_PIN", "1") != "0":
+            # Pinning lets the copies run at full speed; a refusal only costs speed.
+            try:
+                registered = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, 0)) == 0
+            except (RuntimeError, TypeError, ValueError):
+                registered = False
+        m = self._slots[slot] = _Mapped(path, inode, header, mm, view, registered)
+        return m
+
+    def close(self) -> None:
+        for m in self._slots.values():
+            m.close()
+        self._slots.clear()

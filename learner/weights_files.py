@@ -1,0 +1,84 @@
+"""Which slot file the next policy version is written to (the weights file hand-over, driver side).
+
+Design: the learner keeps at most ``slots`` safetensors files under one run-private directory on
+/dev/shm (``<dir>/agentrl-weights-<id>/v<version>/model.safetensors``: vLLM reloads a directory).
+Version N reuses the file of an older version, renamed to ``v<N>`` and rewritten in place by rank 0
+(``weights_file_writer``), once that older file is safe to overwrite:
+- every rollout server that takes files has applied a newer version (servers apply versions in
+  order, so none will read it again), and
+- no chunked transfer was planned from it (ZeroMQ may still be sending slices of its pages).
+A file that fails the second rule is retired instead: unlinked, its pages live on while mapped.
+When no slot is free and none can be added, the version goes out as chunks only. Everything is
+removed when the learner stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE_NAME = "model.safetensors"
+
+
+@dataclass
+class _Slot:
+    id: int
+    version: int
+    folder: Path
+    reusable: bool = True
+
+    @property
+    def path(self) -> Path:
+        return self.folder / FILE_NAME
+
+
+class WeightFiles:
+    def __init__(self, parent: str | Path, slots: int) -> None:
+        self.root = Path(parent) / f"agentrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.root.mkdir(parents=True)
+        self.max_slots = slots
+        self._slots: list[_Slot] = []
+        self._current: _Slot | None = None
+        self._ids = 0
+
+    def take(self, version: int, *, oldest_applied: int | None, current_chunked: bool) -> tuple[int, Path] | None:
+        """The slot id and file path to write ``version`` into, or None (publish as chunks).
+        ``oldest_applied``: the lowest version applied by a connected server that takes files
+        (None: no such server); ``current_chunked``: chunks were planned from the current file."""
+        if self._current is not None and current_chunked:
+            self._current.reusable = False
+        done = (lambda s: True) if oldest_applied is None else (lambda s: s.version < oldest_applied)
+        old = [s for s in self._slots if s is not self._current and done(s)]
+        for s in [s for s in old if not s.reusable]:  # retire: nobody reads it any more
+            shutil.rmtree(s.folder, ignore_errors=True)
+            self._slots.remove(s)
+        free = [s for s in old if s.reusable]
+        folder = self.root / f"v{version}"
+        if free:
+            slot = min(free, key=lambda s: s.version)
+            slot.folder.rename(folder)
+        elif len(self._slots) < self.max_slots:
+            self._ids += 1
+            slot = _Slot(self._ids, version, folder)
+            folder.mkdir()
+            self._slots.append(slot)
+        else:
+            return None
+        slot.folder, slot.version, slot.reusable = folder, version, True
+        return slot.id, slot.path
+
+    def published(self, version: int) -> None:
+        """``version``'s file is written and announced: it is the current one now."""
+        self._current = next((s for s in self._slots if s.version == version), None)
+
+    def failed(self, slot_id: int) -> None:
+        """Writing into the slot failed midway: drop it (a half-written file is never announced)."""
+        for s in [s for s in self._slots if s.id == slot_id]:
+            shutil.rmtree(s.folder, ignore_errors=True)
+            self._slots.remove(s)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
