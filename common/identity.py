@@ -154,6 +154,16 @@ def _vocab_size(root: Path) -> int | None:
     return max(ids) + 1 if ids else None
 
 
+def embedding_rows(model_dir: str | Path) -> int:
+    """The model's vocabulary size in ``config.json`` (its embedding rows); 0 if unknown."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    value = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0
+    return int(value) if isinstance(value, int) else 0
+
+
 def wire_identities(model_dir: str | Path) -> tuple[Identity, Identity]:
     """(model, tokenizer) identities of `model_dir` as the protocol's HELLO/handshake carries them."""
     from protocol.messages import Identity as WireIdentity  # lazy: this module stays stdlib-only

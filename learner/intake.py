@@ -46,7 +46,7 @@ from typing import Any
 import anyio
 
 from common.hostkey import host_key
-from common.identity import wire_identities
+from common.identity import embedding_rows, wire_identities
 from common.logging import get_logger
 from learner.buffer import GroupBuffer, GroupKey
 from learner.journal import Journal
@@ -89,9 +89,12 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
     weights as version 0 to rollout servers that ask."""
     t = config.transport
     _, tok = wire_identities(config.actor_rollout_ref.model.path)
+    # Ids the policy can emit: its embedding rows, which often exceed the tokenizer's ids (Qwen2.5:
+    # 151936 rows, 151665 tokens); a sampled padding id is still a valid action with a logprob.
+    vocab = max(tok.vocab_size, embedding_rows(config.actor_rollout_ref.model.path))
     limits = CodecLimits(
         max_message_bytes=t.max_message_bytes, max_trajectories_per_batch=t.max_trajectories_per_batch,
-        max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=tok.vocab_size,
+        max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=vocab,
     )
     curve = None
     if t.curve.enabled:

@@ -125,6 +125,7 @@ def launch_overrides(config: Config, run_dir: Path) -> tuple[list[str], str | No
 def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Config,
              log_format: str | None) -> Plan:
     from common.config import load_config
+    from common.config.launch import rollout_gpus_of
     from common.rundir import resolve_run_dir
     from learner.launch_children import Child, child_env, python_argv
 
@@ -136,15 +137,16 @@ def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Con
     if log_format is not None:
         base += ["--log-format", log_format]
     launch_id = uuid.uuid4().hex
-    env = child_env(launch_id)
     logs = run_dir / "logs"
 
-    def child(name: str, title: str, script: str, *args: str) -> Child:
-        return Child(name, title, python_argv(ROOT / "bin" / script, [*base, *args]), logs / f"{name}.log", env)
+    def child(name: str, title: str, script: str, *args: str, gpus: list[int] | None = None) -> Child:
+        return Child(name, title, python_argv(ROOT / "bin" / script, [*base, *args]), logs / f"{name}.log",
+                     child_env(launch_id, gpus))
 
     n = final.launch.rollout_servers
     rollouts = [child(f"rollout-{i}", f"rollout server rs{i}", "rollout-server", f"rollout_server.shard_index={i}",
-                      f"rollout_server.shard_count={n}", f"rollout_server.server_id=rs{i}") for i in range(n)]
+                      f"rollout_server.shard_count={n}", f"rollout_server.server_id=rs{i}",
+                      gpus=rollout_gpus_of(final.launch, i)) for i in range(n)]
     if final.trainer.total_training_steps:
         total = final.trainer.total_training_steps
     else:  # learner.trainer imports torch: only when the steps must be counted
@@ -152,9 +154,36 @@ def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Con
 
         total = total_steps(final)
     return Plan(config=final, run_dir=run_dir, total_steps=total, launch_id=launch_id,
-                learner=child("learner", "learner", "learner"), rollouts=rollouts,
+                learner=child("learner", "learner", "learner", gpus=final.launch.learner_gpus), rollouts=rollouts,
                 tool_server=child("tool-server", "tool server", "tool-server") if final.launch.tool_server else None,
                 tool_health_url=health_url, overrides=extra)
+
+
+def check_launch(config: Config, config_file: str | None, overrides: Sequence[str]) -> None:
+    """Raise ConfigError for every rule the `launch` section breaks against the other sections
+    (`common.config.launch.launch_issues`), each blamed on the override that set one of its keys,
+    else on the config file, as the loader blames its own issues."""
+    from common.config import ConfigError
+    from common.config.launch import launch_issues
+    from common.config.loader import override_label, parse_override
+
+    issues = launch_issues(config)
+    if not issues:
+        return
+    labels: list[tuple[str, str]] = []
+    for text in overrides:
+        try:
+            labels.append((".".join(parse_override(text)[0]), override_label(text)))
+        except ConfigError:  # the loader already accepted every override
+            continue
+
+    def blame(issue: Any) -> str | None:
+        keys = (issue.key, *issue.related)
+        hits = [label for key, label in labels
+                if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)]
+        return hits[-1] if hits else config_file
+
+    raise ConfigError(issues).with_sources(blame)
 
 
 # ---------------------------------------------------------------- the command
@@ -178,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, args.overrides, check_paths=True)
+        check_launch(config, args.config, args.overrides)
         if args.check:
             sys.stdout.write(dump_config(config))
             return 0

@@ -7,7 +7,9 @@ shutdown stops its children in order: ray.shutdown, the engine's), up to `grace`
 SIGKILL to every group that still has a live member. Every child also carries the launch's id in
 its environment (`LAUNCH_ID_ENV`), inherited by everything it starts, so a final sweep finds a
 process that left the group (a daemon that called setsid) and no process of a run outlives it.
-Output goes to one log file per child, appended, so a restarted child continues its file.
+Output goes to one log file per child, appended, so a restarted child continues its file. Each
+child's environment (`child_env`) also carries its GPUs (``CUDA_VISIBLE_DEVICES`` from
+``launch.learner_gpus`` / ``launch.rollout_gpus``) and NVLink multicast switched off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,10 +84,23 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def child_env(launch_id: str) -> dict[str, str]:
-    env = dict(os.environ)
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""Set in every child unless already set: NVLink multicast (NVLS) off for NCCL, torch's symmetric
+memory and NVSHMEM. The multi-GPU machines the project runs on fail collectives with it on."""
+
+
+def child_env(launch_id: str, gpus: Sequence[int] | None = None,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: `base` (default: ours) plus the launch id, unbuffered output, the
+    multicast switches of `MULTICAST_OFF` (unless `base` sets them) and, when `gpus` is not None,
+    ``CUDA_VISIBLE_DEVICES`` naming exactly those GPUs (an empty list hides every GPU)."""
+    env = dict(os.environ if base is None else base)
     env[LAUNCH_ID_ENV] = launch_id
     env["PYTHONUNBUFFERED"] = "1"  # log files follow the process as it runs
+    for key, value in MULTICAST_OFF.items():
+        env.setdefault(key, value)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     return env
 
 

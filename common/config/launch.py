@@ -1,14 +1,23 @@
 """The `launch` section: how bin/train runs a whole job (learner + rollout servers) on one machine.
 
 Design: only bin/train reads it; the learner and the rollout servers it starts get the same file and
-ignore it, so one config describes the job and every process in it.
+ignore it, so one config describes the job and every process in it. The GPU placement keys become
+each child's ``CUDA_VISIBLE_DEVICES``; the rules that compare them with other sections (a rollout
+server's GPUs against its tensor parallelism, the learner's against its workers) are in
+`launch_issues`, which bin/train runs before anything starts (``--check`` included).
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
 
 from common.config.base import Section
+from common.config.errors import Issue
+
+GpuList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+"""CUDA ordinals of this machine (as nvidia-smi numbers them), at least one."""
 
 
 class LaunchConfig(Section):
@@ -28,3 +37,70 @@ class LaunchConfig(Section):
     auto_port: bool = True
     """Pick free ports for the learner (and the tool server) when they bind a loopback address, so
     two runs on one machine do not collide; other addresses are used as configured."""
+    learner_gpus: list[Annotated[int, Field(ge=0)]] | None = None
+    """GPUs of the learner (CUDA ordinals of this machine), its CUDA_VISIBLE_DEVICES: its local Ray
+    cluster sees only these and places one worker on each. At least trainer.n_gpus_per_node of them
+    unless trainer.device is cpu; [] hides every GPU. null: inherit bin/train's environment (on one
+    GPU the learner and the rollout servers share it)."""
+    rollout_gpus: list[GpuList] | None = None
+    """GPUs of each rollout server, its CUDA_VISIBLE_DEVICES: server i gets rollout_gpus[i % len],
+    a list of exactly actor_rollout_ref.rollout.tensor_model_parallel_size GPUs; servers may share
+    GPUs. null: inherit bin/train's environment (every server on the GPUs it sees, vLLM taking
+    actor_rollout_ref.rollout.gpu_memory_utilization of each)."""
+
+    @field_validator("learner_gpus")
+    @classmethod
+    def _distinct_learner(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"must not name a GPU twice (got {value})")
+        return value
+
+    @field_validator("rollout_gpus")
+    @classmethod
+    def _distinct_rollout(cls, value: list[list[int]] | None) -> list[list[int]] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("must list at least one GPU list (null: inherit)")
+        for i, gpus in enumerate(value):
+            if len(set(gpus)) != len(gpus):
+                raise ValueError(f"entry {i} names a GPU twice (got {gpus})")
+        return value
+
+
+def rollout_gpus_of(launch: LaunchConfig, index: int) -> list[int] | None:
+    """The GPUs of rollout server `index` (None: it inherits the environment)."""
+    if launch.rollout_gpus is None:
+        return None
+    return launch.rollout_gpus[index % len(launch.rollout_gpus)]
+
+
+def launch_issues(config: Any) -> list[Issue]:
+    """Every rule the `launch` section breaks against the other sections of `config` (a root
+    `Config`); bin/train refuses to start on any (exit 2, like any other config error)."""
+    launch, trainer, ray = config.launch, config.trainer, config.ray
+    tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    issues: list[Issue] = []
+    if launch.rollout_gpus is not None:
+        for i, gpus in enumerate(launch.rollout_gpus):
+            if len(gpus) != tp:
+                issues.append(Issue(
+                    f"launch.rollout_gpus.{i}",
+                    f"a rollout server needs exactly actor_rollout_ref.rollout.tensor_model_parallel_size = {tp} "
+                    f"GPUs (got {len(gpus)}: {gpus})",
+                    related=("actor_rollout_ref.rollout.tensor_model_parallel_size",)))
+    gpus = launch.learner_gpus
+    if gpus is not None:
+        if ray.address:
+            issues.append(Issue(
+                "launch.learner_gpus",
+                f"has no effect when the learner joins an existing Ray cluster (ray.address = {ray.address!r}): "
+                "that cluster's nodes decide the GPUs; remove it", related=("ray.address",)))
+        needed = trainer.n_gpus_per_node
+        if (trainer.device == "cuda" or (trainer.device == "auto" and gpus)) and len(gpus) < needed:
+            workers = "trainer.n_gpus_per_node" + (" (per node)" if trainer.nnodes > 1 else "")
+            issues.append(Issue(
+                "launch.learner_gpus",
+                f"needs at least {workers} = {needed} GPUs, one per learner worker (got {len(gpus)}: {gpus})",
+                related=("trainer.n_gpus_per_node", "trainer.device")))
+    return issues

@@ -623,3 +623,26 @@ async def test_serve_alone_consumes_everything_and_writes_its_stats(tiny_model: 
         tg.cancel_scope.cancel()
     stats = json.loads((tmp_path / "intake_stats.json").read_text())
     assert stats["batches"] == 10 and stats["trajectories"] == 30 and stats["buffered_batches"] == 0
+
+
+def test_token_ids_are_checked_against_the_embedding_rows(tiny_model: Path, tmp_path: Path) -> None:
+    """A model with more embedding rows than tokenizer ids (Qwen2.5: 151936 vs 151665; a random model
+    samples the extra ids) may send any id below its rows; ids past them are still refused."""
+    import shutil
+
+    from common.identity import embedding_rows
+    from learner.intake import build_server
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    _, tok = wire_identities(model)
+    assert embedding_rows(model) == cfg["vocab_size"]
+    cfg["vocab_size"] = tok.vocab_size + 100
+    (model / "config.json").write_text(json.dumps(cfg))
+    config = make_config(model)
+    server, channel = build_server(config, publish_initial=False)
+    try:
+        assert server.proto.limits.vocab_size == tok.vocab_size + 100
+    finally:
+        channel._release()

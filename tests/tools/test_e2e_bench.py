@@ -1,0 +1,66 @@
+"""bench/e2e.py's pure parts: reading metrics.jsonl, the per-run summary, the refusal watch, the
+argument checks, and tools/warmup.py's device choice on a machine without CUDA. (The whole bench
+runs bin/train twice: too slow for the suite; run it by hand, see bench/README.md.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import e2e  # noqa: E402
+
+
+def test_read_metrics_and_summary(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"step": s, "timing/step_s": 10.0 if s == 1 else 2.0, "timing/wait_s": 1.0, "reward/mean": 0.1 * s,
+             "episode/turns_mean": 1.5, "weights/applied_s": 0.5 * s} for s in (1, 2, 3)]
+    lines = [json.dumps(r) for r in recs] + [json.dumps({"step": 0, "val/reward/mean": 0.2}), '{"step": 4, "tim']
+    path.write_text("\n".join(lines))
+    got = e2e.read_metrics(path)
+    assert [r["step"] for r in got] == [1, 2, 3]  # the validation record and the half line are skipped
+    s = e2e.summarize(got)
+    assert s["steps_done"] == 3 and s["mean_over_steps"] == [2, 3]
+    assert s["means"]["timing/step_s"] == 2.0 and s["means"]["timing/prepare_s"] is None
+    assert s["weights"] == {"weights/applied_s": 1.25} and s["step1"]["timing/step_s"] == 10.0
+    assert s["reward_curve"] == [0.1, 0.2, 0.3] and s["turns_mean"] == 1.5
+    assert e2e.summarize([]) == {"steps_done": 0}
+    assert e2e.summarize(got[:1])["mean_over_steps"] == [1]  # one step: it is the mean
+    assert "FAILED" in e2e.table([{"max_staleness": 0, "ok": False, "error": "x", **s}])
+
+
+def test_refusal_watch(tmp_path: Path) -> None:
+    log = tmp_path / "learner.log"
+    watch = e2e.RefusalWatch(log)
+    assert not watch.poll()  # no file yet
+    log.write_text("ok\n" + "x [warning] invalid message error='token id outside'\n" * 19 + "invalid mess")
+    assert not watch.poll() and watch.count == 19 and "token id outside" in watch.first
+    with log.open("a") as f:
+        f.write("age again\n")
+    assert watch.poll() and watch.count == 20
+
+
+def test_arguments() -> None:
+    a = e2e.parse_args(["--staleness", "0,2", "--steps", "3", "trainer.seed=1"])
+    assert a.staleness_values == [0, 2] and a.overrides == ["trainer.seed=1"]
+    for bad in (["--staleness", "x"], ["--staleness", "-1"], ["--steps", "0"], ["notanoverride"]):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(bad)
+
+
+def test_warmup_refuses_cuda_without_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    from tools.warmup import warmup
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="cuda"):
+        warmup(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        warmup(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", device="tpu")
