@@ -393,7 +393,8 @@ class RolloutServer:
                     raise RuntimeError(f"{type(self.engine).__name__} cannot load weights from a file")
                 seconds = await self.engine.load_weights_file(w.version, w.file, mode=mode)
             else:
-                tensors = [(s.name, np.frombuffer(buf, dtype=s.dtype).reshape(s.shape)) for s, buf in w.tensors]
+                tensors = [(s.name, np.frombuffer(buf, dtype=_numpy_dtype(s.dtype)).reshape(s.shape))
+                           for s, buf in w.tensors]
                 seconds = await self.engine.load_weights(w.version, tensors, mode=mode)
         except Exception as e:
             self.log.error("weights not applied; generation continues on the old ones", version=w.version,
@@ -437,3 +438,16 @@ class RolloutServer:
                       policy_version=result.policy_version, episodes=result.count, reward_mean=round(reward, 4),
                       seconds=round(result.duration_s, 2), error=result.error or None,
                       sent=sent or "no: the session that asked has ended")
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """A wire dtype as numpy's; bfloat16 and fp8 come from ml_dtypes (installed with jax/vLLM)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        try:
+            import ml_dtypes
+        except ImportError as e:
+            raise RuntimeError(f"weights of dtype {name} need the ml_dtypes package") from e
+        return np.dtype(getattr(ml_dtypes, name))
+

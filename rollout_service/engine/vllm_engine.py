@@ -651,7 +651,8 @@ def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) 
             f.write(len(raw).to_bytes(8, "little"))
             f.write(raw)
             for array in arrays:
-                f.write(memoryview(array.reshape(-1)).cast("B"))
+                # a byte view: memoryview cannot cast ml_dtypes' bfloat16 ("E") to bytes
+                f.write(memoryview(array.reshape(-1).view(np.uint8)))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

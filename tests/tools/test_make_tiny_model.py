@@ -11,17 +11,25 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common import identity
 from common.identity import model_identity, tokenizer_identity
 from tools.make_tiny_model import (
     CALCULATOR_TOOL,
+    PRESETS,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     TinyModelSpec,
+    bfloat16_bits_to_float32,
     make_tiny_model,
+    model_config,
+    preset_spec,
     render_chat,
+    to_bfloat16_bits,
+    train_tokenizer,
+    weight_shapes,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +112,118 @@ def test_cli_refuses_foreign_files_and_bad_shapes(tmp_path: Path) -> None:
     )
     assert out.returncode == 2 and "num_heads" in out.stderr
     assert not (tmp_path / "new").exists()
+
+
+def safetensors_header(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+
+
+def test_qwen2_0_5b_preset_has_qwen2_0_5b_shape() -> None:
+    # Checked without writing the 1-2 GB file: the config and the shapes it implies.
+    spec = preset_spec("qwen2-0.5b", dtype="bfloat16", seed=3)
+    assert (spec.seed, spec.dtype, spec.vocab_size) == (3, "bfloat16", 512)
+    config = model_config(spec, train_tokenizer(spec.vocab_size))
+    assert config["vocab_size"] == 151936 and config["tie_word_embeddings"] is True
+    assert (config["hidden_size"], config["intermediate_size"]) == (896, 4864)
+    assert (config["num_hidden_layers"], config["num_attention_heads"]) == (24, 14)
+    assert (config["num_key_value_heads"], config["max_position_embeddings"]) == (2, 4096)
+    assert config["dtype"] == "bfloat16"
+    params = sum(int(np.prod(shape)) for shape in weight_shapes(config).values())
+    assert params == 494_032_768  # Qwen2-0.5B's count
+    assert "lm_head.weight" not in weight_shapes(config)
+    assert preset_spec("tiny") == TinyModelSpec()
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_spec("qwen2-7b")
+    with pytest.raises(ValueError, match="dtype"):
+        TinyModelSpec(dtype="float16")
+    assert set(PRESETS) >= {"tiny", "small", "qwen2-0.5b"}
+
+
+def test_bfloat16_rounding_matches_torch() -> None:
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate(
+        [
+            rng.normal(0, 0.02, 10_000).astype(np.float32),
+            np.array(
+                [0.0, -0.0, 1.0, 1.00390625, 1.01171875, -2.5, 3.4e38, np.inf, -np.inf, 1e-40],
+                dtype=np.float32,
+            ),
+        ]
+    )
+    ours = to_bfloat16_bits(x)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, want)
+    np.testing.assert_array_equal(
+        bfloat16_bits_to_float32(ours), torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    )
+    assert np.isnan(bfloat16_bits_to_float32(to_bfloat16_bits(np.array([np.nan], np.float32))))
+
+
+def test_cli_preset_and_bfloat16(tiny: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    # Shape flags override the preset's fields; bf16 holds the float32 model's values, rounded.
+    out = tmp_path / "small-bf16"
+    subprocess.run(
+        [
+            sys.executable,
+            str(CLI),
+            "--out",
+            str(out),
+            "--preset",
+            "small",
+            "--layers",
+            "1",
+            "--dtype",
+            "bfloat16",
+        ],
+        check=True,
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["dtype"]) == (
+        512,
+        1,
+        "bfloat16",
+    )
+    meta = json.loads((out / "tiny_model.json").read_text())
+    assert meta["spec"]["dtype"] == "bfloat16" and meta["spec"]["num_layers"] == 1
+    header = safetensors_header(out / "model.safetensors")
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    f32 = make_tiny_model(tmp_path / "small-f32", preset_spec("small", num_layers=1))
+    assert file_hashes(out)["tokenizer.json"] == file_hashes(f32)["tokenizer.json"]
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (
+        f32 / "model.safetensors"
+    ).stat().st_size
+    ref = load_file(str(f32 / "model.safetensors"))
+    lm = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert lm.dtype == torch.bfloat16
+    state = lm.state_dict()
+    for name, array in ref.items():
+        got = state[name].view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(got, to_bfloat16_bits(array), err_msg=name)
+    with torch.no_grad():
+        logits = lm(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()
+    # The default (float32) output is unchanged by the new flags.
+    subprocess.run(
+        [
+            sys.executable,
+            str(CLI),
+            "--out",
+            str(tmp_path / "tiny"),
+            "--preset",
+            "tiny",
+            "--dtype",
+            "float32",
+        ],
+        check=True,
+    )
+    assert file_hashes(tmp_path / "tiny") == file_hashes(tiny)
 
 
 def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
