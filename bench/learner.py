@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-size", type=int, default=4, help="samples per micro-batch")
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per update call")
     p.add_argument("--repeat", type=int, default=5, help="timed update rounds per side (median taken)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass, on both sides (as the GPU bound was measured)")
     p.add_argument("--profile", action="store_true", help="time the phases of one update inside the worker")
     p.add_argument("--receivers", default="1,2,4", help="receiver counts for the publish phase")
     p.add_argument("--publish-mb", type=float, default=0.0,
@@ -133,6 +135,8 @@ def bare_setup(worker: Any) -> dict[str, Any]:
     s = worker.s
     lm = AutoModelForCausalLM.from_pretrained(s.model_path, dtype=torch.float32).to(worker.device)
     lm.config.use_cache = False
+    if s.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
     lm.train()
     opt = torch.optim.AdamW(lm.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     worker.bench_bare = (lm, opt)
@@ -390,7 +394,8 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     tokens = sum(len(s.input_ids) for s in samples) * args.epochs
     padded = args.epochs * sum(len(micro) * max(len(s.input_ids) for s in micro)
                                for rank in plans for plan in rank for micro in plan.micro_batches)
-    settings = WorkerSettings(model_path=str(model), device=args.device, seed=1)
+    settings = WorkerSettings(model_path=str(model), device=args.device, seed=1,
+                              gradient_checkpointing=args.gradient_checkpointing)
     progress(f"starting {args.world} worker(s) on {args.device}")
     t0 = time.perf_counter()
     group = WorkerGroup(settings, args.world)
