@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -404,6 +406,7 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
     result |= {"exit_status": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1),
                "first_step_after_s": round(first_step_at, 1) if first_step_at is not None else None}
     result |= summarize(records)
+    result["weight_updates"] = weight_updates(records, run_dir / "logs")
     result["ok"] = not timed_out and proc.returncode == 0 and result["steps_done"] >= args.steps
     if not result["ok"]:
         why = f"timed out after {args.timeout_s:g} s" if timed_out else f"bin/train exit status {proc.returncode}"
@@ -469,6 +472,40 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+APPLIED = re.compile(r"weights applied.*?reload_s=([0-9.]+).*?version=(\d+)")
+
+
+def weight_updates(records: list[dict[str, Any]], logs: Path) -> dict[str, Any]:
+    """Each weight update end to end against its bound, both from this run. End to end
+    (``weights/applied_s``): from the learner starting to gather version v until every rollout
+    server generates with it. Bound: the bare ``reload_weights`` of that same file inside the
+    rollout server (``reload_s`` in its "weights applied" log line; slowest server) plus the
+    learner's device-to-host copy of the weights at its best speed in the run (``weights/copy_s``
+    of a publish into a slot file whose pages already exist; the first publishes into each new
+    file also pay for faulting its pages in, which the end-to-end time includes)."""
+    reload: dict[int, float] = {}
+    for log in sorted(logs.glob("*.log")):
+        for m in APPLIED.finditer(log.read_text(errors="replace")):
+            v = int(m.group(2))
+            reload[v] = max(reload.get(v, 0.0), float(m.group(1)))
+    copy = {int(r["step"]): float(r["weights/copy_s"]) for r in records if "weights/copy_s" in r}
+    rows = []
+    for r in records:
+        if "weights/applied_s" not in r:
+            continue
+        v = int(r["weights/version"])
+        if v in reload and copy:
+            bound = reload[v] + min(copy.values())
+            rows.append({"version": v, "applied_s": round(float(r["weights/applied_s"]), 4),
+                         "reload_s": reload[v], "d2h_s": round(min(copy.values()), 4), "bound_s": round(bound, 4),
+                         "ratio": round(float(r["weights/applied_s"]) / bound, 3)})
+    if not rows:
+        return {"versions": []}
+    return {"versions": rows, "median_applied_s": statistics.median(x["applied_s"] for x in rows),
+            "median_bound_s": statistics.median(x["bound_s"] for x in rows),
+            "median_ratio": statistics.median(x["ratio"] for x in rows)}
+
+
 def save_logs(dest: Path, run_dir: Path, train_log: Path, max_bytes: int = 2 * 1024 * 1024) -> None:
     """Copy what explains a run (metrics, resolved config, the tail of every log) to `dest`."""
     try:
@@ -513,6 +550,11 @@ def table(runs: list[dict[str, Any]]) -> str:
         lines.append(f"s={r['max_staleness']}: reward {r.get('reward_curve')}  turns {r.get('turns_curve')}  "
                      f"step 1 {fmt((r.get('step1') or {}).get('timing/step_s')).strip()} s, first step after "
                      f"{r.get('first_step_after_s')} s, wall {r.get('wall_s')} s")
+        if (wu := r.get("weight_updates") or {}).get("versions"):
+            lines.append(f"s={r['max_staleness']}: weight update end to end vs bound (reload_weights + D2H, same "
+                         f"run): median {wu['median_applied_s']:.3f} s vs {wu['median_bound_s']:.3f} s, ratio "
+                         f"{wu['median_ratio']:.2f}; per version " + ", ".join(
+                             f"v{x['version']} {x['applied_s']:.3f}/{x['bound_s']:.3f}" for x in wu["versions"]))
         if r.get("weights"):
             lines.append(f"s={r['max_staleness']}: " + "  ".join(
                 f"{k.removeprefix('weights/')} {fmt(v).strip()}" for k, v in r["weights"].items()))

@@ -94,11 +94,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(wrapper: nn.Module, inner: nn.Module, *, device: torch.device, param_offload: bool,
-          bf16: bool) -> nn.Module:
-    """FSDP2 over every decoder layer of ``inner``, then the wrapper as the root unit."""
+          bf16: bool, world_size: int = 2) -> nn.Module:
+    """FSDP2 over every decoder layer of ``inner``, then the wrapper as the root unit.
+
+    On one rank nothing is sharded, so freeing the unsharded (bf16) parameters after forward only
+    costs time: the backward pass (and its gradient-checkpointing recompute) would gather and cast
+    them again. Measured on an H200 (bench/learner.py --profile), that re-unshard was the largest
+    part of the gap to a bare training step; with several ranks the memory saving is the point."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"reshard_after_forward": world_size > 1}
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if param_offload and device.type == "cuda":

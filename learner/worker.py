@@ -111,18 +111,18 @@ class TrainWorker:
         lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
                             gradient_checkpointing=s.gradient_checkpointing).to(self.device)
         self.models["actor"] = shard(PolicyHead(lm, s.temperature), lm, device=self.device,
-                                     param_offload=s.param_offload, bf16=bf16)
+                                     param_offload=s.param_offload, bf16=bf16, world_size=self.world)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
             ref = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
                                  gradient_checkpointing=False).to(self.device).eval()
             ref.requires_grad_(False)
             self.models["ref"] = shard(PolicyHead(ref, s.temperature), ref, device=self.device,
-                                       param_offload=s.param_offload, bf16=bf16)
+                                       param_offload=s.param_offload, bf16=bf16, world_size=self.world)
         if s.critic_model_path:
             vm = load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code).to(self.device)
             self.models["critic"] = shard(ValueHead(vm), vm, device=self.device,
-                                          param_offload=s.param_offload, bf16=bf16)
+                                          param_offload=s.param_offload, bf16=bf16, world_size=self.world)
             self._add_optimizer("critic", s.critic_lr, s.critic_weight_decay)
 
     def _add_optimizer(self, role: str, lr: float, weight_decay: float) -> None:
