@@ -29,6 +29,20 @@ def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def select(sd: Mapping[str, torch.Tensor], names: Sequence[str],
+           dtypes: Mapping[str, str] | None) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every name in ``names``, cast to ``dtypes[name]`` when given (where the
+    tensor lies: a cast on the GPU happens there)."""
+    missing = [n for n in names if n not in sd]
+    if missing:
+        raise KeyError(f"the model has no tensors named {missing[:5]} (has e.g. {sorted(sd)[:5]})")
+    out = []
+    for n in names:
+        t = sd[n].detach()
+        out.append((n, t.to(WIRE_TO_TORCH[dtypes[n]]) if dtypes and n in dtypes else t))
+    return out
+
+
 def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
                  dtypes: Mapping[str, str] | None = None) -> list[tuple[str, str, tuple[int, ...], np.ndarray]] | None:
     """Collective. On rank 0: (name, wire dtype, shape, raw array) for every name in ``names``, cast
@@ -36,14 +50,8 @@ def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
     sd = _full_state_dict(lm)
     if rank != 0:
         return None
-    missing = [n for n in names if n not in sd]
-    if missing:
-        raise KeyError(f"the model has no tensors named {missing[:5]} (has e.g. {sorted(sd)[:5]})")
     out = []
-    for n in names:
-        t = sd[n].detach()
-        if dtypes and n in dtypes:
-            t = t.to(WIRE_TO_TORCH[dtypes[n]])
+    for n, t in select(sd, names, dtypes):
         wire = TORCH_TO_WIRE[t.dtype]
         raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
         out.append((n, wire, tuple(t.shape), raw.numpy()))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from learner.checkpoint_io import WIRE_TO_TORCH
+from learner.checkpoint_io import select
 
 SAFETENSORS_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
@@ -72,15 +72,7 @@ class WeightsFileWriter:
         sd = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         if rank != 0:
             return None
-        missing = [n for n in names if n not in sd]
-        if missing:
-            raise KeyError(f"the model has no tensors named {missing[:5]} (has e.g. {sorted(sd)[:5]})")
-        tensors = []
-        for n in names:
-            t = sd[n].detach()
-            if dtypes and n in dtypes:
-                t = t.to(WIRE_TO_TORCH[dtypes[n]])
-            tensors.append((n, t.contiguous()))
+        tensors = [(n, t.contiguous()) for n, t in select(sd, names, dtypes)]
         tensors.sort(key=lambda nt: (-nt[1].element_size(), nt[0]))
         cuda = tensors[0][1].is_cuda
         if cuda:

@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -305,31 +305,17 @@ class VllmEngine:
     ) -> float:
         """Swaps in new weights as ``version``; returns the seconds taken. All or nothing: on any
         error the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why."""
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"mode must be 'abort' or 'keep', not {mode!r}")
         start = time.perf_counter()
-        async with self._update_lock:
-            if self._closed:
-                raise WeightUpdateError("the engine is shut down")
+        async with self._updating(mode):
             self._check_update(version, [(n, a.shape, a.dtype.name) for n, a in tensors])
             checked = time.perf_counter()
             nbytes = sum(array.nbytes for _, array in tensors)
             staged = await asyncio.to_thread(_stage_safetensors, tensors, self._stage_root(nbytes))
             staged_at = time.perf_counter()
-            # The swap is not interruptible: a cancelled caller waits for it to finish, so the
-            # workers never keep half-loaded weights and generation is always resumed.
-            swap = asyncio.ensure_future(self._swap(version, staged, mode))
             try:
-                await asyncio.shield(swap)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await swap
-                self._commit_or_discard(staged, swap)
-                raise
-            except BaseException:
-                shutil.rmtree(staged, ignore_errors=True)
-                raise
-            self._commit_or_discard(staged, swap)
+                await self._swap_to_end(version, staged, mode)
+            finally:
+                self._adopt(version, staged=staged)
         end = time.perf_counter()
         self.last_update_timings = {
             "check_s": checked - start,
@@ -348,45 +334,59 @@ class VllmEngine:
         next version is applied (it is also the rollback source while it exists)."""
         from common.safetensors_buffers import read_header
 
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"mode must be 'abort' or 'keep', not {mode!r}")
         start = time.perf_counter()
-        async with self._update_lock:
-            if self._closed:
-                raise WeightUpdateError("the engine is shut down")
+        async with self._updating(mode):
             try:
                 header = read_header(path)
+                nbytes = Path(path).stat().st_size
             except (OSError, ValueError, KeyError) as e:
                 raise WeightUpdateError(f"cannot read the weights file {path}: {e}") from e
             self._check_update(version, [(n, shape, dtype) for n, (dtype, shape) in header.items()])
             checked = time.perf_counter()
             folder = Path(path).parent
-            swap = asyncio.ensure_future(self._swap(version, folder, mode))
             try:
-                await asyncio.shield(swap)  # not interruptible midway: see load_weights
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await swap
-                raise
-            # The file is the rollback source now; a staged copy of an older version is not.
-            if self._good_weights is not None:
-                shutil.rmtree(self._good_weights, ignore_errors=True)
-                self._good_weights = None
-            self._good_file_dir = folder
+                await self._swap_to_end(version, folder, mode)
+            finally:
+                self._adopt(version, file_dir=folder)
         end = time.perf_counter()
         self.last_update_timings = {"check_s": checked - start, "stage_s": 0.0, "swap_s": end - checked,
                                     "reload_s": self._last_reload_s, "total_s": end - start,
-                                    "bytes": float(Path(path).stat().st_size)}
+                                    "bytes": float(nbytes)}
         return end - start
 
-    def _commit_or_discard(self, staged: Path | None, swap: asyncio.Future[None]) -> None:
-        """Keeps the staged dir as the rollback copy if the swap succeeded (dropping the previous
-        copy), else deletes it."""
-        if swap.done() and not swap.cancelled() and swap.exception() is None:
-            staged, self._good_weights = self._good_weights, staged
-            self._good_file_dir = None
-        if staged is not None:
-            shutil.rmtree(staged, ignore_errors=True)
+    @contextlib.asynccontextmanager
+    async def _updating(self, mode: UpdateMode) -> AsyncIterator[None]:
+        """One weight update at a time, on a running engine."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"mode must be 'abort' or 'keep', not {mode!r}")
+        async with self._update_lock:
+            if self._closed:
+                raise WeightUpdateError("the engine is shut down")
+            yield
+
+    async def _swap_to_end(self, version: int, folder: Path, mode: UpdateMode) -> None:
+        """The swap is not interruptible: a cancelled caller waits for it to finish, so the
+        workers never keep half-loaded weights and generation is always resumed; then the
+        cancellation goes on."""
+        swap = asyncio.ensure_future(self._swap(version, folder, mode))
+        try:
+            await asyncio.shield(swap)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await swap
+            raise
+
+    def _adopt(self, version: int, *, staged: Path | None = None, file_dir: Path | None = None) -> None:
+        """After a swap to ``version``: if it took, its weights (our ``staged`` copy, or the
+        learner's ``file_dir``) become the rollback source and the previous copy is deleted; if
+        not, our staged copy is."""
+        if self._version != version:
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+            return
+        if self._good_weights is not None:
+            shutil.rmtree(self._good_weights, ignore_errors=True)
+        self._good_weights, self._good_file_dir = staged, file_dir
 
     def _check_update(self, version: int, tensors: list[tuple[str, tuple[int, ...], str]]) -> None:
         """``tensors``: (name, shape, numpy-style dtype name) of every tensor of the update."""
