@@ -143,8 +143,7 @@ class Trainer:
         started = time.monotonic()
         take = None
         if self.weight_files is not None:
-            take = self.weight_files.take(self.version, oldest_applied=self.intake.file_peers_oldest_version(),
-                                          current_chunked=self.intake.chunks_planned)
+            take = self.weight_files.take(self.version, oldest_applied=self.intake.file_peers_oldest_version())
         if take is not None:
             slot, path = take
             try:
@@ -153,8 +152,9 @@ class Trainer:
             except BaseException:
                 self.weight_files.failed(slot)
                 raise
+            chunked = self.intake.chunks_planned  # of the version this one replaces
             self.intake.publish_weights(self.version, load_file(path), file=str(path), started=started)
-            self.weight_files.published(self.version)
+            self.weight_files.published(self.version, replaced_chunked=chunked)
             info = parts[0]
             return {"weights/gather_s": info["gather_s"], "weights/copy_s": info["copy_s"],
                     "weights/pinned": float(info["pinned"]), "weights/via_file": 1.0,
@@ -162,7 +162,10 @@ class Trainer:
         parts = await self.workers.all("full_weights", [(self.weight_names, self.weight_dtypes)] * self.world)
         tensors = [NamedBuffer(n, d, shape, memoryview(np.ascontiguousarray(a)).cast("B"))
                    for n, d, shape, a in parts[0]]
+        chunked = self.intake.chunks_planned
         self.intake.publish_weights(self.version, tensors, started=started)
+        if self.weight_files is not None:
+            self.weight_files.published(self.version, replaced_chunked=chunked)
         return {"weights/via_file": 0.0, "weights/publish_s": time.perf_counter() - t0}
 
     def _weight_files(self, model_bytes: int) -> Any:

@@ -44,12 +44,10 @@ class WeightFiles:
         self._current: _Slot | None = None
         self._ids = 0
 
-    def take(self, version: int, *, oldest_applied: int | None, current_chunked: bool) -> tuple[int, Path] | None:
+    def take(self, version: int, *, oldest_applied: int | None) -> tuple[int, Path] | None:
         """The slot id and file path to write ``version`` into, or None (publish as chunks).
         ``oldest_applied``: the lowest version applied by a connected server that takes files
-        (None: no such server); ``current_chunked``: chunks were planned from the current file."""
-        if self._current is not None and current_chunked:
-            self._current.reusable = False
+        (None: no such server)."""
         done = (lambda s: True) if oldest_applied is None else (lambda s: s.version < oldest_applied)
         old = [s for s in self._slots if s is not self._current and done(s)]
         for s in [s for s in old if not s.reusable]:  # retire: nobody reads it any more
@@ -70,8 +68,12 @@ class WeightFiles:
         slot.folder, slot.version, slot.reusable = folder, version, True
         return slot.id, slot.path
 
-    def published(self, version: int) -> None:
-        """``version``'s file is written and announced: it is the current one now."""
+    def published(self, version: int, *, replaced_chunked: bool) -> None:
+        """``version`` is announced (from its file, or as chunks only): it is the current one now.
+        ``replaced_chunked``: chunks were cut from the file it replaces (read just before the
+        publish, with no await in between, so no later planning can be missed)."""
+        if self._current is not None and replaced_chunked:
+            self._current.reusable = False
         self._current = next((s for s in self._slots if s.version == version), None)
 
     def failed(self, slot_id: int) -> None:

@@ -8,21 +8,22 @@ from pathlib import Path
 from learner.weights_files import WeightFiles
 
 
-def _publish(files: WeightFiles, version: int, **kw) -> tuple[int, Path] | None:
+def _publish(files: WeightFiles, version: int, *, current_chunked: bool = False,
+             **kw) -> tuple[int, Path] | None:
     got = files.take(version, **kw)
     if got is not None:
         got[1].write_bytes(f"v{version}".encode())
-        files.published(version)
+    files.published(version, replaced_chunked=current_chunked)
     return got
 
 
 def test_slots_are_reused_in_place_once_every_server_moved_on(tmp_path: Path) -> None:
     files = WeightFiles(tmp_path, slots=2)
-    s1, p1 = _publish(files, 1, oldest_applied=0, current_chunked=False)
-    s2, p2 = _publish(files, 2, oldest_applied=0, current_chunked=False)
+    s1, p1 = _publish(files, 1, oldest_applied=0)
+    s2, p2 = _publish(files, 2, oldest_applied=0)
     assert s1 != s2 and p1.parent.name == "v1" and p2.parent.name == "v2"
-    assert files.take(3, oldest_applied=1, current_chunked=False) is None  # v1 may still be read
-    s3, p3 = _publish(files, 3, oldest_applied=2, current_chunked=False)
+    assert files.take(3, oldest_applied=1) is None  # v1 may still be read
+    s3, p3 = _publish(files, 3, oldest_applied=2)
     assert s3 == s1 and p3.parent.name == "v3" and not p1.exists()
     assert p3.read_bytes() == b"v3"
     files.close()
@@ -31,23 +32,34 @@ def test_slots_are_reused_in_place_once_every_server_moved_on(tmp_path: Path) ->
 
 def test_a_file_chunks_were_cut_from_is_retired_not_rewritten(tmp_path: Path) -> None:
     files = WeightFiles(tmp_path, slots=2)
-    s1, p1 = _publish(files, 1, oldest_applied=None, current_chunked=False)
+    s1, p1 = _publish(files, 1, oldest_applied=None)
     s2, _ = _publish(files, 2, oldest_applied=None, current_chunked=True)  # chunks came from v1
-    s3, p3 = _publish(files, 3, oldest_applied=None, current_chunked=False)
+    s3, p3 = _publish(files, 3, oldest_applied=None)
     assert s1 not in (s2, s3) and not p1.parent.exists()  # retired, a new slot took its place
     assert len(list(files.root.iterdir())) == 2
 
 
 def test_the_current_file_is_never_taken(tmp_path: Path) -> None:
     files = WeightFiles(tmp_path, slots=2)
-    _publish(files, 1, oldest_applied=None, current_chunked=False)
-    _, p2 = _publish(files, 2, oldest_applied=None, current_chunked=False)
-    _, p3 = _publish(files, 3, oldest_applied=None, current_chunked=False)
+    _publish(files, 1, oldest_applied=None)
+    _, p2 = _publish(files, 2, oldest_applied=None)
+    _, p3 = _publish(files, 3, oldest_applied=None)
     assert p3.parent.name == "v3" and p2.read_bytes() == b"v2"  # v1's slot was reused, not v2's
 
 
 def test_a_failed_write_drops_its_slot(tmp_path: Path) -> None:
     files = WeightFiles(tmp_path, slots=2)
-    slot, path = files.take(1, oldest_applied=None, current_chunked=False)
+    slot, path = files.take(1, oldest_applied=None)
     files.failed(slot)
-    assert not path.parent.exists() and files.take(1, oldest_applied=None, current_chunked=False) is not None
+    assert not path.parent.exists() and files.take(1, oldest_applied=None) is not None
+
+
+def test_a_version_sent_as_chunks_only_leaves_no_current_file(tmp_path: Path) -> None:
+    files = WeightFiles(tmp_path, slots=2)
+    _, p1 = _publish(files, 1, oldest_applied=0)
+    _, p2 = _publish(files, 2, oldest_applied=0)
+    assert files.take(3, oldest_applied=0) is None  # both files may still be read: chunks only
+    files.published(3, replaced_chunked=True)  # chunks had been cut from v2's file
+    _, p4 = _publish(files, 4, oldest_applied=3)
+    assert p4.parent.name == "v4" and not p1.exists() and not p2.parent.exists()  # v1 reused, v2 retired
+    assert [d.name for d in files.root.iterdir()] == ["v4"]
