@@ -20,6 +20,22 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
+CODES = {name: code for code, name in DTYPES.items()}
+
+
+def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The 8-byte length and padded JSON header of a safetensors file holding ``tensors`` (name,
+    dtype as in NamedBuffer, shape, byte size) laid end to end in that order; the raw bytes follow
+    it. Raises KeyError for a dtype the format lacks."""
+    header, offset = {}, 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header so that the data starts aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype as in NamedBuffer, shape) from a safetensors header; no tensor data is read."""
     with open(path, "rb") as f:

@@ -12,7 +12,7 @@ The gather is FSDP2's full state dict kept on the device (every rank takes part;
 
 from __future__ import annotations
 
-import json
+import itertools
 import mmap
 import os
 import time
@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from learner.checkpoint_io import select
-
-SAFETENSORS_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+from common.safetensors_buffers import header_bytes
+from learner.checkpoint_io import TORCH_TO_WIRE, select
 
 
 @dataclass
@@ -44,16 +43,12 @@ class _Mapped:
 
 
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int], int]:
-    header: dict[str, Any] = {}
-    offsets, off = [], 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
-        offsets.append(off)
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes; data then starts aligned
-    return raw, offsets, off
+    """The file's header (length prefix included), each tensor's data offset, and the data size."""
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    head = header_bytes([(n, TORCH_TO_WIRE[t.dtype], tuple(t.shape), size)
+                         for (n, t), size in zip(tensors, sizes, strict=True)])
+    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+    return head, offsets, sum(sizes)
 
 
 class WeightsFileWriter:
@@ -80,7 +75,7 @@ class WeightsFileWriter:
         gathered = time.perf_counter()
         header, offsets, total = _layout(tensors)
         m = self._mapping(slot, path, header, total, cuda)
-        base = 8 + len(header)
+        base = len(header)
         for (_, t), off in zip(tensors, offsets, strict=True):
             n = t.numel() * t.element_size()
             m.view[base + off : base + off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=m.registered)
@@ -101,7 +96,7 @@ class WeightsFileWriter:
                 return m
             m.close()
             del self._slots[slot]
-        size = 8 + len(header) + total
+        size = len(header) + total
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, size)
@@ -109,8 +104,7 @@ class WeightsFileWriter:
             inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
-        mm[:8] = len(header).to_bytes(8, "little")
-        mm[8 : 8 + len(header)] = header
+        mm[: len(header)] = header
         view = torch.frombuffer(mm, dtype=torch.uint8)
         registered = False
         if cuda and os.environ.get("AGENTRL_WEIGHTS_PIN", "1") != "0":

@@ -36,6 +36,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from common.hostkey import host_key
 from common.identity import wire_identities
 from common.logging import get_logger
 from common.ratelimit import GlobalRateLimiter, set_shared
@@ -47,8 +48,12 @@ from protocol.events import (
     WeightsFailed,
     WeightsReceived,
 )
-from common.hostkey import host_key
-from protocol.messages import VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ValidateRequest, ValidateResult
+from protocol.messages import (
+    VALIDATION_CAPABILITY,
+    WEIGHTS_FILE_CAPABILITY,
+    ValidateRequest,
+    ValidateResult,
+)
 from protocol.weights import ReceivedWeights
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
 from rollout_service.agents.parsers import PARSERS

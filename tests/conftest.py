@@ -7,14 +7,25 @@ a module that needs one backend (ZeroMQ tests use ``zmq.asyncio``) overrides the
 false (CI, this CPU machine). The check goes through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``), so
 the pytest process never initialises CUDA itself and vLLM can still fork its engine core; it runs
 only when gpu tests were collected.
+
+``tiny_model``: the tiny Qwen2 model and tokenizer (``tools.make_tiny_model``), made once per
+session in a temporary directory; tests that change it work on a copy.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -117,10 +117,9 @@ class _Request:
 
 @dataclass
 class _Checkpoint:
-    """Names, shapes and dtypes an update must match (from the model dir's safetensors headers)."""
+    """Names and shapes an update must match (from the model dir's safetensors headers)."""
 
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    dtypes: dict[str, str] = field(default_factory=dict)
     optional: frozenset[str] = frozenset()  # accepted but not required (tied lm_head)
 
 
@@ -560,9 +559,9 @@ def _is_resource_tracker(proc: Any) -> bool:
 
 def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     from rollout_service.engine.vllm_compat import resolve_dtype
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
         model=s.model,
@@ -583,22 +582,17 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
 
 
 def _read_checkpoint(model_dir: Path) -> _Checkpoint:
-    """Names/shapes/dtypes from the safetensors headers (no tensor data is read)."""
+    """Names and shapes from the safetensors headers (no tensor data is read)."""
     import json
-    import struct
+
+    from common.safetensors_buffers import read_header
 
     ckpt = _Checkpoint()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}: cannot check weight updates")
     for path in files:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                ckpt.shapes[name] = tuple(info["shape"])
-                ckpt.dtypes[name] = info["dtype"]
+        ckpt.shapes.update((name, shape) for name, (_, shape) in read_header(path).items())
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" not in ckpt.shapes:
         ckpt.optional = frozenset({"lm_head.weight"})
@@ -622,34 +616,18 @@ def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) 
     Written by hand (8-byte header length, JSON header, raw bytes) straight from the arrays'
     buffers: safetensors.numpy.save_file first copies every tensor with tobytes(), one more full
     copy of the model in RAM at the moment memory is tightest (same speed otherwise)."""
-    import json
-
     import numpy as np
 
-    header: dict[str, Any] = {}
-    offset = 0
-    arrays = []
-    for name, array in tensors:
-        code = SAFETENSORS_DTYPES.get(array.dtype.name)
-        if code is None:
-            raise WeightUpdateError(
-                f"{name}: dtype {array.dtype} cannot be staged (known: {sorted(SAFETENSORS_DTYPES)})"
-            )
-        array = np.ascontiguousarray(array)
-        header[name] = {
-            "dtype": code,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-        arrays.append(array)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+    from common.safetensors_buffers import header_bytes
+
+    if bad := [f"{n}: {a.dtype}" for n, a in tensors if a.dtype.name not in SAFETENSORS_DTYPES]:
+        raise WeightUpdateError(f"cannot stage {bad[:3]} (known dtypes: {sorted(SAFETENSORS_DTYPES)})")
+    arrays = [np.ascontiguousarray(a) for _, a in tensors]
+    head = header_bytes([(n, a.dtype.name, a.shape, a.nbytes) for (n, _), a in zip(tensors, arrays, strict=True)])
     out = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=root))
     try:
         with (out / "model.safetensors").open("wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
+            f.write(head)
             for array in arrays:
                 # a byte view: memoryview cannot cast ml_dtypes' bfloat16 ("E") to bytes
                 f.write(memoryview(array.reshape(-1).view(np.uint8)))

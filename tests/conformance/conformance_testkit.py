@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import socket
 import subprocess
 import sys
 import uuid
@@ -23,6 +22,7 @@ import anyio
 import numpy as np
 from anyio.from_thread import start_blocking_portal
 
+from learner.launch import free_port as launch_free_port
 from protocol import codec
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
@@ -205,9 +205,7 @@ class RolloutInThread:
 
 # -- processes -------------------------------------------------------------------------------------
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launch_free_port("127.0.0.1")  # the one bin/train uses
 
 
 @contextmanager

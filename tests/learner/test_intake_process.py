@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from learner.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_learner_intake_passes_conformance(tmp_path: Path) -> None:
     model = tmp_path / "tiny"
     subprocess.run([sys.executable, str(ROOT / "bin/make-tiny-model"), "--out", str(model)], check=True)
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     log = tmp_path / "learner.log"
     with open(log, "w") as out:
         learner = subprocess.Popen(

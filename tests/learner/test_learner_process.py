@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,23 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
+from learner.launch import free_port
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 FEEDER = Path(__file__).with_name("feeder.py")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(tmp: Path, model: Path, port: int, **trainer: Any) -> Path:
@@ -96,7 +84,7 @@ def trained_by_step(run: Path) -> dict[int, list[str]]:
 
 
 def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port("127.0.0.1")
     cfg = write_config(tmp_path, tiny_model, port, save_freq=2)
     run = tmp_path / "run"
     feed_log, learner_log = tmp_path / "feeder.log", tmp_path / "learner.log"
@@ -130,7 +118,7 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
 
 
 def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(tiny_model: Path, tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port("127.0.0.1")
     cfg = write_config(tmp_path, tiny_model, port, save_freq=1, total_training_steps=6)
     run = tmp_path / "run"
     logs = [tmp_path / "learner1.log", tmp_path / "learner2.log", tmp_path / "feeder.log"]

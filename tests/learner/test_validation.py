@@ -32,13 +32,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def result(request_id: str, rewards: list[float], source: str = "math", **kw: Any) -> ValidateResult:
     outcomes = [EpisodeOutcome(source, r, 10, 1, "answered", {"acc": r > 0}) for r in rewards]
     return ValidateResult(request_id, 2, sources=summarize(outcomes), **kw)

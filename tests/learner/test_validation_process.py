@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,12 @@ from typing import Any
 
 import pytest
 
+from learner.launch import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 VAL_ROWS, VAL_N = 6, 2
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def overrides(tmp: Path, model: Path, data: Path, port: int) -> list[str]:
@@ -80,7 +68,7 @@ def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Pat
     from tools.make_tiny_data import make_tiny_data
 
     data = make_tiny_data(tmp_path / "data", train=32, val=VAL_ROWS)
-    over = overrides(tmp_path, tiny_model, data, free_port())
+    over = overrides(tmp_path, tiny_model, data, free_port("127.0.0.1"))
     config = str(ROOT / "configs" / "default.yaml")
     learner_log, server_log = tmp_path / "learner.log", tmp_path / "server.log"
     learner = start([sys.executable, "bin/learner", "--config", config, *over], learner_log)

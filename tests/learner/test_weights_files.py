@@ -34,7 +34,7 @@ def test_a_file_chunks_were_cut_from_is_retired_not_rewritten(tmp_path: Path) ->
     files = WeightFiles(tmp_path, slots=2)
     s1, p1 = _publish(files, 1, oldest_applied=None)
     s2, _ = _publish(files, 2, oldest_applied=None, current_chunked=True)  # chunks came from v1
-    s3, p3 = _publish(files, 3, oldest_applied=None)
+    s3, _ = _publish(files, 3, oldest_applied=None)
     assert s1 not in (s2, s3) and not p1.parent.exists()  # retired, a new slot took its place
     assert len(list(files.root.iterdir())) == 2
 

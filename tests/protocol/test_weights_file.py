@@ -8,7 +8,12 @@ from protocol_testkit import Net, learner, on_wire, rollout, tensors
 
 from protocol import codec
 from protocol.events import PeerWeightsApplied, WeightsFailed, WeightsReceived
-from protocol.messages import VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, MsgType, WeightsAnnounce
+from protocol.messages import (
+    VALIDATION_CAPABILITY,
+    WEIGHTS_FILE_CAPABILITY,
+    MsgType,
+    WeightsAnnounce,
+)
 from protocol.sender import SenderState
 
 FILE = "/dev/shm/agentrl-weights-x/v3/model.safetensors"

@@ -1,5 +1,5 @@
-"""Fixtures of the rollout-service tests: the tiny model, its tokenizer and chat renderer (made once
-per session). Also makes ``scripted`` (scripted engine and tools for unit tests) importable under
+"""Fixtures of the rollout-service tests: the tiny model's tokenizer and chat renderer (made once
+per session; the model itself comes from tests/conftest.py). Also makes ``scripted`` (scripted engine and tools for unit tests) importable under
 any pytest import mode."""
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ import pytest
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="session")

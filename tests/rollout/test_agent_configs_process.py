@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from learner.launch import free_port
 from rollout_service.recording import read_recording
 from tools.make_tiny_data import make_tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -48,7 +42,7 @@ def stop(proc: subprocess.Popen, log: Path) -> None:
 @pytest.mark.parametrize("name", ["tiny_statelm", "tiny_code", "tiny_mixed"])
 def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, name: str) -> None:
     data = make_tiny_data(tmp_path / "data", train=32, val=4, agents=True)
-    port = free_port()
+    port = free_port("127.0.0.1")
     common = [f"--config={REPO / 'configs' / f'{name}.yaml'}", f"actor_rollout_ref.model.path={tiny_model}",
               f"trainer.run_dir={tmp_path / 'run'}", f"learner.bind_address=tcp://127.0.0.1:{port}",
               f"rollout_server.learner_address=tcp://127.0.0.1:{port}", "trainer.logger=[jsonl]",
@@ -61,7 +55,7 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
         common.append("data.val_files=[]")
     tool_server = None
     if name == "tiny_mixed":
-        tool_port = free_port()
+        tool_port = free_port("127.0.0.1")
         common += [f"tools.search.corpus={data / 'qa' / 'corpus.jsonl'}", f"tool_server.port={tool_port}",
                    f"tools.remote.url=http://127.0.0.1:{tool_port}"]
         tool_server = start(["bin/tool-server", *common], tmp_path / "tool.log")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ import psutil
 import pytest
 from anyio.from_thread import start_blocking_portal
 
+from learner.launch import free_port
 from protocol.reference import ReferenceLearner
 from tools.make_tiny_data import make_tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -94,7 +88,7 @@ def test_server_streams_valid_episodes_and_stops_cleanly(tmp_path: Path, tiny_mo
 
 
 def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: Path) -> None:
-    target = f"tcp://127.0.0.1:{free_port()}"
+    target = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     with rollout_server(tmp_path, tiny_model, target) as proc:
         cli = subprocess.Popen([sys.executable, str(REPO / "bin" / "conformance"), "--role", "rollout-server",
                                 "--target", target, "--json", "--timeout", "5", "--wait", "240",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import httpx
 import psutil
 import pytest
 
+from learner.launch import free_port
 from rollout_service.tool_server import make_app
 from rollout_service.tools import ToolContext, ToolResult
 from rollout_service.tools.base import function_schema
@@ -229,15 +229,9 @@ def wait_for_children(pid: int) -> list[psutil.Process]:
     return children
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.anyio
 async def test_unreachable_server_fails_after_retries_with_backoff() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     async with client_for(url, retries=2, backoff_s=0.1) as client:
         start = time.monotonic()
         tool = RemoteTool("python", function_schema("python", "run code", {}, []), client)

@@ -55,13 +55,6 @@ TRAJECTORIES = [*(k for k in SCRIPTS if not k.startswith("e0-i3")), "e0-i3-0-0",
                 "e0-i3-1-0", "e0-i3-1-1"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def write_batch(directory: Path, n: int, trajectories: list[Any]) -> Path:
     from protocol.sender import encode_batch
     from rollout_service.recording import batch_path, write_batch_file

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
+from learner.launch import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS, N, STEPS, BATCH = 6, 2, 3, 2  # the recording holds exactly STEPS * BATCH groups of N
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -117,7 +112,7 @@ def learner_config(tmp: Path, model: Path, data: Path, port: int) -> Path:
 def test_a_learner_fed_by_replay_stream_trains_on_exactly_the_recording(
         recording: tuple[Path, Path, Path], tmp_path: Path) -> None:
     run, warm, data = recording
-    port = free_port()
+    port = free_port("127.0.0.1")
     logs = [tmp_path / "learner.log", tmp_path / "stream.log"]
     learner = start([sys.executable, "bin/learner", "--config", str(learner_config(tmp_path, warm, data, port))],
                     logs[0])
