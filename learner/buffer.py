@@ -2,7 +2,8 @@
 
 A group is the trajectories of one ``group_uid`` in one received batch (a journal record): GRPO's
 samples of a prompt, plus the StateLM snapshots of its episodes, so groups vary in size. Groups are
-kept in arrival order under the key ``(record_id, group_uid)`` and taken oldest first.
+kept in arrival order under the key ``(record_id, group_uid)`` and taken earliest deadline first:
+the oldest ``oldest_version`` first (it is the first to grow too stale), arrival order among equals.
 
 Staleness of a group = the learner's policy version minus the *oldest* policy version that produced
 any of the group's trained tokens (``response_mask == 1``); a trajectory without such tokens counts
@@ -56,6 +57,16 @@ class Group:
     def staleness(self, policy_version: int) -> int:
         return 0 if self.oldest_version is None else max(0, policy_version - self.oldest_version)
 
+    @property
+    def deadline_key(self) -> float:
+        """Sorts groups by how soon they grow stale (no response token: never)."""
+        return float("inf") if self.oldest_version is None else float(self.oldest_version)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Response tokens the policy generated (mask 1): what training on the group uses."""
+        return sum(int(np.count_nonzero(t.response_mask)) for t in self.trajectories)
+
 
 def split_groups(record_id: int, trajectories: Sequence[Trajectory]) -> list[Group]:
     """The groups of one batch, in order of first appearance (a group's trajectories in batch order)."""
@@ -102,9 +113,9 @@ class GroupBuffer:
         return sum(len(g.trajectories) for g in self._queue.values())
 
     def add(self, record_id: int, trajectories: Sequence[Trajectory], *,
-            only: Collection[str] | None = None) -> int:
+            only: Collection[str] | None = None) -> list[Group]:
         """Queue the groups of record ``record_id`` (only the group uids in ``only``, if given: a
-        record replayed after a restart that was partly trained); returns how many. A record that
+        record replayed after a restart that was partly trained); returns them. A record that
         yields no group holds no room: the caller frees it at once."""
         if record_id in self._remaining:
             raise ValueError(f"record {record_id} is already in the buffer")
@@ -118,7 +129,7 @@ class GroupBuffer:
             self._queue[g.key] = g
         if groups:
             self._remaining[record_id] = len(groups)
-        return len(groups)
+        return groups
 
     def drop_stale(self, policy_version: int, max_staleness: int) -> Taken:
         """Drop every queued group whose staleness exceeds ``max_staleness``."""
@@ -131,14 +142,19 @@ class GroupBuffer:
         return out
 
     def take(self, n_groups: int, policy_version: int, max_staleness: int) -> Taken:
-        """Drop the stale groups, then take up to ``n_groups`` fresh ones, oldest first. Taken groups
-        are in flight until ``finish``."""
+        """Drop the stale groups, then take up to ``n_groups`` fresh ones, earliest deadline first
+        (arrival order among equals). Taken groups are in flight until ``finish``."""
         out = self.drop_stale(policy_version, max_staleness)
-        while self._queue and len(out.groups) < n_groups:
-            key, g = self._queue.popitem(last=False)
-            self._inflight[key] = g
+        order = sorted(self._queue, key=lambda k: self._queue[k].deadline_key)  # stable: arrival order
+        for key in order[:n_groups]:
+            g = self._inflight[key] = self._queue.pop(key)
             out.groups.append(g)
         return out
+
+    def due(self, policy_version: int, max_staleness: int) -> int:
+        """Queued groups a step of ``policy_version`` must train (they are stale after it)."""
+        return sum(1 for g in self._queue.values()
+                   if g.oldest_version is not None and g.oldest_version + max_staleness <= policy_version)
 
     def finish(self, keys: Iterable[GroupKey]) -> list[int]:
         """Taken groups were trained; returns the records that have no group left (free their room)."""

@@ -21,6 +21,14 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
 - Without a state the intake replays the whole journal (a learner that died before its first
   checkpoint); ``fresh=True`` deletes it instead (a new run).
 
+- Admission (``learner.admission``, protocol 1.3). ``configure_admission`` turns it on: rollout
+  servers that offer it start prompt groups only under this intake's grants, made by
+  ``learner.admission.Admission`` whenever the window has room (a server joined or left, a step
+  trained or dropped groups), always on the newest published version. ``next_batch`` then also
+  waits for groups still generating that would be too stale after the step, and takes the buffer
+  earliest deadline first. ``waste_metrics`` reports the share of generated tokens never trained
+  (dropped here as stale, or dropped by the servers themselves and reported in heartbeats).
+
 - Validation. ``validate`` asks every connected rollout server that offers validation to run the
   validation set on a policy version and waits (bounded) for their metrics, or for them to leave
   (``learner.validation`` has the round and the metrics). Validation answers carry no trajectories:
@@ -48,7 +56,8 @@ import anyio
 from common.hostkey import host_key
 from common.identity import embedding_rows, wire_identities
 from common.logging import get_logger
-from learner.buffer import GroupBuffer, GroupKey
+from learner.admission import Admission
+from learner.buffer import Group, GroupBuffer, GroupKey
 from learner.journal import Journal
 from learner.validation import ValidationRound
 from protocol.batch import token_count
@@ -162,6 +171,10 @@ class Intake:
         self._rounds: dict[str, ValidationRound] = {}  # validation requests being waited for
         self._rule: tuple[int, int] | None = None  # (policy version, max staleness) of the last request
         self._dropped_reported = 0
+        self._admission: Admission | None = None
+        self._remaining = 0  # groups the run can still train (admission grants no more)
+        self._tokens = {"generated": 0, "dropped": 0}  # sampled response tokens received / dropped as stale
+        self._waste_reported = (0, 0)  # (generated, wasted) at the last waste_metrics call
         self._closed = self._started = False
         self._born = time.monotonic()
         try:
@@ -201,16 +214,32 @@ class Intake:
             with contextlib.suppress(OSError):  # a report: never worth failing the shutdown for
                 (self.run_dir / "intake_stats.json").write_text(json.dumps(summary, indent=2) + "\n")
 
+    def configure_admission(self, batch_groups: int, max_staleness: int, remaining_groups: int) -> None:
+        """Grant rollout servers that offer admission the groups a run of ``remaining_groups`` more
+        groups, ``batch_groups`` per step, needs at ``max_staleness`` (``learner.admission``).
+        Call before ``run``."""
+        self._admission = Admission(batch_groups, max_staleness)
+        self._remaining = remaining_groups
+        self._proto.admission = True
+        # Room for every admitted group (one batch each at worst) and the credits promised, so a
+        # group the learner waits for can always be delivered.
+        self._proto.capacity = max(self._proto.capacity, 2 * self._admission.window)
+        self._log.info("admission", window=self._admission.window, groups_per_step=batch_groups,
+                       max_staleness=max_staleness, groups_left=remaining_groups)
+
     async def next_batch(self, n_groups: int, policy_version: int, max_staleness: int) -> TakenBatch:
-        """Wait until ``n_groups`` fresh groups are buffered and take them (oldest first). Groups
-        staler than ``max_staleness`` are dropped whenever they are seen."""
+        """Wait until ``n_groups`` fresh groups are buffered and take them, earliest deadline first.
+        Groups staler than ``max_staleness`` are dropped whenever they are seen. With admission, also
+        wait for every group still generating that this step must train (it is too stale after)."""
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1 (got {n_groups})")
         t0 = time.monotonic()
         while True:
             self._rule = (policy_version, max_staleness)  # also applied to arrivals until the next call
             self._drop_stale(policy_version, max_staleness)
-            if len(self._buffer) >= n_groups:
+            if len(self._buffer) >= n_groups and (
+                    self._admission is None or not self._admission.must_wait(policy_version)
+                    or self._buffer.due(policy_version, max_staleness) >= n_groups):
                 break
             if self._closed:
                 raise IntakeClosed("the intake was closed")
@@ -229,8 +258,24 @@ class Intake:
         )
 
     def mark_trained(self, taken: TakenBatch) -> None:
-        """``taken`` was trained on: batches whose groups are now all trained free their room."""
+        """``taken`` was trained on: batches whose groups are now all trained free their room, and
+        (with admission) as many new groups are granted, on the newest published weights."""
         self._free(self._buffer.finish(taken.keys))
+        self._remaining = max(0, self._remaining - len(taken.keys))
+        self._admit()
+
+    def waste_metrics(self) -> dict[str, float]:
+        """``rollout/waste_frac``: the share of sampled response tokens generated so far that were
+        never trained and never will be (dropped as stale here, or dropped by a rollout server and
+        reported in its heartbeats); ``rollout/waste_frac_step`` the same since the last call."""
+        dropped_there = self._proto.dropped_tokens
+        generated = self._tokens["generated"] + dropped_there
+        wasted = self._tokens["dropped"] + dropped_there
+        g0, w0 = self._waste_reported
+        self._waste_reported = (generated, wasted)
+        return {"rollout/waste_frac": wasted / generated if generated else 0.0,
+                "rollout/waste_frac_step": (wasted - w0) / (generated - g0) if generated > g0 else 0.0,
+                "rollout/generated_tokens": float(generated), "rollout/wasted_tokens": float(wasted)}
 
     async def validate(self, policy_version: int, *, timeout_s: float, request_id: str | None = None
                        ) -> ValidationRound:
@@ -382,7 +427,7 @@ class Intake:
                 f"(ids {missing[:5]}...): it belongs to another run, or it was compacted for a later "
                 "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run.")
         for rec in journal.records(wanted):
-            n = self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id])
+            n = len(self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id]))
             self._proto.replay_batch(rec.peer_id, rec.epoch, rec.seq, rec.trajectories.ids)
             if not n:
                 self._proto.batch_consumed()
@@ -402,8 +447,10 @@ class Intake:
                 c["trajectories"] += len(ev.trajectories)
                 c["tokens"] += token_count(ev.trajectories)
                 c["persisted_bytes"] += nbytes
-                if not self._buffer.add(rid, ev.trajectories):
+                groups = self._buffer.add(rid, ev.trajectories)
+                if not groups:
                     self._free([rid])
+                self._received(ev.peer_id, groups)
                 self._position = max(self._position, rid)
                 if self._rule is not None:
                     self._drop_stale(*self._rule)
@@ -422,9 +469,18 @@ class Intake:
                     self._peer_versions.pop(ev.peer_id, None)
                 self._log.info("rollout server joined", peer=ev.peer_id, epoch=ev.hello.epoch,
                                policy_version=ev.hello.policy_version)
+                if self._admission is not None:
+                    if ev.peer_id in self._proto.admission_peers():
+                        self._admission.joined(ev.peer_id)  # a new session: earlier grants are void
+                    else:
+                        self._admission.left(ev.peer_id)
+                    self._admit()
             case PeerClosed() | PeerTimedOut():
                 self._peer_versions.pop(ev.peer_id, None)
                 self._log.info("rollout server left", peer=ev.peer_id, why=type(ev).__name__)
+                if self._admission is not None and self._admission.left(ev.peer_id):
+                    self._admit()  # its grants go to the servers still here
+                    self._wake()  # nothing to wait for from it any more
             case PeerWeightsApplied():
                 a = ev.applied
                 if a.ok:
@@ -453,9 +509,27 @@ class Intake:
     def _drop_stale(self, policy_version: int, max_staleness: int) -> None:
         out = self._buffer.drop_stale(policy_version, max_staleness)
         if out.dropped:
+            self._tokens["dropped"] += sum(g.sampled_tokens for g in out.dropped)
             self._log.debug("stale groups dropped", groups=len(out.dropped), policy_version=policy_version,
                             max_staleness=max_staleness)
+            self._admit()
         self._free(out.done_records)
+
+    def _received(self, peer_id: str, groups: list[Group]) -> None:
+        self._tokens["generated"] += sum(g.sampled_tokens for g in groups)
+        if self._admission is not None:
+            for g in groups:
+                self._admission.received(peer_id, g.oldest_version)
+
+    def _admit(self) -> None:
+        """Grant what the admission window has room for, on the newest published version."""
+        if self._admission is None or self._closed:
+            return
+        held = len(self._buffer) + self._buffer.in_flight
+        for peer, n in self._admission.grants(held=held, remaining=self._remaining,
+                                              min_version=self._proto.policy_version):
+            self._server.admit(peer, n, self._proto.policy_version)
+            self._log.debug("groups admitted", peer=peer, groups=n, min_version=self._proto.policy_version)
 
     def _free(self, records: list[int]) -> None:
         if records:

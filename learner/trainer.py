@@ -4,8 +4,11 @@ Design: one async task owns the loop; the intake serves rollout servers concurre
 task group, so receiving, acknowledging and credit-granting never pause while the workers train.
 The workers (Ray actors, FSDP2) are driven through `WorkerGroup`; the trainer itself only does the
 light, batch-level work (advantages, KL-in-reward, importance weights, metrics). Freshness is
-enforced on data, not on acknowledgements: the intake drops groups older than max_staleness, so the
-learner never waits for a rollout server's WEIGHTS_APPLIED and a slow or dead server never stalls it.
+enforced on data, not on acknowledgements: the learner never waits for a rollout server's
+WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the intake grants servers only
+groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
+so nothing generated is wasted (``rollout/waste_frac``); a server that dies takes its grants with
+it, so it never stalls the learner. Without it, groups older than max_staleness are dropped.
 Validation (``trainer.val_before_train``, every ``trainer.test_freq`` steps) is the one wait on the
 rollout servers: ``_validate`` asks them to run the validation set and blocks training until they
 answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
@@ -300,6 +303,7 @@ class Trainer:
         timer.lap("broadcast")
         metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
+        metrics |= self.intake.waste_metrics()
         self.step += 1
         self._audit(trajs)
         metrics |= timer.metrics()
@@ -354,6 +358,9 @@ class Trainer:
         self.weight_dtypes = {t.name: t.dtype for t in v0}
         self.intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
                              fresh=resume is None and self.config.trainer.resume_mode == "disable")
+        if self.config.learner.admission:
+            b = self.config.data.train_batch_size
+            self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
         self.intake.publish_weights(self.version, v0 if resume is None else load_dir(resume / "hf"))

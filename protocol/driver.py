@@ -200,6 +200,12 @@ class LearnerServer:
         self.proto.publish_weights(version, tensors, chunk_bytes=chunk_bytes, file=file)
         self._waker.poke()
 
+    def admit(self, peer_id: str, groups: int, min_version: int) -> bool:
+        """Grant ``peer_id`` prompt groups (protocol 1.3; see ``LearnerProtocol.admit``)."""
+        sent = self.proto.admit(peer_id, groups, min_version)
+        self._waker.poke()
+        return sent
+
     def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
         """Ask every peer that offers validation; returns the peers asked (see ``LearnerProtocol``)."""
         asked = self.proto.request_validation(request_id, policy_version, timeout_s=timeout_s)

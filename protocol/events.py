@@ -20,6 +20,15 @@ class Connected:
 
 
 @dataclass(frozen=True)
+class GroupsAdmitted:
+    """Rollout side (1.3): the learner allows ``groups`` more prompt groups on weights of version
+    ``min_version`` or newer (ADMIT)."""
+
+    groups: int
+    min_version: int
+
+
+@dataclass(frozen=True)
 class BatchAcked:
     seqs: list[int]
     duplicates: list[int]

@@ -35,6 +35,7 @@ class MsgType(enum.IntEnum):
     BYE = 10
     VALIDATE_REQUEST = 11  # since 1.1
     VALIDATE_RESULT = 12  # since 1.1
+    ADMIT = 13  # since 1.3
 
 
 Role = Literal["rollout-server", "learner"]
@@ -45,6 +46,10 @@ VALIDATION_CAPABILITY = "validation"
 WEIGHTS_FILE_CAPABILITY = "weights_file"
 """HELLO capability of a rollout server that loads weights from a file named in WEIGHTS_ANNOUNCE
 when its HELLO ``host`` equals the learner's (protocol 1.2)."""
+
+ADMISSION_CAPABILITY = "admission"
+"""HELLO capability of a rollout server that starts prompt groups only as ADMIT grants allow, and
+WELCOME capability of a learner that grants them (protocol 1.3)."""
 
 OMIT_DEFAULT = {"omit_default": True}
 """Field metadata: not encoded while equal to its default (fields added since 1.2)."""
@@ -211,6 +216,29 @@ class WeightsApplied:
 class Heartbeat:
     time: float
     policy_version: int = 0
+    # since 1.3, R->L: response tokens this sender epoch generated and dropped itself (never
+    # shipped), cumulative; the learner counts them as waste. Omitted while 0.
+    dropped_tokens: int = field(default=0, metadata=OMIT_DEFAULT)
+
+    def __post_init__(self) -> None:
+        if self.dropped_tokens < 0:
+            raise FieldError("dropped_tokens", "dropped_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class Admit:
+    """L->R (1.3, capability "admission"): the server may start ``groups`` more prompt groups, each
+    only once its engine runs weights of version ``min_version`` or newer. Grants add up within a
+    session and end with it (like credits)."""
+
+    groups: int
+    min_version: int
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise FieldError("groups", "groups must be >= 1")
+        if self.min_version < 0:
+            raise FieldError("min_version", "min_version must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -334,7 +362,7 @@ def _check_request_id(request_id: str) -> None:
 
 Message = (
     Hello | Welcome | TrajectoryBatch | Ack | WeightsAnnounce | WeightsChunk | WeightsApplied
-    | Heartbeat | Error | Bye | ValidateRequest | ValidateResult
+    | Heartbeat | Error | Bye | ValidateRequest | ValidateResult | Admit
 )
 
 MESSAGE_TYPES: dict[MsgType, type] = {
@@ -350,5 +378,6 @@ MESSAGE_TYPES: dict[MsgType, type] = {
     MsgType.BYE: Bye,
     MsgType.VALIDATE_REQUEST: ValidateRequest,
     MsgType.VALIDATE_RESULT: ValidateResult,
+    MsgType.ADMIT: Admit,
 }
 TYPE_OF: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}

@@ -18,6 +18,11 @@ or recorded by ``receive``; it waits in ``held_batch`` until the application cal
 state moves between learner lifetimes with ``export_state``/``restore_state`` plus
 ``replay_batch`` for batches stored after the export.
 
+Admission (1.3): with ``admission`` on, a peer whose HELLO offers "admission" is told so in WELCOME
+and may start prompt groups only as ``admit`` grants (ADMIT); which peer gets how many, on which
+weights, is the application's policy (``learner.admission``). Heartbeats carry each sender epoch's
+count of response tokens it generated and dropped itself (``dropped_tokens``, summed over epochs).
+
 Validation (1.1): ``request_validation`` asks every peer in session whose HELLO offered the
 "validation" capability (never another: a 1.0 peer would not know the message) and remembers the
 request per peer; its VALIDATE_RESULT becomes ``ValidationReceived``, a result nobody asked that
@@ -50,10 +55,12 @@ from protocol.events import (
     ValidationReceived,
 )
 from protocol.messages import (
+    ADMISSION_CAPABILITY,
     TYPE_OF,
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     Ack,
+    Admit,
     Bye,
     Error,
     Heartbeat,
@@ -115,6 +122,10 @@ class _Peer:
     @property
     def validates(self) -> bool:
         return self.hello is not None and VALIDATION_CAPABILITY in self.hello.capabilities
+
+    @property
+    def admits(self) -> bool:
+        return self.hello is not None and ADMISSION_CAPABILITY in self.hello.capabilities
 
 
 @dataclass
@@ -211,7 +222,9 @@ class LearnerProtocol:
         version: ProtocolVersion = PROTOCOL_VERSION,
         hold_batches: bool = False,
         host: str = "",
+        admission: bool = False,
     ) -> None:
+        self.admission = admission  # grant prompt groups to peers that offer "admission" (``admit``)
         self.host = host  # this machine's key (``common.hostkey``): peers with the same may get files
         self.tokenizer, self.peer_id = tokenizer, peer_id
         self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
@@ -229,6 +242,7 @@ class LearnerProtocol:
         self._out: list[tuple[bytes, Frames]] = []
         self.hold_batches = hold_batches
         self._held: _Held | None = None
+        self._dropped: dict[tuple[str, str], int] = {}  # (peer_id, epoch) -> its dropped_tokens
         self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0,
                       "refused_batches": 0}
 
@@ -243,6 +257,25 @@ class LearnerProtocol:
     def validation_peers(self) -> list[str]:
         """Peers in session that answer validation requests."""
         return [p.name for p in self.peers.values() if p.validates]
+
+    def admission_peers(self) -> list[str]:
+        """Peers in session that start prompt groups only as ``admit`` grants (none without ``admission``)."""
+        return [p.name for p in self.peers.values() if self.admission and p.admits]
+
+    def admit(self, peer_id: str, groups: int, min_version: int) -> bool:
+        """Allow ``peer_id`` to start ``groups`` more prompt groups on weights ``min_version`` or newer.
+        False (nothing sent) when that peer is not in session or does not take grants."""
+        for p in self.peers.values():
+            if p.name == peer_id and self.admission and p.admits and groups > 0:
+                self._out.append((p.identity, codec.encode(Admit(groups, min_version))))
+                return True
+        return False
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Response tokens the peers reported generating and dropping themselves, over all sender
+        epochs seen (peers that left included)."""
+        return sum(self._dropped.values())
 
     def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
         """Ask every peer in session that offers validation to validate ``policy_version`` (or newer);
@@ -408,6 +441,9 @@ class LearnerProtocol:
             case TrajectoryBatch():
                 return self._on_batch(peer, msg)
             case Heartbeat():
+                if msg.dropped_tokens and peer.hello is not None:
+                    key = (peer.hello.peer_id, peer.hello.epoch)
+                    self._dropped[key] = max(self._dropped.get(key, 0), msg.dropped_tokens)
                 return []
             case WeightsApplied():
                 if msg.ok:
@@ -464,6 +500,7 @@ class LearnerProtocol:
             heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
             limits=Limits(self.limits.max_message_bytes, self.limits.max_trajectories_per_batch,
                           self.limits.max_tokens_per_trajectory),
+            capabilities=[ADMISSION_CAPABILITY] if self.admission and peer.admits else [],
         )
         self._out.append((identity, codec.encode(welcome)))
         if self._publication and (msg.policy_version < 0 or msg.policy_version < self.policy_version):

@@ -10,6 +10,10 @@ session the unacknowledged ones go back to the front of the queue and are resent
 original sequence numbers, skipping those the learner reports (WELCOME.next_seq) as received. A
 batch is only sent while a credit is available; ACKs and WELCOME grant credits.
 
+Admission (1.3, capability "admission"): an ADMIT becomes a ``GroupsAdmitted`` event (the
+application keeps the grants; a new session starts with none, like credits), and the application's
+running count of response tokens it dropped itself goes out in heartbeats (``dropped_tokens``).
+
 Validation (1.1, capability "validation"): a VALIDATE_REQUEST becomes a ``ValidationRequested``
 event; ``validation_result`` queues the answer, but only while the session that asked is still
 open (a learner that lost the session has forgotten the request), and only once per request.
@@ -28,6 +32,7 @@ from protocol.events import (
     BatchRejected,
     Connected,
     Event,
+    GroupsAdmitted,
     PeerClosed,
     PeerError,
     PeerTimedOut,
@@ -38,10 +43,12 @@ from protocol.events import (
     WeightsReceived,
 )
 from protocol.messages import (
+    ADMISSION_CAPABILITY,
     TYPE_OF,
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     Ack,
+    Admit,
     Bye,
     Error,
     Heartbeat,
@@ -100,6 +107,7 @@ class RolloutConnection:
         self.version = version
         self.state = SenderState.IDLE
         self.policy_version = 0  # weights generation currently runs on; set by the application
+        self.dropped_tokens = 0  # response tokens generated and dropped here, ever; set by the application
         self.welcome: Welcome | None = None
         self.peer_limits: Limits | None = None
         self.fatal_error: Error | None = None
@@ -187,7 +195,8 @@ class RolloutConnection:
                 self.credits -= 1
                 out.append(frames)
             if not out and now - self._last_sent >= self.heartbeat_interval_s:
-                out.append(codec.encode(Heartbeat(time=now, policy_version=self.policy_version)))
+                out.append(codec.encode(Heartbeat(time=now, policy_version=self.policy_version,
+                                                  dropped_tokens=self.dropped_tokens)))
         if out:
             self._last_sent = now
         return out
@@ -246,6 +255,12 @@ class RolloutConnection:
                 return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
             case ValidateRequest():
                 return self._on_validate_request(msg)
+            case Admit():
+                if ADMISSION_CAPABILITY not in self.capabilities:
+                    raise ProtocolError(ErrorCode.UNEXPECTED, "ADMIT to a rollout server whose HELLO did not offer "
+                                        f"the {ADMISSION_CAPABILITY!r} capability")
+                # Outside a session it is stale: the grants of a new session start from zero.
+                return [GroupsAdmitted(msg.groups, msg.min_version)] if self.state is SenderState.READY else []
             case Bye():
                 # The learner is going away, perhaps to restart: keep everything and reconnect.
                 self._requeue_unacked()

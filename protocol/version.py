@@ -6,7 +6,9 @@ capability, and decoders ignore keys they do not know, so either side may be new
 
 History: 1.0 the first version; 1.1 adds VALIDATE_REQUEST / VALIDATE_RESULT (capability
 "validation"); 1.2 adds HELLO ``host`` and WEIGHTS_ANNOUNCE ``file`` (capability "weights_file":
-weights handed over as a local file, not chunks, when learner and rollout server share a machine).
+weights handed over as a local file, not chunks, when learner and rollout server share a machine);
+1.3 adds ADMIT (capability "admission": the learner grants the prompt groups a rollout server may
+start, and on which weights) and HEARTBEAT ``dropped_tokens``.
 """
 
 from __future__ import annotations
@@ -25,4 +27,4 @@ class ProtocolVersion(NamedTuple):
         return self.major == other.major
 
 
-PROTOCOL_VERSION = ProtocolVersion(1, 2)
+PROTOCOL_VERSION = ProtocolVersion(1, 3)

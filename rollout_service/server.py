@@ -5,7 +5,11 @@ admission loop, one task per running group), so any failure or a signal cancels 
 ``finally`` blocks close the connection (BYE) and shut the engine down. Admission is the only
 place where policy lives: a group starts only while (a) there is room under
 ``max_concurrent_episodes``, (b) the engine's weights are at most ``max_staleness`` versions
-behind the newest the learner announced, and (c) no ``drain`` weight update is waiting. Groups
+behind the newest the learner announced, (c) no ``drain`` weight update is waiting, and (d) when
+the learner grants groups (protocol 1.3, "admission": ``learner/admission.py`` has the rule) the
+server holds a grant whose ``min_version`` the engine's weights reach; grants are used smallest
+``min_version`` first and end with the session. A learner that grants nothing (older than 1.3, or
+``learner.admission: false``) leaves (a)-(c). Groups
 finish out of order; each is shipped whole, and its prompt is committed to the data cursor only
 when the learner acknowledges the batch holding it, so a restart redoes in-flight prompts and
 never skips one.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import math
 import signal
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,12 +48,16 @@ from common.ratelimit import GlobalRateLimiter, set_shared
 from common.rundir import resolve_run_dir
 from protocol.events import (
     Connected,
+    GroupsAdmitted,
+    PeerClosed,
+    PeerTimedOut,
     ValidationRequested,
     WeightsAnnounced,
     WeightsFailed,
     WeightsReceived,
 )
 from protocol.messages import (
+    ADMISSION_CAPABILITY,
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     ValidateRequest,
@@ -217,6 +226,8 @@ class RolloutServer:
         self.stats = RolloutStats(server_id=self.server_id)
         self.newest_version = 0  # newest policy version the learner announced
         self._running = 0  # episodes in flight
+        self._groups_running = 0
+        self._granted: Counter[int] | None = None  # min_version -> groups the learner granted; None: no grants
         self._drain_waiting = False
         self._changed = anyio.Event()
         self._tasks: Any = None  # the serving task group (validation requests run in it)
@@ -237,7 +248,8 @@ class RolloutServer:
         c, server = self.config, self.config.rollout_server
         model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
         conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
-                                 capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY], host=host_key(),
+                                 capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ADMISSION_CAPABILITY],
+                                 host=host_key(),
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
                                  heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
         curve = None
@@ -313,7 +325,14 @@ class RolloutServer:
             return False
         if self.newest_version - self.engine.policy_version > rollout.max_staleness:
             return False
+        if self._granted is not None and self._grant() is None:
+            return False
         return self._running == 0 or self._running + n <= server.max_concurrent_episodes
+
+    def _grant(self) -> int | None:
+        """The smallest ``min_version`` among the grants the engine's weights satisfy (None: none)."""
+        usable = [m for m, n in (self._granted or {}).items() if n > 0 and m <= self.engine.policy_version]
+        return min(usable) if usable else None
 
     async def _admit(self, tg: Any, max_groups: int | None) -> None:
         n = self.config.actor_rollout_ref.rollout.n
@@ -326,6 +345,7 @@ class RolloutServer:
                 await self._run_group(item)
             finally:
                 self._running -= n
+                self._groups_running -= 1
                 finished += 1
                 if max_groups is not None and finished >= max_groups:
                     done.set()
@@ -336,7 +356,14 @@ class RolloutServer:
                 break
             while not self._may_admit(n):
                 await self._changed.wait()
+            if self._granted is not None:
+                m = self._grant()
+                assert m is not None  # _may_admit checked it
+                self._granted[m] -= 1
+                if not self._granted[m]:
+                    del self._granted[m]
             self._running += n
+            self._groups_running += 1
             started += 1
             tg.start_soon(group, item)
         if max_groups is not None and started:
@@ -361,16 +388,30 @@ class RolloutServer:
                                         tool_calls=ep.tool_calls, tool_errors=ep.tool_errors)
         if stale(result.trajectories, self.newest_version, rollout.max_staleness):
             self.stats.staleness_dropped(len(result.trajectories))
+            # The learner counts it as waste (HEARTBEAT dropped_tokens).
+            self.shipper.client.conn.dropped_tokens += sum(int(np.count_nonzero(t.response_mask))
+                                                           for t in result.trajectories)
             self.log.info("group dropped: too stale", group=item.group_uid, newest_version=self.newest_version)
             self.source.commit(item)  # dropped on purpose: not to be redone
             return
         await self.shipper.ship_group(result.trajectories, on_acked=lambda: self.source.commit(item))
+        if self._groups_running <= 1:  # the last one running: nothing else will fill its batch soon
+            await self.shipper.flush()
 
     # -- weights -----------------------------------------------------------------------------------
     async def _weights_loop(self) -> None:
         async for ev in self.shipper.events:
             if isinstance(ev, Connected):
+                # A learner that grants groups says so; grants of an earlier session are void.
+                self._granted = Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
                 self._announce(ev.welcome.policy_version)
+                self._poke()
+            elif isinstance(ev, GroupsAdmitted):
+                if self._granted is not None:
+                    self._granted[ev.min_version] += ev.groups
+                    self._poke()
+            elif isinstance(ev, PeerClosed | PeerTimedOut) and self._granted is not None:
+                self._granted = Counter()  # the session is over: wait for the next one's grants
             elif isinstance(ev, WeightsAnnounced):
                 self._announce(ev.version)
             elif isinstance(ev, WeightsReceived):

@@ -61,7 +61,15 @@ class LearnerConfig(Section):
     """ZeroMQ endpoint the learner binds for rollout servers."""
     buffer_batches: int = Field(16, gt=0)
     """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
-    granted and unused): the room that credit-based flow control hands out to rollout servers."""
+    granted and unused): the room that credit-based flow control hands out to rollout servers.
+    With admission it is raised, if needed, to hold every admitted group (twice the window)."""
+    admission: bool = True
+    """Rollout servers start prompt groups only as the learner grants them (protocol 1.3,
+    ``learner/admission.py``): at most ``(max_staleness + 1) * train_batch_size`` groups are
+    generating or waiting at once, each on weights fresh enough to be trained, and the learner
+    waits for a slow group instead of dropping it. Nothing generated is wasted; ``max_staleness:
+    0`` is a synchronous trainer. false: servers generate ahead as credits allow and the learner
+    drops what grew too stale (and servers that predate 1.3 always do)."""
     weights_file_dir: str | None = "/dev/shm"
     """Where new weights are written as safetensors files for rollout servers on this machine,
     which reload them in place instead of receiving chunks (the fast path; others still get

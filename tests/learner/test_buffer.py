@@ -44,8 +44,8 @@ def test_groups_keep_their_variable_sizes_and_batch_order() -> None:
 
 def test_take_is_oldest_first_and_groups_stay_whole() -> None:
     buf = GroupBuffer()
-    assert buf.add(1, record({"a": 3, "b": 1})) == 2
-    assert buf.add(2, record({"c": 2})) == 1
+    assert len(buf.add(1, record({"a": 3, "b": 1}))) == 2
+    assert len(buf.add(2, record({"c": 2}))) == 1
     out = buf.take(2, policy_version=3, max_staleness=0)
     assert [g.key for g in out.groups] == [(1, "a"), (1, "b")] and [len(g.trajectories) for g in out.groups] == [3, 1]
     assert not out.dropped and len(buf) == 1 and buf.in_flight == 2
@@ -102,7 +102,7 @@ def test_pending_keys_cover_queued_and_in_flight_groups() -> None:
 
 def test_replayed_record_adds_only_the_named_groups() -> None:
     buf = GroupBuffer()
-    assert buf.add(5, record({"a": 1, "b": 2, "c": 1}), only={"b"}) == 1
+    assert len(buf.add(5, record({"a": 1, "b": 2, "c": 1}), only={"b"})) == 1
     assert [g.key for g in buf.take(9, 3, 0).groups] == [(5, "b")]
     with pytest.raises(ValueError, match="no group"):
         buf.add(6, record({"a": 1}), only={"zz"})

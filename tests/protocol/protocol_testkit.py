@@ -18,6 +18,7 @@ from protocol import codec
 from protocol.errors import ProtocolError
 from protocol.events import BatchAcked, BatchReceived, Event
 from protocol.messages import (
+    Admit,
     Ack,
     Bye,
     ChunkPart,
@@ -105,6 +106,7 @@ def sample_messages() -> dict[MsgType, Any]:
         MsgType.VALIDATE_REQUEST: ValidateRequest("val-1", 7, 30.0),
         MsgType.VALIDATE_RESULT: ValidateResult(
             "val-1", 7, True, "", [source_metrics("math"), source_metrics("qa", count=0)], 1, 2, 3, 4.5),
+        MsgType.ADMIT: Admit(8, 7),
     }
 
 

@@ -225,7 +225,7 @@ def test_type_frame_not_one_byte(type_frame: bytes) -> None:
     assert e.code is ErrorCode.MALFORMED and e.ref_type == 0
 
 
-@pytest.mark.parametrize("code", [0, 13, 99, 255])  # 11 and 12 exist since 1.1
+@pytest.mark.parametrize("code", [0, 14, 99, 255])  # 11 and 12 exist since 1.1, 13 since 1.3
 def test_unknown_type(code: int) -> None:
     e = decode_error([bytes((code,)), msgpack.packb({})])
     assert e.code is ErrorCode.UNKNOWN_TYPE and str(code) in e.message

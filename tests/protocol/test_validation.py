@@ -47,7 +47,7 @@ CAP = [VALIDATION_CAPABILITY]
 
 # -- wire ------------------------------------------------------------------------------------------
 def test_new_types_are_appended_and_the_version_is_1_1() -> None:
-    assert [(t.name, t.value) for t in MsgType][10:] == [("VALIDATE_REQUEST", 11), ("VALIDATE_RESULT", 12)]
+    assert [(t.name, t.value) for t in MsgType][10:12] == [("VALIDATE_REQUEST", 11), ("VALIDATE_RESULT", 12)]
     assert PROTOCOL_VERSION >= ProtocolVersion(1, 1)
 
 

@@ -28,6 +28,7 @@ from protocol import codec
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Ack,
+    Admit,
     Bye,
     Error,
     Heartbeat,
@@ -107,6 +108,8 @@ def messages() -> dict[str, Any]:
                            {"correct": 0.25}, {"correct": 4}),
              SourceMetrics("gsm8k", 0, 0.0, 0.0)],
             0, 2, 3, 12.5),
+        "admit": Admit(8, 7),
+        "heartbeat_dropped": Heartbeat(1234.5, 7, 4096),
     }
 
 
