@@ -56,6 +56,9 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+LONGTAIL_SIGMA = 1.2  # lognormal sigma of --lengths longtail: p99 / median = exp(2.33 sigma) ~ 16 in theory
+
+
 def progress(msg: str) -> None:
     print(f"[bench/learner {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -69,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=32, help="samples per update call")
     p.add_argument("--prompt-len", type=int, default=64, help="mean prompt tokens (uniform in [L/2, 3L/2])")
     p.add_argument("--response-len", type=int, default=192, help="mean response tokens (uniform in [L/2, 3L/2])")
+    p.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
+                   help="response lengths: uniform in [L/2, 3L/2], or longtail: lognormal (sigma 1.2, mean "
+                        "L, p99/median ~8, clipped to [8, 16L]) like agentic and reasoning batches")
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per epoch")
     p.add_argument("--micro-size", type=int, default=4, help="samples per micro-batch")
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per update call")
@@ -113,7 +119,11 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
     out = []
     for _ in range(args.samples):
         p = int(rng.integers(max(1, args.prompt_len // 2), args.prompt_len * 3 // 2 + 1))
-        r = int(rng.integers(max(1, args.response_len // 2), args.response_len * 3 // 2 + 1))
+        if args.lengths == "longtail":
+            r = int(np.clip(rng.lognormal(np.log(args.response_len) - LONGTAIL_SIGMA ** 2 / 2, LONGTAIL_SIGMA),
+                            8, 16 * args.response_len))
+        else:
+            r = int(rng.integers(max(1, args.response_len // 2), args.response_len * 3 // 2 + 1))
         ids = rng.integers(0, 500, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.1).astype(np.float32)  # holes: tool-result tokens
         s = Sample(ids, p, mask)
