@@ -16,11 +16,13 @@ The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions
   and its oldest token is at most ``k`` versions old there. With ``k = 0`` this *is* a synchronous
   trainer: ``B`` groups per version, all generated on the newest weights, nothing generated ahead.
 - Deadlines instead of drops. A group whose oldest token is version ``u`` can be trained up to
-  the step of version ``u + k``. The learner takes groups earliest deadline first, and before a step
-  of version ``w`` it waits for every group still generating under a grant with
-  ``min_version + k <= w``: after this step such a group could no longer be trained. So a slow
-  group makes the learner wait (as much as a synchronous trainer would, at most) instead of being
-  generated and then thrown away; fast groups never wait for slow ones within the window.
+  the step of version ``u + k`` (its deadline; a group still generating under a grant counts with
+  ``min_version + k``). The learner takes groups earliest deadline first, and takes a step of
+  version ``w`` only when what it leaves behind can still all be trained in time: for every ``j >=
+  w``, at most ``(j - w) * B`` of the groups not taken have a deadline ``<= j`` (``feasible``).
+  Otherwise it waits for more groups to arrive. So a slow group makes the learner wait (at most as
+  long as a synchronous trainer would) instead of being generated and then thrown away, and a fast
+  group never waits for a slow one while the window has slack.
 
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
@@ -31,7 +33,19 @@ leaves takes its outstanding grants with it; they are granted again to the serve
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
+    """Whether groups with deadlines ``untaken`` (one entry per group, a version) can all still be
+    trained after the step of ``version``, ``per_step`` groups per later step, earliest first."""
+    waiting = 0
+    for deadline, n in sorted(Counter(untaken).items()):
+        waiting += n
+        if waiting > max(0, deadline - version) * per_step:
+            return False
+    return True
 
 
 @dataclass
@@ -78,10 +92,14 @@ class Admission:
             del book[m]
         return True
 
-    def must_wait(self, version: int) -> int:
-        """Groups still generating that a step of ``version`` must include: after it they would be
-        more than ``max_staleness`` versions old."""
-        return sum(n for c in self._granted.values() for m, n in c.items() if m + self.max_staleness <= version)
+    def deadlines(self) -> list[int]:
+        """The deadline of every group still generating (at the earliest: ``min_version + k``)."""
+        return [m + self.max_staleness for c in self._granted.values() for m, n in c.items() for _ in range(n)]
+
+    def can_take(self, left: Iterable[int], version: int) -> bool:
+        """Whether a step of ``version`` may go ahead, leaving received groups with deadlines
+        ``left`` (and those still generating) behind. Nothing generating: yes, a wait could not help."""
+        return not self.generating or feasible([*left, *self.deadlines()], version, self.batch_groups)
 
     def grants(self, *, held: int, remaining: int, min_version: int) -> list[tuple[str, int]]:
         """New grants: ``held`` groups are received and not yet trained or dropped, the run can still

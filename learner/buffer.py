@@ -145,16 +145,14 @@ class GroupBuffer:
         """Drop the stale groups, then take up to ``n_groups`` fresh ones, earliest deadline first
         (arrival order among equals). Taken groups are in flight until ``finish``."""
         out = self.drop_stale(policy_version, max_staleness)
-        order = sorted(self._queue, key=lambda k: self._queue[k].deadline_key)  # stable: arrival order
-        for key in order[:n_groups]:
-            g = self._inflight[key] = self._queue.pop(key)
+        for g in self.by_deadline()[:n_groups]:
+            self._inflight[g.key] = self._queue.pop(g.key)
             out.groups.append(g)
         return out
 
-    def due(self, policy_version: int, max_staleness: int) -> int:
-        """Queued groups a step of ``policy_version`` must train (they are stale after it)."""
-        return sum(1 for g in self._queue.values()
-                   if g.oldest_version is not None and g.oldest_version + max_staleness <= policy_version)
+    def by_deadline(self) -> list[Group]:
+        """The queued groups in the order ``take`` takes them."""
+        return sorted(self._queue.values(), key=lambda g: g.deadline_key)  # stable: arrival order among equals
 
     def finish(self, keys: Iterable[GroupKey]) -> list[int]:
         """Taken groups were trained; returns the records that have no group left (free their room)."""

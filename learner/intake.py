@@ -237,9 +237,7 @@ class Intake:
         while True:
             self._rule = (policy_version, max_staleness)  # also applied to arrivals until the next call
             self._drop_stale(policy_version, max_staleness)
-            if len(self._buffer) >= n_groups and (
-                    self._admission is None or not self._admission.must_wait(policy_version)
-                    or self._buffer.due(policy_version, max_staleness) >= n_groups):
+            if len(self._buffer) >= n_groups and self._can_take(n_groups, policy_version, max_staleness):
                 break
             if self._closed:
                 raise IntakeClosed("the intake was closed")
@@ -514,6 +512,16 @@ class Intake:
                             max_staleness=max_staleness)
             self._admit()
         self._free(out.done_records)
+
+    def _can_take(self, n_groups: int, policy_version: int, max_staleness: int) -> bool:
+        """With admission: the groups left after taking ``n_groups`` now (earliest deadline first),
+        those still generating included, can all be trained in time. Nothing generating: yes (a
+        wait could not help)."""
+        if self._admission is None:
+            return True
+        left = [g.oldest_version + max_staleness for g in self._buffer.by_deadline()[n_groups:]
+                if g.oldest_version is not None]
+        return self._admission.can_take(left, policy_version)
 
     def _received(self, peer_id: str, groups: list[Group]) -> None:
         self._tokens["generated"] += sum(g.sampled_tokens for g in groups)

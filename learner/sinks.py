@@ -128,6 +128,8 @@ def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) 
         if "staleness/max" in metrics:
             stale += f" (max {short(metrics['staleness/max'])})"
         add("stale", stale)
+    if "rollout/waste_frac" in metrics:
+        add("waste", short(metrics["rollout/waste_frac"]))
     if "perf/tokens_per_s" in metrics:
         add("tok/s", short(metrics["perf/tokens_per_s"]))
     split = " ".join(f"{lab} {short(metrics[k])}" for k, lab in _TIMING_SPLIT if k in metrics)
@@ -432,3 +434,6 @@ class MetricSinks:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+import learner.prometheus_sink  # noqa: E402, F401  (registers "prometheus"; it needs SINKS above)

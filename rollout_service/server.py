@@ -228,6 +228,7 @@ class RolloutServer:
         self._running = 0  # episodes in flight
         self._groups_running = 0
         self._granted: Counter[int] | None = None  # min_version -> groups the learner granted; None: no grants
+        self._connected = False  # a first session tells whether the learner grants groups
         self._drain_waiting = False
         self._changed = anyio.Event()
         self._tasks: Any = None  # the serving task group (validation requests run in it)
@@ -321,7 +322,7 @@ class RolloutServer:
 
     def _may_admit(self, n: int) -> bool:
         server, rollout = self.config.rollout_server, self.config.actor_rollout_ref.rollout
-        if self._drain_waiting:
+        if self._drain_waiting or not self._connected:
             return False
         if self.newest_version - self.engine.policy_version > rollout.max_staleness:
             return False
@@ -404,6 +405,7 @@ class RolloutServer:
             if isinstance(ev, Connected):
                 # A learner that grants groups says so; grants of an earlier session are void.
                 self._granted = Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
+                self._connected = True
                 self._announce(ev.welcome.policy_version)
                 self._poke()
             elif isinstance(ev, GroupsAdmitted):

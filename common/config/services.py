@@ -70,6 +70,9 @@ class LearnerConfig(Section):
     waits for a slow group instead of dropping it. Nothing generated is wasted; ``max_staleness:
     0`` is a synchronous trainer. false: servers generate ahead as credits allow and the learner
     drops what grew too stale (and servers that predate 1.3 always do)."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the learner's Prometheus endpoint (``trainer.logger`` includes prometheus); null or
+    0: any free port (logged)."""
     weights_file_dir: str | None = "/dev/shm"
     """Where new weights are written as safetensors files for rollout servers on this machine,
     which reload them in place instead of receiving chunks (the fast path; others still get

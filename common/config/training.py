@@ -195,11 +195,11 @@ class TrainerConfig(Section):
     resume_path: resume from resume_from_path."""
     resume_from_path: str | None = None
     """Checkpoint directory to resume from (resume_mode=resume_path)."""
-    logger: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = Field(
+    logger: list[Literal["console", "tensorboard", "jsonl", "wandb", "prometheus"]] = Field(
         default_factory=lambda: ["console"]
     )
     """Metric sinks (wandb needs the wandb package; it runs offline unless WANDB_API_KEY or
-    WANDB_MODE is set)."""
+    WANDB_MODE is set; prometheus serves the latest step's metrics on learner.metrics_port)."""
     seed: int = 0
     """Seed of the learner's initialisation and sampling (checkpoints restore the RNG state)."""
     default_local_dir: str | None = None

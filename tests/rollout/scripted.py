@@ -23,6 +23,9 @@ class ScriptedEngine:
         self.per_request: Any = None  # or a function of the episode id -> that episode's turns
         self.load_gate: Any = None  # an anyio.Event load_weights waits for, if set
         self.delay_s = 0.0  # seconds each generate call takes
+        # Seconds per sampled token, each stamped with the version loaded when it is sampled: a
+        # weight update in the middle of a turn splits it, as vLLM's partial rollouts do.
+        self.token_s = 0.0
 
     @property
     def policy_version(self) -> int:
@@ -55,6 +58,14 @@ class ScriptedEngine:
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish, stop_string = ids[: sampling.max_tokens], "length", None
+        if self.token_s:
+            import anyio
+
+            versions = []
+            for _ in ids:
+                await anyio.sleep(self.token_s)
+                versions.append(self.version)
+            return Generation(ids, [-0.5] * len(ids), versions, finish, stop_string=stop_string)
         return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), finish, stop_string=stop_string)
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -1,0 +1,180 @@
+"""Admission (learner/admission.py): the grant window, the deadline check, and a property test.
+
+The property test plays a whole run in discrete time with the real policy objects (``Admission``
+for grants and the step check, ``GroupBuffer`` for the buffer): rollout servers start groups only
+under grants, generate them token by token for a random, heavy-tailed number of ticks, and stamp
+every token with the weights their engine has loaded at that tick (a new version reaches each
+server after a random lag, in the middle of generations: partial rollouts). The learner trains
+``B`` groups per step for a random number of ticks, publishes the next version and grants anew.
+For every such run: nothing is ever dropped, nothing is generated beyond what the run trains, no
+trained token is more than ``max_staleness`` versions older than the policy that trains it, the
+run finishes (no deadlock), and with ``max_staleness = 0`` every token of step ``w`` is version ``w``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from learner.admission import Admission, feasible
+from learner.buffer import GroupBuffer
+from protocol.trajectory import Trajectory
+
+
+def test_feasible_counts_later_steps_room() -> None:
+    assert feasible([], 5, 4)
+    assert feasible([6] * 4 + [7] * 4, 5, 4)
+    assert not feasible([6] * 5, 5, 4)  # five groups due by version 6: one step of four left
+    assert not feasible([5], 5, 4)  # due now but left behind
+    assert feasible([9] * 12, 6, 4)
+
+
+def test_grants_fill_the_window_evenly_and_stop_at_the_end_of_the_run() -> None:
+    a = Admission(batch_groups=4, max_staleness=1)
+    a.joined("a")
+    a.joined("b")
+    assert sorted(a.grants(held=0, remaining=100, min_version=0)) == [("a", 4), ("b", 4)]
+    assert a.grants(held=0, remaining=100, min_version=0) == []  # the window (8) is full
+    assert a.received("a", 0) and a.generating == 7
+    assert a.grants(held=1, remaining=100, min_version=0) == []  # received, not yet trained: still held
+    assert a.grants(held=0, remaining=100, min_version=1) == [("a", 1)]  # trained: one more, on v1
+    assert a.left("b") == 4 and a.grants(held=0, remaining=100, min_version=1) == [("a", 4)]
+    assert a.grants(held=0, remaining=3, min_version=1) == []  # the run needs no more
+
+
+def test_an_arrival_takes_the_latest_grant_it_can_have_used() -> None:
+    a = Admission(batch_groups=2, max_staleness=2)
+    a.joined("s")
+    a.grants(held=0, remaining=100, min_version=0)  # 6 on v0
+    a.received("s", 0)
+    a.received("s", 0)
+    a.grants(held=0, remaining=100, min_version=3)  # 2 more, on v3
+    assert sorted(a.deadlines()) == [2, 2, 2, 2, 5, 5]
+    a.received("s", 4)  # a v4 group: it used a v3 grant, not a v0 one (the learner waits longer, never less)
+    assert sorted(a.deadlines()) == [2, 2, 2, 2, 5]
+    assert not a.received("other", 0)  # a server without grants
+
+
+@dataclass
+class Gen:
+    """A group being generated: its token versions so far, and the ticks it still needs."""
+
+    uid: str
+    left: int
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Server:
+    name: str
+    lag: int  # ticks until a published version is loaded
+    slots: int  # groups it runs at once
+    version: int = 0
+    grants: dict[int, int] = field(default_factory=dict)
+    running: list[Gen] = field(default_factory=list)
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (tick it loads, version)
+
+
+def trajectory(uid: str, versions: list[int]) -> Trajectory:
+    n = len(versions)
+    return Trajectory(f"{uid}-0", uid, np.zeros(2, np.int32), np.zeros(n, np.int32), np.ones(n, np.uint8),
+                      np.zeros(n, np.float32), np.array(versions, np.int32))
+
+
+def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ticks: int) -> None:
+    rng = random.Random(seed)
+    adm, buf = Admission(batch, k), GroupBuffer()
+    servers = [Server(f"s{i}", lag=rng.randint(0, 4), slots=rng.randint(1, 2 * batch)) for i in range(n_servers)]
+    for s in servers:
+        adm.joined(s.name)
+    remaining, version, uid, record = steps * batch, 0, 0, 0
+    training: tuple[int, object] | None = None  # (tick it ends, taken)
+    trained: list[tuple[int, list[Trajectory]]] = []
+
+    def grant() -> None:
+        held = len(buf) + buf.in_flight
+        for name, n in adm.grants(held=held, remaining=remaining, min_version=version):
+            srv = next(s for s in servers if s.name == name)
+            srv.grants[version] = srv.grants.get(version, 0) + n
+
+    grant()
+    for tick in range(100_000):
+        for s in servers:  # load published versions, start granted groups, generate one token each
+            while s.pending and s.pending[0][0] <= tick:
+                s.version = s.pending.pop(0)[1]
+            usable = sorted(m for m, n in s.grants.items() if n and m <= s.version)
+            while usable and len(s.running) < s.slots:
+                m = usable[0]
+                s.grants[m] -= 1
+                if not s.grants[m]:
+                    usable.pop(0)
+                length = min(400, max(1, int(rng.lognormvariate(2.0, 1.2))))  # heavy tail: p99/median ~ 16
+                s.running.append(Gen(f"g{uid}", length))
+                uid += 1
+            for g in list(s.running):
+                g.versions.append(s.version)
+                g.left -= 1
+                if not g.left:
+                    s.running.remove(g)
+                    record += 1
+                    groups = buf.add(record, [trajectory(g.uid, g.versions)])
+                    assert adm.received(s.name, groups[0].oldest_version)
+        if training is not None and training[0] <= tick:  # a step ends: publish, then grant
+            version += 1
+            for s in servers:
+                s.pending.append((tick + s.lag, version))
+            buf.finish([grp.key for grp in training[1].groups])
+            remaining -= batch
+            training = None
+            grant()
+        if training is None and len(trained) < steps and len(buf) >= batch:
+            left = [g.oldest_version + k for g in buf.by_deadline()[batch:]]
+            if adm.can_take(left, version):
+                taken = buf.take(batch, version, k)
+                assert not taken.dropped, f"tick {tick}: groups dropped as stale at version {version}"
+                trained.append((version, [t for g in taken.groups for t in g.trajectories]))
+                training = (tick + train_ticks, taken)
+        if len(trained) == steps and training is None:
+            break
+    else:
+        raise AssertionError(f"deadlock: {len(trained)} of {steps} steps after 100000 ticks")
+    assert buf.dropped_stale == 0
+    assert uid == steps * batch, "groups were generated beyond what the run trains"
+    for w, trajs in trained:
+        for t in trajs:
+            assert w - int(t.versions.min()) <= k, (w, t.versions)  # the per-token bound
+            if k == 0:
+                assert set(t.versions.tolist()) == {w}
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 5), k=st.integers(0, 4),
+       steps=st.integers(1, 8), n_servers=st.integers(1, 3), train_ticks=st.integers(1, 30))
+def test_no_group_is_wasted_and_no_token_is_too_stale(seed: int, batch: int, k: int, steps: int,
+                                                      n_servers: int, train_ticks: int) -> None:
+    simulate(seed, batch, k, steps, n_servers, train_ticks)
+
+
+def test_partial_rollouts_happen_in_the_simulation() -> None:
+    """The property is not vacuous: in a typical run tokens of one trajectory span versions."""
+    import learner.buffer as b
+
+    spans = 0
+    original = b.GroupBuffer.take
+
+    def spying(self: GroupBuffer, *args: object, **kw: object) -> b.Taken:
+        nonlocal spans
+        out = original(self, *args, **kw)  # type: ignore[arg-type]
+        spans += sum(len(set(t.versions.tolist())) > 1 for g in out.groups for t in g.trajectories)
+        return out
+
+    b.GroupBuffer.take = spying  # type: ignore[method-assign]
+    try:
+        simulate(seed=1, batch=4, k=2, steps=8, n_servers=2, train_ticks=10)
+    finally:
+        b.GroupBuffer.take = original  # type: ignore[method-assign]
+    assert spans > 0
