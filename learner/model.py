@@ -2,15 +2,29 @@
 
 Design: each Hugging Face model is wrapped in a small head module whose forward returns only what
 training needs at the response positions (per-token logprobs and entropy, or values), so the full
-[batch, sequence, vocabulary] logits never exist: the hidden states are gathered at the response
-positions first and only those go through the LM head. FSDP2's ``fully_shard`` is applied to every
-decoder layer and then to the wrapper, so the wrapper's forward unshards the embeddings, final norm
-and LM head together. Padding is right-padding inside a micro-batch (`collate`).
+[batch, sequence, vocabulary] logits never exist: the hidden states of the real response positions
+are picked out first (a flat list, no padding) and only those go through the LM head. FSDP2's
+``fully_shard`` is applied to every decoder layer and then to the wrapper, so the wrapper's forward
+unshards the embeddings, final norm and LM head together (`learner.fsdp` chooses the resharding).
+
+A micro-batch (`collate`) is packed or padded. Packed: the sequences end to end in one row with
+``position_ids`` restarting at each sequence and no padding anywhere (verl's
+``use_remove_padding``). Attention stays inside each sequence through `packed_attention`, the
+attention function the models are loaded with: flash-attn's varlen kernel on CUDA when the package
+is installed, else one SDPA call per sequence (exact; on CPU the only cost is a Python loop).
+Transformers' own packed-sequence detection from ``position_ids`` is not relied on: with SDPA it
+builds an N x N mask, and in transformers 5.19 it did not reproduce the padded numbers. Padded:
+right-padded to the longest sequence, and the same function runs SDPA with the padding mask. Both
+layouts give the same numbers to float rounding (tests/learner/test_packing.py).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,39 +34,159 @@ from torch import nn
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.samples import TOKEN_FIELDS, Sample
 
+ATTENTION = "learner_packed_sdpa"  # registered with transformers by register_attention()
 
-def collate(samples: Sequence[Sample], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded micro-batch tensors. ``gather_idx[i, j]`` is the position whose output predicts
-    response token j of sample i (prompt_len - 1 + j)."""
+
+@dataclass
+class MicroBatch:
+    """The tensors of one micro-batch. Response arrays are [B, R] (R: longest response), with the
+    model's outputs for the real response tokens in row-major order of ``response_valid``."""
+
+    input_ids: torch.Tensor  # [B, T] padded, or [1, N] packed
+    hidden_idx: torch.Tensor  # [Nr]: row of the flattened hidden states that predicts each response token
+    labels: torch.Tensor  # [Nr]: the response tokens
+    response_valid: torch.Tensor  # [B, R] bool: position j < sample i's response length
+    response_mask: torch.Tensor  # [B, R] float: 1 = trained on
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # TOKEN_FIELDS present, [B, R]
+    attention_mask: torch.Tensor | None = None  # [B, T], padded only
+    position_ids: torch.Tensor | None = None  # [1, N], packed only
+    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, packed only
+    bounds: tuple[int, ...] = ()  # the same starts as Python ints (no device sync to read them)
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of `PolicyHead` / `ValueHead` (integer tensors and Python values only,
+        so FSDP's mixed-precision input cast leaves them alone)."""
+        return {"input_ids": self.input_ids, "hidden_idx": self.hidden_idx, "attention_mask": self.attention_mask,
+                "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens, "bounds": self.bounds}
+
+    def to_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[Nr] per response token -> [B, R], zeros past each response (differentiable)."""
+        return torch.zeros(self.response_valid.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
+            self.response_valid, flat)
+
+
+def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = False) -> MicroBatch:
+    """The micro-batch tensors of ``samples``. Response token j of sample i is predicted by the
+    output at position prompt_len - 1 + j of its sequence."""
     b = len(samples)
-    t = max(len(s.input_ids) for s in samples)
+    lens = [len(s.input_ids) for s in samples]
     r = max(max(s.response_len for s in samples), 1)
-    input_ids = np.zeros((b, t), np.int64)
-    attn = np.zeros((b, t), np.int64)
-    gather = np.zeros((b, r), np.int64)
-    labels = np.zeros((b, r), np.int64)
+    valid = np.zeros((b, r), bool)
     mask = np.zeros((b, r), np.float32)
     extra = {k: np.zeros((b, r), np.float32) for k in TOKEN_FIELDS if k in samples[0].tokens}
+    labels, hidden = [], []
+    starts = np.concatenate([[0], np.cumsum(lens)]) if packed else np.arange(b) * max(lens)
     for i, s in enumerate(samples):
-        n, p, rl = len(s.input_ids), s.prompt_len, s.response_len
-        input_ids[i, :n] = s.input_ids
-        attn[i, :n] = 1
-        gather[i, :rl] = np.arange(p - 1, p - 1 + rl)
-        labels[i, :rl] = s.input_ids[p:]
+        p, rl = s.prompt_len, s.response_len
+        valid[i, :rl] = True
         mask[i, :rl] = s.response_mask
+        labels.append(s.input_ids[p:])
+        hidden.append(starts[i] + np.arange(p - 1, p - 1 + rl))
         for k, arr in extra.items():
             arr[i, :rl] = s.tokens[k]
-    out = {"input_ids": input_ids, "attention_mask": attn, "gather_idx": gather, "labels": labels,
-           "response_mask": mask, **extra}
-    return {k: torch.from_numpy(v).to(device) for k, v in out.items()}
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    out = MicroBatch(input_ids=put(np.zeros(0, np.int64)), hidden_idx=put(np.concatenate(hidden).astype(np.int64)),
+                     labels=put(np.concatenate(labels).astype(np.int64)), response_valid=put(valid),
+                     response_mask=put(mask), fields={k: put(v) for k, v in extra.items()})
+    if packed:
+        out.input_ids = put(np.concatenate([s.input_ids for s in samples]).astype(np.int64)[None])
+        out.position_ids = put(np.concatenate([np.arange(n) for n in lens]).astype(np.int64)[None])
+        out.cu_seqlens = put(starts.astype(np.int32))
+        out.bounds = tuple(int(x) for x in starts)
+    else:
+        ids = np.zeros((b, max(lens)), np.int64)
+        attn = np.zeros((b, max(lens)), np.int64)
+        for i, s in enumerate(samples):
+            ids[i, :lens[i]] = s.input_ids
+            attn[i, :lens[i]] = 1
+        out.input_ids, out.attention_mask = put(ids), put(attn)
+    return out
 
 
-def _gather_hidden(hidden: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
-    return hidden.gather(1, gather_idx.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+# -- attention ------------------------------------------------------------------------------------
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     packed_bounds: tuple[int, ...] | None = None, packed_cu_seqlens: torch.Tensor | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function ([B, heads, T, D] in, [B, T, heads, D] out). Packed
+    (``packed_bounds``: sequence starts in the one row): causal attention within each sequence.
+    Otherwise causal SDPA, with the 2-D padding mask (all the mask function below hands over)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_bounds is None:
+        if attention_mask is not None and attention_mask.dim() == 2:  # [B, T] keys: causal & not padding
+            t = query.shape[2]
+            causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+            attention_mask = causal[None, None] & attention_mask[:, None, None, -t:].bool()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("packed micro-batches with sliding-window attention: set "
+                                  "actor_rollout_ref.model.use_remove_padding=false")
+    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None and packed_cu_seqlens is not None:
+        longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
+        out = flash(q, k, v, packed_cu_seqlens, packed_cu_seqlens, longest, longest, dropout_p=dropout,
+                    softmax_scale=scaling, causal=True)
+        return out.unsqueeze(0), None
+    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                    dropout=dropout, scaling=scaling, is_causal=True)[0]
+             for a, b in itertools.pairwise(packed_bounds)]
+    return torch.cat(parts, dim=1), None
+
+
+@functools.cache
+def _flash_varlen() -> Any:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # optional package: one SDPA call per sequence instead
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def register_attention() -> None:
+    """Make ATTENTION a transformers attention implementation. Its mask function is flash
+    attention's: no mask when nothing is padded (so a packed row never gets an N x N mask), else the
+    2-D padding mask that `packed_attention` turns into SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, flash_attention_mask)
+
+
+def _decoder_kwargs(config: Any, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, bounds: tuple[int, ...]) -> dict[str, Any]:
+    if position_ids is None:
+        return {"attention_mask": attention_mask}
+    if getattr(config, "_attn_implementation", None) != ATTENTION:
+        # Any other attention would let the packed sequences attend to each other.
+        raise ValueError(f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
+                         f"(learner.model.load_causal_lm), not {config._attn_implementation!r}")
+    return {"position_ids": position_ids, "packed_bounds": bounds, "packed_cu_seqlens": cu_seqlens}
+
+
+def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                  bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    """The decoder's last hidden states, flattened to [B*T or N, H]."""
+    kw = _decoder_kwargs(decoder.config, attention_mask, position_ids, cu_seqlens, bounds)
+    hidden = decoder(input_ids=input_ids, use_cache=False, **kw).last_hidden_state
+    return hidden.reshape(-1, hidden.size(-1))
 
 
 class PolicyHead(nn.Module):
-    """Causal LM -> (logprobs of the response tokens, entropy at those positions)."""
+    """Causal LM -> (logprobs of the response tokens, entropy at those positions), flat [Nr]."""
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0) -> None:
         super().__init__()
@@ -60,15 +194,22 @@ class PolicyHead(nn.Module):
         # The rollout's logprobs are of the temperature-scaled distribution it sampled from.
         self.temperature = temperature if temperature > 0 else 1.0
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_idx: torch.Tensor,
-                labels: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        base = self.lm.get_decoder()
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        logits = self.lm.get_output_embeddings()(_gather_hidden(hidden, gather_idx)).float()
-        logits = logits / self.temperature
+    def forward(self, input_ids: torch.Tensor, hidden_idx: torch.Tensor, labels: torch.Tensor,
+                with_entropy: bool = False, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                bounds: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = hidden_states(self.lm.get_decoder(), input_ids, attention_mask, position_ids, cu_seqlens, bounds)
+        logits = self.lm.get_output_embeddings()(hidden[hidden_idx]).float() / self.temperature
         logp = logprobs_from_logits(logits, labels)
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
+
+
+def policy_outputs(model: nn.Module, mb: MicroBatch, with_entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, R] logprobs (and entropy) of ``mb``'s response tokens under the (sharded) PolicyHead."""
+    logp, ent = model(labels=mb.labels, with_entropy=with_entropy, **mb.model_inputs())
+    return mb.to_rows(logp), (mb.to_rows(ent) if ent is not None else None)
 
 
 class ValueHead(nn.Module):
@@ -78,10 +219,17 @@ class ValueHead(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                gather_idx: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return out.float().squeeze(-1).gather(1, gather_idx)
+    def forward(self, input_ids: torch.Tensor, hidden_idx: torch.Tensor, *,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+        kw = _decoder_kwargs(self.model.config, attention_mask, position_ids, cu_seqlens, bounds)
+        out = self.model(input_ids=input_ids, use_cache=False, **kw).logits
+        return out.float().reshape(-1)[hidden_idx]
+
+
+def value_outputs(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """[B, R] values at ``mb``'s response positions under the (sharded) ValueHead."""
+    return mb.to_rows(model(**mb.model_inputs()))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -93,32 +241,87 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# -- FSDP2 -----------------------------------------------------------------------------------------
+
+SMALL_MODEL_SHARE = 1 / 16
+"""A model whose unsharded parameters (in the compute dtype) take at most this share of the
+device's memory stays unsharded from forward to backward and across the micro-batches of an
+optimizer step."""
+
+
+def keep_unsharded(world_size: int, numel: int, *, bf16: bool, device: torch.device) -> bool:
+    """Whether FSDP2 keeps a model's parameters gathered between its forward and backward passes
+    (``reshard_after_forward=False``) and from one micro-batch to the next (no reshard after a
+    backward that does not end the optimizer step).
+
+    One rank: always (nothing is sharded, so resharding only frees and re-casts the same tensors;
+    measured on an H200, that re-unshard was the largest gap to a bare step). Several ranks: when
+    the model is small against the device (`SMALL_MODEL_SHARE`). The cost is one gathered copy of
+    the parameters, held through the step; gradient accumulation already holds one of the gradients
+    (FSDP2 keeps them unsharded, in fp32, until the last micro-batch's reduce-scatter), which is
+    twice as large under bf16 compute, so this at most adds half of what accumulation already needs.
+    What it saves is every all-gather but the first of each optimizer step: one per layer in the
+    backward of every micro-batch, and one per layer in the forward of every micro-batch after the
+    first."""
+    if world_size <= 1:
+        return True
+    unsharded = numel * (2 if bf16 else 4)
+    return unsharded <= SMALL_MODEL_SHARE * _device_memory(device)
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def shard(wrapper: nn.Module, inner: nn.Module, *, device: torch.device, param_offload: bool,
-          bf16: bool, world_size: int = 2) -> nn.Module:
+          bf16: bool, world_size: int = 2, keep_gathered: bool | None = None) -> nn.Module:
     """FSDP2 over every decoder layer of ``inner``, then the wrapper as the root unit.
 
-    On one rank nothing is sharded, so freeing the unsharded (bf16) parameters after forward only
-    costs time: the backward pass (and its gradient-checkpointing recompute) would gather and cast
-    them again. Measured on an H200 (bench/learner.py --profile), that re-unshard was the largest
-    part of the gap to a bare training step; with several ranks the memory saving is the point."""
+    ``keep_gathered`` (None: `keep_unsharded` decides) sets ``reshard_after_forward``; the worker
+    turns resharding after backward off for the micro-batches before an optimizer step's last
+    (`set_micro_batch`). Several ranks on CUDA: each layer's forward also prefetches the next
+    layer's all-gather explicitly (FSDP2 only prefetches implicitly in backward), so a step bound by
+    kernel launches still overlaps communication with compute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict[str, Any] = {"reshard_after_forward": world_size > 1}
+    if keep_gathered is None:
+        keep_gathered = keep_unsharded(world_size, sum(p.numel() for p in wrapper.parameters()), bf16=bf16,
+                                       device=device)
+    kwargs: dict[str, Any] = {"reshard_after_forward": not keep_gathered}
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if param_offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(inner):
+    layers = decoder_layers(inner)
+    for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(wrapper, **kwargs)
+    if world_size > 1 and device.type == "cuda":
+        for layer, nxt in itertools.pairwise(layers):
+            layer.set_modules_to_forward_prefetch([nxt])
+    wrapper.keep_gathered = keep_gathered
     return wrapper
+
+
+def set_micro_batch(model: nn.Module, index: int, count: int) -> None:
+    """Before micro-batch ``index`` of ``count`` in one optimizer step: gradients are reduced only
+    after the last, and a model that keeps its parameters gathered reshards only then too (the
+    optimizer step must see, and the next step gather, the updated shards)."""
+    last = index == count - 1
+    model.set_requires_gradient_sync(last)
+    if getattr(model, "keep_gathered", False):
+        model.set_reshard_after_backward(last)
 
 
 def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    register_attention()
     # float32 master weights: mixed precision (bf16 on GPU) is FSDP's job, not the checkpoint's.
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                              attn_implementation=ATTENTION)
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
@@ -128,6 +331,7 @@ def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing
 def load_value_model(path: str, *, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForTokenClassification
 
+    register_attention()
     model = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=ATTENTION)
     return model

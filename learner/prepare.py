@@ -5,6 +5,9 @@ wire and the loss can be unit-tested without workers. Per-token quantities live 
 [trajectories, longest response] tensors while advantages are computed (verl's layout, so the
 estimators are verl's), then are cut back to each sample's own length. The episode's reward is put
 on its last trained token (the last token with mask 1), where verl puts the score.
+
+The step's plan also starts here: how passes cut micro-batches (`batching`) and whether the update
+takes the old logprobs from its own forward (`old_logprobs_from_update`, the rule is its docstring).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.samples import Sample
+from learner.samples import Batching, OldFromForward, Sample
 from protocol.trajectory import Trajectory
 
 REMAX_BASELINE = "remax_baseline"  # reward_extras key set by the rollout side (rollout_service.groups)
@@ -30,6 +33,43 @@ def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
         s.tokens["rollout_logprobs"] = np.asarray(t.rollout_logprobs, np.float32)
         out.append(s)
     return out
+
+
+def mini_batch_count(config: Any) -> int:
+    """Optimizer steps per epoch: data.train_batch_size * rollout.n / actor.ppo_mini_batch_size."""
+    arr = config.actor_rollout_ref
+    return max(1, config.data.train_batch_size * arr.rollout.n // arr.actor.ppo_mini_batch_size)
+
+
+def batching(config: Any, micro_size: int | None = None) -> Batching:
+    """How a learner pass cuts micro-batches: the actor's token cap with use_dynamic_bsz, else
+    ``micro_size`` samples (default actor.ppo_micro_batch_size_per_gpu); packed with
+    model.use_remove_padding."""
+    arr = config.actor_rollout_ref
+    actor = arr.actor
+    return Batching(micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
+                    max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
+                    packed=arr.model.use_remove_padding)
+
+
+def old_logprobs_from_update(config: Any, step: int) -> OldFromForward | None:
+    """Whether this step's actor update takes the old logprobs from its own forward (returned: what
+    the workers need for it) instead of a separate forward before it (None).
+
+    The rule: actor.off_policy.old_logprobs is recompute, skip_old_logprob_forward is auto, the
+    actor is updated this step (past trainer.critic_warmup), one PPO epoch and one mini-batch. Then
+    every forward of the update runs on the weights the separate pass would have used, so its
+    logprobs, detached, are the old logprobs: the ratio is 1 and the gradient unchanged. The
+    importance weights old/rollout and rollout/logprob_diff only need old and rollout logprobs of
+    the same token, so the workers compute them in the update, exactly. algorithm.use_kl_in_reward
+    is the exception: the reward, and so the advantages, need the old logprobs before the update
+    starts, so a step with it keeps the separate forward."""
+    actor, alg = config.actor_rollout_ref.actor, config.algorithm
+    off = actor.off_policy
+    if (off.old_logprobs != "recompute" or off.skip_old_logprob_forward == "never" or alg.use_kl_in_reward
+            or step < config.trainer.critic_warmup or actor.ppo_epochs != 1 or mini_batch_count(config) != 1):
+        return None
+    return OldFromForward(is_level=off.is_level, is_cap=off.is_cap)
 
 
 def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -113,17 +153,25 @@ def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version
 
 
 def reduce_worker_metrics(per_rank: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Sums over ranks -> means: token-weighted (``*_tok``), per optimizer step (losses, grad norm)."""
-    total = defaultdict(float)
+    """Sums over ranks -> means: token-weighted (``*_tok``), sequence-weighted (``*_seq``), maxima
+    (``*_max``), per optimizer step (losses, grad norm). Keys are put under ``prefix/``, except
+    those that name their own section (``off_policy/is_weight_mean_tok``)."""
+    total: defaultdict[str, float] = defaultdict(float)
     for m in per_rank:
         for k, v in m.items():
-            total[k] += v
+            total[k] = max(total.get(k, v), v) if k.endswith("_max") else total[k] + v
     tokens = max(total.pop("tokens", 0.0), 1.0)
+    seqs = max(total.pop("seqs", 0.0), 1.0)
     steps = max(per_rank[0].get("optimizer_steps", 1.0), 1.0)
     out: dict[str, float] = {}
     for k, v in total.items():
+        name = k if "/" in k else f"{prefix}/{k}"
         if k.endswith("_tok"):
-            out[f"{prefix}/{k[:-4]}"] = v / tokens
+            out[name[:-4]] = v / tokens
+        elif k.endswith("_seq"):
+            out[name[:-4]] = v / seqs
+        elif k.endswith("_max"):
+            out[name[:-4]] = v
         elif k == "grad_norm_sum":
             out[f"{prefix}/grad_norm"] = v / len(per_rank) / steps
         elif k in ("lr",):

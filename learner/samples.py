@@ -1,11 +1,19 @@
-"""Training samples as they travel from the trainer to its workers, and their micro-batch tensors.
+"""Training samples as they travel from the trainer to its workers, and how they are cut into
+micro-batches.
 
 Design: one `Sample` per trajectory holds numpy arrays of its own length (no padding crosses a
-process boundary); a worker pads only inside a micro-batch, right-padded to that micro-batch's
-longest sequence. Per-token training inputs (advantages, old logprobs, ...) are response-length
-arrays aligned with ``response_mask``. `split_for_ranks` deals mini-batches to workers so every rank
-runs the same number of micro-batches (FSDP's collectives need every rank in every forward), padding
-short ranks with zero-weight copies.
+process boundary); a worker lays a micro-batch out only when it runs it (`learner.model.collate`):
+packed (the sequences end to end, no padding: ``Batching.packed``) or right-padded to the
+micro-batch's longest sequence. Per-token training inputs (advantages, old logprobs, ...) are
+response-length arrays aligned with ``response_mask``.
+
+`split_for_ranks` deals mini-batches to workers and `split_forward` deals forward-only passes. Both
+balance the ranks by tokens and give every rank the same number of micro-batches (FSDP's
+collectives need every rank in every forward), padding short ranks with zero-weight dummies. A
+micro-batch holds ``micro_size`` samples, or, with a token cap (``max_tokens``, verl's
+``use_dynamic_bsz``), as many as fit under the cap, where a micro-batch costs what its tensors hold:
+the sum of its lengths when packed, count x longest when padded. Long and short sequences then share
+micro-batches so that each costs about the same, and a step costs its tokens, not its padding.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "is_weights")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "is_weights",
+                "rollout_logprobs")
 
 
 @dataclass
@@ -35,6 +44,38 @@ class Sample:
                        tokens={k: np.zeros_like(v) for k, v in self.tokens.items()})
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How one rank's samples are cut into micro-batches, and how the worker lays them out."""
+
+    micro_size: int = 4
+    """Samples per micro-batch when ``max_tokens`` is 0."""
+    max_tokens: int = 0
+    """> 0: micro-batches by token count, each costing at most this many tokens (a sequence longer
+    than the cap runs alone); the sample count then varies."""
+    packed: bool = False
+    """Padding-free micro-batches (sequences end to end); else right-padded."""
+
+    def cost(self, lengths: Sequence[int]) -> int:
+        """Tokens a micro-batch of these sequence lengths puts through the model."""
+        if not lengths:
+            return 0
+        return sum(lengths) if self.packed else len(lengths) * max(lengths)
+
+
+@dataclass(frozen=True)
+class OldFromForward:
+    """Tells ``update_actor`` to take the old logprobs from the update's own forward, detached,
+    instead of from ``Sample.tokens``: the same numbers, one forward pass fewer, but only when every
+    forward of the update runs on the weights before it, i.e. one epoch and one mini-batch (the
+    trainer's rule: `learner.prepare.old_logprobs_from_update`). The truncated importance weights
+    (old / rollout, ``is_level``, ``is_cap``) and the metrics that compare old and rollout logprobs
+    are then computed there too, from ``rollout_logprobs``."""
+
+    is_level: str = "off"  # token | sequence | off
+    is_cap: float = 2.0
+
+
 @dataclass
 class MiniBatchPlan:
     """One optimizer step: the micro-batches of one rank, plus the global counts losses divide by."""
@@ -43,6 +84,7 @@ class MiniBatchPlan:
     num_tokens: int  # masked response tokens in the whole mini-batch, over all ranks
     num_seqs: int  # sequences with at least one masked token, over all ranks
     max_response_len: int  # over all ranks (seq-mean-token-sum-norm's constant)
+    packed: bool = False  # how the worker lays the micro-batches out (Batching.packed)
 
 
 def count_tokens(samples: Sequence[Sample]) -> int:
@@ -61,47 +103,110 @@ def even_chunks(items: Sequence[Sample], n: int) -> list[list[Sample]]:
     return out
 
 
-def balance(samples: Sequence[Sample], ranks: int) -> list[list[Sample]]:
-    """Greedy longest-first assignment by token count: equal sample counts (+-1), similar tokens."""
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
-    parts: list[list[Sample]] = [[] for _ in range(ranks)]
+def balance_indices(lengths: Sequence[int], ranks: int, *, equal_counts: bool = True) -> list[list[int]]:
+    """Greedy longest-first assignment of item indices to ranks by token count. ``equal_counts``:
+    every rank gets the same number of items (+-1), as fixed-size micro-batches need; without it
+    only the tokens are balanced (token-capped micro-batches)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    parts: list[list[int]] = [[] for _ in range(ranks)]
     loads = [0] * ranks
-    cap = -(-len(samples) // ranks)
+    cap = -(-len(lengths) // ranks) if equal_counts else len(lengths)
     for i in order:
         r = min((r for r in range(ranks) if len(parts[r]) < cap), key=lambda r: loads[r])
-        parts[r].append(samples[i])
-        loads[r] += len(samples[i].input_ids)
+        parts[r].append(i)
+        loads[r] += lengths[i]
     return parts
 
 
-def split_for_ranks(samples: Sequence[Sample], *, mini_batches: int, ranks: int,
-                    micro_size: int) -> list[list[MiniBatchPlan]]:
-    """Per rank, the plans of ``mini_batches`` optimizer steps over ``samples`` (in order)."""
+def balance(samples: Sequence[Sample], ranks: int) -> list[list[Sample]]:
+    """Greedy longest-first assignment by token count: equal sample counts (+-1), similar tokens."""
+    return [[samples[i] for i in part] for part in balance_indices([len(s.input_ids) for s in samples], ranks)]
+
+
+def micro_batches(lengths: Sequence[int], batching: Batching) -> list[list[int]]:
+    """Item indices cut into micro-batches, each sorted by length (similar lengths pad less).
+
+    Token cap: the fewest micro-batches that first-fit decreasing finds under the cap, then the
+    items dealt longest first to the cheapest micro-batch that still has room, so the micro-batches
+    cost about the same (verl balances them with Karmarkar-Karp; this keeps the cap a guarantee)."""
+    idx = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if not idx:
+        return []
+    if batching.max_tokens <= 0:
+        size = max(1, batching.micro_size)
+        return [idx[i:i + size] for i in range(0, len(idx), size)]
+    longest_first = idx[::-1]
+    n = len(_fill(longest_first, lengths, batching, None))
+    while True:
+        bins = _fill(longest_first, lengths, batching, n)
+        if len(bins) == n:
+            return [sorted(b, key=lambda i: lengths[i]) for b in bins]
+        n += 1  # an item found no room in n balanced bins: one more
+
+
+def _fill(order: Sequence[int], lengths: Sequence[int], batching: Batching, n: int | None) -> list[list[int]]:
+    """n None: first fit (a bin opens when none has room). n set: the cheapest of n bins that has
+    room; an item with no room anywhere opens a bin beyond n (the caller then retries with more).
+    ``order`` is longest first, so a bin's first item is its longest (padded cost = count x it)."""
+    bins: list[list[int]] = [[] for _ in range(n or 0)]
+    costs = [0] * len(bins)
+
+    def cost_with(b: int, i: int) -> int:
+        if not bins[b]:
+            return lengths[i]
+        if batching.packed:
+            return costs[b] + lengths[i]
+        return (len(bins[b]) + 1) * lengths[bins[b][0]]
+
+    for i in order:
+        fits = [b for b in range(len(bins)) if not bins[b] or cost_with(b, i) <= batching.max_tokens]
+        if not fits:
+            bins.append([])
+            costs.append(0)
+            fits = [len(bins) - 1]
+        b = fits[0] if n is None else min(fits, key=lambda b: costs[b])
+        costs[b] = cost_with(b, i)
+        bins[b].append(i)
+    return [b for b in bins if b]
+
+
+def split_for_ranks(samples: Sequence[Sample], *, mini_batches: int, ranks: int, micro_size: int = 4,
+                    batching: Batching | None = None) -> list[list[MiniBatchPlan]]:
+    """Per rank, the plans of ``mini_batches`` optimizer steps over ``samples`` (in order), cut by
+    ``batching`` (default: ``micro_size`` samples per padded micro-batch)."""
+    batching = batching or Batching(micro_size=micro_size)
     per_rank: list[list[MiniBatchPlan]] = [[] for _ in range(ranks)]
     for mb in even_chunks(samples, mini_batches):
-        parts = balance(mb, ranks)
-        n_micro = max(1, max(-(-len(p) // micro_size) for p in parts))
         num_tokens = count_tokens(mb)
         num_seqs = sum(1 for s in mb if s.response_mask.any())
         max_len = max(s.response_len for s in mb)
-        for r, part in enumerate(parts):
-            part = sorted(part, key=lambda s: len(s.input_ids))  # similar lengths pad less
-            micro = [part[i:i + micro_size] for i in range(0, len(part), micro_size)]
-            while len(micro) < n_micro:
-                micro.append([mb[0].dummy()])
-            per_rank[r].append(MiniBatchPlan(micro, num_tokens, num_seqs, max_len))
+        micro = _deal(mb, ranks, batching)
+        for r in range(ranks):
+            per_rank[r].append(MiniBatchPlan(micro[r], num_tokens, num_seqs, max_len, batching.packed))
     return per_rank
 
 
-def split_forward(samples: Sequence[Sample], *, ranks: int, micro_size: int) -> list[list[list[int]]]:
+def _deal(items: Sequence[Sample], ranks: int, batching: Batching) -> list[list[list[Sample]]]:
+    """Per rank, its micro-batches of ``items``; every rank gets as many (dummies fill them: copies
+    of the shortest item, the cheapest way to keep a rank in step)."""
+    shortest = min(items, key=lambda s: len(s.input_ids))
+    idx = _deal_indices([len(s.input_ids) for s in items], ranks, batching)
+    return [[[shortest.dummy() if i < 0 else items[i] for i in m] for m in rank] for rank in idx]
+
+
+def _deal_indices(lengths: Sequence[int], ranks: int, batching: Batching) -> list[list[list[int]]]:
+    """Per rank, micro-batches of item indices, the same number on every rank; -1 is a dummy."""
+    parts = balance_indices(lengths, ranks, equal_counts=batching.max_tokens <= 0)
+    per_rank = [[[part[j] for j in m] for m in micro_batches([lengths[i] for i in part], batching)]
+                for part in parts]
+    n_micro = max(1, max(len(m) for m in per_rank))
+    for m in per_rank:
+        while len(m) < n_micro:
+            m.append([-1])
+    return per_rank
+
+
+def split_forward(samples: Sequence[Sample], *, ranks: int, micro_size: int = 4,
+                  batching: Batching | None = None) -> list[list[list[int]]]:
     """Per rank, micro-batches of sample indices for a forward-only pass; -1 marks a dummy."""
-    idx = list(range(len(samples)))
-    parts = [idx[r::ranks] for r in range(ranks)]
-    n_micro = max(1, max(-(-len(p) // micro_size) for p in parts))
-    out = []
-    for part in parts:
-        micro = [part[i:i + micro_size] for i in range(0, len(part), micro_size)]
-        while len(micro) < n_micro:
-            micro.append([-1])
-        out.append(micro)
-    return out
+    return _deal_indices([len(s.input_ids) for s in samples], ranks, batching or Batching(micro_size=micro_size))

@@ -4,7 +4,12 @@ Design: the objective is assembled from `learner.algorithms` (PPO clip with dual
 importance weights, entropy bonus, KL loss, clipped value loss); every term is aggregated with the
 mini-batch's global counts (`LossNorm`), so summing micro-batch losses over micro-batches and ranks
 (FSDP averages gradients over ranks; `dp_size` undoes that) gives the loss of the whole mini-batch.
-Metrics are returned as token-weighted sums for the trainer to reduce across ranks.
+Metrics are returned as sums for the trainer to reduce across ranks (`learner.prepare.
+reduce_worker_metrics`): ``*_tok`` token-weighted, ``*_seq`` sequence-weighted, ``*_max`` maxima;
+a key with a ``/`` keeps its own section (``off_policy/...``, ``rollout/...``).
+
+With `OldFromForward` the old logprobs are this forward's own, detached: the PPO ratio is exactly 1
+and the gradient the same as with old logprobs from a separate forward of the same weights.
 """
 
 from __future__ import annotations
@@ -13,8 +18,16 @@ from typing import Any
 
 import torch
 
-from learner.algorithms import LossNorm, agg_loss, kl_penalty, ppo_policy_loss, value_loss
-from learner.samples import MiniBatchPlan
+from learner.algorithms import (
+    LossNorm,
+    agg_loss,
+    kl_penalty,
+    ppo_policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
+from learner.model import MicroBatch, policy_outputs, value_outputs
+from learner.samples import MiniBatchPlan, OldFromForward
 
 
 def loss_norm(plan: MiniBatchPlan, world: int) -> LossNorm:
@@ -22,39 +35,63 @@ def loss_norm(plan: MiniBatchPlan, world: int) -> LossNorm:
                     global_batch_size=max(plan.num_seqs, 1), loss_scale_factor=max(plan.max_response_len, 1))
 
 
-def actor_micro_loss(model: torch.nn.Module, b: dict[str, torch.Tensor], plan: MiniBatchPlan,
-                     s: Any, world: int) -> tuple[torch.Tensor, dict[str, float]]:
-    mask = b["response_mask"]
-    need_entropy = True  # always reported; the bonus only enters the loss when entropy_coeff > 0
-    logp, ent = model(b["input_ids"], b["attention_mask"], b["gather_idx"], b["labels"], need_entropy)
+def off_policy_terms(old: torch.Tensor, b: MicroBatch, spec: OldFromForward
+                     ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Importance weights and the old-vs-rollout metrics of one micro-batch, as the trainer computes
+    them for the whole batch before the update when old logprobs come from a separate forward."""
+    mask, rollout = b.response_mask, b.fields["rollout_logprobs"]
+    out = {"rollout/logprob_diff_tok": float(((old - rollout).abs() * mask).sum())}
+    if spec.is_level == "off":
+        return None, out
+    w, m = truncated_is_weights(old, rollout, mask, cap=spec.is_cap, level=spec.is_level)  # type: ignore[arg-type]
+    out["off_policy/is_weight_mean_tok"] = float((w * mask).sum())
+    out["off_policy/is_weight_max_max"] = float(m["is_weight_max"])
+    if spec.is_level == "token":
+        out["off_policy/is_truncated_frac_tok"] = float(m["is_truncated_frac"]) * float(mask.sum())
+    else:
+        out["off_policy/is_truncated_frac_seq"] = float(m["is_truncated_frac"]) * float((mask.sum(-1) > 0).sum())
+    return w, out
+
+
+def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: Any, world: int,
+                     old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    mask = b.response_mask
+    # entropy is always reported; the bonus only enters the loss when entropy_coeff > 0
+    logp, ent = policy_outputs(model, b, with_entropy=True)
+    assert ent is not None
     norm = loss_norm(plan, world)
+    out: dict[str, float] = {}
+    if old_from_forward is None:
+        old, is_weights = b.fields["old_logprobs"], b.fields.get("is_weights")
+    else:
+        old = logp.detach()
+        is_weights, out = off_policy_terms(old, b, old_from_forward)
     pg_loss, m = ppo_policy_loss(
-        b["old_logprobs"], logp, b["advantages"], mask,
+        old, logp, b.fields["advantages"], mask,
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        loss_agg_mode=s.loss_agg_mode, norm=norm, is_weights=b.get("is_weights"),
+        loss_agg_mode=s.loss_agg_mode, norm=norm, is_weights=is_weights,
     )
     loss = pg_loss
     ntok = float(mask.sum())
-    out = {"pg_loss": float(pg_loss.detach()) / world, "tokens": ntok,
-           "clipfrac_tok": float(m["clipfrac"]) * ntok, "clipfrac_lower_tok": float(m["clipfrac_lower"]) * ntok,
-           "ppo_kl_tok": float(m["ppo_kl"]) * ntok}
-    assert ent is not None
-    out["entropy_tok"] = float((ent.detach() * mask).sum())
+    out |= {"pg_loss": float(pg_loss.detach()) / world, "tokens": ntok, "seqs": float((mask.sum(-1) > 0).sum()),
+            "clipfrac_tok": float(m["clipfrac"]) * ntok, "clipfrac_lower_tok": float(m["clipfrac_lower"]) * ntok,
+            "ppo_kl_tok": float(m["ppo_kl"]) * ntok, "entropy_tok": float((ent.detach() * mask).sum())}
     if s.entropy_coeff > 0:
         loss = loss - s.entropy_coeff * agg_loss(ent, mask, s.loss_agg_mode, norm)
     if s.use_kl_loss:
-        kl = kl_penalty(logp, b["ref_logprobs"], s.kl_loss_type)
+        kl = kl_penalty(logp, b.fields["ref_logprobs"], s.kl_loss_type)
         kl_loss = agg_loss(kl, mask, s.loss_agg_mode, norm)
         loss = loss + s.kl_loss_coef * kl_loss
         out["kl_loss"] = float(kl_loss.detach()) / world
     return loss, out
 
 
-def critic_micro_loss(model: torch.nn.Module, b: dict[str, torch.Tensor], plan: MiniBatchPlan,
-                      s: Any, world: int) -> tuple[torch.Tensor, dict[str, float]]:
-    mask = b["response_mask"]
-    vpreds = model(b["input_ids"], b["attention_mask"], b["gather_idx"])
-    loss, m = value_loss(vpreds, b["returns"], b["values"], mask, cliprange_value=s.cliprange_value,
+def critic_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: Any, world: int,
+                      old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    del old_from_forward  # the critic's old values always come from its own forward pass
+    mask = b.response_mask
+    vpreds = value_outputs(model, b)
+    loss, m = value_loss(vpreds, b.fields["returns"], b.fields["values"], mask, cliprange_value=s.cliprange_value,
                          loss_agg_mode=s.loss_agg_mode, norm=loss_norm(plan, world))
     ntok = float(mask.sum())
     return loss, {"value_loss": float(loss.detach()) / world, "tokens": ntok,

@@ -5,6 +5,9 @@ are the collective steps of a training step; every rank is called with its own s
 and the same number of micro-batches, so FSDP's collectives line up. Losses are normalised by the
 global counts of the mini-batch (`MiniBatchPlan`), so the gradient is the same whatever the number of
 ranks and micro-batches. Metrics come back as sums with their weights; the trainer reduces them.
+Micro-batches are laid out as their plan says (packed or padded, `learner.model.collate`). Between
+calls a small model may stay gathered (`learner.model.keep_unsharded`); FSDP2's state-dict hooks
+reshard it before a checkpoint or a weight gather reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from learner import checkpoint_io
-from learner.samples import MiniBatchPlan, Sample
+from learner.samples import MiniBatchPlan, OldFromForward, Sample
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class WorkerSettings:
     cliprange_value: float = 0.5
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    keep_gathered: bool | None = None  # FSDP2 parameters gathered through a step; None: by model size
 
 
 def lr_factor(step: int, s: WorkerSettings) -> float:
@@ -111,18 +115,21 @@ class TrainWorker:
         lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
                             gradient_checkpointing=s.gradient_checkpointing).to(self.device)
         self.models["actor"] = shard(PolicyHead(lm, s.temperature), lm, device=self.device,
-                                     param_offload=s.param_offload, bf16=bf16, world_size=self.world)
+                                     param_offload=s.param_offload, bf16=bf16, world_size=self.world,
+                                     keep_gathered=s.keep_gathered)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
             ref = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
                                  gradient_checkpointing=False).to(self.device).eval()
             ref.requires_grad_(False)
             self.models["ref"] = shard(PolicyHead(ref, s.temperature), ref, device=self.device,
-                                       param_offload=s.param_offload, bf16=bf16, world_size=self.world)
+                                       param_offload=s.param_offload, bf16=bf16, world_size=self.world,
+                                       keep_gathered=s.keep_gathered)
         if s.critic_model_path:
             vm = load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code).to(self.device)
             self.models["critic"] = shard(ValueHead(vm), vm, device=self.device,
-                                          param_offload=s.param_offload, bf16=bf16, world_size=self.world)
+                                          param_offload=s.param_offload, bf16=bf16, world_size=self.world,
+                                          keep_gathered=s.keep_gathered)
             self._add_optimizer("critic", s.critic_lr, s.critic_weight_decay)
 
     def _add_optimizer(self, role: str, lr: float, weight_decay: float) -> None:
@@ -135,42 +142,52 @@ class TrainWorker:
     # -- forward-only passes ----------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, role: str, micro_batches: Sequence[Sequence[Sample | None]],
-                with_entropy: bool = False) -> list[list[dict[str, np.ndarray]]]:
+                with_entropy: bool = False, packed: bool = False) -> list[list[dict[str, np.ndarray]]]:
         """Per micro-batch and sample: logprobs (+ entropy) for actor/ref, values for critic.
         None entries are placeholders that keep this rank in step; their results are dropped."""
         from learner.model import collate
 
         model = self.models[role]
+        # eval() changes nothing in these models (no dropout), but the update runs in train():
+        # the numbers are the same, which the skipped old-logprob forward relies on.
         model.eval()
         out = []
         for micro in micro_batches:
             real = [s for s in micro if s is not None]
-            batch = collate(real or [_placeholder()], self.device)
+            batch = collate(real or [_placeholder()], self.device, packed=packed)
             res = self._run(role, model, batch, with_entropy)
             out.append([{k: v[i, :s.response_len].float().cpu().numpy() for k, v in res.items()}
                         for i, s in enumerate(real)])
         return out
 
-    def _run(self, role: str, model: torch.nn.Module, b: dict[str, torch.Tensor],
-             with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _run(self, role: str, model: torch.nn.Module, b: Any, with_entropy: bool) -> dict[str, torch.Tensor]:
+        from learner.model import policy_outputs, value_outputs
+
         if role == "critic":
-            return {"values": model(b["input_ids"], b["attention_mask"], b["gather_idx"])}
-        logp, ent = model(b["input_ids"], b["attention_mask"], b["gather_idx"], b["labels"], with_entropy)
+            return {"values": value_outputs(model, b)}
+        logp, ent = policy_outputs(model, b, with_entropy)
         return {"logprobs": logp} | ({"entropy": ent} if ent is not None else {})
 
     # -- updates --------------------------------------------------------------------------------
-    def update_actor(self, plans: Sequence[MiniBatchPlan], epochs: int = 1) -> dict[str, float]:
+    def update_actor(self, plans: Sequence[MiniBatchPlan], epochs: int = 1,
+                     old_from_forward: OldFromForward | None = None) -> dict[str, float]:
+        """One PPO update. ``old_from_forward``: the samples carry no old logprobs; each micro-batch
+        takes its own forward's, detached, which is exact only before the first optimizer step."""
         from learner.update import actor_micro_loss
 
-        return self._update("actor", plans, epochs, actor_micro_loss)
+        if old_from_forward is not None and (epochs != 1 or len(plans) != 1):
+            raise ValueError(f"old logprobs from the update's forward need one epoch and one mini-batch "
+                             f"(got {epochs} epochs, {len(plans)} mini-batches)")
+        return self._update("actor", plans, epochs, actor_micro_loss, old_from_forward)
 
     def update_critic(self, plans: Sequence[MiniBatchPlan], epochs: int = 1) -> dict[str, float]:
         from learner.update import critic_micro_loss
 
         return self._update("critic", plans, epochs, critic_micro_loss)
 
-    def _update(self, role: str, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: Any) -> dict[str, float]:
-        from learner.model import collate
+    def _update(self, role: str, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: Any,
+                old_from_forward: OldFromForward | None = None) -> dict[str, float]:
+        from learner.model import collate, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
         clip = self.s.grad_clip if role == "actor" else self.s.critic_grad_clip
@@ -182,11 +199,12 @@ class TrainWorker:
             for plan in plans:
                 opt.zero_grad(set_to_none=True)
                 for i, micro in enumerate(plan.micro_batches):
-                    model.set_requires_gradient_sync(i == len(plan.micro_batches) - 1)
-                    loss, metrics = micro_loss(model, collate(micro, self.device), plan, self.s, self.world)
+                    set_micro_batch(model, i, len(plan.micro_batches))
+                    loss, metrics = micro_loss(model, collate(micro, self.device, packed=plan.packed), plan,
+                                               self.s, self.world, old_from_forward)
                     loss.backward()
                     for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v
+                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 if math.isfinite(norm):

@@ -4,7 +4,8 @@ Design: the trainer talks to one `WorkerGroup`; each collective step is "call th
 every rank with that rank's arguments and await all of them", and a failure of any rank fails the
 step with that rank's error. Ray is started locally or joined (`ray.address`); each worker gets one
 GPU on GPU runs, or a share of the CPUs on CPU runs, and sets its torch thread count to that share
-so the ranks do not oversubscribe the cores.
+so the ranks do not oversubscribe the cores. `forward` runs a forward-only pass over whole samples
+and puts each sample's result back into its ``tokens``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.logging import get_logger
+from learner.samples import Batching, Sample, split_forward
 from learner.worker import TrainWorker, WorkerSettings
 
 
@@ -58,6 +60,20 @@ class WorkerGroup:
         args = args or [()] * self.world
         refs = [getattr(a, method).remote(*args[r], **kwargs) for r, a in enumerate(self.actors)]
         return list(await asyncio.gather(*refs))
+
+    async def forward(self, role: str, samples: Sequence[Sample], key: str, batching: Batching, *,
+                      with_entropy: bool = False) -> None:
+        """Forward-only pass of ``role`` over ``samples`` on every rank; each sample's logprobs
+        (values for the critic) land in ``sample.tokens[key]``."""
+        plan = split_forward(samples, ranks=self.world, batching=batching)
+        per_rank = [[[samples[i] if i >= 0 else None for i in chunk] for chunk in rank] for rank in plan]
+        results = await self.all("forward", [(role, chunks, with_entropy, batching.packed) for chunks in per_rank])
+        out_key = "values" if role == "critic" else "logprobs"
+        for rank, res in zip(plan, results, strict=True):
+            real = [i for chunk in rank for i in chunk if i >= 0]
+            flat = [r for chunk in res for r in chunk]
+            for i, r in zip(real, flat, strict=True):
+                samples[i].tokens[key] = r[out_key]
 
     def shutdown(self) -> None:
         import ray

@@ -27,6 +27,10 @@ class ModelConfig(Section):
     """Recompute activations in the backward pass of the actor to save memory."""
     trust_remote_code: bool = False
     """Allow model/tokenizer code shipped with the checkpoint to run (Hugging Face option)."""
+    use_remove_padding: bool = True
+    """Padding-free micro-batches in the learner: the sequences end to end in one row, attention
+    kept within each (flash-attn's varlen kernel on CUDA when installed, else one SDPA call per
+    sequence), so a micro-batch costs its tokens. Same numbers as padded micro-batches (false)."""
 
 
 class OptimConfig(Section):
@@ -69,6 +73,12 @@ class OffPolicyConfig(Section):
     per token, per sequence (product of the token ratios), or off."""
     is_cap: float = Field(2.0, gt=0)
     """Truncation of the importance weight (truncated IS): weights above it are clipped to it."""
+    skip_old_logprob_forward: Literal["auto", "never"] = "auto"
+    """auto: in recompute mode, when a step has one PPO epoch and one mini-batch (ppo_mini_batch_size
+    >= data.train_batch_size * rollout.n) and algorithm.use_kl_in_reward is off, take the old
+    logprobs from the update's own forward pass (detached) instead of a separate forward: the same
+    weights give the same numbers, so the ratio, loss, gradient, importance weights and metrics are
+    unchanged (verl does the same). never: always run the separate forward."""
 
 
 class ActorConfig(Section):
@@ -80,7 +90,16 @@ class ActorConfig(Section):
     """Samples (trajectories) per optimizer step; data.train_batch_size * rollout.n must be a
     multiple of it."""
     ppo_micro_batch_size_per_gpu: int = Field(4, gt=0)
-    """Samples per forward/backward pass on one worker (gradient accumulation unit)."""
+    """Samples per forward/backward pass on one worker (gradient accumulation unit) when
+    use_dynamic_bsz is false."""
+    use_dynamic_bsz: bool = True
+    """Micro-batches by token count instead of by samples: each holds as many samples as fit in
+    ppo_max_token_len_per_gpu tokens, and the ranks get equal tokens rather than equal sample
+    counts. Applies to every learner pass (actor and critic updates, old-logprob, reference and
+    value forwards). The loss is normalised by global counts, so the gradient does not change."""
+    ppo_max_token_len_per_gpu: int = Field(16384, gt=0)
+    """Token cap of a micro-batch with use_dynamic_bsz (prompt + response tokens; padded micro-
+    batches count their padding). A longer sequence runs alone. Sets the learner's peak memory."""
     ppo_epochs: int = Field(1, gt=0)
     """Passes over each training batch."""
     clip_ratio_low: float = Field(0.2, ge=0)
