@@ -221,22 +221,28 @@ class Trainer:
 
     async def _prepare(self, trajs: list[Any], samples: list[Sample]) -> dict[str, float]:
         from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
+        from learner.prepare import batching, old_logprobs_from_update
 
         cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
         metrics: dict[str, float] = {}
-        if cfg.off_policy.old_logprobs == "recompute":
-            await self._forward("actor", samples, "old_logprobs")
-        else:
+        # Old logprobs from the update's own forward: then the importance weights and logprob_diff
+        # come from the workers with the update's metrics (the rule: old_logprobs_from_update).
+        in_update = old_logprobs_from_update(self.config, self.step) is not None
+        passes = batching(self.config)
+        if cfg.off_policy.old_logprobs == "rollout":
             for s in samples:
                 s.tokens["old_logprobs"] = s.tokens["rollout_logprobs"]
+        elif not in_update:
+            await self.workers.forward("actor", samples, "old_logprobs", passes)
         if self.settings.need_ref:
-            await self._forward("ref", samples, "ref_logprobs")
+            await self.workers.forward("ref", samples, "ref_logprobs", passes)
         if self.settings.critic_model_path:
-            await self._forward("critic", samples, "values")
+            await self.workers.forward("critic", samples, "values", passes)
         mask = response_tensors(samples)
-        old = response_tensors(samples, "old_logprobs")
+        old = None if in_update else response_tensors(samples, "old_logprobs")
         rewards = token_level_scores(trajs, mask)
         if alg.use_kl_in_reward:
+            assert old is not None  # the rule keeps the separate forward with KL in the reward
             rewards, km = apply_kl_in_reward(rewards, old, response_tensors(samples, "ref_logprobs"), mask,
                                              controller=self.kl_ctrl, kl_penalty_kind=alg.kl_penalty)
             self.kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
@@ -253,33 +259,37 @@ class Trainer:
         adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
         set_tokens(samples, "advantages", adv)
         set_tokens(samples, "returns", returns)
-        if cfg.off_policy.old_logprobs == "recompute" and cfg.off_policy.is_level != "off":
+        if old is not None and cfg.off_policy.old_logprobs == "recompute" and cfg.off_policy.is_level != "off":
             w, wm = truncated_is_weights(old, response_tensors(samples, "rollout_logprobs"), mask,
                                          cap=cfg.off_policy.is_cap, level=cfg.off_policy.is_level)
             set_tokens(samples, "is_weights", w)
             metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
         m = mask.bool()
         metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
-        metrics["rollout/logprob_diff"] = float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean()) if m.any() else 0.0
+        if old is not None:
+            metrics["rollout/logprob_diff"] = float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean()) if m.any() else 0.0
         return metrics
 
     async def _update(self, samples: list[Sample]) -> dict[str, float]:
+        from learner.prepare import batching, mini_batch_count, old_logprobs_from_update
+
         cfg = self.config.actor_rollout_ref.actor
-        samples_per_step = self.config.data.train_batch_size * self.config.actor_rollout_ref.rollout.n
-        n_mini = max(1, samples_per_step // cfg.ppo_mini_batch_size)
+        n_mini = mini_batch_count(self.config)
+        old_from_forward = old_logprobs_from_update(self.config, self.step)
         for s in samples:
-            s.tokens.pop("rollout_logprobs", None)  # not needed by the loss: do not ship it
+            if old_from_forward is None:  # else the workers compare old and rollout logprobs
+                s.tokens.pop("rollout_logprobs", None)  # not needed by the loss: do not ship it
             if not self.settings.use_kl_loss:
                 s.tokens.pop("ref_logprobs", None)
         metrics: dict[str, float] = {}
         if self.settings.critic_model_path:
             plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
-                                    micro_size=self.config.critic.ppo_micro_batch_size_per_gpu)
+                                    batching=batching(self.config, self.config.critic.ppo_micro_batch_size_per_gpu))
             res = await self.workers.all("update_critic", [(p, cfg.ppo_epochs) for p in plans])
             metrics |= reduce_worker_metrics(res, "critic")
         if self.step >= self.config.trainer.critic_warmup:
-            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world, micro_size=self.settings_micro)
-            res = await self.workers.all("update_actor", [(p, cfg.ppo_epochs) for p in plans])
+            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world, batching=batching(self.config))
+            res = await self.workers.all("update_actor", [(p, cfg.ppo_epochs, old_from_forward) for p in plans])
             metrics |= reduce_worker_metrics(res, "actor")
             self.version += 1
         return metrics
