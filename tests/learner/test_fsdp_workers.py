@@ -1,4 +1,5 @@
-"""FSDP2 workers as Ray actors on gloo: the same batch gives the same update on 1 and on 2 ranks,
+"""FSDP2 workers as Ray actors on gloo: the same batch gives the same update on 1 and on 2 ranks
+(padded or packed micro-batches, fixed or token-capped, parameters kept gathered or resharded),
 forward logprobs match a plain transformers forward, checkpoints round-trip, and the exported model
 loads in transformers."""
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.samples import Sample, split_for_ranks
+from learner.samples import Batching, Sample, split_for_ranks
 from learner.worker import WorkerSettings
 
 pytestmark = pytest.mark.slow
@@ -48,13 +49,14 @@ def settings(model: Path, **kw: Any) -> WorkerSettings:
     return replace(WorkerSettings(model_path=str(model), lr=1e-3, loss_agg_mode="token-mean", seed=1), **kw)
 
 
-async def _train(model: Path, world: int, samples: list[Sample], **kw: Any) -> tuple[dict[str, float], dict]:
+async def _train(model: Path, world: int, samples: list[Sample], batching: Batching | None = None,
+                 **kw: Any) -> tuple[dict[str, float], dict]:
     from learner.workers import WorkerGroup
 
     group = WorkerGroup(settings(model, **kw), world)
     try:
         await group.start()
-        plans = split_for_ranks(samples, mini_batches=2, ranks=world, micro_size=3)
+        plans = split_for_ranks(samples, mini_batches=2, ranks=world, micro_size=3, batching=batching)
         metrics = await group.all("update_actor", [(p, 1) for p in plans])
         names = [n for n, _ in _hf_names(model)]
         weights = (await group.all("full_weights", [(names,)] * world))[0]
@@ -79,6 +81,20 @@ def test_two_ranks_match_one_rank(tiny_model: Path, ray_cluster: Any, mode: str)
     before = load_file(str(tiny_model / "model.safetensors"))
     moved = max(float(np.abs(one[n] - before[n]).max()) for n in one)
     assert moved > 1e-5, "the update did not change the weights"
+    for n in one:
+        np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
+
+
+@pytest.mark.parametrize("keep_gathered", [True, False])
+def test_packed_token_capped_two_ranks_match_padded_one_rank(tiny_model: Path, ray_cluster: Any,
+                                                            keep_gathered: bool) -> None:
+    """Packed micro-batches of at most 60 tokens on 2 ranks, with FSDP2 keeping the parameters
+    gathered through the step (the default for a small model) or resharding after every forward and
+    backward, update the weights as padded micro-batches of 3 samples on 1 rank do."""
+    samples = make_samples(12, seed=7)
+    _, one = anyio.run(lambda: _train(tiny_model, 1, samples))
+    _, two = anyio.run(lambda: _train(tiny_model, 2, samples, Batching(max_tokens=60, packed=True),
+                                      keep_gathered=keep_gathered))
     for n in one:
         np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
 

@@ -1,0 +1,206 @@
+"""Packed (padding-free) micro-batches give the padded numbers, and token-capped micro-batches
+respect their cap and hold every sample exactly once.
+
+The model tests run the tiny Qwen2 unsharded in this process (the heads and the loss are the ones
+the FSDP workers run; tests/learner/test_fsdp_workers.py covers the sharded path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from learner.samples import (
+    Batching,
+    Sample,
+    count_tokens,
+    micro_batches,
+    split_for_ranks,
+    split_forward,
+)
+
+CPU = torch.device("cpu")
+
+
+def mixed_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
+    """Short and long sequences together, as agentic batches are (lengths 3 .. ~120)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(2, 12))
+        r = int(rng.integers(1, 6)) if i % 3 else int(rng.integers(40, 110))
+        ids = rng.integers(0, vocab, p + r).astype(np.int64)
+        mask = (rng.random(r) > 0.2).astype(np.float32)
+        s = Sample(ids, p, mask)
+        s.tokens["old_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
+        s.tokens["rollout_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
+        out.append(s)
+    return out
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model: Path) -> Any:
+    from learner.model import PolicyHead, load_causal_lm
+
+    torch.manual_seed(0)
+    lm = load_causal_lm(str(tiny_model), trust_remote_code=False, gradient_checkpointing=False)
+    return PolicyHead(lm, temperature=0.7).train()
+
+
+def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any) -> None:
+    from learner.model import collate, policy_outputs
+    from learner.samples import MiniBatchPlan
+    from learner.update import actor_micro_loss
+    from learner.worker import WorkerSettings
+
+    samples = mixed_samples(7)
+    plan = MiniBatchPlan([samples], count_tokens(samples), len(samples), max(s.response_len for s in samples))
+    s = WorkerSettings(model_path="", entropy_coeff=0.01)
+    got = {}
+    for packed in (False, True):
+        b = collate(samples, CPU, packed=packed)
+        assert b.packed == packed
+        if packed:  # one row, no padding anywhere
+            assert b.input_ids.shape == (1, sum(len(x.input_ids) for x in samples))
+        policy.zero_grad(set_to_none=True)
+        loss, metrics = actor_micro_loss(policy, b, plan, s, world=1)
+        loss.backward()
+        with torch.no_grad():
+            logp, ent = policy_outputs(policy, b, with_entropy=True)
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        got[packed] = (logp, ent, float(loss.detach()), metrics, grads)
+    (lp0, e0, l0, m0, g0), (lp1, e1, l1, m1, g1) = got[False], got[True]
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
+    assert l1 == pytest.approx(l0, abs=1e-6)
+    assert m1.keys() == m0.keys()
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], abs=1e-5, rel=1e-5), k
+    assert g1.keys() == g0.keys() and g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-4, msg=n)
+    valid = collate(samples, CPU).response_valid
+    assert not lp0[~valid].any(), "nothing past a response"
+
+
+def test_packed_logprobs_match_a_plain_transformers_forward(policy: Any, tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from learner.model import collate, policy_outputs
+
+    samples = mixed_samples(5, seed=4)
+    with torch.no_grad():
+        logp, _ = policy_outputs(policy, collate(samples, CPU, packed=True))
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for i, s in enumerate(samples):
+        with torch.no_grad():
+            logits = lm(torch.from_numpy(s.input_ids)[None]).logits[0] / 0.7
+        want = torch.log_softmax(logits[s.prompt_len - 1:-1], -1).gather(
+            1, torch.from_numpy(s.input_ids[s.prompt_len:])[:, None])[:, 0]
+        torch.testing.assert_close(logp[i, :s.response_len], want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_values_match_padded(tiny_model: Path) -> None:
+    from learner.model import ValueHead, collate, load_value_model, value_outputs
+
+    torch.manual_seed(0)
+    head = ValueHead(load_value_model(str(tiny_model), trust_remote_code=False)).eval()
+    samples = mixed_samples(6, seed=2)
+    with torch.no_grad():
+        padded = value_outputs(head, collate(samples, CPU))
+        packed = value_outputs(head, collate(samples, CPU, packed=True))
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_batch_refuses_a_model_without_the_packed_attention(tiny_model: Path) -> None:
+    """Any other attention would let the packed sequences see each other, silently."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.model import PolicyHead, collate, policy_outputs
+
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        policy_outputs(PolicyHead(lm), collate(mixed_samples(3), CPU, packed=True))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize(("n", "ranks", "cap"), [(40, 1, 200), (40, 2, 150), (13, 4, 120), (3, 2, 60)])
+def test_token_capped_micro_batches(n: int, ranks: int, cap: int, packed: bool) -> None:
+    samples = mixed_samples(n, seed=n + ranks)
+    batching = Batching(max_tokens=cap, packed=packed)
+    plans = split_for_ranks(samples, mini_batches=1, ranks=ranks, batching=batching)
+    ids = {id(s): i for i, s in enumerate(samples)}
+    seen = []
+    counts = {len(p[0].micro_batches) for p in plans}
+    assert len(counts) == 1, "every rank runs the same number of micro-batches"
+    for rank in plans:
+        assert rank[0].packed == packed
+        for micro in rank[0].micro_batches:
+            lengths = [len(s.input_ids) for s in micro]
+            assert len(micro) == 1 or batching.cost(lengths) <= cap, (lengths, cap)
+            assert lengths == sorted(lengths)
+            seen += [ids[id(s)] for s in micro if id(s) in ids]
+            assert all(not s.response_mask.any() for s in micro if id(s) not in ids), "dummies train nothing"
+    assert sorted(seen) == list(range(n)), "every sample exactly once"
+    assert plans[0][0].num_tokens == count_tokens(samples)
+    fwd = split_forward(samples, ranks=ranks, batching=batching)
+    assert sorted(i for rank in fwd for m in rank for i in m if i >= 0) == list(range(n))
+    for rank in fwd:
+        for m in rank:
+            real = [len(samples[i].input_ids) for i in m if i >= 0]
+            assert len(real) <= 1 or batching.cost(real) <= cap
+
+
+def test_token_cap_balances_micro_batches_and_ranks() -> None:
+    lengths = [300, 10, 10, 250, 40, 40, 40, 120, 100, 90, 80, 5, 5, 5, 200, 60]
+    bins = micro_batches(lengths, Batching(max_tokens=400, packed=True))
+    costs = [sum(lengths[i] for i in b) for b in bins]
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert max(costs) <= 400 and len(bins) == -(-sum(lengths) // 400)  # as few as the cap allows
+    assert max(costs) - min(costs) <= max(lengths) // 2, costs
+    samples = [Sample(np.zeros(n, np.int64), 1, np.ones(n - 1, np.float32)) for n in lengths]
+    plans = split_for_ranks(samples, mini_batches=1, ranks=2, batching=Batching(max_tokens=400, packed=True))
+    loads = [sum(len(s.input_ids) for m in p[0].micro_batches for s in m if s.response_mask.any()) for p in plans]
+    assert abs(loads[0] - loads[1]) <= max(lengths) // 2, loads
+    assert sorted(micro_batches([500, 20], Batching(max_tokens=100))) == [[0], [1]], "a long sequence runs alone"
+
+
+def config(**kw: Any) -> Any:
+    """The config fields learner.prepare reads."""
+    off = SimpleNamespace(old_logprobs="recompute", skip_old_logprob_forward="auto", is_level="token", is_cap=2.0)
+    off.__dict__.update(kw.pop("off_policy", {}))
+    actor = SimpleNamespace(off_policy=off, ppo_epochs=1, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2,
+                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1000)
+    actor.__dict__.update(kw.pop("actor", {}))
+    return SimpleNamespace(
+        actor_rollout_ref=SimpleNamespace(actor=actor, rollout=SimpleNamespace(n=4),
+                                          model=SimpleNamespace(use_remove_padding=True)),
+        algorithm=SimpleNamespace(use_kl_in_reward=kw.pop("use_kl_in_reward", False)),
+        data=SimpleNamespace(train_batch_size=2), trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0)))
+
+
+@pytest.mark.parametrize(("kw", "skips"), [
+    ({}, True),
+    ({"off_policy": {"is_level": "sequence", "is_cap": 3.0}}, True),
+    ({"actor": {"ppo_epochs": 2}}, False),
+    ({"actor": {"ppo_mini_batch_size": 4}}, False),  # two optimizer steps
+    ({"use_kl_in_reward": True}, False),  # the reward needs old logprobs before the update
+    ({"off_policy": {"skip_old_logprob_forward": "never"}}, False),
+    ({"off_policy": {"old_logprobs": "rollout"}}, False),
+    ({"critic_warmup": 1}, False),  # no actor update this step
+])
+def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bool) -> None:
+    from learner.prepare import batching, old_logprobs_from_update
+
+    got = old_logprobs_from_update(config(**kw), step=0)
+    assert (got is not None) == skips
+    if got is not None:
+        off = config(**kw).actor_rollout_ref.actor.off_policy
+        assert (got.is_level, got.is_cap) == (off.is_level, off.is_cap)
+    assert batching(config()) == Batching(micro_size=2, max_tokens=1000, packed=True)
+    assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(micro_size=3, packed=True)
