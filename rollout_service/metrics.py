@@ -33,6 +33,7 @@ class Counters:
     tool_calls: int = 0
     tool_errors: int = 0
     staleness_drops: int = 0
+    dropped_tokens: int = 0
     trajectories_shipped: int = 0
     batches_shipped: int = 0
     batches_acked: int = 0
@@ -46,6 +47,7 @@ class Gauges:
     spool_batches: int = 0
     unacked_batches: int = 0
     weight_version: int = 0
+    granted_groups: int = -1  # groups the learner granted and not yet started; -1: it grants none
 
 
 _HELP = {
@@ -55,6 +57,8 @@ _HELP = {
     "tool_calls": "Tool calls made by agents",
     "tool_errors": "Tool calls that ended in an error",
     "staleness_drops": "Trajectories dropped for being too far behind the current weights",
+    "dropped_tokens": "Model tokens of dropped (too stale) groups: generated, never shipped",
+    "granted_groups": "Prompt groups the learner granted that have not started yet (-1: the learner grants none)",
     "trajectories_shipped": "Trajectories handed to the learner protocol",
     "batches_shipped": "Trajectory batches handed to the learner protocol",
     "batches_acked": "Trajectory batches acknowledged by the learner",
@@ -93,8 +97,9 @@ class RolloutStats:
         """An episode that ended without a trajectory (cancelled, crashed)."""
         self.gauges.episodes_in_flight -= 1
 
-    def staleness_dropped(self, n: int = 1) -> None:
+    def staleness_dropped(self, n: int = 1, tokens: int = 0) -> None:
         self.counters.staleness_drops += n
+        self.counters.dropped_tokens += tokens
 
     def batch_shipped(self, trajectories: int) -> None:
         self.counters.batches_shipped += 1
@@ -122,7 +127,9 @@ class RolloutStats:
             f"episodes {episodes / dt:.2f}/s | gen {(c.generated_tokens - last.generated_tokens) / dt:.1f} tok/s"
             f" | turns {turns / episodes if episodes else 0.0:.2f}/episode"
             f" | tools {c.tool_calls - last.tool_calls} calls {c.tool_errors - last.tool_errors} errors"
-            f" | in flight {g.episodes_in_flight} | unacked {g.unacked_batches} (spool {g.spool_batches})"
+            f" | in flight {g.episodes_in_flight}"
+            + (f" | granted {g.granted_groups}" if g.granted_groups >= 0 else "")
+            + f" | unacked {g.unacked_batches} (spool {g.spool_batches})"
             f" | version {g.weight_version} | staleness drops {c.staleness_drops - last.staleness_drops}"
             f" | shipped {c.trajectories_shipped} trajectories"
         )

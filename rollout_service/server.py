@@ -330,6 +330,9 @@ class RolloutServer:
             return False
         return self._running == 0 or self._running + n <= server.max_concurrent_episodes
 
+    def _set_granted(self) -> None:
+        self.stats.gauges.granted_groups = -1 if self._granted is None else sum(self._granted.values())
+
     def _grant(self) -> int | None:
         """The smallest ``min_version`` among the grants the engine's weights satisfy (None: none)."""
         usable = [m for m, n in (self._granted or {}).items() if n > 0 and m <= self.engine.policy_version]
@@ -363,6 +366,7 @@ class RolloutServer:
                 self._granted[m] -= 1
                 if not self._granted[m]:
                     del self._granted[m]
+                self._set_granted()
             self._running += n
             self._groups_running += 1
             started += 1
@@ -388,10 +392,10 @@ class RolloutServer:
             self.stats.episode_finished(generated_tokens=int(sum(ep.mask)), turns=ep.turns,
                                         tool_calls=ep.tool_calls, tool_errors=ep.tool_errors)
         if stale(result.trajectories, self.newest_version, rollout.max_staleness):
-            self.stats.staleness_dropped(len(result.trajectories))
+            self.stats.staleness_dropped(len(result.trajectories),
+                                         sum(int(np.count_nonzero(t.response_mask)) for t in result.trajectories))
             # The learner counts it as waste (HEARTBEAT dropped_tokens).
-            self.shipper.client.conn.dropped_tokens += sum(int(np.count_nonzero(t.response_mask))
-                                                           for t in result.trajectories)
+            self.shipper.client.conn.dropped_tokens = self.stats.counters.dropped_tokens
             self.log.info("group dropped: too stale", group=item.group_uid, newest_version=self.newest_version)
             self.source.commit(item)  # dropped on purpose: not to be redone
             return
@@ -406,14 +410,17 @@ class RolloutServer:
                 # A learner that grants groups says so; grants of an earlier session are void.
                 self._granted = Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
                 self._connected = True
+                self._set_granted()
                 self._announce(ev.welcome.policy_version)
                 self._poke()
             elif isinstance(ev, GroupsAdmitted):
                 if self._granted is not None:
                     self._granted[ev.min_version] += ev.groups
+                    self._set_granted()
                     self._poke()
             elif isinstance(ev, PeerClosed | PeerTimedOut) and self._granted is not None:
                 self._granted = Counter()  # the session is over: wait for the next one's grants
+                self._set_granted()
             elif isinstance(ev, WeightsAnnounced):
                 self._announce(ev.version)
             elif isinstance(ev, WeightsReceived):

@@ -28,3 +28,16 @@ def renderer(tokenizer: Any) -> Any:
     from rollout_service.agents.rendering import ChatRenderer
 
     return ChatRenderer(tokenizer)
+
+
+@pytest.fixture
+def echo_tool() -> Any:
+    from scripted import EchoTool
+
+    from rollout_service.tools.base import TOOLS
+
+    if "echo" not in TOOLS:
+        TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
+    return TOOLS.get("echo")
+
+

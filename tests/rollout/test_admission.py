@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 import pytest
 from scripted import ScriptedEngine
-from test_server import echo_tool, make_config  # noqa: F401  (fixture)
+from server_testkit import make_config
 
 from protocol.reference import reference_weights
 
@@ -57,7 +57,7 @@ async def play_trainer(intake: Any, max_staleness: int, train_s: float) -> list[
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 async def test_admission_wastes_nothing_and_bounds_every_token(
-        tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int) -> None:  # noqa: F811
+        tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int) -> None:
     from transformers import AutoTokenizer
 
     from learner.intake import Intake

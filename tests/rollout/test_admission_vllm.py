@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from test_server import make_config
+from server_testkit import make_config
 
 from protocol.weights import NamedBuffer
 

@@ -3,7 +3,6 @@ data files, spool and ZeroMQ over TCP loopback to the reference learner."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,51 +10,14 @@ import anyio
 import numpy as np
 import pytest
 from scripted import ScriptedEngine
+from server_testkit import make_config
 
-from common.config import load_config
 from protocol.reference import ReferenceLearner
-from rollout_service.rewards.base import REWARDS, EpisodeView, RewardResult
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # zmq.asyncio
-
-
-@REWARDS.register("test_mentions_42")
-async def _mentions_42(ep: EpisodeView, row: dict[str, Any]) -> RewardResult:
-    return RewardResult(float("42" in ep.response_text), {"turns": ep.num_turns})
-
-
-def write_data(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"question": f"what is {i}*7?", "answer": str(7 * i), "data_source": "arith"}) + "\n"
-                            for i in range(n)))
-    return path
-
-
-def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
-    overrides = {
-        "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.tools": ["echo"],
-        "data.train_files": str(write_data(tmp / "train.jsonl", 5)), "data.agent_type": "tool_agent",
-        "data.max_response_length": 200, "data.train_batch_size": 4,
-        "rollout_server.learner_address": address, "rollout_server.server_id": "rs-test",
-        "rollout_server.reward_fn": "test_mentions_42", "rollout_server.stats_interval_s": 0.2,
-        "transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 2.0, **over,
-    }
-    return load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()],
-                       check_paths=False)
-
-
-@pytest.fixture
-def echo_tool() -> Any:
-    from scripted import EchoTool
-
-    from rollout_service.tools.base import TOOLS
-
-    if "echo" not in TOOLS:
-        TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
-    return TOOLS.get("echo")
 
 
 async def serve_groups(config: Any, run_dir: Path, engine: Any, groups: int) -> Any:
