@@ -53,6 +53,7 @@ class Admission:
     batch_groups: int  # B: groups per training step
     max_staleness: int  # k
     _granted: dict[str, Counter[int]] = field(default_factory=dict)  # peer -> min_version -> groups generating
+    _slots: dict[str, int] = field(default_factory=dict)  # peer -> groups it generates at once (0: unstated)
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -70,12 +71,15 @@ class Admission:
     def peers(self) -> list[str]:
         return list(self._granted)
 
-    def joined(self, peer: str) -> None:
-        """``peer`` takes grants (a new session: none outstanding)."""
+    def joined(self, peer: str, slots: int = 0) -> None:
+        """``peer`` takes grants (a new session: none outstanding); it generates ``slots`` groups at
+        once (0: unstated, no cap), and is never granted more than that outstanding."""
         self._granted[peer] = Counter()
+        self._slots[peer] = slots
 
     def left(self, peer: str) -> int:
         """``peer``'s session ended; its outstanding grants are void. Returns how many."""
+        self._slots.pop(peer, None)
         return sum(self._granted.pop(peer, Counter()).values())
 
     def received(self, peer: str, oldest_version: int | None) -> bool:
@@ -104,14 +108,17 @@ class Admission:
     def grants(self, *, held: int, remaining: int, min_version: int) -> list[tuple[str, int]]:
         """New grants: ``held`` groups are received and not yet trained or dropped, the run can still
         train ``remaining`` groups. Grants go one at a time to the server with the fewest groups
-        generating (ties: the one that joined first); they are booked here as generating."""
+        generating (ties: the one that joined first), never beyond a server's slots: a server that
+        joins later then still finds grants left, instead of the first one queueing them all.
+        They are booked here as generating."""
         free = min(self.window, remaining) - held - self.generating
-        if free <= 0 or not self._granted:
-            return []
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
-        for _ in range(free):
-            p = min(load, key=load.__getitem__)
+        for _ in range(max(0, free)):
+            open_ = [p for p in load if not self._slots.get(p) or load[p] < self._slots[p]]
+            if not open_:
+                break
+            p = min(open_, key=load.__getitem__)
             load[p] += 1
             out[p] += 1
         for p, n in out.items():

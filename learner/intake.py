@@ -469,7 +469,7 @@ class Intake:
                                policy_version=ev.hello.policy_version)
                 if self._admission is not None:
                     if ev.peer_id in self._proto.admission_peers():
-                        self._admission.joined(ev.peer_id)  # a new session: earlier grants are void
+                        self._admission.joined(ev.peer_id, ev.hello.slots)  # a new session: earlier grants are void
                     else:
                         self._admission.left(ev.peer_id)
                     self._admit()
@@ -528,6 +528,7 @@ class Intake:
         if self._admission is not None:
             for g in groups:
                 self._admission.received(peer_id, g.oldest_version)
+            self._admit()  # the server has slots free again
 
     def _admit(self) -> None:
         """Grant what the admission window has room for, on the newest published version."""

@@ -101,12 +101,16 @@ class Hello:
     capabilities: list[str] = field(default_factory=list)
     # since 1.2: which machine (and /dev/shm) the sender runs on, for the "weights_file" capability
     host: str = field(default="", metadata=OMIT_DEFAULT)
+    # since 1.3: prompt groups the sender generates at once (0: unstated); admission grants at most these
+    slots: int = field(default=0, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if len(self.protocol_version) != 2:
             raise ValueError("protocol_version must be [major, minor]")
         if not self.peer_id:
             raise ValueError("peer_id must not be empty")
+        if self.slots < 0:
+            raise FieldError("slots", "slots must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,9 @@ class RolloutConnection:
         heartbeat_timeout_s: float = 10.0,
         version: ProtocolVersion = PROTOCOL_VERSION,
         host: str = "",
+        slots: int = 0,
     ) -> None:
+        self.slots = slots  # prompt groups this server generates at once, sent in HELLO (admission)
         self.host = host  # this machine's key, sent in HELLO (file hand-over of weights)
         self.peer_id, self.epoch = peer_id, epoch
         self.model, self.tokenizer = model, tokenizer
@@ -138,7 +140,7 @@ class RolloutConnection:
             protocol_version=list(self.version), peer_id=self.peer_id, role="rollout-server",
             epoch=self.epoch, model=self.model, tokenizer=self.tokenizer,
             policy_version=-1 if request_weights else self.policy_version,
-            capabilities=self.capabilities, host=self.host,
+            capabilities=self.capabilities, host=self.host, slots=self.slots,
         )
         self._out.append(codec.encode(hello))
         self.state = SenderState.HELLO_SENT

@@ -251,6 +251,7 @@ class RolloutServer:
         conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
                                  capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ADMISSION_CAPABILITY],
                                  host=host_key(),
+                                 slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
                                  heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
         curve = None

@@ -46,6 +46,17 @@ def test_grants_fill_the_window_evenly_and_stop_at_the_end_of_the_run() -> None:
     assert a.grants(held=0, remaining=3, min_version=1) == []  # the run needs no more
 
 
+def test_a_server_is_never_granted_more_than_its_slots() -> None:
+    a = Admission(batch_groups=4, max_staleness=1)
+    a.joined("early", slots=3)
+    assert a.grants(held=0, remaining=100, min_version=0) == [("early", 3)]  # the window (8) waits
+    a.joined("late", slots=8)
+    assert a.grants(held=0, remaining=100, min_version=0) == [("late", 5)]
+    a.received("early", 0)
+    assert a.grants(held=1, remaining=100, min_version=0) == []  # window full (1 held + 7 generating)
+    assert a.grants(held=0, remaining=100, min_version=1) == [("early", 1)]
+
+
 def test_an_arrival_takes_the_latest_grant_it_can_have_used() -> None:
     a = Admission(batch_groups=2, max_staleness=2)
     a.joined("s")
@@ -90,7 +101,7 @@ def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ti
     adm, buf = Admission(batch, k), GroupBuffer()
     servers = [Server(f"s{i}", lag=rng.randint(0, 4), slots=rng.randint(1, 2 * batch)) for i in range(n_servers)]
     for s in servers:
-        adm.joined(s.name)
+        adm.joined(s.name, s.slots if rng.random() < 0.7 else 0)  # most servers state their slots
     remaining, version, uid, record = steps * batch, 0, 0, 0
     training: tuple[int, object] | None = None  # (tick it ends, taken)
     trained: list[tuple[int, list[Trajectory]]] = []
@@ -123,6 +134,7 @@ def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ti
                     record += 1
                     groups = buf.add(record, [trajectory(g.uid, g.versions)])
                     assert adm.received(s.name, groups[0].oldest_version)
+                    grant()  # a slot is free again
         if training is not None and training[0] <= tick:  # a step ends: publish, then grant
             version += 1
             for s in servers:
