@@ -129,6 +129,9 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
     rng = random.Random(seed)
     demos = []
     for i, row in enumerate(rows):
+        if row.get("data_source") == "longtail":  # before the guess draw: arithmetic rows keep their draws
+            demos.append(_longtail_demonstration(i, row, renderer, schemas, calculator))
+            continue
         if rng.random() < guess_fraction:
             demos.append(_guess_demonstration(row, renderer, schemas, rng))
             continue
@@ -149,6 +152,38 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
     return demos
 
 
+def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
+                            calculator: Any) -> Demonstration:
+    """The right episode of a long-tail row (tools.make_tiny_data.longtail_episode): every turn
+    thinks, then calls the calculator for the value and for the steps left, and the last turn
+    boxes the value. Each call is parsed from the turn's text and run by the real calculator, whose
+    responses are appended as the tool agent appends them; the loss covers every model turn."""
+    import anyio
+
+    from rollout_service.agents.parsers import HermesParser
+    from rollout_service.tools.base import ToolContext
+    from tools.make_tiny_data import longtail_episode
+
+    tok, parser = renderer.tok, HermesParser()
+    ids = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
+    spans = []  # (start, length) of each model turn
+    for turn, (text, expected) in enumerate(longtail_episode(row)):
+        model = [*tok.encode(text, add_special_tokens=False), renderer.eos_id]
+        spans.append((len(ids), len(model)))
+        ids += model
+        calls = parser.parse(text).calls
+        got = [anyio.run(calculator.call, c.arguments, ToolContext(episode_id=f"warmup-{i}-{turn}", row=row)).text
+               for c in calls]
+        if got != expected:
+            raise ValueError(f"row {i} turn {turn}: the calculator gives {got}, the episode says {expected}")
+        if got:
+            ids += renderer.tool_delta_ids([{"role": "tool", "content": r} for r in got])
+    train = [False] * len(ids)
+    for start, n in spans:
+        train[start - 1 : start - 1 + n] = [True] * n
+    return Demonstration(ids, train, f"{row['start']} {row['op']} {row['operand']}", str(row["answer"]))
+
+
 def _guess_demonstration(row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
                          rng: Any) -> Demonstration:
     """A one-turn episode that boxes a wrong number without calling the tool."""
@@ -158,6 +193,24 @@ def _guess_demonstration(row: dict[str, Any], renderer: ChatRenderer, schemas: l
     answer = [*renderer.tok.encode(answer_text(str(guess)), add_special_tokens=False), renderer.eos_id]
     train = [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
     return Demonstration(prompt + answer, train, expression_of(str(row["question"])), str(guess))
+
+
+def _cut(demos: list[Demonstration], max_tokens: int | None) -> list[Demonstration]:
+    """Every demonstration cut to its first ``max_tokens`` tokens (None: unchanged). The padded
+    width of a batch, hence a step's cost, is its longest demonstration: a long-tailed set would
+    pay for its longest episode in every step. Turns are local (each copies from the tool
+    responses just before it), so the turns a cut episode keeps teach what its lost turns would."""
+    if max_tokens is None:
+        return demos
+    out = []
+    for d in demos:
+        if len(d.ids) <= max_tokens:
+            out.append(d)
+            continue
+        train = d.train[:max_tokens]
+        train[-1] = False  # it would predict the first token cut off
+        out.append(Demonstration(d.ids[:max_tokens], train, d.expression, d.answer))
+    return out
 
 
 def _prepare_out_dir(model_dir: Path, out: Path) -> None:
@@ -279,7 +332,8 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
            max_seconds: float = DEFAULT_MAX_SECONDS, target: float | None = DEFAULT_TARGET,
            batch_size: int = DEFAULT_BATCH_SIZE, drill_weight: float = DEFAULT_DRILL_WEIGHT,
            tools: tuple[str, ...] = DEFAULT_TOOLS, log_every: int = 50,
-           guess_fraction: float = 0.0, device: str = "auto", grad_clip: float | None = None) -> dict[str, Any]:
+           guess_fraction: float = 0.0, device: str = "auto", grad_clip: float | None = None,
+           max_tokens: int | None = None) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
     stopping once the probe on the next PROBE_ROWS rows reaches ``target`` (None: never), and write
@@ -287,7 +341,8 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     guess (see build_demonstrations; the probe always scores the tool episode). ``device``: auto
     (CUDA when available, else the CPU), cpu or cuda; on CUDA the forward passes run under bfloat16
     autocast. ``grad_clip``: clip the gradient norm to it (None: no clipping; a large model
-    trained from random weights wants 1.0). Returns the summary (also written to warmup.json)."""
+    trained from random weights wants 1.0). ``max_tokens``: cut every demonstration to its first
+    N tokens (see ``_cut``; None: whole episodes). Returns the summary (also written to warmup.json)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -316,10 +371,12 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     rows = load_rows(data_file, examples + PROBE_ROWS)
     n_probe = min(PROBE_ROWS, len(rows) // 4)  # a short file still keeps some rows out for the probe
     n_train = min(examples, len(rows) - n_probe)
-    demos = build_demonstrations(rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed)
+    demos = _cut(build_demonstrations(rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed),
+                 max_tokens)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
     data = _pack(demos, pad)
-    probe_data = _pack(build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs), pad) \
+    probe_data = _pack(_cut(build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs), max_tokens),
+                       pad) \
         if n_probe else None
     pool = torch.tensor(sorted({t for d in demos for text in (d.expression, d.answer)
                                 for t in tok.encode(text, add_special_tokens=False)}))
@@ -396,6 +453,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
         "target": target, "probe": probes[-1][1] if probes else None, "probe_history": probes,
         "batch_size": batch_size, "lr": lr, "seed": seed, "drill_weight": drill_weight, "tools": list(tools),
         "guess_fraction": guess_fraction,
+        **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # a default warm-up keeps its keys
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
         "mean_loss_last_10": round(sum(last) / len(last), 6),
         "final_drill_loss": round(drill_losses[-1], 6) if drill_losses else None,
@@ -425,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"train on the first N rows; the next {PROBE_ROWS} are the probe's (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="episodes per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cut every demonstration (and probe episode) to its first N tokens: long episodes then "
+                        "cost N, and the turns they show still teach the format (default: no cut)")
     p.add_argument("--guess-fraction", type=float, default=0.0,
                    help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
                         "model then chooses between the two, and RL learns to call the tool (default %(default)s)")
@@ -450,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = warmup(a.model, a.data, a.out, steps=a.steps, examples=a.examples, lr=a.lr, seed=a.seed,
                          max_seconds=a.max_seconds, target=a.target or None, batch_size=a.batch_size,
-                         drill_weight=a.drill_weight, guess_fraction=a.guess_fraction,
+                         drill_weight=a.drill_weight, guess_fraction=a.guess_fraction, max_tokens=a.max_tokens,
                          device=a.device, grad_clip=a.grad_clip,
                          tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()))
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
