@@ -1,39 +1,73 @@
-"""End-to-end step split: the whole job (bin/train: learner + rollout server) on the demo's task, run
-once per ``max_staleness``, with each step's time split into wait / prepare / update / broadcast.
+"""End-to-end step split and async vs sync: the whole job (bin/train: learner + rollout server) on a
+workload, run once per ``max_staleness``, with each step's time split into wait / prepare / update /
+broadcast, the waste, the staleness and the reward against wall-clock.
+
+Workloads (``--workload``):
+- ``longtail`` (default): multi-turn calculator chains with a heavy tail of episode lengths, like
+  agentic and reasoning RL (configs/longtail_e2e.yaml, data from tools/make_tiny_data.py's
+  ``longtail`` set). A row asks to add (or subtract) a number ``steps`` times, one step per turn:
+  each turn counts down a ``think`` budget ("Think: 3 2 1 0.") and calls the calculator twice, for
+  the value and for the steps left; the value is boxed when no steps are left (math reward).
+  ``steps`` ~ round(lognormal(ln 2, 1.1)) clipped to 1..31 and ``think`` ~ round(lognormal(ln 2,
+  0.8)) clipped to 0..9, per row: turns per episode (steps + 1) have median 3, p90 9, p99 27, and
+  response tokens (about 80 a turn with the tool responses) median ~190, p99 ~1,900 (p99 / median
+  ~10). In real agentic RL too, most episodes of a batch are short and a few run an order of
+  magnitude longer (tool calls per task, reasoning length), so a synchronous trainer waits for the
+  longest episode of every batch while the rollout GPU idles: the case asynchronous RL is for. The
+  tail comes from the model itself: the warm-up teaches the format on demonstrations, and the
+  episodes are what the warmed model samples (their lengths are read from the recordings).
+- ``calc``: the demo's task (configs/gpu_e2e.yaml): "What is a op b?", one calculator call, at
+  most 3 turns; almost no tail.
+
+Runs: ``max_staleness`` 0 is the synchronous baseline, labelled ``sync`` (the learner admits one
+batch per policy version: generate on the current weights, train, publish, repeat), the others
+``async-sK``. Default ``0,1,2,4`` for longtail, ``0,2`` for calc.
 
 What it does, every stage bounded in time and reported on stderr as it goes:
 1. writes the model and the data into ``--work-dir`` (kept and reused by later calls: a second
    call with the same shape skips straight to the runs): on a GPU a Qwen2-0.5B-shaped random
    model in bfloat16 (hidden 896, 24 layers, 14 / 2 heads, intermediate 4864; the tiny tokenizer),
-   on the CPU the tiny model in float32; and the tiny arithmetic data (bin/make-tiny-data's);
+   on the CPU the tiny model in float32; and the workload's data;
 2. warms the model up (tools/warmup.py in a child process, so its GPU memory is gone before vLLM
-   starts; on CUDA with bfloat16 autocast, capped by ``--warmup-seconds``): demonstrations that
-   call the calculator half of the time, as bin/demo's first stage, so episodes are multi-turn
-   and some earn a reward. ``--no-warmup`` trains the random model (one-turn episodes);
-3. runs ``bin/train --config configs/gpu_e2e.yaml`` once per value of ``--staleness`` (overrides:
-   model, data, run directory, steps, ``actor_rollout_ref.rollout.max_staleness``; on the CPU also
-   the device, dtype, eager mode and small batches), each in its own session and bounded by
-   ``--timeout-s``: past it bin/train gets SIGTERM (it stops its children), then its group gets
-   SIGKILL, then every process still carrying this bench's marker in its environment (the
-   children run in sessions of their own) is killed;
+   starts; on CUDA with bfloat16 autocast, capped by ``--warmup-seconds``) on the workload's
+   demonstrations: calc calls the calculator half of the time, as bin/demo's first stage; longtail
+   shows whole right episodes (cut to their first tokens to bound a step's cost), so that episodes
+   are multi-turn and some earn a reward. ``--no-warmup`` trains the random model;
+3. runs ``bin/train --config <workload config>`` once per value of ``--staleness`` (overrides:
+   model, data, run directory, steps, ``actor_rollout_ref.rollout.max_staleness``, the GPU
+   placement of ``--gpus``; on the CPU also the device, dtype, eager mode and small batches), each
+   in its own session and bounded by ``--timeout-s``: past it bin/train gets SIGTERM (it stops its
+   children), then its group gets SIGKILL, then every process still carrying this bench's marker
+   in its environment (the children run in sessions of their own) is killed;
 4. reads each run's RUN_DIR/metrics.jsonl and prints, per run, the mean over the steps after the
    first (step 1 pays the start-up: compilation, first weight load) of timing/wait_s, prepare_s,
-   update_s, broadcast_s, step_s and perf/tokens_per_s, the reward and turns-per-episode curves,
-   staleness and drops, and every ``weights/*`` metric the learner logs; a table on stderr, one
-   JSON line on stdout (also written to ``--results``, after every run, so a run cut short still
-   leaves the earlier ones).
+   update_s, broadcast_s, step_s and perf/tokens_per_s, staleness (mean, max), the waste
+   (``rollout/waste_frac`` when the learner logs it, else the share of groups the intake dropped as
+   stale), the reward and turns curves, the reward against wall-clock (seconds since the end of
+   step 1, which every mode spends the same way: start-up and one batch on the first weights),
+   every ``weights/*`` metric, and from the recordings the episodes' lengths (response tokens and
+   turns: median, p90, p99; all episodes, and those sampled by the warmed model alone);
+5. compares each async run with sync: ``throughput_vs_sync`` (sync's step time / the run's, the
+   run's tokens/s / sync's) and the reward criterion: the wall-clock time at which the run's
+   trailing mean reward (5 steps) first reaches sync's final mean reward (mean of its last 5
+   steps), against sync's total time. Table on stderr, one JSON line on stdout (also written to
+   ``--results`` after every run, so a run cut short still leaves the earlier ones), and the
+   reward curves against wall-clock in one PNG beside it (``--results`` with ``.png``).
 
 Exit status 0 when every run finished all its steps, 1 otherwise (the JSON says which and why,
 with the tail of the failed run's log), 2 on bad arguments.
 
-    python3 bench/e2e.py                          # GPU: auto-detected, ~6-8 minutes on one H100
-    .venv/bin/python bench/e2e.py --steps 3       # CPU: the tiny model, ~10 minutes on 2 cores
+    python3 bench/e2e.py                          # GPU: longtail, 4 runs, ~10 minutes on one H100
+    python3 bench/e2e.py --gpus 2                 # learner on GPU 0, rollout server on GPU 1
+    python3 bench/e2e.py --workload calc          # the demo's task, max_staleness 0 and 2
+    .venv/bin/python bench/e2e.py                 # CPU: the tiny model, few steps, small batches
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -43,19 +77,23 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CONFIG = ROOT / "configs" / "gpu_e2e.yaml"
 MARKER_ENV = "AGENTRL_E2E_BENCH_ID"
 """Set in bin/train's environment; every process of a run inherits it (the final sweep's key)."""
 TIMINGS = ("timing/wait_s", "timing/prepare_s", "timing/update_s", "timing/broadcast_s", "timing/step_s",
            "perf/tokens_per_s")
 EXTRA_MEANS = ("staleness/mean", "staleness/max", "intake/dropped_stale", "response/length_mean",
-               "perf/update_tokens_per_s", "actor/entropy")
+               "perf/update_tokens_per_s", "actor/entropy", "episode/turns_max", "rollout/waste_frac")
+WASTE = "rollout/waste_frac"
+"""The learner's share of generated tokens never trained (cumulative), where it logs it."""
+REWARD_WINDOW = 5
+"""Steps of the trailing mean in the reward criterion (sync's final reward: its last 5 steps)."""
 # TinyModelSpec fields per --shape (vocab_size 512 is the tiny tokenizer's).
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
@@ -65,15 +103,54 @@ SHAPES: dict[str, dict[str, Any]] = {
 QWEN2_VOCAB = 151936
 """Qwen2-0.5B's embedding rows (--vocab qwen2). The tokenizer has 512 ids: a random model samples the
 ids above them, which the learner refuses (token ids are checked against the tokenizer's vocabulary)."""
-# Overrides on the CPU: configs/gpu_e2e.yaml's settings that only a GPU runs, and a small batch.
+# Overrides on the CPU: the GPU configs' settings that only a GPU runs, and a small batch.
 CPU_OVERRIDES = [
     "trainer.device=cpu", "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=true",
     "actor_rollout_ref.rollout.compilation_config=null", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
     "actor_rollout_ref.model.enable_gradient_checkpointing=false", "actor_rollout_ref.rollout.max_num_seqs=32",
     "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=3.0e-4",
-    "actor_rollout_ref.rollout.max_model_len=768", "rollout_server.max_concurrent_episodes=32", "ray.num_cpus=2",
+    "rollout_server.max_concurrent_episodes=32", "ray.num_cpus=2",
 ]
+TWO_GPUS = ["launch.learner_gpus=[0]", "launch.rollout_gpus=[[1]]",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.8"]
+"""--gpus 2: the learner on GPU 0, the rollout server on GPU 1 (vLLM then takes most of it)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a workload runs: its config, data set, warm-up and defaults (per device: cuda, cpu)."""
+
+    config: Path
+    data: str  # folder under the work dir
+    staleness: str
+    steps: dict[str, int]
+    timeout_s: dict[str, float]
+    warmup_args: list[str]  # tools/warmup.py's arguments besides model, data, out, steps, seconds, device
+    warmup_steps: dict[str, int]
+    warmup_seconds: dict[str, float]
+    warm_suffix: str  # the warmed model is <model>-warm<suffix>
+    cpu_overrides: list[str] = field(default_factory=list)
+
+
+WORKLOADS = {
+    # The long-tail set: whole right episodes (cut to their first tokens on the CPU, where a
+    # step's cost is its longest demonstration) until the held-out probe reaches 0.5, so that the
+    # warmed model follows long chains to their end: the tail must come from its own sampling.
+    "longtail": Workload(
+        config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
+        steps={"cuda": 10, "cpu": 3}, timeout_s={"cuda": 240.0, "cpu": 420.0},
+        warmup_args=["--tools", "calculator", "--target", "0.5", "--max-tokens", "768"],
+        warmup_steps={"cuda": 400, "cpu": 400}, warmup_seconds={"cuda": 90.0, "cpu": 240.0}, warm_suffix="-longtail"),
+    # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
+    # a 0.15 chance of a whole right episode.
+    "calc": Workload(
+        config=ROOT / "configs" / "gpu_e2e.yaml", data="data", staleness="0,2",
+        steps={"cuda": 6, "cpu": 3}, timeout_s={"cuda": 420.0, "cpu": 420.0},
+        warmup_args=["--guess-fraction", "0.5", "--target", "0.15"],
+        warmup_steps={"cuda": 300, "cpu": 500}, warmup_seconds={"cuda": 60.0, "cpu": 60.0}, warm_suffix="",
+        cpu_overrides=["actor_rollout_ref.rollout.max_model_len=768"]),
+}
 STOP_GRACE_S = 60.0
 T0 = time.monotonic()
 
@@ -85,12 +162,19 @@ def progress(msg: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="e2e", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6, help="training steps per run (default %(default)s)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail",
+                   help="longtail: long-tailed multi-turn calculator chains; calc: the demo's task (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per run (default: longtail 10 on cuda, 3 on the CPU; calc 6 / 3)")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "e2e",
                    help="model, data and runs; kept and reused (default %(default)s)")
-    p.add_argument("--staleness", default="0,2", help="comma-separated max_staleness values, one run each "
-                   "(default %(default)s)")
-    p.add_argument("--timeout-s", type=float, default=420.0, help="wall-clock limit of each run (default %(default)s)")
+    p.add_argument("--staleness", default=None, help="comma-separated max_staleness values, one run each; 0 is "
+                   "the sync baseline (default: longtail 0,1,2,4; calc 0,2)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="wall-clock limit of each run (default: longtail 240 on cuda, 420 on the CPU; calc 420)")
+    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                   help="1: learner and rollout server share GPU 0; 2: learner on GPU 0, rollout server on GPU 1 "
+                        "(default %(default)s)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: cuda when torch sees a GPU (default %(default)s)")
     p.add_argument("--shape", choices=("auto", *SHAPES), default="auto",
@@ -99,30 +183,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model vocabulary: the tokenizer's 512 ids, or Qwen2's 151936 rows (the full 494M "
                         "parameters; only once the learner accepts ids the tokenizer lacks) (default %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="train the random model (episodes stay one turn)")
-    p.add_argument("--warmup-seconds", type=float, default=60.0,
-                   help="cap of the warm-up's training loop (default %(default)s)")
+    p.add_argument("--warmup-seconds", type=float, default=None,
+                   help="cap of the warm-up's training loop (default: longtail 90 on cuda, 240 on the CPU; calc 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="cap of the warm-up's steps (default: 300 on cuda, 500 on the CPU)")
-    p.add_argument("--config", type=Path, default=CONFIG, help="bin/train config (default %(default)s)")
+                   help="cap of the warm-up's steps (default: longtail 400; calc 300 on cuda, 500 on the CPU)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)")
     p.add_argument("--results", type=Path, default=None,
-                   help="also write the JSON result here, after every run (default WORK/e2e-results.json)")
+                   help="also write the JSON result here, after every run, and the reward plot beside it "
+                        "(.png) (default WORK/e2e-results-<workload>.json)")
     p.add_argument("--save-logs", type=Path, default=None,
                    help="copy each run's metrics.jsonl, resolved config and log tails here (e.g. $OUT/e2e)")
     p.add_argument("--prepare-only", action="store_true", help="write model, data and warm-up, then stop")
     p.add_argument("overrides", nargs="*", help="more key=value overrides for bin/train (every run)")
     a = p.parse_args(argv)
+    w = WORKLOADS[a.workload]
+    a.config = a.config or w.config
+    staleness = a.staleness if a.staleness is not None else w.staleness
     try:
-        a.staleness_values = [int(x) for x in a.staleness.split(",") if x.strip()]
+        a.staleness_values = [int(x) for x in staleness.split(",") if x.strip()]
     except ValueError:
-        p.error(f"--staleness must be comma-separated integers (got {a.staleness!r})")
+        p.error(f"--staleness must be comma-separated integers (got {staleness!r})")
     if not a.staleness_values or any(s < 0 for s in a.staleness_values):
         p.error("--staleness needs at least one value >= 0")
-    if a.steps < 1:
+    if len(set(a.staleness_values)) != len(a.staleness_values):
+        p.error("--staleness values must differ (one run directory each)")
+    if a.steps is not None and a.steps < 1:
         p.error("--steps must be >= 1")
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"overrides must be key=value (got {bad})")
     return a
+
+
+def apply_device_defaults(a: argparse.Namespace, device: str) -> None:
+    """The workload's defaults for ``device`` where an argument was not given."""
+    w = WORKLOADS[a.workload]
+    a.steps = a.steps or w.steps[device]
+    a.timeout_s = a.timeout_s or w.timeout_s[device]
+    a.warmup_steps = a.warmup_steps or w.warmup_steps[device]
+    a.warmup_seconds = a.warmup_seconds or w.warmup_seconds[device]
+
+
+def label(staleness: int) -> str:
+    return "sync" if staleness == 0 else f"async-s{staleness}"
 
 
 def resolve_device(asked: str) -> str:
@@ -222,9 +326,15 @@ def params_of(model_dir: Path) -> int:
     return n
 
 
-def write_data(out: Path) -> Path:
-    from tools.make_tiny_data import make_tiny_data
+def write_data(out: Path, workload: str) -> Path:
+    """The workload's train.jsonl / val.jsonl: reused for calc; rewritten for longtail (milliseconds,
+    deterministic), so a changed generator never leaves stale rows behind."""
+    from tools.make_tiny_data import make_longtail_data, make_tiny_data
 
+    if workload == "longtail":
+        make_longtail_data(out)
+        progress(f"data: long-tail set written to {out}")
+        return out
     if (out / "train.jsonl").is_file() and (out / "val.jsonl").is_file():
         progress(f"data: reusing {out}")
         return out
@@ -233,10 +343,18 @@ def write_data(out: Path) -> Path:
     return out
 
 
-def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seconds: float) -> dict[str, Any]:
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seconds: float,
+               extra: list[str]) -> dict[str, Any]:
     """tools/warmup.py in a child process (its own session, bounded); reused when an earlier call
-    warmed the same model with the same settings. Returns its summary."""
-    want = {"source_model": str(model), "device": device, "max_steps": steps, "cap_seconds": seconds}
+    warmed the same model on the same data with the same settings. Returns its summary."""
+    want = {"source_model": str(model), "device": device, "max_steps": steps, "cap_seconds": seconds,
+            "args": extra, "data": file_digest(data / "train.jsonl")}
     stamp = out.parent / f"{out.name}.json"
     if stamp.is_file() and (out / "warmup.json").is_file():
         try:
@@ -250,12 +368,9 @@ def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seco
     stamp.unlink(missing_ok=True)
     if out.exists():
         shutil.rmtree(out)
-    # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
-    # a 0.15 chance of a whole right episode. A 0.5B model from random weights: smaller steps, clipped.
     cmd = [sys.executable, str(ROOT / "bin" / "warmup"), "--model", str(model), "--data", str(data / "train.jsonl"),
-           "--out", str(out), "--guess-fraction", "0.5", "--target", "0.15", "--steps", str(steps),
-           "--max-seconds", str(seconds), "--device", device]
-    if device == "cuda":
+           "--out", str(out), *extra, "--steps", str(steps), "--max-seconds", str(seconds), "--device", device]
+    if device == "cuda":  # a 0.5B model from random weights: smaller steps, clipped
         cmd += ["--lr", "5e-4", "--grad-clip", "1.0"]
     progress(f"warm-up: at most {steps} steps / {seconds:g} s on {device} -> {out}")
     t0 = time.monotonic()
@@ -347,20 +462,22 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], work: Path) -> dict[str, Any]:
-    run_dir = work / f"run-s{staleness}"
+    name = f"run-{args.workload}-s{staleness}"
+    run_dir = work / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    log = work / f"run-s{staleness}.train.log"
+    log = work / f"{name}.train.log"
     marker = uuid.uuid4().hex
     cmd = [sys.executable, str(ROOT / "bin" / "train"), "--config", str(args.config), *overrides,
            f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={args.steps}",
            f"actor_rollout_ref.rollout.max_staleness={staleness}", *args.overrides]
     env = dict(os.environ, **{MARKER_ENV: marker})
-    progress(f"run max_staleness={staleness}: bin/train, {args.steps} steps, limit {args.timeout_s:g} s, "
-             f"logs {run_dir / 'logs'}")
+    progress(f"run {label(staleness)} (max_staleness={staleness}): bin/train, {args.steps} steps, limit "
+             f"{args.timeout_s:g} s, logs {run_dir / 'logs'}")
     t0 = time.monotonic()
-    result: dict[str, Any] = {"max_staleness": staleness, "run_dir": str(run_dir), "steps_asked": args.steps}
+    result: dict[str, Any] = {"label": label(staleness), "max_staleness": staleness, "run_dir": str(run_dir),
+                              "steps_asked": args.steps}
     seen = 0
     first_step_at = None
     timed_out = False
@@ -376,14 +493,14 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
                     break
                 if refused.poll() and seen == 0:
                     result["refused"] = refused.first
-                    progress(f"  s={staleness}: the learner refuses the rollout server's batches "
+                    progress(f"  {label(staleness)}: the learner refuses the rollout server's batches "
                              f"({refused.count} times; no step done), giving up: {refused.first}")
                     break
                 records = read_metrics(run_dir / "metrics.jsonl")
                 for r in records[seen:]:
                     if first_step_at is None:
                         first_step_at = time.monotonic() - t0
-                    progress(f"  s={staleness} step {r['step']}/{args.steps}: reward {r.get('reward/mean', float('nan')):.3f} "
+                    progress(f"  {label(staleness)} step {r['step']}/{args.steps}: reward {r.get('reward/mean', float('nan')):.3f} "
                              f"turns {r.get('episode/turns_mean', float('nan')):.2f}  step {r['timing/step_s']:.2f} s "
                              f"(wait {r.get('timing/wait_s', 0):.2f} prep {r.get('timing/prepare_s', 0):.2f} "
                              f"upd {r.get('timing/update_s', 0):.2f} bcast {r.get('timing/broadcast_s', 0):.2f})")
@@ -391,7 +508,7 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
                 time.sleep(1.0)
         finally:
             if proc.poll() is None:  # timed out, or this bench was interrupted
-                progress(f"  s={staleness}: stopping bin/train (SIGTERM, {STOP_GRACE_S:g} s grace)")
+                progress(f"  {label(staleness)}: stopping bin/train (SIGTERM, {STOP_GRACE_S:g} s grace)")
                 kill_group(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(timeout=STOP_GRACE_S)
@@ -400,13 +517,18 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
                     proc.wait()
             kill_group(proc.pid)  # anything left in its group
             if stray := sweep(marker):
-                progress(f"  s={staleness}: killed {len(stray)} stray processes of the run")
+                progress(f"  {label(staleness)}: killed {len(stray)} stray processes of the run")
     wall = time.monotonic() - t0
     records = read_metrics(run_dir / "metrics.jsonl")
     result |= {"exit_status": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1),
                "first_step_after_s": round(first_step_at, 1) if first_step_at is not None else None}
     result |= summarize(records)
     result["weight_updates"] = weight_updates(records, run_dir / "logs")
+    try:
+        result["_episodes"] = read_episodes(run_dir / "recordings")  # main() pools and drops them
+        result["lengths"] = episode_lengths(result["_episodes"])
+    except Exception as e:  # a damaged recording costs the lengths, not the run's figures
+        result["lengths"] = {"error": f"{type(e).__name__}: {e}"}
     result["ok"] = not timed_out and proc.returncode == 0 and result["steps_done"] >= args.steps
     if not result["ok"]:
         why = f"timed out after {args.timeout_s:g} s" if timed_out else f"bin/train exit status {proc.returncode}"
@@ -414,11 +536,11 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
             why = f"the learner refused every batch ({result['refused']})"
         result["error"] = f"{why}, {result['steps_done']}/{args.steps} steps"
         result["log_tail"] = tail(log)
-        progress(f"  s={staleness}: FAILED ({result['error']}); bin/train's output ends:\n{result['log_tail']}")
+        progress(f"  {label(staleness)}: FAILED ({result['error']}); bin/train's output ends:\n{result['log_tail']}")
     else:
-        progress(f"  s={staleness}: done in {wall:.1f} s")
+        progress(f"  {label(staleness)}: done in {wall:.1f} s")
     if args.save_logs is not None:
-        save_logs(args.save_logs / f"run-s{staleness}", run_dir, log)
+        save_logs(args.save_logs / name, run_dir, log)
     return result
 
 
@@ -469,7 +591,86 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["turns_curve"] = [round(float(r.get("episode/turns_mean", float("nan"))), 3) for r in records]
     turns = [float(r["episode/turns_mean"]) for r in records if "episode/turns_mean" in r]
     out["turns_mean"] = round(sum(turns) / len(turns), 3) if turns else None
+    maxima = [float(r["staleness/max"]) for r in records if isinstance(r.get("staleness/max"), (int, float))]
+    out["staleness_max"] = max(maxima) if maxima else None
+    out["waste"] = waste(records)
+    if all(isinstance(r.get("time"), (int, float)) for r in records):
+        # Wall-clock from the end of step 1: start-up and the first batch (on the first weights,
+        # nothing ahead of it) cost every mode the same; what differs is what follows.
+        out["clock_curve"] = [round(float(r["time"]) - float(records[0]["time"]), 2) for r in records]
+        out["train_s"] = out["clock_curve"][-1]
     return out
+
+
+def waste(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The share of generation never trained, up to the last step: the learner's own
+    ``rollout/waste_frac`` (tokens, counting groups dropped on the servers too) when it logs it,
+    else the share of groups the intake dropped as stale (groups, not tokens; server-side drops
+    unseen)."""
+    if not records:
+        return {}
+    last = records[-1]
+    logged = {k: round(float(v), 4) for k, v in last.items() if k.startswith("rollout/waste") and
+              isinstance(v, (int, float))}
+    if WASTE in logged:
+        return {"frac": logged[WASTE], "source": WASTE, "last_step": logged}
+    trained = sum(float(r.get("batch/trajectories", 0.0)) / max(float(r.get("rollout/n", 1.0)), 1.0) for r in records)
+    if isinstance(last.get("intake/dropped_stale_total"), (int, float)):
+        dropped = float(last["intake/dropped_stale_total"])
+    else:
+        dropped = sum(float(r.get("intake/dropped_stale", 0.0)) for r in records)
+    total = dropped + trained
+    return {"frac": round(dropped / total, 4) if total else None, "source": "intake/dropped_stale_total (groups)",
+            "dropped_groups": dropped, "trained_groups": round(trained, 1)}
+
+
+def quantiles(values: list[float]) -> dict[str, float | None]:
+    """Median, p90, p99 (nearest rank), max and p99 / median of ``values``."""
+    v = sorted(values)
+    if not v:
+        return {}
+
+    def q(p: float) -> float:
+        return v[max(0, min(len(v) - 1, math.ceil(p * len(v)) - 1))]
+
+    med = statistics.median(v)
+    return {"median": med, "p90": q(0.9), "p99": q(0.99), "max": v[-1],
+            "p99_over_median": round(q(0.99) / med, 2) if med else None}
+
+
+def length_summary(episodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Distribution of response tokens (model + tool), model tokens and turns over ``episodes``."""
+    if not episodes:
+        return {"episodes": 0}
+    terms: dict[str, int] = {}
+    for e in episodes:
+        terms[e["termination"]] = terms.get(e["termination"], 0) + 1
+    return {"episodes": len(episodes), "response_tokens": quantiles([e["response_tokens"] for e in episodes]),
+            "model_tokens": quantiles([e["model_tokens"] for e in episodes]),
+            "turns": quantiles([e["turns"] for e in episodes]),
+            "reward_mean": round(statistics.fmean(e["reward"] for e in episodes), 4),
+            "terminations": dict(sorted(terms.items()))}
+
+
+def read_episodes(recordings: Path) -> list[dict[str, Any]]:
+    """Every episode the rollout servers shipped (rollout_server.record=true), trained or not."""
+    if not recordings.is_dir():
+        return []
+    from rollout_service.recording import read_recording
+
+    out = []
+    for server in sorted(p for p in recordings.iterdir() if p.is_dir()):
+        for _, trajectories in read_recording(server):
+            for t in trajectories:
+                out.append({"response_tokens": len(t.response_ids), "model_tokens": int(t.response_mask.sum()),
+                            "turns": int(t.num_turns), "version": int(t.versions.max()) if len(t.versions) else 0,
+                            "termination": t.termination, "reward": float(t.reward)})
+    return out
+
+
+def episode_lengths(episodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lengths of all shipped episodes and of those the warmed model sampled alone (version 0)."""
+    return {"all": length_summary(episodes), "warmed_model": length_summary([e for e in episodes if e["version"] == 0])}
 
 
 APPLIED = re.compile(r"weights applied.*?reload_s=([0-9.]+).*?version=(\d+)")
@@ -537,28 +738,127 @@ def table(runs: list[dict[str, Any]]) -> str:
     cols = [("wait", "timing/wait_s"), ("prepare", "timing/prepare_s"), ("update", "timing/update_s"),
             ("bcast", "timing/broadcast_s"), ("step", "timing/step_s"), ("tok/s", "perf/tokens_per_s"),
             ("stale", "staleness/mean"), ("dropped", "intake/dropped_stale")]
-    head = "staleness  steps " + "".join(n.rjust(9) for n, _ in cols) + "    turns"
+    head = "run         steps " + "".join(n.rjust(9) for n, _ in cols) + "stale max    waste    turns"
     lines = ["mean over steps 2.. (seconds unless named):", head]
     for r in runs:
         means = r.get("means", {})
-        row = f"{r['max_staleness']:>9}  {r.get('steps_done', 0):>5} " + "".join(fmt(means.get(k)) for _, k in cols)
-        row += fmt(r.get("turns_mean"))
+        row = f"{r.get('label', r['max_staleness']):<10}  {r.get('steps_done', 0):>5} "
+        row += "".join(fmt(means.get(k)) for _, k in cols)
+        row += fmt(r.get("staleness_max")) + fmt((r.get("waste") or {}).get("frac")) + fmt(r.get("turns_mean"))
         if not r.get("ok"):
             row += f"   FAILED: {r.get('error')}"
         lines.append(row)
     for r in runs:
-        lines.append(f"s={r['max_staleness']}: reward {r.get('reward_curve')}  turns {r.get('turns_curve')}  "
+        name = r.get("label", f"s={r['max_staleness']}")
+        lines.append(f"{name}: reward {r.get('reward_curve')}  turns {r.get('turns_curve')}  "
                      f"step 1 {fmt((r.get('step1') or {}).get('timing/step_s')).strip()} s, first step after "
                      f"{r.get('first_step_after_s')} s, wall {r.get('wall_s')} s")
+        if r.get("clock_curve"):
+            lines.append(f"{name}: seconds since the end of step 1 {r['clock_curve']}")
+        for which, d in (r.get("lengths") or {}).items():
+            if isinstance(d, dict) and d.get("episodes"):
+                rt, tu = d["response_tokens"], d["turns"]
+                lines.append(f"{name}: {which} episodes {d['episodes']}: response tokens median {rt['median']:g} "
+                             f"p90 {rt['p90']:g} p99 {rt['p99']:g} (p99/median {rt['p99_over_median']}), turns "
+                             f"median {tu['median']:g} p90 {tu['p90']:g} p99 {tu['p99']:g}, reward {d['reward_mean']}")
         if (wu := r.get("weight_updates") or {}).get("versions"):
-            lines.append(f"s={r['max_staleness']}: weight update end to end vs bound (reload_weights + D2H, same "
+            lines.append(f"{name}: weight update end to end vs bound (reload_weights + D2H, same "
                          f"run): median {wu['median_applied_s']:.3f} s vs {wu['median_bound_s']:.3f} s, ratio "
                          f"{wu['median_ratio']:.2f}; per version " + ", ".join(
                              f"v{x['version']} {x['applied_s']:.3f}/{x['bound_s']:.3f}" for x in wu["versions"]))
         if r.get("weights"):
-            lines.append(f"s={r['max_staleness']}: " + "  ".join(
+            lines.append(f"{name}: " + "  ".join(
                 f"{k.removeprefix('weights/')} {fmt(v).strip()}" for k, v in r["weights"].items()))
     return "\n".join(lines)
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each async run against sync (max_staleness 0): throughput (sync's mean step time / the run's,
+    the run's tokens/s / sync's) and the reward criterion: when the run's trailing mean reward
+    (REWARD_WINDOW steps) first reaches sync's final mean reward (its last REWARD_WINDOW steps), in
+    seconds since the end of step 1, against sync's total time on the same clock."""
+    sync = next((r for r in runs if r["max_staleness"] == 0 and r.get("steps_done")), None)
+    if sync is None:
+        return {}
+    sm = sync.get("means", {})
+    out: dict[str, Any] = {"throughput_vs_sync": {}}
+    for r in runs:
+        if r is sync or not r.get("steps_done"):
+            continue
+        m = r.get("means", {})
+        out["throughput_vs_sync"][r["label"]] = {
+            "step_time_ratio": ratio(sm.get("timing/step_s"), m.get("timing/step_s")),
+            "tokens_per_s_ratio": ratio(m.get("perf/tokens_per_s"), sm.get("perf/tokens_per_s"))}
+    rewards, clock = sync.get("reward_curve") or [], sync.get("clock_curve") or []
+    finite = [x for x in rewards if not math.isnan(x)]
+    if not finite or not clock:
+        return out
+    w = min(REWARD_WINDOW, len(finite))
+    target = round(statistics.fmean(finite[-w:]), 4)
+    crit: dict[str, Any] = {"window": w, "sync_final_reward": target, "sync_total_s": clock[-1], "runs": {}}
+    for r in runs:
+        if r is sync or not r.get("clock_curve"):
+            continue
+        reach = first_reach(r["reward_curve"], r["clock_curve"], w, target)
+        crit["runs"][r["label"]] = reach | {"vs_sync_total": ratio(reach.get("reach_s"), clock[-1])}
+    out["reward_vs_sync"] = crit
+    return out
+
+
+def first_reach(rewards: list[float], clock: list[float], window: int, target: float) -> dict[str, Any]:
+    """The first step whose trailing mean reward over ``window`` steps is >= ``target``."""
+    for i in range(window - 1, len(rewards)):
+        vals = [x for x in rewards[i - window + 1 : i + 1] if not math.isnan(x)]
+        if vals and statistics.fmean(vals) >= target:
+            return {"reach_step": i + 1, "reach_s": clock[i]}
+    return {"reach_step": None, "reach_s": None}
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    return round(float(a) / float(b), 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def trailing(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        vals = [x for x in values[max(0, i - window + 1) : i + 1] if not math.isnan(x)]
+        out.append(statistics.fmean(vals) if vals else float("nan"))
+    return out
+
+
+def plot(path: Path, result: dict[str, Any]) -> None:
+    """The reward of every run against wall-clock (since the end of step 1) in one PNG: each step's
+    mean reward (dots) and its trailing mean (line); sync's final mean reward dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for r in result["runs"]:
+            xs, ys = r.get("clock_curve"), r.get("reward_curve")
+            if not xs or not ys:
+                continue
+            (line,) = ax.plot(xs, trailing(ys, REWARD_WINDOW), lw=2, label=f"{r['label']} (mean of {REWARD_WINDOW})")
+            ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
+        crit = (result.get("comparison") or {}).get("reward_vs_sync")
+        if crit:
+            ax.axhline(crit["sync_final_reward"], ls="--", lw=1, color="grey",
+                       label=f"sync final reward {crit['sync_final_reward']:.3f}")
+        ax.set_xlabel("wall-clock since the end of step 1 (s)")
+        ax.set_ylabel("mean reward per step")
+        ax.set_title(f"bench/e2e.py --workload {result.get('workload')}: {result.get('device')}, "
+                     f"{result.get('shape')}, {result.get('gpus_used', '')}".rstrip(", "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        progress(f"plot: {path}")
+    except Exception as e:  # the figures are in the JSON; a missing plot is not a failed bench
+        progress(f"could not draw {path}: {type(e).__name__}: {e}")
 
 
 def write_results(path: Path, result: dict[str, Any]) -> None:
@@ -575,37 +875,52 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results_path = args.results or work / "e2e-results.json"
-    result: dict[str, Any] = {"bench": "e2e", "ok": False, "runs": []}
+    results_path = args.results or work / f"e2e-results-{args.workload}.json"
+    result: dict[str, Any] = {"bench": "e2e", "workload": args.workload, "ok": False, "runs": []}
+    episodes: list[dict[str, Any]] = []
     try:
         device = resolve_device(args.device)
+        apply_device_defaults(args, device)
         shape = args.shape if args.shape != "auto" else ("0.5b" if device == "cuda" else "tiny")
         dtype = "bfloat16" if device == "cuda" else "float32"
         result |= {"device": device, "shape": shape, "vocab": args.vocab, "dtype": dtype, "steps": args.steps,
-                   "config": str(args.config), "overrides": args.overrides}
+                   "config": str(args.config), "overrides": args.overrides, "staleness": args.staleness_values}
+        workload = WORKLOADS[args.workload]
+        placement: list[str] = []
         if device == "cuda":
             result["gpus"] = gpu_names()
-        progress(f"device {device}, shape {shape}, dtype {dtype}, staleness {args.staleness_values}, "
-                 f"{args.steps} steps per run, work dir {work}")
-        data_overrides = [f"data.train_files={work / 'data' / 'train.jsonl'}",
-                          f"data.val_files={work / 'data' / 'val.jsonl'}"]
-        device_overrides = CPU_OVERRIDES if device == "cpu" else []
+            result["gpus_used"] = "learner GPU 0, rollout GPU 1" if args.gpus == 2 else "one shared GPU"
+            placement = TWO_GPUS if args.gpus == 2 else []
+        elif args.gpus != 1:
+            progress("--gpus 2 ignored on the CPU")
+        progress(f"workload {args.workload}, device {device}, shape {shape}, dtype {dtype}, staleness "
+                 f"{args.staleness_values}, {args.steps} steps per run, work dir {work}")
+        data_dir = work / workload.data
+        data_overrides = [f"data.train_files={data_dir / 'train.jsonl'}", f"data.val_files={data_dir / 'val.jsonl'}"]
+        device_overrides = [*CPU_OVERRIDES, *workload.cpu_overrides] if device == "cpu" else placement
         preflight(args, [f"actor_rollout_ref.model.path={work}", *data_overrides, *device_overrides])
         model = write_model(work / f"model-{shape}-{args.vocab}-{dtype}", shape, args.vocab, dtype)
         result["parameters"] = params_of(model)
-        data = write_data(work / "data")
+        data = write_data(data_dir, args.workload)
         if not args.no_warmup:
-            steps = args.warmup_steps or (300 if device == "cuda" else 500)
-            summary = run_warmup(model, data, work / f"{model.name}-warm", device, steps, args.warmup_seconds)
+            warm = work / f"{model.name}-warm{workload.warm_suffix}"
+            summary = run_warmup(model, data, warm, device, args.warmup_steps, args.warmup_seconds,
+                                 workload.warmup_args)
             result["warmup"] = {k: summary.get(k) for k in ("steps", "stopped", "probe", "seconds", "final_loss")}
-            model = work / f"{model.name}-warm"
+            model = warm
         result["model"] = str(model)
         if args.prepare_only:
             result["ok"] = True
             return finish(result, results_path)
         overrides = [f"actor_rollout_ref.model.path={model}", *data_overrides, *device_overrides]
         for i, s in enumerate(args.staleness_values):
-            result["runs"].append(run_train(args, s, overrides, work))
+            run = run_train(args, s, overrides, work)
+            episodes += run.pop("_episodes", [])
+            result["runs"].append(run)
+            result["comparison"] = compare(result["runs"])
+            # every run starts from the warmed model: its version-0 episodes, pooled, are its lengths
+            result["lengths_warmed_model"] = length_summary([e for e in episodes if e["version"] == 0])
+            result["lengths_all"] = length_summary(episodes)
             write_results(results_path, result)
             if i + 1 < len(args.staleness_values):  # the last table comes with the result
                 progress("\n" + table(result["runs"]))
@@ -623,9 +938,30 @@ def finish(result: dict[str, Any], results_path: Path) -> int:
     result["wall_s"] = round(time.monotonic() - T0, 1)
     if result["runs"]:
         print(table(result["runs"]), file=sys.stderr, flush=True)
+        if comparison := result.get("comparison"):
+            print(comparison_text(comparison), file=sys.stderr, flush=True)
+        for name in ("lengths_warmed_model", "lengths_all"):
+            if (d := result.get(name)) and d.get("episodes"):
+                print(f"{name}: {json.dumps(d, sort_keys=True)}", file=sys.stderr, flush=True)
+        result["plot"] = str(results_path.with_suffix(".png"))
+        plot(results_path.with_suffix(".png"), result)
     write_results(results_path, result)
     print(json.dumps(result, sort_keys=True), flush=True)
     return 0 if result["ok"] else 1
+
+
+def comparison_text(c: dict[str, Any]) -> str:
+    lines = []
+    for name, t in c.get("throughput_vs_sync", {}).items():
+        lines.append(f"{name} vs sync: step time x{t['step_time_ratio']} shorter, tokens/s x{t['tokens_per_s_ratio']}")
+    if crit := c.get("reward_vs_sync"):
+        lines.append(f"sync: final mean reward {crit['sync_final_reward']} (last {crit['window']} steps), "
+                     f"{crit['sync_total_s']} s after step 1")
+        for name, x in crit["runs"].items():
+            when = f"at step {x['reach_step']}, {x['reach_s']} s ({x['vs_sync_total']} of sync's time)" \
+                if x.get("reach_s") is not None else "never"
+            lines.append(f"{name}: reaches it {when}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from tools.make_tiny_data import LongTailSpec, longtail_episode, make_longtail_data, make_longtail_rows
+from tools.make_tiny_data import (
+    LongTailSpec,
+    longtail_episode,
+    make_longtail_data,
+    make_longtail_rows,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "rollout"))  # the scripted engine
