@@ -5,7 +5,7 @@ training needs at the response positions (per-token logprobs and entropy, or val
 [batch, sequence, vocabulary] logits never exist: the hidden states of the real response positions
 are picked out first (a flat list, no padding) and only those go through the LM head. FSDP2's
 ``fully_shard`` is applied to every decoder layer and then to the wrapper, so the wrapper's forward
-unshards the embeddings, final norm and LM head together (`learner.fsdp` chooses the resharding).
+unshards the embeddings, final norm and LM head together (`keep_unsharded` chooses the resharding).
 
 A micro-batch (`collate`) is packed or padded. Packed: the sequences end to end in one row with
 ``position_ids`` restarting at each sequence and no padding anywhere (verl's
@@ -13,7 +13,8 @@ A micro-batch (`collate`) is packed or padded. Packed: the sequences end to end 
 attention function the models are loaded with: flash-attn's varlen kernel on CUDA when the package
 is installed, else one SDPA call per sequence (exact; on CPU the only cost is a Python loop).
 Transformers' own packed-sequence detection from ``position_ids`` is not relied on: with SDPA it
-builds an N x N mask, and in transformers 5.19 it did not reproduce the padded numbers. Padded:
+would build an N x N mask, and with transformers 5.19 a Qwen2 forward given restarting
+``position_ids`` still let the sequences attend to each other (checked by hand). Padded:
 right-padded to the longest sequence, and the same function runs SDPA with the padding mask. Both
 layouts give the same numbers to float rounding (tests/learner/test_packing.py).
 """

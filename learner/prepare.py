@@ -63,7 +63,13 @@ def old_logprobs_from_update(config: Any, step: int) -> OldFromForward | None:
     importance weights old/rollout and rollout/logprob_diff only need old and rollout logprobs of
     the same token, so the workers compute them in the update, exactly. algorithm.use_kl_in_reward
     is the exception: the reward, and so the advantages, need the old logprobs before the update
-    starts, so a step with it keeps the separate forward."""
+    starts, so a step with it keeps the separate forward.
+
+    "The same numbers" needs the update's forward to compute what the forward-only pass computes:
+    that pass runs in eval() under no_grad, the update in train(); FSDP's bf16 cast, gradient
+    checkpointing (a recompute of the same function) and the micro-batch layout are the same in
+    both, and the Qwen2-family models have no dropout (attention_dropout 0). A model that drops out
+    in training would see another function: set skip_old_logprob_forward to never for it."""
     actor, alg = config.actor_rollout_ref.actor, config.algorithm
     off = actor.off_policy
     if (off.old_logprobs != "recompute" or off.skip_old_logprob_forward == "never" or alg.use_kl_in_reward

@@ -88,6 +88,23 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any)
     assert not lp0[~valid].any(), "nothing past a response"
 
 
+def test_packed_micro_batches_under_gradient_checkpointing(tiny_model: Path) -> None:
+    """The packing arguments reach the attention through checkpointed layers, and the recompute in
+    backward gives the same gradient."""
+    from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
+
+    b = collate(mixed_samples(5, seed=1), CPU, packed=True)
+    grads = []
+    for checkpointing in (False, True):
+        head = PolicyHead(load_causal_lm(str(tiny_model), trust_remote_code=False,
+                                         gradient_checkpointing=checkpointing)).train()
+        logp, _ = policy_outputs(head, b)
+        logp.sum().backward()
+        grads.append({n: p.grad for n, p in head.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
 def test_packed_logprobs_match_a_plain_transformers_forward(policy: Any, tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
