@@ -4,18 +4,22 @@ to publish weights to rollout servers against memcpy.
 
 Phase 1 (update): a ``WorkerGroup`` of ``--world`` Ray actors (``TrainWorker``, FSDP2, gloo on CPU,
 NCCL and bf16 on CUDA) runs ``update_actor`` on ``split_for_ranks`` plans of synthetic samples
-(prompt + response tokens, ``old_logprobs`` and ``advantages``) for a Qwen2 model written locally
-by ``tools.make_tiny_model`` (``--shape``). The bound runs inside the same actors (same process,
-CPU share, torch threads and device), through Ray's ``__ray_call__``: a plain Hugging Face model
-loaded from the same directory (no FSDP, no PPO loss), doing forward, backward and AdamW on exactly
-the same micro-batches (same ``collate``, so the same padding) with a token-mean cross-entropy on
-the response tokens (hidden states gathered at the response positions before the LM head, as the
-policy head does). Tokens are prompt + response tokens of the samples, times ``--epochs``. Rounds
+(prompt + response tokens, ``old_logprobs`` and ``advantages``; ``--lengths longtail`` for the
+mixed lengths of agentic batches) for a Qwen2 model written locally by ``tools.make_tiny_model``
+(``--shape``), in packed or padded micro-batches (``--layout``) of ``--micro-size`` samples or of at
+most ``--max-tokens`` tokens. ``--old-logprobs`` adds what a training step spends on the old
+logprobs: a separate forward pass, or none when the update takes them from its own forward. The
+bound runs inside the same actors (same process, CPU share, torch threads and device), through
+Ray's ``__ray_call__``: a plain Hugging Face model loaded from the same directory with the
+learner's loader (no FSDP, no PPO loss), doing forward, backward and AdamW on exactly the same
+micro-batches (same ``collate``: the same packing or padding; ``--bound padded`` pads them, as a
+plain trainer would) with a token-mean cross-entropy on the response tokens (hidden states of the
+response positions only through the LM head, as the policy head does). Tokens are prompt + response tokens of the samples, times ``--epochs``. Rounds
 alternate between the two after a warm-up round of each; the median of the per-round ratios is
 reported (target >= 0.8), with the CPU seconds of the busiest rank per side (wall well above CPU:
 the ranks waited, for each other or for cores other processes took). ``--profile`` then finds
 where a gap comes from, inside the real workers: an ablation (the worker's FSDP model with the
-bound's loss; an FSDP copy with ``reshard_after_forward=False``), per-phase laps of a copy of
+bound's loss; an FSDP copy with the other resharding choice), per-phase laps of a copy of
 ``TrainWorker._update``'s loop, and torch.profiler tables of both sides.
 
 Phase 2 (publish): a ``LearnerServer`` process publishes the same model's weights (or
@@ -76,7 +80,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="response lengths: uniform in [L/2, 3L/2], or longtail: lognormal (sigma 1.2, mean "
                         "L, p99/median ~8, clipped to [8, 16L]) like agentic and reasoning batches")
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per epoch")
-    p.add_argument("--micro-size", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--micro-size", type=int, default=4, help="samples per micro-batch (without --max-tokens)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="token-capped micro-batches of at most this many tokens (actor.use_dynamic_bsz with "
+                        "ppo_max_token_len_per_gpu); 0: --micro-size samples each")
+    p.add_argument("--layout", choices=("packed", "padded"), default="packed",
+                   help="micro-batch layout (model.use_remove_padding true / false)")
+    p.add_argument("--bound", choices=("same", "padded"), default="same",
+                   help="the bound's micro-batches: laid out as the update's, or padded (a plain padded "
+                        "training step: the ratio then includes what packing saves)")
+    p.add_argument("--old-logprobs", choices=("none", "forward", "from-update"), default="none",
+                   help="also time the old logprobs as a training step gets them: none (the update only), "
+                        "forward (a separate forward pass first, the recompute path), from-update (taken "
+                        "from the update's own forward; needs --mini-batches 1 --epochs 1)")
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per update call")
     p.add_argument("--repeat", type=int, default=5, help="timed update rounds per side (median taken)")
     p.add_argument("--gradient-checkpointing", action="store_true",
@@ -92,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world < 1 or args.samples < args.world * args.mini_batches:
         p.error("need --world >= 1 and --samples >= world * mini-batches")
+    if args.old_logprobs == "from-update" and (args.mini_batches != 1 or args.epochs != 1):
+        p.error("--old-logprobs from-update needs --mini-batches 1 --epochs 1 (the trainer's rule)")
     return args
 
 
@@ -127,7 +145,11 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
         ids = rng.integers(0, 500, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.1).astype(np.float32)  # holes: tool-result tokens
         s = Sample(ids, p, mask)
-        s.tokens["old_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
+        old = (-rng.random(r) * 3).astype(np.float32) * mask
+        if args.old_logprobs == "from-update":  # the workers compare their own with the rollout's
+            s.tokens["rollout_logprobs"] = old
+        else:
+            s.tokens["old_logprobs"] = old
         s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
         out.append(s)
     return out
@@ -140,35 +162,38 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
 def bare_setup(worker: Any) -> dict[str, Any]:
     """Load the plain HF model and its AdamW next to the worker's FSDP model."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from learner.model import load_causal_lm
 
     s = worker.s
-    lm = AutoModelForCausalLM.from_pretrained(s.model_path, dtype=torch.float32).to(worker.device)
-    lm.config.use_cache = False
-    if s.gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
-    lm.train()
+    # The learner's loader: the same checkpoint, dtype and attention function (plain SDPA on padded
+    # micro-batches, one SDPA call per sequence on packed ones), no FSDP.
+    lm = load_causal_lm(s.model_path, trust_remote_code=False, gradient_checkpointing=s.gradient_checkpointing)
+    lm = lm.to(worker.device).train()
     opt = torch.optim.AdamW(lm.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     worker.bench_bare = (lm, opt)
     return {"threads": torch.get_num_threads(), "device": str(worker.device)}
 
 
-def bare_micro_loss(lm: Any, b: dict[str, Any], num_tokens: int, bf16: bool) -> Any:
-    """Token-mean cross-entropy of the response tokens (bf16 autocast on CUDA, as FSDP's policy)."""
+def bare_micro_loss(lm: Any, b: Any, num_tokens: int, bf16: bool) -> Any:
+    """Token-mean cross-entropy of the response tokens (bf16 autocast on CUDA, as FSDP's policy);
+    ``b`` is a ``learner.model.MicroBatch``, packed or padded."""
     import torch
 
+    from learner.model import hidden_states
+
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        hidden = lm.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                                  use_cache=False).last_hidden_state
-        idx = b["gather_idx"].unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-        logits = lm.get_output_embeddings()(hidden.gather(1, idx)).float()
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
-    return (ce.view_as(b["response_mask"]) * b["response_mask"]).sum() / max(num_tokens, 1)
+        hidden = hidden_states(lm.get_decoder(), b.input_ids, b.attention_mask, b.position_ids, b.cu_seqlens,
+                               b.bounds)
+        logits = lm.get_output_embeddings()(hidden[b.hidden_idx]).float()
+    ce = torch.nn.functional.cross_entropy(logits, b.labels, reduction="none")
+    return (ce * b.response_mask[b.response_valid]).sum() / max(num_tokens, 1)
 
 
-def bare_update(worker: Any, plans: list[Any], epochs: int) -> float:
-    """The bound: the same micro-batches, forward + backward + AdamW, nothing else. Returns the
-    seconds spent inside the actor."""
+def bare_update(worker: Any, plans: list[Any], epochs: int, packed: bool | None = None) -> float:
+    """The bound: the same micro-batches, forward + backward + AdamW, nothing else, laid out as the
+    plans say (``packed`` None) or as ``packed`` says (``--bound padded``). Returns the seconds
+    spent inside the actor."""
     import torch
 
     from learner.model import collate
@@ -180,7 +205,8 @@ def bare_update(worker: Any, plans: list[Any], epochs: int) -> float:
         for plan in plans:
             opt.zero_grad(set_to_none=True)
             for micro in plan.micro_batches:
-                bare_micro_loss(lm, collate(micro, worker.device), plan.num_tokens, bf16).backward()
+                b = collate(micro, worker.device, packed=plan.packed if packed is None else packed)
+                bare_micro_loss(lm, b, plan.num_tokens, bf16).backward()
             opt.step()
     opt.zero_grad(set_to_none=True)
     if bf16:
@@ -196,7 +222,7 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
 
     import torch
 
-    from learner.model import collate
+    from learner.model import collate, set_micro_batch
     from learner.update import actor_micro_loss
 
     dev = worker.device
@@ -226,8 +252,8 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
                 opt.zero_grad(set_to_none=True)
                 clock.lap("zero_grad")
                 for i, micro in enumerate(plan.micro_batches):
-                    model.set_requires_gradient_sync(i == len(plan.micro_batches) - 1)
-                    b = collate(micro, dev)
+                    set_micro_batch(model, i, len(plan.micro_batches))
+                    b = collate(micro, dev, packed=plan.packed)
                     clock.lap("collate")
                     loss, _metrics = actor_micro_loss(model, b, plan, s, worker.world)
                     clock.lap("fwd: logprobs + entropy + PPO loss + metrics")
@@ -255,7 +281,7 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
             bare_opt.zero_grad(set_to_none=True)
             clock.lap("zero_grad")
             for micro in plan.micro_batches:
-                b = collate(micro, dev)
+                b = collate(micro, dev, packed=plan.packed)
                 clock.lap("collate")
                 loss = bare_micro_loss(bare_lm, b, plan.num_tokens, bf16)
                 clock.lap("forward + loss")
@@ -270,36 +296,31 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
 
 
 def ablation_setup(worker: Any) -> bool:
-    """A second FSDP2 copy of the policy, as ``learner.model.shard`` builds it but with
-    ``reshard_after_forward=False`` (layers stay unsharded from forward to backward): the candidate
-    fix that the ablation measures."""
+    """A second FSDP2 copy of the policy, as ``learner.model.shard`` builds it but with the other
+    resharding choice (``keep_gathered``: parameters gathered from forward to backward and across
+    the micro-batches of a step, or resharded after each forward and backward)."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from learner.model import PolicyHead, decoder_layers, load_causal_lm
+    from learner.model import PolicyHead, load_causal_lm, shard
 
     s = worker.s
     lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
                         gradient_checkpointing=s.gradient_checkpointing).to(worker.device)
-    head = PolicyHead(lm, s.temperature)
-    kw: dict[str, Any] = {"reshard_after_forward": False}
-    if worker.device.type == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(lm):
-        fully_shard(layer, **kw)
-    fully_shard(head, **kw)
+    head = shard(PolicyHead(lm, s.temperature), lm, device=worker.device, param_offload=False,
+                 bf16=worker.device.type == "cuda", world_size=worker.world,
+                 keep_gathered=not worker.models["actor"].keep_gathered)
     opt = torch.optim.AdamW(head.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    worker.bench_no_reshard = (head, opt)
-    return True
+    worker.bench_other_reshard = (head, opt)
+    return bool(head.keep_gathered)
 
 
 ABLATION = {
     "update": "TrainWorker.update_actor, as timed above",
     "fsdp_ce": "the worker's FSDP PolicyHead, loss = the bound's cross-entropy (no entropy, PPO loss, "
                "metric syncs or grad clipping)",
-    "no_reshard_update": "the update loop (PPO loss, entropy, metrics, clipping) on an FSDP copy "
-                         "with reshard_after_forward=False",
-    "no_reshard_ce": "that copy with the bound's cross-entropy",
+    "other_reshard_update": "the update loop (PPO loss, entropy, metrics, clipping) on an FSDP copy "
+                            "with the other resharding choice (learner.model.keep_unsharded)",
+    "other_reshard_ce": "that copy with the bound's cross-entropy",
     "bare": "the bound",
 }
 
@@ -310,7 +331,7 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
 
     import torch
 
-    from learner.model import collate
+    from learner.model import collate, policy_outputs, set_micro_batch
     from learner.update import actor_micro_loss
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -319,18 +340,18 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
     elif variant == "bare":
         bare_update(worker, plans, epochs)
     else:  # a copy of TrainWorker._update's loop (actor role)
-        fsdp, opt = worker.bench_no_reshard if variant.startswith("no_reshard") else (
+        fsdp, opt = worker.bench_other_reshard if variant.startswith("other_reshard") else (
             worker.models["actor"], worker.optims["actor"])
         fsdp.train()
         for _ in range(epochs):
             for plan in plans:
                 opt.zero_grad(set_to_none=True)
                 for i, micro in enumerate(plan.micro_batches):
-                    fsdp.set_requires_gradient_sync(i == len(plan.micro_batches) - 1)
-                    b = collate(micro, worker.device)
+                    set_micro_batch(fsdp, i, len(plan.micro_batches))
+                    b = collate(micro, worker.device, packed=plan.packed)
                     if variant.endswith("_ce"):
-                        logp, _ = fsdp(b["input_ids"], b["attention_mask"], b["gather_idx"], b["labels"], False)
-                        loss = -(logp * b["response_mask"]).sum() / max(plan.num_tokens, 1)
+                        logp, _ = policy_outputs(fsdp, b)
+                        loss = -(logp * b.response_mask).sum() / max(plan.num_tokens, 1)
                     else:
                         loss, _ = actor_micro_loss(fsdp, b, plan, worker.s, worker.world)
                     loss.backward()
@@ -393,17 +414,20 @@ def torch_profile(worker: Any, plans: list[Any], epochs: int, bare: bool) -> str
 async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     import ray
 
-    from learner.samples import split_for_ranks
+    from learner.samples import Batching, OldFromForward, split_for_ranks
     from learner.worker import WorkerSettings
     from learner.workers import WorkerGroup, init_ray
 
     init_ray(None, args.cpus, log_to_driver=False)
     samples = make_samples(args)
-    plans = split_for_ranks(samples, mini_batches=args.mini_batches, ranks=args.world,
-                            micro_size=args.micro_size)
+    batching = Batching(micro_size=args.micro_size, max_tokens=args.max_tokens, packed=args.layout == "packed")
+    plans = split_for_ranks(samples, mini_batches=args.mini_batches, ranks=args.world, batching=batching)
     tokens = sum(len(s.input_ids) for s in samples) * args.epochs
+    # what these micro-batches would hold padded (dummies included): the cost without packing
     padded = args.epochs * sum(len(micro) * max(len(s.input_ids) for s in micro)
                                for rank in plans for plan in rank for micro in plan.micro_batches)
+    old_from_forward = OldFromForward(is_level="token", is_cap=2.0) if args.old_logprobs == "from-update" else None
+    bound_packed = False if args.bound == "padded" else None
     settings = WorkerSettings(model_path=str(model), device=args.device, seed=1,
                               gradient_checkpointing=args.gradient_checkpointing)
     progress(f"starting {args.world} worker(s) on {args.device}")
@@ -412,6 +436,7 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     try:
         await group.start()
         bare_info = await ray_all(group, bare_setup)
+        keep_gathered = bool((await ray_all(group, lambda w: w.models["actor"].keep_gathered))[0])
         start_s = time.perf_counter() - t0
         threads = [i["threads"] for i in bare_info]
         progress(f"workers ready in {start_s:.1f} s (torch threads per rank {threads}); "
@@ -429,11 +454,13 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             c1 = await ray_all(group, cpu_seconds)  # waits for the device: part of the wall time
             return time.perf_counter() - t, max(b - a for a, b in zip(c0, c1, strict=True))
 
-        def ours() -> Any:
-            return group.all("update_actor", [(ref, args.epochs) for ref in plan_refs])
+        async def ours() -> Any:
+            if args.old_logprobs == "forward":  # as Trainer._prepare runs it (samples shipped each time)
+                await group.forward("actor", samples, "old_logprobs", batching)
+            return await group.all("update_actor", [(ref, args.epochs, old_from_forward) for ref in plan_refs])
 
         def bare() -> Any:
-            return ray_all(group, bare_update, [(ref, args.epochs) for ref in plan_refs])
+            return ray_all(group, bare_update, [(ref, args.epochs, bound_packed) for ref in plan_refs])
 
         warm = (await timed(ours), await timed(bare))
         progress(f"warm-up: update {tokens / warm[0][0]:,.0f} tok/s, bare {tokens / warm[1][0]:,.0f} tok/s")
@@ -455,7 +482,9 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "padded_tokens_per_call": padded,
             "samples": args.samples, "prompt_len_mean": args.prompt_len,
             "response_len_mean": args.response_len, "mini_batches": args.mini_batches,
-            "micro_size": args.micro_size, "epochs": args.epochs,
+            "micro_size": args.micro_size, "epochs": args.epochs, "lengths": args.lengths,
+            "layout": args.layout, "max_tokens": args.max_tokens, "bound": args.bound,
+            "old_logprobs": args.old_logprobs, "keep_gathered": keep_gathered,
             "micro_batches_per_rank": len(plans[0][0].micro_batches) * len(plans[0]),
             "worker_start_s": round(start_s, 1),
             "torch_threads": threads,
@@ -753,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     result["loadavg_1m"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}
     if "update_ratio" in result:
         print(f"PPO update {result['update_tok_s']:,.0f} tok/s vs bare step {result['bare_tok_s']:,.0f} tok/s "
-              f"(ratio {result['update_ratio']:.3f}, world {args.world}, {args.device}, {args.shape})")
+              f"(ratio {result['update_ratio']:.3f}, world {args.world}, {args.device}, {args.shape}, "
+              f"{args.lengths} lengths, {args.layout}, bound {args.bound}, old logprobs {args.old_logprobs})")
     for n, r in result.get("publish", {}).items():
         print(f"publish to {n}: {r['publish_s'] * 1e3:,.1f} ms ({r['publish_gb_s']:.2f} GB/s), "
               f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms, ratio {r['ratio']:.3f}")
