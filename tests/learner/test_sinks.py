@@ -314,10 +314,28 @@ def test_wandb_logs_offline_and_resumes_the_same_run(
 
 
 def test_unknown_sink_lists_the_known_ones(tmp_path: Path) -> None:
-    with pytest.raises(UnknownEntry, match="known: console, jsonl, tensorboard, wandb"):
+    with pytest.raises(UnknownEntry, match="known: console, jsonl, prometheus, tensorboard, wandb"):
         MetricSinks(["jsonl", "mlflow"], tmp_path, total_steps=1)
     assert not (tmp_path / METRICS_FILE).exists()  # checked before any sink opened
-    assert SINKS.names() == ["console", "jsonl", "tensorboard", "wandb"]
+    assert SINKS.names() == ["console", "jsonl", "prometheus", "tensorboard", "wandb"]
+
+
+def test_prometheus_serves_the_latest_step(tmp_path: Path) -> None:
+    import urllib.request
+
+    from learner.prometheus_sink import PrometheusSink, prometheus_name
+    from learner.sinks import SinkContext
+
+    assert prometheus_name("rollout/waste_frac") == "agentrl_learner_rollout_waste_frac"
+    sink = PrometheusSink(SinkContext(tmp_path, total_steps=3, config={"learner": {"metrics_port": 0}}))
+    try:
+        sink.log(1, {"rollout/waste_frac": 0.25, "reward/mean": float("nan")})
+        sink.log(2, {"rollout/waste_frac": 0.0})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10).read().decode()
+    finally:
+        sink.close()
+    assert "agentrl_learner_rollout_waste_frac 0.0" in text and "agentrl_learner_step 2.0" in text
+    assert "reward_mean" not in text  # a non-finite value is left out
 
 
 class FailingSink:
