@@ -112,6 +112,10 @@ CPU_OVERRIDES = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=3.0e-4",
     "rollout_server.max_concurrent_episodes=32", "ray.num_cpus=2",
 ]
+DEADLINE_CUDA_S = 570.0
+"""longtail on a GPU: the four runs fit a 10-minute command (after a --prepare-only one)."""
+RUN_FLOOR_S = 100.0
+"""With a deadline, what each later run keeps at least."""
 TWO_GPUS = ["launch.learner_gpus=[0]", "launch.rollout_gpus=[[1]]",
             "actor_rollout_ref.rollout.gpu_memory_utilization=0.8"]
 """--gpus 2: the learner on GPU 0, the rollout server on GPU 1 (vLLM then takes most of it)."""
@@ -126,10 +130,11 @@ class Workload:
     staleness: str
     steps: dict[str, int]
     timeout_s: dict[str, float]
-    warmup_args: list[str]  # tools/warmup.py's arguments besides model, data, out, steps, seconds, device
+    warmup_args: dict[str, list[str]]  # tools/warmup.py's arguments besides model, data, out, steps, seconds, device
     warmup_steps: dict[str, int]
     warmup_seconds: dict[str, float]
     warm_suffix: str  # the warmed model is <model>-warm<suffix>
+    deadline_s: dict[str, float] = field(default_factory=dict)  # of the whole bench; a device not named: none
     cpu_overrides: list[str] = field(default_factory=list)
 
 
@@ -140,14 +145,16 @@ WORKLOADS = {
     "longtail": Workload(
         config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
         steps={"cuda": 10, "cpu": 3}, timeout_s={"cuda": 240.0, "cpu": 420.0},
-        warmup_args=["--tools", "calculator", "--target", "0.5", "--max-tokens", "768"],
-        warmup_steps={"cuda": 400, "cpu": 400}, warmup_seconds={"cuda": 90.0, "cpu": 240.0}, warm_suffix="-longtail"),
+        warmup_args={d: ["--tools", "calculator", "--target", "0.5", "--max-tokens", str(n), "--drill-weight", "1.0"]
+                     for d, n in (("cuda", 768), ("cpu", 640))},
+        warmup_steps={"cuda": 800, "cpu": 400}, warmup_seconds={"cuda": 150.0, "cpu": 360.0}, warm_suffix="-longtail",
+        deadline_s={"cuda": DEADLINE_CUDA_S}),
     # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
     # a 0.15 chance of a whole right episode.
     "calc": Workload(
         config=ROOT / "configs" / "gpu_e2e.yaml", data="data", staleness="0,2",
         steps={"cuda": 6, "cpu": 3}, timeout_s={"cuda": 420.0, "cpu": 420.0},
-        warmup_args=["--guess-fraction", "0.5", "--target", "0.15"],
+        warmup_args={d: ["--guess-fraction", "0.5", "--target", "0.15"] for d in ("cuda", "cpu")},
         warmup_steps={"cuda": 300, "cpu": 500}, warmup_seconds={"cuda": 60.0, "cpu": 60.0}, warm_suffix="",
         cpu_overrides=["actor_rollout_ref.rollout.max_model_len=768"]),
 }
@@ -172,6 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the sync baseline (default: longtail 0,1,2,4; calc 0,2)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="wall-clock limit of each run (default: longtail 240 on cuda, 420 on the CPU; calc 420)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="wall-clock limit of the whole bench: each run's limit shrinks so that every later run "
+                        f"keeps {RUN_FLOOR_S:g} s; 0: none (default: longtail {DEADLINE_CUDA_S:g} on cuda, to fit a "
+                        "10-minute command after a --prepare-only one; otherwise none)")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
                    help="1: learner and rollout server share GPU 0; 2: learner on GPU 0, rollout server on GPU 1 "
                         "(default %(default)s)")
@@ -223,6 +234,16 @@ def apply_device_defaults(a: argparse.Namespace, device: str) -> None:
     a.timeout_s = a.timeout_s or w.timeout_s[device]
     a.warmup_steps = a.warmup_steps or w.warmup_steps[device]
     a.warmup_seconds = a.warmup_seconds or w.warmup_seconds[device]
+    a.deadline_s = (a.deadline_s if a.deadline_s is not None else w.deadline_s.get(device)) or None  # 0: none
+
+
+def run_limit(a: argparse.Namespace, runs_after: int) -> float:
+    """The next run's wall-clock limit: ``--timeout-s``, and with ``--deadline-s`` no more than leaves
+    RUN_FLOOR_S for each run after it (a run cut short still reports the steps it did)."""
+    if a.deadline_s is None:
+        return a.timeout_s
+    left = a.deadline_s - (time.monotonic() - T0) - STOP_GRACE_S / 2
+    return max(RUN_FLOOR_S, min(a.timeout_s, left - RUN_FLOOR_S * runs_after))
 
 
 def label(staleness: int) -> str:
@@ -461,7 +482,8 @@ def tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], work: Path) -> dict[str, Any]:
+def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], work: Path,
+              limit_s: float) -> dict[str, Any]:
     name = f"run-{args.workload}-s{staleness}"
     run_dir = work / name
     if run_dir.exists():
@@ -474,7 +496,7 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
            f"actor_rollout_ref.rollout.max_staleness={staleness}", *args.overrides]
     env = dict(os.environ, **{MARKER_ENV: marker})
     progress(f"run {label(staleness)} (max_staleness={staleness}): bin/train, {args.steps} steps, limit "
-             f"{args.timeout_s:g} s, logs {run_dir / 'logs'}")
+             f"{limit_s:.0f} s, logs {run_dir / 'logs'}")
     t0 = time.monotonic()
     result: dict[str, Any] = {"label": label(staleness), "max_staleness": staleness, "run_dir": str(run_dir),
                               "steps_asked": args.steps}
@@ -486,7 +508,7 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
         try:
-            deadline = t0 + args.timeout_s
+            deadline = t0 + limit_s
             while proc.poll() is None:
                 if time.monotonic() > deadline:
                     timed_out = True
@@ -531,7 +553,7 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
         result["lengths"] = {"error": f"{type(e).__name__}: {e}"}
     result["ok"] = not timed_out and proc.returncode == 0 and result["steps_done"] >= args.steps
     if not result["ok"]:
-        why = f"timed out after {args.timeout_s:g} s" if timed_out else f"bin/train exit status {proc.returncode}"
+        why = f"timed out after {limit_s:.0f} s" if timed_out else f"bin/train exit status {proc.returncode}"
         if "refused" in result:
             why = f"the learner refused every batch ({result['refused']})"
         result["error"] = f"{why}, {result['steps_done']}/{args.steps} steps"
@@ -905,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warmup:
             warm = work / f"{model.name}-warm{workload.warm_suffix}"
             summary = run_warmup(model, data, warm, device, args.warmup_steps, args.warmup_seconds,
-                                 workload.warmup_args)
+                                 workload.warmup_args[device])
             result["warmup"] = {k: summary.get(k) for k in ("steps", "stopped", "probe", "seconds", "final_loss")}
             model = warm
         result["model"] = str(model)
@@ -914,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
             return finish(result, results_path)
         overrides = [f"actor_rollout_ref.model.path={model}", *data_overrides, *device_overrides]
         for i, s in enumerate(args.staleness_values):
-            run = run_train(args, s, overrides, work)
+            run = run_train(args, s, overrides, work, run_limit(args, len(args.staleness_values) - i - 1))
             episodes += run.pop("_episodes", [])
             result["runs"].append(run)
             result["comparison"] = compare(result["runs"])

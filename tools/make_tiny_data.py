@@ -6,11 +6,13 @@ JSONL, so the real loading code runs on them. The questions invite the calculato
 what the demo's tool agent learns to call.
 
 The ``longtail`` set (bench/e2e.py's default workload) is a long-tailed multi-turn tool task: a
-row asks to add (or subtract) ``operand`` ``steps`` times from ``start``, one step per turn, each
-turn thinking for ``think`` counts and then calling the calculator twice, for the value and for
-the steps left; the answer is boxed once the steps left reach 0. ``steps`` and ``think`` are drawn
-per row from lognormals (``LongTailSpec``), so an episode's turns (steps + 1) and its tokens
-(about 80 per turn: calls, tool responses, thinking) have a heavy tail: p99 / median >= 8.
+row asks to add (or subtract) ``operand`` ``steps`` times from ``start``, one step per turn; each
+turn first thinks by counting down the steps left ("Think: 3 2 1 0.") and then calls the
+calculator for the new value; at "Think: 0." the value is boxed. ``steps`` is drawn per row from a
+lognormal (``LongTailSpec``), so an episode's turns (steps + 1) and its tokens (the thinking of a
+turn grows with the steps left) have a heavy tail: p99 / median >= 8. Every rule is local (the
+countdown decrements, a turn's first count is one less than the previous turn's, the value comes
+from the last tool response), so a tiny model learns the format from a short warm-up.
 """
 
 from __future__ import annotations
@@ -40,23 +42,25 @@ def make_rows(n: int, seed: int) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class LongTailSpec:
-    """Per-row draws of the long-tail set: round(lognormal(ln median, sigma)), clipped.
+    """Per-row draw of the long-tail set: steps = round(lognormal(ln steps_median, steps_sigma)),
+    clipped to 1..steps_max.
 
-    With the defaults an episode has median 3 turns, p90 9, p99 27 (steps + 1; 4,000 rows): most
-    episodes are short and a few are ten times longer, as in agentic and reasoning RL, where the
-    number of tool calls and the length of the reasoning vary by an order of magnitude between
-    tasks of one batch. ``think`` is the thinking budget of every turn of a row."""
+    With the defaults an episode has median 3 turns, p90 9, p99 27 (steps + 1; 4,000 rows), and its
+    response tokens (each turn thinks by counting down the steps left, so tokens grow about as
+    steps squared) median ~120, p99 ~2,000: most episodes are short and a few are ten or more
+    times longer, as in agentic and reasoning RL, where the number of tool calls and the length of
+    the reasoning vary by an order of magnitude between the tasks of one batch."""
 
     steps_median: float = 2.0
     steps_sigma: float = 1.1
     steps_max: int = 31
-    think_median: float = 2.0
-    think_sigma: float = 0.8
-    think_max: int = 9  # a countdown of single digits: "Think: 3 2 1 0."
 
 
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma))))
+LONGTAIL_TASK = ("Apply the step to the value, one step per turn: first think by counting down the steps left "
+                 "to 0, then call the calculator for the new value (value step). When no steps are left, give "
+                 "the value as \\boxed{N}.")
+"""The fixed part of every long-tail question, first: the warm-up computes a prefix all its
+demonstrations share once per step, so only the row's numbers cost per example."""
 
 
 def make_longtail_rows(n: int, seed: int, spec: LongTailSpec = LongTailSpec()) -> list[dict[str, Any]]:
@@ -64,38 +68,35 @@ def make_longtail_rows(n: int, seed: int, spec: LongTailSpec = LongTailSpec()) -
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for _ in range(n):
-        steps = _lognormal_int(rng, spec.steps_median, spec.steps_sigma, 1, spec.steps_max)
-        think = _lognormal_int(rng, spec.think_median, spec.think_sigma, 0, spec.think_max)
-        op, operand = rng.choice("+-"), rng.randint(2, 19)
+        steps = min(spec.steps_max, max(1, round(rng.lognormvariate(math.log(spec.steps_median), spec.steps_sigma))))
+        op, operand = rng.choice("+-"), rng.randint(2, 9)
         start = rng.randint(10, 99) + (steps * operand if op == "-" else 0)  # never below 10
         answer = start + steps * operand if op == "+" else start - steps * operand
-        verb = "Add" if op == "+" else "Subtract"
-        question = (f"Start at {start}. {verb} {operand}, {steps} times. Each turn: think {think}, then call the "
-                    f"calculator for the value ({start} {op} {operand}) and for the steps left ({steps} - 1). "
-                    f"When no steps are left, give the value as \\boxed{{N}}.")
+        question = f"{LONGTAIL_TASK} Value {start}, step {op} {operand}, steps {steps}."
         rows.append({"question": question, "answer": str(answer), "data_source": "longtail", "start": start,
-                     "op": op, "operand": operand, "steps": steps, "think": think})
+                     "op": op, "operand": operand, "steps": steps})
     return rows
 
 
 def longtail_episode(row: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """The right episode of a long-tail row: (assistant text, the tool responses that follow it)
-    per turn, the last turn without tools. tools/warmup.py demonstrates it (calling the real
-    calculator); the tests measure the set's budgets with it."""
+    per turn, the last turn without tools. Turn i (of steps + 1) thinks "Think: L L-1 ... 0." for
+    the L = steps + 1 - i steps left, then calls the calculator for the new value; at "Think: 0."
+    it boxes the value. tools/warmup.py demonstrates it (calling the real calculator); the tests
+    measure the set's budgets with it."""
     from tools.warmup import tool_call_text
 
-    start, op, operand = int(row["start"]), str(row["op"]), int(row["operand"])
-    steps, think = int(row["steps"]), int(row["think"])
-    thought = "Think: " + " ".join(str(j) for j in range(think, -1, -1)) + ".\n"
+    start, op, operand, steps = int(row["start"]), str(row["op"]), int(row["operand"]), int(row["steps"])
     turns: list[tuple[str, list[str]]] = []
     value = start
-    for left in range(steps, 0, -1):
+    for left in range(steps, -1, -1):
+        thought = "Think: " + " ".join(str(j) for j in range(left, -1, -1)) + ".\n"
+        if left == 0:
+            turns.append((thought + f"The answer is \\boxed{{{value}}}.", []))
+            break
         nxt = value + operand if op == "+" else value - operand
-        calls = (tool_call_text("calculator", {"expression": f"{value} {op} {operand}"}) + "\n"
-                 + tool_call_text("calculator", {"expression": f"{left} - 1"}))
-        turns.append((thought + calls, [str(nxt), str(left - 1)]))
+        turns.append((thought + tool_call_text("calculator", {"expression": f"{value} {op} {operand}"}), [str(nxt)]))
         value = nxt
-    turns.append((thought + f"The answer is \\boxed{{{value}}}.", []))
     return turns
 
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                          longtail=not args.no_longtail)
     print(f"wrote {out / 'train.jsonl'} ({args.train} rows) and {out / 'val.jsonl'} ({args.val} rows)")
     if not args.no_longtail:
-        print(f"wrote {out}/longtail (multi-turn calculator chains with long-tailed lengths)")
+        print(f"wrote {out}/longtail (multi-turn calculator chains with long-tailed lengths: bench/e2e.py)")
     if not args.no_agents:
         print(f"wrote {out}/longdoc, {out}/code and {out}/qa (with corpus.jsonl) for the agent configs")
     return 0

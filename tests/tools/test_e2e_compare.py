@@ -12,6 +12,11 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # bench/protocol.py must not shadow the protocol package: imported first
+from protocol.sender import encode_batch  # noqa: E402
+from protocol.trajectory import Trajectory  # noqa: E402
+from rollout_service.recording import batch_path, write_batch_file  # noqa: E402
+
 sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
@@ -93,10 +98,6 @@ def test_quantiles_and_length_summary() -> None:
 
 
 def test_read_episodes_from_recordings(tmp_path: Path) -> None:
-    from protocol.sender import encode_batch
-    from protocol.trajectory import Trajectory
-    from rollout_service.recording import batch_path, write_batch_file
-
     def traj(i: int, n: int, version: int) -> Trajectory:
         return Trajectory(trajectory_id=f"t{i}", group_uid="g", prompt_ids=np.arange(3, dtype=np.int32),
                           response_ids=np.arange(n, dtype=np.int32), response_mask=np.array([1, 0] * (n // 2), np.uint8),
