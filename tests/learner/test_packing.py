@@ -198,7 +198,7 @@ def config(**kw: Any) -> Any:
         actor_rollout_ref=SimpleNamespace(actor=actor, rollout=SimpleNamespace(n=4),
                                           model=SimpleNamespace(use_remove_padding=True)),
         algorithm=SimpleNamespace(use_kl_in_reward=kw.pop("use_kl_in_reward", False)),
-        data=SimpleNamespace(train_batch_size=2), trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0)))
+        data=SimpleNamespace(train_batch_size=2), trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0), device="cpu"))
 
 
 @pytest.mark.parametrize(("kw", "skips"), [
@@ -221,3 +221,12 @@ def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bo
         assert (got.is_level, got.is_cap) == (off.is_level, off.is_cap)
     assert batching(config()) == Batching(micro_size=2, max_tokens=1000, packed=True)
     assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(micro_size=3, packed=True)
+
+
+def test_packing_falls_back_to_padding_on_a_gpu_without_a_varlen_kernel() -> None:
+    import importlib.util
+
+    from learner.prepare import packing_pays
+
+    assert packing_pays("cpu")
+    assert packing_pays("cuda") == (importlib.util.find_spec("flash_attn") is not None)
