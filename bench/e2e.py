@@ -5,17 +5,18 @@ broadcast, the waste, the staleness and the reward against wall-clock.
 Workloads (``--workload``):
 - ``longtail`` (default): multi-turn calculator chains with a heavy tail of episode lengths, like
   agentic and reasoning RL (configs/longtail_e2e.yaml, data from tools/make_tiny_data.py's
-  ``longtail`` set). A row asks to add (or subtract) a number ``steps`` times, one step per turn:
-  each turn counts down a ``think`` budget ("Think: 3 2 1 0.") and calls the calculator twice, for
-  the value and for the steps left; the value is boxed when no steps are left (math reward).
-  ``steps`` ~ round(lognormal(ln 2, 1.1)) clipped to 1..31 and ``think`` ~ round(lognormal(ln 2,
-  0.8)) clipped to 0..9, per row: turns per episode (steps + 1) have median 3, p90 9, p99 27, and
-  response tokens (about 80 a turn with the tool responses) median ~190, p99 ~1,900 (p99 / median
-  ~10). In real agentic RL too, most episodes of a batch are short and a few run an order of
-  magnitude longer (tool calls per task, reasoning length), so a synchronous trainer waits for the
-  longest episode of every batch while the rollout GPU idles: the case asynchronous RL is for. The
-  tail comes from the model itself: the warm-up teaches the format on demonstrations, and the
-  episodes are what the warmed model samples (their lengths are read from the recordings).
+  ``longtail`` set). A row adds (or subtracts) a number ``steps`` times, one calculator call per
+  turn; the number packs the value and the steps left (value * 100 + steps left), so one step is
+  one addition ("6402 - 801" -> 5601: value 64 - 8, one step less) and the episode ends when the
+  number ends in 00, boxed (math reward). ``steps`` ~ round(lognormal(ln 2, 1.1)) clipped to 1..31
+  per row: turns per episode (steps + 1) have median 3, p90 9, p99 27, and the right episodes'
+  response tokens (model + tool, ~37 a turn) median 107, p90 415, p99 1,079 in the 256 training
+  rows (p99 / median 10). In real agentic RL too, most episodes of a batch are short and a few run
+  an order of magnitude longer (tool calls per task, reasoning length), so a synchronous trainer
+  waits for the longest episode of every batch while the rollout engine idles: the case
+  asynchronous RL is for. The tail comes from the model itself: the warm-up teaches the format on
+  whole demonstrations, and the episodes are what the warmed model samples (their lengths are read
+  from the recordings and reported).
 - ``calc``: the demo's task (configs/gpu_e2e.yaml): "What is a op b?", one calculator call, at
   most 3 turns; almost no tail.
 
@@ -31,8 +32,9 @@ What it does, every stage bounded in time and reported on stderr as it goes:
 2. warms the model up (tools/warmup.py in a child process, so its GPU memory is gone before vLLM
    starts; on CUDA with bfloat16 autocast, capped by ``--warmup-seconds``) on the workload's
    demonstrations: calc calls the calculator half of the time, as bin/demo's first stage; longtail
-   shows whole right episodes (cut to their first tokens to bound a step's cost), so that episodes
-   are multi-turn and some earn a reward. ``--no-warmup`` trains the random model;
+   shows whole right episodes, in batches of similar lengths (``--bucket``: a step costs about the
+   mean length, not the longest), so that episodes are multi-turn and some earn a reward.
+   ``--no-warmup`` trains the random model;
 3. runs ``bin/train --config <workload config>`` once per value of ``--staleness`` (overrides:
    model, data, run directory, steps, ``actor_rollout_ref.rollout.max_staleness``, the GPU
    placement of ``--gpus``; on the CPU also the device, dtype, eager mode and small batches), each
@@ -139,15 +141,16 @@ class Workload:
 
 
 WORKLOADS = {
-    # The long-tail set: whole right episodes (cut to their first tokens on the CPU, where a
-    # step's cost is its longest demonstration) until the held-out probe reaches 0.5, so that the
-    # warmed model follows long chains to their end: the tail must come from its own sampling.
+    # The long-tail set: whole right episodes (never cut: a model trained on the first turns only
+    # loses its way in long contexts), in length-bucketed batches, until the held-out probe reaches
+    # 0.5, so that the warmed model follows long chains to their end: the tail must come from its
+    # own sampling.
     "longtail": Workload(
         config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
         steps={"cuda": 10, "cpu": 3}, timeout_s={"cuda": 240.0, "cpu": 420.0},
-        warmup_args={d: ["--tools", "calculator", "--target", "0.5", "--max-tokens", str(n), "--drill-weight", "1.0"]
-                     for d, n in (("cuda", 768), ("cpu", 640))},
-        warmup_steps={"cuda": 800, "cpu": 400}, warmup_seconds={"cuda": 150.0, "cpu": 360.0}, warm_suffix="-longtail",
+        warmup_args={d: ["--tools", "calculator", "--target", "0.5", "--bucket", "--drill-weight", "1.0"]
+                     for d in ("cuda", "cpu")},
+        warmup_steps={"cuda": 800, "cpu": 600}, warmup_seconds={"cuda": 150.0, "cpu": 900.0}, warm_suffix="-longtail",
         deadline_s={"cuda": DEADLINE_CUDA_S}),
     # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
     # a 0.15 chance of a whole right episode.
@@ -195,9 +198,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "parameters; only once the learner accepts ids the tokenizer lacks) (default %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="train the random model (episodes stay one turn)")
     p.add_argument("--warmup-seconds", type=float, default=None,
-                   help="cap of the warm-up's training loop (default: longtail 90 on cuda, 240 on the CPU; calc 60)")
+                   help="cap of the warm-up's training loop (default: longtail 150 on cuda, 900 on the CPU; calc 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="cap of the warm-up's steps (default: longtail 400; calc 300 on cuda, 500 on the CPU)")
+                   help="cap of the warm-up's steps (default: longtail 800 on cuda, 600 on the CPU; calc 300 / 500)")
     p.add_argument("--config", type=Path, default=None,
                    help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)")
     p.add_argument("--results", type=Path, default=None,

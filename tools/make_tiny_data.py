@@ -6,13 +6,13 @@ JSONL, so the real loading code runs on them. The questions invite the calculato
 what the demo's tool agent learns to call.
 
 The ``longtail`` set (bench/e2e.py's default workload) is a long-tailed multi-turn tool task: a
-row asks to add (or subtract) ``operand`` ``steps`` times from ``start``, one step per turn; each
-turn first thinks by counting down the steps left ("Think: 3 2 1 0.") and then calls the
-calculator for the new value; at "Think: 0." the value is boxed. ``steps`` is drawn per row from a
-lognormal (``LongTailSpec``), so an episode's turns (steps + 1) and its tokens (the thinking of a
-turn grows with the steps left) have a heavy tail: p99 / median >= 8. Every rule is local (the
-countdown decrements, a turn's first count is one less than the previous turn's, the value comes
-from the last tool response), so a tiny model learns the format from a short warm-up.
+row adds (or subtracts) a number ``steps`` times, one calculator call per turn, and the tool
+carries the count: the number packs the value and the steps left (value * 100 + steps left), so a
+step is one addition (``+ 499``: value + 5, one step less) and the episode ends when the number
+ends in 00, with that number boxed. ``steps`` is drawn per row from a lognormal
+(``LongTailSpec``), so an episode's turns (steps + 1) and tokens have a heavy tail: p99 / median
+>= 8. Every rule is local (copy the last tool response, append the step, stop at 00), so a tiny
+model learns the format from a short warm-up and follows long chains to their end.
 """
 
 from __future__ import annotations
@@ -45,58 +45,65 @@ class LongTailSpec:
     """Per-row draw of the long-tail set: steps = round(lognormal(ln steps_median, steps_sigma)),
     clipped to 1..steps_max.
 
-    With the defaults an episode has median 3 turns, p90 9, p99 27 (steps + 1; 4,000 rows), and its
-    response tokens (each turn thinks by counting down the steps left, so tokens grow about as
-    steps squared) median ~120, p99 ~2,000: most episodes are short and a few are ten or more
-    times longer, as in agentic and reasoning RL, where the number of tool calls and the length of
-    the reasoning vary by an order of magnitude between the tasks of one batch."""
+    With the defaults an episode has median 3 turns, p90 9, p99 27 (steps + 1; 4,000 rows), and
+    its response tokens (~37 a turn: the call and the tool's response) median ~95, p99 ~1,000:
+    most episodes are short and a few are ten times longer, as in agentic and reasoning RL, where
+    the number of tool calls and the length of the reasoning vary by an order of magnitude between
+    the tasks of one batch."""
 
     steps_median: float = 2.0
     steps_sigma: float = 1.1
     steps_max: int = 31
 
 
-LONGTAIL_TASK = ("Apply the step to the value, one step per turn: first think by counting down the steps left "
-                 "to 0, then call the calculator for the new value (value step). When no steps are left, give "
-                 "the value as \\boxed{N}.")
+PACK = 100
+"""A number packs its value and the steps left as value * PACK + steps left (steps_max < PACK)."""
+LONGTAIL_TASK = ("A number packs a value and the steps left as value * 100 + steps left. Each turn, apply the "
+                 "step to the number with one calculator call. When the number ends in 00, no steps are left: "
+                 "give it as \\boxed{N}.")
 """The fixed part of every long-tail question, first: the warm-up computes a prefix all its
 demonstrations share once per step, so only the row's numbers cost per example."""
 
 
 def make_longtail_rows(n: int, seed: int, spec: LongTailSpec = LongTailSpec()) -> list[dict[str, Any]]:
-    """Rows of the long-tail set (module docstring); the answer is ``start op steps * operand``."""
+    """Rows of the long-tail set (module docstring): ``number`` = value * PACK + steps and the
+    ``step`` (``+ operand * PACK - 1`` or ``- (operand * PACK + 1)``) that applies one step; the
+    answer is the value after ``steps`` steps, times PACK."""
+    if spec.steps_max >= PACK:
+        raise ValueError(f"steps_max must be below {PACK}")
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for _ in range(n):
         steps = min(spec.steps_max, max(1, round(rng.lognormvariate(math.log(spec.steps_median), spec.steps_sigma))))
         op, operand = rng.choice("+-"), rng.randint(2, 9)
-        start = rng.randint(10, 99) + (steps * operand if op == "-" else 0)  # never below 10
-        answer = start + steps * operand if op == "+" else start - steps * operand
-        question = f"{LONGTAIL_TASK} Value {start}, step {op} {operand}, steps {steps}."
-        rows.append({"question": question, "answer": str(answer), "data_source": "longtail", "start": start,
-                     "op": op, "operand": operand, "steps": steps})
+        value = rng.randint(10, 99) + (steps * operand if op == "-" else 0)  # never below 10
+        step = f"+ {operand * PACK - 1}" if op == "+" else f"- {operand * PACK + 1}"
+        number = value * PACK + steps
+        final = (value + steps * operand if op == "+" else value - steps * operand) * PACK
+        question = f"{LONGTAIL_TASK} Number {number}, step {step}."
+        rows.append({"question": question, "answer": str(final), "data_source": "longtail", "number": number,
+                     "step": step, "steps": steps})
     return rows
 
 
 def longtail_episode(row: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """The right episode of a long-tail row: (assistant text, the tool responses that follow it)
-    per turn, the last turn without tools. Turn i (of steps + 1) thinks "Think: L L-1 ... 0." for
-    the L = steps + 1 - i steps left, then calls the calculator for the new value; at "Think: 0."
-    it boxes the value. tools/warmup.py demonstrates it (calling the real calculator); the tests
-    measure the set's budgets with it."""
+    per turn, the last turn without tools. Each of the ``steps`` turns calls the calculator on
+    "<the last number> <step>"; once the number ends in 00 the last turn boxes it. Every turn
+    copies the number of the tool response just before it, and stopping is a look at its last two
+    digits: rules a tiny model learns from a short warm-up, whatever the episode's length.
+    tools/warmup.py demonstrates it (calling the real calculator); the tests measure the set's
+    budgets with it."""
     from tools.warmup import tool_call_text
 
-    start, op, operand, steps = int(row["start"]), str(row["op"]), int(row["operand"]), int(row["steps"])
+    number, step, steps = int(row["number"]), str(row["step"]), int(row["steps"])
+    sign, amount = step.split()
     turns: list[tuple[str, list[str]]] = []
-    value = start
-    for left in range(steps, -1, -1):
-        thought = "Think: " + " ".join(str(j) for j in range(left, -1, -1)) + ".\n"
-        if left == 0:
-            turns.append((thought + f"The answer is \\boxed{{{value}}}.", []))
-            break
-        nxt = value + operand if op == "+" else value - operand
-        turns.append((thought + tool_call_text("calculator", {"expression": f"{value} {op} {operand}"}), [str(nxt)]))
-        value = nxt
+    for _ in range(steps):
+        nxt = number + int(amount) if sign == "+" else number - int(amount)
+        turns.append((tool_call_text("calculator", {"expression": f"{number} {step}"}), [str(nxt)]))
+        number = nxt
+    turns.append((f"The answer is \\boxed{{{number}}}.", []))
     return turns
 
 

