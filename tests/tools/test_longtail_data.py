@@ -5,6 +5,7 @@ episode to its end under configs/longtail_e2e.yaml's limits, scored 1 by the mat
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -127,3 +128,29 @@ async def test_tool_agent_plays_a_long_episode_to_the_end(tiny_model: Path) -> N
     tool_text = renderer.decode([t for t, m in zip(ep.response_ids, ep.mask, strict=True) if not m])
     assert tool_text.count("<tool_response>") == 12
     assert (await score(ep, renderer, RewardChoice("math"))).score == 1.0
+
+
+def test_bucketed_warmup_batches_and_trimmed_loss(tiny_model: Path) -> None:
+    """tools/warmup.py --bucket: each epoch's batches hold rows of similar lengths (every row once,
+    a short last batch dropped), seeded; a batch run only up to its longest row has the loss of the
+    full-width batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tools.warmup import _bucketed_epoch, _demo_loss, _pack, build_demonstrations
+
+    renderer, tools = renderer_and_calculator(tiny_model)
+    demos = build_demonstrations(make_longtail_rows(21, 0), renderer, tools)
+    full, trimmed = _pack(demos, renderer.eos_id), _pack(demos, renderer.eos_id, trim=True)
+    epoch = _bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
+    assert len(epoch) == 20 and len(set(epoch)) == 20
+    assert epoch == _bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
+    lengths = [len(d.ids) for d in demos]
+    spans = sorted((min(lengths[i] // 32 for i in epoch[k : k + 4]), max(lengths[i] // 32 for i in epoch[k : k + 4]))
+                   for k in range(0, 20, 4))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # batches cut the length order
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    rows = sorted(range(len(demos)), key=lambda i: lengths[i])[:4]  # the shortest: trimming cuts most
+    assert trimmed.end(rows) == max(lengths[i] for i in rows) < full.end(rows)
+    with torch.no_grad():
+        assert abs(float(_demo_loss(model, trimmed, rows)) - float(_demo_loss(model, full, rows))) < 1e-4
