@@ -19,6 +19,7 @@ from transport_testkit import MODEL, TOKENIZER, make_batch
 from protocol import codec
 from protocol.messages import (
     Ack,
+    Admit,
     Bye,
     Error,
     Heartbeat,
@@ -50,6 +51,7 @@ def valid_encodings() -> list[Frames]:
     msgs: list[Any] = [
         Hello([1, 0], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, 0, ["x"]),
         Hello([1, 3], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, -1),
+        Hello([1, 3], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, 0, ["admission"], slots=8),
         Welcome([1, 0], "learner", "s", 4, 0, 1, 1.0, 10.0, Limits(1 << 20, 64, 4096)),
         TrajectoryBatch(1, make_batch(1, rng=rng, tag="fz")),
         TrajectoryBatch(2, make_batch(3, prompt_len=4, response_len=12, rng=rng, tag="fz")),
@@ -61,6 +63,8 @@ def valid_encodings() -> list[Frames]:
         Error(3, "bad", False, "HELLO.peer_id", 1, 0),
         Bye("bye"),
         ValidateRequest("fuzz-val", 1, 5.0),
+        Admit(4, 1),
+        Heartbeat(2.5, 1, 300),
         ValidateResult("fuzz-val", 1, sources=[SourceMetrics("s", 2, 1.0, 0.5, 3.0, 1.0, {"answered": 2},
                                                              {"acc": 0.5}, {"acc": 2})]),
     ]
