@@ -10,8 +10,11 @@ unshards the embeddings, final norm and LM head together (`keep_unsharded` choos
 A micro-batch (`collate`) is packed or padded. Packed: the sequences end to end in one row with
 ``position_ids`` restarting at each sequence and no padding anywhere (verl's
 ``use_remove_padding``). Attention stays inside each sequence through `packed_attention`, the
-attention function the models are loaded with: flash-attn's varlen kernel on CUDA when the package
-is installed, else one SDPA call per sequence (exact; on CPU the only cost is a Python loop).
+attention function the models are loaded with: on CUDA a varlen kernel (flash-attn's when the package
+is installed, else torch's own ``torch.nn.attention.varlen``, a prototype API that is first checked
+against SDPA on the device, `varlen_kernel`), else one SDPA call per sequence (exact; on the CPU
+the only cost is a Python loop; on a GPU the launches add up when a micro-batch holds many short
+sequences).
 Transformers' own packed-sequence detection from ``position_ids`` is not relied on: with SDPA it
 would build an N x N mask, and with transformers 5.19 a Qwen2 forward given restarting
 ``position_ids`` still let the sequences attend to each other (checked by hand). Padded:
@@ -22,9 +25,10 @@ layouts give the same numbers to float rounding (tests/learner/test_packing.py).
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,26 +136,107 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed micro-batches with sliding-window attention: set "
                                   "actor_rollout_ref.model.use_remove_padding=false")
-    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-    if flash is not None and packed_cu_seqlens is not None:
+    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
+    if kernel is not None and packed_cu_seqlens is not None and query.dtype in (torch.float16, torch.bfloat16):
         longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
-        out = flash(q, k, v, packed_cu_seqlens, packed_cu_seqlens, longest, longest, dropout_p=dropout,
-                    softmax_scale=scaling, causal=True)
-        return out.unsqueeze(0), None
+        return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
     parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
                                     dropout=dropout, scaling=scaling, is_causal=True)[0]
              for a, b in itertools.pairwise(packed_bounds)]
     return torch.cat(parts, dim=1), None
 
 
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor]
+"""(q [N, heads, D], k, v [N, kv heads, D], cu_seqlens int32 [B + 1], longest, scale) -> [N, heads, D],
+causal within each sequence."""
+
+
 @functools.cache
-def _flash_varlen() -> Any:
+def varlen_kernel(device: torch.device) -> VarlenKernel | None:
+    """The varlen attention kernel packed micro-batches use on ``device`` (CUDA), or None: one SDPA
+    call per sequence. flash-attn's when installed; else torch's ``varlen_attn`` (prototype since
+    torch 2.9, its arguments changed between releases) if it matches per-sequence SDPA, forward and
+    gradients, on a small GQA case on this device (`check_varlen_kernel`)."""
     try:
         from flash_attn import flash_attn_varlen_func
-    except ImportError:  # optional package: one SDPA call per sequence instead
+    except ImportError:  # optional package
+        pass
+    else:
+        return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+    kernel = torch_varlen_kernel()
+    if kernel is None:
         return None
-    return flash_attn_varlen_func
+    problem = check_varlen_kernel(kernel, device, torch.bfloat16)
+    if problem:
+        from common.logging import get_logger
+
+        get_logger("learner.model").warning("torch varlen_attn not used for packed micro-batches: one SDPA call "
+                                            "per sequence instead", problem=problem)
+        return None
+    return kernel
+
+
+def torch_varlen_kernel() -> VarlenKernel | None:
+    """torch.nn.attention.varlen.varlen_attn behind `VarlenKernel`, for the argument names this torch
+    has (causality as ``is_causal`` or ``window_size=(-1, 0)``; GQA through ``enable_gqa`` or by
+    repeating the key/value heads); None when it has no such function."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "is_causal" not in params and "window_size" not in params:
+        return None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+            scale: float | None) -> torch.Tensor:
+        extra = dict(causal)
+        if k.size(1) != q.size(1):
+            if "enable_gqa" in params:
+                extra["enable_gqa"] = True
+            else:  # each key/value head serves a run of query heads, as transformers' repeat_kv
+                k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+        if scale is not None and "scale" in params:
+            extra["scale"] = scale
+        elif scale is not None and scale != q.size(-1) ** -0.5:
+            raise ValueError("this torch's varlen_attn takes no scale")
+        return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+
+    return run
+
+
+def check_varlen_kernel(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when ``kernel`` gives per-sequence causal SDPA's output and gradients (to ``dtype``'s
+    precision) on two sequences with grouped key/value heads; else what went wrong."""
+    gen = torch.Generator().manual_seed(0)
+    lens, heads, kv_heads, dim = (5, 11), 4, 2, 64
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
+    try:
+        out = kernel(q, k, v, cu, max(lens), dim ** -0.5)
+        got = [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
+    except Exception as exc:  # a prototype API: any failure means "do not use it"
+        return f"{type(exc).__name__}: {exc}"
+    parts = []
+    for a, b in itertools.pairwise((0, *itertools.accumulate(lens))):
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=dim ** -0.5)[0].transpose(0, 1))
+    ref = torch.cat(parts)
+    want = [ref, *torch.autograd.grad(ref.float().square().sum(), (q, k, v))]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        a, b = a.detach().float(), b.detach().float()
+        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            return f"{name} differs from SDPA by {err:.3g} (relative)"
+    return None
 
 
 @functools.cache

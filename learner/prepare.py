@@ -12,8 +12,6 @@ takes the old logprobs from its own forward (`old_logprobs_from_update`, the rul
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.logging import get_logger
 from learner.samples import Batching, OldFromForward, Sample
 from protocol.trajectory import Trajectory
 
@@ -44,31 +41,16 @@ def mini_batch_count(config: Any) -> int:
     return max(1, config.data.train_batch_size * arr.rollout.n // arr.actor.ppo_mini_batch_size)
 
 
-def batching(config: Any, micro_size: int | None = None) -> Batching:
+def batching(config: Any, micro_size: int | None = None, *, can_pack: bool = True) -> Batching:
     """How a learner pass cuts micro-batches: the actor's token cap with use_dynamic_bsz, else
     ``micro_size`` samples (default actor.ppo_micro_batch_size_per_gpu); packed with
-    model.use_remove_padding."""
+    model.use_remove_padding when the workers ``can_pack`` (`learner.workers.WorkerGroup.can_pack`:
+    a varlen attention kernel on their GPU, or CPU workers)."""
     arr = config.actor_rollout_ref
     actor = arr.actor
     return Batching(micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
                     max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
-                    packed=arr.model.use_remove_padding and packing_pays(config.trainer.device))
-
-
-@functools.cache
-def packing_pays(device: str) -> bool:
-    """Packed micro-batches cost their tokens only with a varlen attention kernel: on CUDA that is
-    flash-attn's. Without the package every packed sequence is its own SDPA call, and on a GPU the
-    launches cost more than the padding saves (measured on an H100: a long-tail end-to-end update
-    took 11-21 s packed vs 6 s padded, README "GPU figures"), so use_remove_padding then falls back
-    to padded micro-batches, with a warning. On the CPU the loop is cheap: packing always pays."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" or importlib.util.find_spec("flash_attn") is not None:
-        return True
-    get_logger("learner").warning("use_remove_padding: flash-attn is not installed, so micro-batches stay padded "
-                                  "on the GPU (pip install flash-attn to pack them)")
-    return False
+                    packed=arr.model.use_remove_padding and can_pack)
 
 
 def old_logprobs_from_update(config: Any, step: int) -> OldFromForward | None:

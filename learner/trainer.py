@@ -228,7 +228,7 @@ class Trainer:
         # Old logprobs from the update's own forward: then the importance weights and logprob_diff
         # come from the workers with the update's metrics (the rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
-        passes = batching(self.config)
+        passes = batching(self.config, can_pack=self.workers.can_pack)
         if cfg.off_policy.old_logprobs == "rollout":
             for s in samples:
                 s.tokens["old_logprobs"] = s.tokens["rollout_logprobs"]
@@ -284,11 +284,13 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.settings.critic_model_path:
             plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
-                                    batching=batching(self.config, self.config.critic.ppo_micro_batch_size_per_gpu))
+                                    batching=batching(self.config, self.config.critic.ppo_micro_batch_size_per_gpu,
+                                                      can_pack=self.workers.can_pack))
             res = await self.workers.all("update_critic", [(p, cfg.ppo_epochs) for p in plans])
             metrics |= reduce_worker_metrics(res, "critic")
         if self.step >= self.config.trainer.critic_warmup:
-            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world, batching=batching(self.config))
+            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
+                                    batching=batching(self.config, can_pack=self.workers.can_pack))
             res = await self.workers.all("update_actor", [(p, cfg.ppo_epochs, old_from_forward) for p in plans])
             metrics |= reduce_worker_metrics(res, "actor")
             self.version += 1

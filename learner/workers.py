@@ -38,6 +38,7 @@ class WorkerGroup:
 
         self.world = world_size
         self.log = get_logger("learner.workers")
+        self.can_pack = True  # packed micro-batches pay on these workers (known after start)
         if settings.device == "cuda":
             opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
         else:
@@ -51,7 +52,12 @@ class WorkerGroup:
 
     async def start(self) -> list[dict[str, Any]]:
         addr, port = await self.actors[0].rendezvous.remote()
-        return await self.all("setup", [(addr, port)] * self.world)
+        infos = await self.all("setup", [(addr, port)] * self.world)
+        self.can_pack = all(await self.all("can_pack"))
+        if not self.can_pack:
+            self.log.warning("no varlen attention kernel on the workers' GPUs (flash-attn, or torch's "
+                             "torch.nn.attention.varlen): model.use_remove_padding falls back to padded micro-batches")
+        return infos
 
     async def all(self, method: str, args: Sequence[tuple[Any, ...]] | None = None, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank (rank r gets ``args[r]``) and wait for all of them."""

@@ -29,10 +29,11 @@ class ModelConfig(Section):
     """Allow model/tokenizer code shipped with the checkpoint to run (Hugging Face option)."""
     use_remove_padding: bool = True
     """Padding-free micro-batches in the learner: the sequences end to end in one row, attention
-    kept within each (flash-attn's varlen kernel on CUDA; on the CPU one SDPA call per sequence), so
-    a micro-batch costs its tokens. Same numbers as padded micro-batches (false). On a GPU without
-    the flash-attn package micro-batches stay padded (a warning says so): one SDPA call per
-    sequence there costs more than the padding (learner.prepare.packing_pays)."""
+    kept within each (on CUDA a varlen kernel: flash-attn's, or torch's torch.nn.attention.varlen
+    once checked on the device; on the CPU one SDPA call per sequence), so a micro-batch costs its
+    tokens. Same numbers as padded micro-batches (false). On a GPU without a varlen kernel
+    micro-batches stay padded (a warning says so): one SDPA call per sequence there costs more than
+    the padding (learner.worker.TrainWorker.can_pack)."""
 
 
 class OptimConfig(Section):

@@ -6,6 +6,7 @@ the FSDP workers run; tests/learner/test_fsdp_workers.py covers the sharded path
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -223,10 +224,31 @@ def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bo
     assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(micro_size=3, packed=True)
 
 
-def test_packing_falls_back_to_padding_on_a_gpu_without_a_varlen_kernel() -> None:
-    import importlib.util
+def test_packing_needs_a_varlen_kernel_on_a_gpu() -> None:
+    from learner.prepare import batching
 
-    from learner.prepare import packing_pays
+    assert batching(config(), can_pack=False) == Batching(micro_size=2, max_tokens=1000, packed=False)
 
-    assert packing_pays("cpu")
-    assert packing_pays("cuda") == (importlib.util.find_spec("flash_attn") is not None)
+
+def _loop_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                 scale: float | None, causal: bool = True) -> torch.Tensor:
+    """A `VarlenKernel` made of one SDPA call per sequence."""
+    rep = q.size(1) // k.size(1)
+    bounds = cu.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1)[None], k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
+        v[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None], is_causal=causal, scale=scale)[0].transpose(0, 1)
+        for a, b in itertools.pairwise(bounds)])
+
+
+def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
+    """The check that guards torch's prototype varlen_attn: a kernel that computes per-sequence
+    causal attention passes, one that is not causal or that raises is refused with the reason."""
+    from learner.model import check_varlen_kernel, torch_varlen_kernel
+
+    assert check_varlen_kernel(_loop_kernel, CPU, torch.float32) is None
+    problem = check_varlen_kernel(lambda *a: _loop_kernel(*a, causal=False), CPU, torch.float32)
+    assert problem is not None and "output differs" in problem
+    kernel = torch_varlen_kernel()  # torch 2.13 has one; CUDA only
+    if kernel is not None:
+        assert check_varlen_kernel(kernel, CPU, torch.float32) is not None  # refused on the CPU, no raise
