@@ -485,6 +485,9 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "micro_size": args.micro_size, "epochs": args.epochs, "lengths": args.lengths,
             "layout": args.layout, "max_tokens": args.max_tokens, "bound": args.bound,
             "old_logprobs": args.old_logprobs, "keep_gathered": keep_gathered,
+            # False on a GPU without a varlen attention kernel: packed micro-batches then run one
+            # SDPA call per sequence (the trainer would fall back to padded ones)
+            "can_pack": group.can_pack,
             "micro_batches_per_rank": len(plans[0][0].micro_batches) * len(plans[0]),
             "worker_start_s": round(start_s, 1),
             "torch_threads": threads,
