@@ -147,11 +147,12 @@ WORKLOADS = {
     # own sampling.
     "longtail": Workload(
         config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
-        steps={"cuda": 10, "cpu": 3}, timeout_s={"cuda": 240.0, "cpu": 420.0},
+        steps={"cuda": 10, "cpu": 4}, timeout_s={"cuda": 240.0, "cpu": 420.0},
         warmup_args={d: ["--tools", "calculator", "--target", "0.5", "--bucket", "--drill-weight", "1.0"]
                      for d in ("cuda", "cpu")},
-        warmup_steps={"cuda": 800, "cpu": 600}, warmup_seconds={"cuda": 150.0, "cpu": 900.0}, warm_suffix="-longtail",
-        deadline_s={"cuda": DEADLINE_CUDA_S}),
+        warmup_steps={"cuda": 800, "cpu": 1500}, warmup_seconds={"cuda": 150.0, "cpu": 2700.0}, warm_suffix="-longtail",
+        deadline_s={"cuda": DEADLINE_CUDA_S},
+        cpu_overrides=["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]),
     # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
     # a 0.15 chance of a whole right episode.
     "calc": Workload(
@@ -175,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail",
                    help="longtail: long-tailed multi-turn calculator chains; calc: the demo's task (default %(default)s)")
     p.add_argument("--steps", type=int, default=None,
-                   help="training steps per run (default: longtail 10 on cuda, 3 on the CPU; calc 6 / 3)")
+                   help="training steps per run (default: longtail 10 on cuda, 4 on the CPU; calc 6 / 3)")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "e2e",
                    help="model, data and runs; kept and reused (default %(default)s)")
     p.add_argument("--staleness", default=None, help="comma-separated max_staleness values, one run each; 0 is "
@@ -198,9 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "parameters; only once the learner accepts ids the tokenizer lacks) (default %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="train the random model (episodes stay one turn)")
     p.add_argument("--warmup-seconds", type=float, default=None,
-                   help="cap of the warm-up's training loop (default: longtail 150 on cuda, 900 on the CPU; calc 60)")
+                   help="cap of the warm-up's training loop (default: longtail 150 on cuda, 2700 on the CPU; calc 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="cap of the warm-up's steps (default: longtail 800 on cuda, 600 on the CPU; calc 300 / 500)")
+                   help="cap of the warm-up's steps (default: longtail 800 on cuda, 1500 on the CPU; calc 300 / 500)")
     p.add_argument("--config", type=Path, default=None,
                    help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)")
     p.add_argument("--results", type=Path, default=None,
