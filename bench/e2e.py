@@ -32,8 +32,9 @@ What it does, every stage bounded in time and reported on stderr as it goes:
 2. warms the model up (tools/warmup.py in a child process, so its GPU memory is gone before vLLM
    starts; on CUDA with bfloat16 autocast, capped by ``--warmup-seconds``) on the workload's
    demonstrations: calc calls the calculator half of the time, as bin/demo's first stage; longtail
-   shows whole right episodes, in batches of similar lengths (``--bucket``: a step costs about the
-   mean length, not the longest), so that episodes are multi-turn and some earn a reward.
+   shows whole right episodes of its warm-up rows (more long chains than the workload), in batches
+   of similar lengths (``--bucket``: a step costs about the mean length, not the longest), so that
+   the warmed model follows long chains and some episodes earn a reward.
    ``--no-warmup`` trains the random model;
 3. runs ``bin/train --config <workload config>`` once per value of ``--staleness`` (overrides:
    model, data, run directory, steps, ``actor_rollout_ref.rollout.max_staleness``, the GPU
@@ -136,22 +137,24 @@ class Workload:
     warmup_steps: dict[str, int]
     warmup_seconds: dict[str, float]
     warm_suffix: str  # the warmed model is <model>-warm<suffix>
+    warmup_data: str = "train.jsonl"  # the warm-up's rows, in the data folder
     deadline_s: dict[str, float] = field(default_factory=dict)  # of the whole bench; a device not named: none
     cpu_overrides: list[str] = field(default_factory=list)
 
 
 WORKLOADS = {
     # The long-tail set: whole right episodes (never cut: a model trained on the first turns only
-    # loses its way in long contexts), in length-bucketed batches, until the held-out probe reaches
-    # 0.5, so that the warmed model follows long chains to their end: the tail must come from its
-    # own sampling.
+    # loses its way in long contexts) of warmup.jsonl (more long chains than the workload, so that
+    # every count of steps left is copied, not only the common small ones), in length-bucketed
+    # batches, until the held-out probe reaches 0.7: the warmed model must follow long chains to
+    # their end, the tail comes from its own sampling.
     "longtail": Workload(
         config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
         steps={"cuda": 10, "cpu": 4}, timeout_s={"cuda": 240.0, "cpu": 420.0},
-        warmup_args={d: ["--tools", "calculator", "--target", "0.5", "--bucket", "--drill-weight", "1.0"]
+        warmup_args={d: ["--tools", "calculator", "--target", "0.7", "--bucket", "--drill-weight", "1.0"]
                      for d in ("cuda", "cpu")},
-        warmup_steps={"cuda": 800, "cpu": 1500}, warmup_seconds={"cuda": 150.0, "cpu": 2700.0}, warm_suffix="-longtail",
-        deadline_s={"cuda": DEADLINE_CUDA_S},
+        warmup_steps={"cuda": 1000, "cpu": 3000}, warmup_seconds={"cuda": 150.0, "cpu": 2700.0}, warm_suffix="-longtail",
+        deadline_s={"cuda": DEADLINE_CUDA_S}, warmup_data="warmup.jsonl",
         cpu_overrides=["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]),
     # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
     # a 0.15 chance of a whole right episode.
@@ -201,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-seconds", type=float, default=None,
                    help="cap of the warm-up's training loop (default: longtail 150 on cuda, 2700 on the CPU; calc 60)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="cap of the warm-up's steps (default: longtail 800 on cuda, 1500 on the CPU; calc 300 / 500)")
+                   help="cap of the warm-up's steps (default: longtail 1000 on cuda, 3000 on the CPU; calc 300 / 500)")
     p.add_argument("--config", type=Path, default=None,
                    help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)")
     p.add_argument("--results", type=Path, default=None,
@@ -376,10 +379,11 @@ def file_digest(path: Path) -> str:
 
 def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seconds: float,
                extra: list[str]) -> dict[str, Any]:
-    """tools/warmup.py in a child process (its own session, bounded); reused when an earlier call
-    warmed the same model on the same data with the same settings. Returns its summary."""
+    """tools/warmup.py on the rows in ``data`` in a child process (its own session, bounded); reused
+    when an earlier call warmed the same model on the same rows with the same settings. Returns its
+    summary."""
     want = {"source_model": str(model), "device": device, "max_steps": steps, "cap_seconds": seconds,
-            "args": extra, "data": file_digest(data / "train.jsonl")}
+            "args": extra, "data": file_digest(data)}
     stamp = out.parent / f"{out.name}.json"
     if stamp.is_file() and (out / "warmup.json").is_file():
         try:
@@ -393,7 +397,7 @@ def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seco
     stamp.unlink(missing_ok=True)
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, str(ROOT / "bin" / "warmup"), "--model", str(model), "--data", str(data / "train.jsonl"),
+    cmd = [sys.executable, str(ROOT / "bin" / "warmup"), "--model", str(model), "--data", str(data),
            "--out", str(out), *extra, "--steps", str(steps), "--max-seconds", str(seconds), "--device", device]
     if device == "cuda":  # a 0.5B model from random weights: smaller steps, clipped
         cmd += ["--lr", "5e-4", "--grad-clip", "1.0"]
@@ -930,8 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         data = write_data(data_dir, args.workload)
         if not args.no_warmup:
             warm = work / f"{model.name}-warm{workload.warm_suffix}"
-            summary = run_warmup(model, data, warm, device, args.warmup_steps, args.warmup_seconds,
-                                 workload.warmup_args[device])
+            summary = run_warmup(model, data / workload.warmup_data, warm, device, args.warmup_steps,
+                                 args.warmup_seconds, workload.warmup_args[device])
             result["warmup"] = {k: summary.get(k) for k in ("steps", "stopped", "probe", "seconds", "final_loss")}
             model = warm
         result["model"] = str(model)

@@ -127,11 +127,20 @@ def make_tiny_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed
     return out
 
 
+LONGTAIL_WARMUP = LongTailSpec(steps_median=6.0, steps_sigma=0.8)
+"""The warm-up's rows: more long chains than the workload (median 6 steps, 18% of 13 or more), so
+that the warmed model copies every count of steps left, not only the common small ones, and
+follows the workload's rare long episodes to their end (the model learns the format here; the RL
+rows keep ``LongTailSpec``'s distribution)."""
+
+
 def make_longtail_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0) -> Path:
-    """The long-tail set: ``out_dir``/train.jsonl and val.jsonl."""
+    """The long-tail set: ``out_dir``/train.jsonl and val.jsonl, and warmup.jsonl for tools/warmup.py
+    (``LONGTAIL_WARMUP``)."""
     out = Path(out_dir)
     write_jsonl(out / "train.jsonl", make_longtail_rows(train, seed))
     write_jsonl(out / "val.jsonl", make_longtail_rows(val, seed + 1))
+    write_jsonl(out / "warmup.jsonl", make_longtail_rows(train, seed + 2, LONGTAIL_WARMUP))
     return out
 
 

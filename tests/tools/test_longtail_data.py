@@ -6,6 +6,7 @@ episode to its end under configs/longtail_e2e.yaml's limits, scored 1 by the mat
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from tools.make_tiny_data import (
+    LONGTAIL_WARMUP,
     LongTailSpec,
     longtail_episode,
     make_longtail_data,
@@ -45,8 +47,10 @@ def test_rows_are_deterministic_for_a_seed(tmp_path: Path) -> None:
     assert make_longtail_rows(300, 3) == make_longtail_rows(300, 3)
     assert make_longtail_rows(300, 3) != make_longtail_rows(300, 4)
     a, b = make_longtail_data(tmp_path / "a"), make_longtail_data(tmp_path / "b")
-    for name in ("train.jsonl", "val.jsonl"):
+    for name in ("train.jsonl", "val.jsonl", "warmup.jsonl"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
+    warm = [json.loads(line)["steps"] for line in (a / "warmup.jsonl").read_text().splitlines()]
+    assert statistics.median(warm) == LONGTAIL_WARMUP.steps_median and sum(s >= 13 for s in warm) > 25
 
 
 def test_budgets_follow_the_documented_heavy_tail() -> None:
