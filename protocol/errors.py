@@ -26,6 +26,7 @@ class ErrorCode(enum.IntEnum):
     UNEXPECTED = 10  # valid message that makes no sense in the current state
     SHUTTING_DOWN = 11  # receiver is closing; sender should keep its batches and retry later
     INTERNAL = 12  # bug on the receiving side; the message may be retried
+    TIMED_OUT = 13  # something the peer started was not finished in time (a weight transfer)
 
     @property
     def fatal(self) -> bool:
