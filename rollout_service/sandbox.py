@@ -12,13 +12,22 @@ bootstrap, still privileged, isolates the run and then ``execve``s ``python -I -
   and kill every process the run made, even ones that left the process group with ``setsid``.
   The interpreter may live under a 0700 home (pyenv in /root), so a private mount namespace
   bind-mounts its install prefix read-only into the run's directory first.
+- files: in that mount namespace every shared writable directory (/tmp, /var/tmp, /dev/shm,
+  /run/lock, /dev/mqueue) is covered by a small private tmpfs, and the home directories, this
+  checkout, the venv and the server's working directory by an empty one; the run's directory and
+  the interpreter are bind-mounted back at their own paths. So the code sees the system (/usr,
+  /etc, ...) but no project or user file, and what it writes to a temp dir vanishes with the
+  namespace. A private IPC namespace does the same for System V shared memory. All or nothing: if
+  a mount fails, the view is undone and the run goes on without it (``fs_isolated`` false, one
+  warning per process).
 - resources: ``setrlimit`` for CPU seconds, address space, file size, processes, open files, core.
 - wall clock: past the timeout the process group (and every process of the run's uid) is killed.
 - output: stdout/stderr are read incrementally; past the byte cap the run is killed, so an output
   flood costs at most the cap in memory.
 
-Afterwards the directory, and anything the run's uid left in world-writable temp dirs, is removed.
-Without root (and without user namespaces) only rlimits, the process group and the timeout remain.
+Afterwards the directory, and anything the run's uid left in world-writable temp dirs (none,
+unless the private view failed), is removed. Without root (and without user namespaces) only
+rlimits, the process group and the timeout remain, and a warning says so.
 """
 
 from __future__ import annotations
@@ -47,8 +56,13 @@ UID_BASE = 1_500_000_000
 UID_SPAN = 1_000_000
 _UIDS_IN_USE: set[int] = set()
 
-# World-writable places a dropped uid can still write to; what the run's uid leaves there is removed.
-_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# World-writable places every process can write to. In the run's mount namespace each is covered by
+# a private tmpfs that disappears with the run; without one, what the run's uid left there is removed.
+_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
+# Never covered, whatever the hidden paths are: what the interpreter and the code need.
+_SYSTEM_DIRS = ("/bin", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr")
+_CHECKOUT = Path(__file__).resolve().parents[1]
+_warned_unisolated = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class SandboxResult:
     wall_s: float
     network_isolated: bool
     uid: int | None = None  # the uid the code ran as, when it was dropped from root
+    fs_isolated: bool = False  # shared temp dirs private to the run, checkout and homes hidden
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     extras: dict[str, str] = field(default_factory=dict)  # diagnostics (bootstrap notes)
@@ -90,22 +105,67 @@ import ctypes, json, os, resource, sys
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x10000000, 0x40000000
-MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-status = {"network_isolated": False, "uid_dropped": False, "notes": []}
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+O_PATH = 0o10000000
+status = {"network_isolated": False, "uid_dropped": False, "fs_isolated": False, "notes": []}
+status_file = open(cfg["status"], "w")  # now: the path is hidden once /tmp is covered
 exe, uid = cfg["exe"], cfg["uid"]
+
+mounted = []  # by isolate_files, undone if it fails part-way
+
+def mount(source, target, fstype, flags, data=None):
+    if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                  data and data.encode()) != 0:
+        raise OSError(ctypes.get_errno(), "mount %s on %s: %s" % (fstype or source, target,
+                                                                   os.strerror(ctypes.get_errno())))
+    if not flags & MS_REMOUNT:
+        mounted.append(target)
+
+def cover(paths, options):
+    for path in paths:
+        mount("sandbox", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+
+def isolate_files():
+    # Handles first: the run's directory and the interpreter may lie under what gets covered.
+    work = os.open(cfg["work"], O_PATH | os.O_DIRECTORY)
+    prefix = os.open(cfg["prefix"], O_PATH | os.O_DIRECTORY)
+    cover(cfg["shared_dirs"], "mode=1777,size=%dk,nr_inodes=4096" % cfg["shared_kib"])
+    cover(cfg["hidden_dirs"], "mode=0755,size=64k,nr_inodes=256")
+    for fd, path in ((work, cfg["work"]), (prefix, cfg["mount_at"])):
+        os.makedirs(path, exist_ok=True)
+        mount("/proc/self/fd/%d" % fd, path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    mount(None, cfg["mount_at"], None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
+    os.chdir(cfg["work"])
+
 if uid is not None:
-    target = cfg["mount_at"].encode()
     if libc.unshare(CLONE_NEWNS) != 0:
         status["notes"].append("unshare(CLONE_NEWNS) failed: errno %d" % ctypes.get_errno())
         uid = None
-    elif (libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0
-          or libc.mount(cfg["prefix"].encode(), target, None, MS_BIND | MS_REC, None) != 0):
-        status["notes"].append("bind mount of the interpreter failed: errno %d" % ctypes.get_errno())
-        uid = None
     else:
-        libc.mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
-        exe = cfg["mount_at"] + "/" + cfg["exe_rel"]
+        try:
+            mount("none", "/", None, MS_REC | MS_PRIVATE)
+            # The interpreter first, at its own path in the run's directory: what isolate_files
+            # does is optional, running the code under the dropped uid is not.
+            mount(cfg["prefix"], cfg["mount_at"], None, MS_BIND | MS_REC)
+            mounted.clear()
+            libc.mount(None, cfg["mount_at"].encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
+            exe = cfg["mount_at"] + "/" + cfg["exe_rel"]
+        except OSError as e:
+            status["notes"].append("bind mount of the interpreter failed: %s" % e)
+            uid = None
+    if uid is not None:
+        try:
+            isolate_files()
+            status["fs_isolated"] = True
+        except OSError as e:
+            status["notes"].append("filesystem isolation failed: %s" % e)
+            # All or nothing: a half-covered view could hide the interpreter or the code itself.
+            for target in reversed(mounted):
+                libc.umount2(target.encode(), 2)  # MNT_DETACH
+        if libc.unshare(CLONE_NEWIPC) != 0:  # System V shared memory outlives its creator
+            status["notes"].append("unshare(CLONE_NEWIPC) failed: errno %d" % ctypes.get_errno())
 if cfg["isolate_net"]:
     if libc.unshare(CLONE_NEWNET) == 0:
         status["network_isolated"] = True
@@ -117,8 +177,8 @@ for name, value in cfg["rlimits"].items():
     soft, hard = value
     resource.setrlimit(getattr(resource, name), (soft, hard))
 status["uid_dropped"] = uid is not None
-with open(cfg["status"], "w") as f:  # before dropping: the code's uid cannot write there
-    json.dump(status, f)
+json.dump(status, status_file)  # before dropping: the code's uid cannot write there
+status_file.close()
 if uid is not None:
     os.setgroups([])
     os.setgid(uid)
@@ -219,6 +279,7 @@ def _bootstrap_config(run: _Run, limits: SandboxLimits) -> str:
         "RLIMIT_NOFILE": (limits.open_files, limits.open_files),
         "RLIMIT_CORE": (0, 0),
     }
+    shared = _existing_dirs(_SHARED_TMP_DIRS)
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(run.work), "TMPDIR": str(run.work)}
     return json.dumps(
         {
@@ -230,9 +291,35 @@ def _bootstrap_config(run: _Run, limits: SandboxLimits) -> str:
             "isolate_net": limits.isolate_network,
             "rlimits": rlimits,
             "status": str(run.status),
+            "work": str(run.work),
+            "shared_dirs": shared,
+            "hidden_dirs": _hidden_dirs(shared),
+            "shared_kib": limits.file_size_mb * 1024,
             "env": env,
         }
     )
+
+
+def _existing_dirs(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """Real paths of the directories that exist, without duplicates (/var/lock is /run/lock)."""
+    found = [os.path.realpath(p) for p in paths]
+    return list(dict.fromkeys(p for p in found if os.path.isdir(p)))
+
+
+def _hidden_dirs(covered: list[str]) -> list[str]:
+    """Directories hidden from the code by an empty tmpfs: homes, this checkout (and the venv, the
+    server's working directory). A path holding a system directory is never hidden (a working
+    directory of ``/``), and one under a directory already covered needs nothing more."""
+    wanted = _existing_dirs(["/root", "/home", str(Path.home()), str(_CHECKOUT), sys.prefix, os.getcwd()])
+    hidden: list[str] = []
+    for path in sorted(wanted, key=len):  # parents first
+        p = Path(path)
+        if any(Path(s).is_relative_to(p) or p.is_relative_to(s) for s in _SYSTEM_DIRS):
+            continue
+        if any(p.is_relative_to(c) for c in [*covered, *hidden]):
+            continue
+        hidden.append(path)
+    return hidden
 
 
 def _live_pids_of_uid(uid: int) -> list[int]:
@@ -429,6 +516,8 @@ def _result(run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall
     else:
         reason = _killed_reason(code, stderr)
     notes = status.get("notes") or []
+    if status and not status.get("fs_isolated"):
+        _warn_unisolated(notes)
     return SandboxResult(
         stdout=sup.out.text(),
         stderr=stderr,
@@ -438,7 +527,23 @@ def _result(run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall
         wall_s=wall,
         network_isolated=bool(status.get("network_isolated")),
         uid=run.uid if status.get("uid_dropped") else None,
+        fs_isolated=bool(status.get("fs_isolated")),
         stdout_truncated=sup.out.truncated,
         stderr_truncated=sup.err.truncated,
         extras={"notes": "; ".join(map(str, notes))} if notes else {},
     )
+
+
+def _warn_unisolated(notes: list[object]) -> None:
+    """Once per process: the operator should know what the sandbox does not enforce here."""
+    global _warned_unisolated
+    if _warned_unisolated:
+        return
+    _warned_unisolated = True
+    from common.logging import get_logger
+
+    get_logger(__name__).warning(
+        "sandbox: no private filesystem view (needs root and mount namespaces); sandboxed code can "
+        "read world-readable host files such as the checkout, and what it writes to shared temp "
+        "dirs is only swept afterwards when it ran under its own uid",
+        euid=os.geteuid(), notes="; ".join(map(str, notes)) or None)
