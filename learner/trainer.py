@@ -16,7 +16,6 @@ answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 import uuid
@@ -30,7 +29,7 @@ import torch
 
 from common.logging import get_logger
 from common.rundir import checkpoint_dir
-from learner import checkpoints
+from learner import checkpoints, trained_log, versions
 from learner.prepare import (
     batch_metrics,
     reduce_worker_metrics,
@@ -42,10 +41,11 @@ from learner.prepare import (
 )
 from learner.samples import Sample, split_for_ranks, split_forward
 from learner.validation import due
+from learner.versions import VersionLedger
 from learner.worker import WorkerSettings
 from protocol.weights import NamedBuffer
 
-TRAINED_IDS = "trained.jsonl"
+TRAINED_IDS = trained_log.TRAINED_IDS
 
 
 def worker_settings(config: Any, total_steps: int) -> WorkerSettings:
@@ -119,6 +119,8 @@ class Trainer:
         self.weight_names: list[str] = []
         self.weight_dtypes: dict[str, str] = {}
         self.weight_files: Any = None  # learner.weights_files.WeightFiles when learner.weights_file_dir is set
+        self.ledger = VersionLedger(run_dir)  # versions only go up across restarts (learner.versions)
+        self._resume_metrics: dict[str, float] = {}  # logged with the first step
 
     # -- start-up --------------------------------------------------------------------------------
     def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
@@ -144,6 +146,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         started = time.monotonic()
+        self.ledger.record(self.version)
         take = None
         if self.weight_files is not None:
             take = self.weight_files.take(self.version, oldest_applied=self.intake.file_peers_oldest_version())
@@ -181,6 +184,10 @@ class Trainer:
         c = self.config.learner
         if not c.weights_file_dir:
             return None
+        from learner.weights_files import remove_stale
+
+        for stale in remove_stale(c.weights_file_dir):  # first: they may hold the room needed below
+            self.log.info("removed the weights files of a learner that is gone", path=str(stale))
         try:
             free = shutil.disk_usage(c.weights_file_dir).free
             if free < 1.1 * c.weights_file_slots * model_bytes:
@@ -192,7 +199,7 @@ class Trainer:
                              dir=c.weights_file_dir, error=str(e))
             return None
 
-    def _init_algorithm_state(self, state: dict[str, Any] | None) -> None:
+    def _init_algorithm_state(self, state: dict[str, Any] | None, resume_path: Path | None) -> None:
         from learner.algorithms import make_kl_controller
 
         k = self.config.algorithm.kl_ctrl
@@ -201,6 +208,9 @@ class Trainer:
         if state:
             self.step, self.version = state["step"], state["policy_version"]
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        # After a restart the restored weights may need a version above every one published.
+        r = versions.resume(self.run_dir, self.ledger, step=self.step, checkpoint_version=self.version, checkpoint=resume_path)
+        self.version, self._resume_metrics = r.version, r.metrics()
 
     # -- one step --------------------------------------------------------------------------------
     async def _forward(self, role: str, samples: list[Sample], key: str, *, with_entropy: bool = False) -> None:
@@ -334,12 +344,10 @@ class Trainer:
 
     def _audit(self, trajs: list[Any]) -> None:
         """One line per step in RUN_DIR/trained.jsonl: which trajectories this step trained on (for
-        replay checks and for proving exactly-once training across restarts). A resumed run appends;
-        for a step written twice the later line is the one that counts."""
-        line = {"step": self.step, "policy_version": self.version,
-                "trajectory_ids": [t.trajectory_id for t in trajs]}
-        with open(self.run_dir / TRAINED_IDS, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        replay checks and for proving exactly-once training across restarts). A resumed run appends,
+        after a rollback record for the steps it undid (``learner.trained_log``)."""
+        trained_log.append_step(self.run_dir / TRAINED_IDS, self.step, self.version,
+                                [t.trajectory_id for t in trajs])
 
     # -- checkpoints -----------------------------------------------------------------------------
     async def save_checkpoint(self) -> Path:
@@ -362,7 +370,7 @@ class Trainer:
         from learner.workers import init_ray
 
         resume, state = self._resume_state()
-        self._init_algorithm_state(state)
+        self._init_algorithm_state(state, resume)
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
@@ -375,6 +383,7 @@ class Trainer:
             self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
+        self.ledger.record(self.version)
         self.intake.publish_weights(self.version, v0 if resume is None else load_dir(resume / "hf"))
         self.weight_files = self._weight_files(sum(t.data.nbytes for t in v0))
         t = self.config.trainer
@@ -410,6 +419,8 @@ class Trainer:
             sinks.log(self.step, await self._validate())
         while self.step < self.total:
             metrics = await self.train_step()
+            metrics |= self._resume_metrics
+            self._resume_metrics = {}
             if due(self.step, t.test_freq):
                 metrics |= await self._validate()
             sinks.log(self.step, metrics)

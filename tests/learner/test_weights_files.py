@@ -1,11 +1,17 @@
 """Slot files of the weights file hand-over: reuse only once every file-taking server applied a
-newer version, retire files chunks were cut from, fall back to chunks when full, clean up."""
+newer version, retire files chunks were cut from, fall back to chunks when full, clean up on every
+exit (SIGTERM and Ctrl-C included), and the directories of killed learners at the next start."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
-from learner.weights_files import WeightFiles
+import pytest
+
+from learner.weights_files import WeightFiles, remove_stale
 
 
 def _publish(files: WeightFiles, version: int, *, current_chunked: bool = False,
@@ -63,3 +69,54 @@ def test_a_version_sent_as_chunks_only_leaves_no_current_file(tmp_path: Path) ->
     _, p4 = _publish(files, 4, oldest_applied=3)
     assert p4.parent.name == "v4" and not p1.exists() and not p2.parent.exists()  # v1 reused, v2 retired
     assert [d.name for d in files.root.iterdir()] == ["v4"]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_remove_stale_deletes_only_dead_learners_directories(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = tmp_path / f"agentrl-weights-{_dead_pid()}-0a1b2c3d"
+        (dead / "v3").mkdir(parents=True)
+        (dead / "v3" / "model.safetensors").write_bytes(b"x")
+        live = tmp_path / f"agentrl-weights-{sleeper.pid}-0a1b2c3d"
+        live.mkdir()
+        mine = WeightFiles(tmp_path, slots=2)
+        other = tmp_path / "agentrl-weights-notapid"  # not ours to judge
+        other.mkdir()
+        assert remove_stale(tmp_path) == [dead]
+        assert not dead.exists() and live.exists() and mine.root.exists() and other.exists()
+        mine.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert remove_stale(tmp_path) == [live]  # its process is gone now
+    assert remove_stale(tmp_path / "missing") == []
+
+
+_HOLDER = """
+import signal, sys, time
+from learner.weights_files import WeightFiles
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # what ray.init installs in the learner
+files = WeightFiles(sys.argv[1], slots=2)
+print(files.root, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_files_are_gone_after_any_exit_or_at_the_next_start(tmp_path: Path, sig: int) -> None:
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE,
+                         cwd=Path(__file__).resolve().parents[2], text=True)
+    assert p.stdout is not None
+    root = Path(p.stdout.readline().strip())
+    assert root.is_dir()
+    p.send_signal(sig)
+    p.wait(timeout=30)
+    if sig == signal.SIGKILL:  # no chance to clean up: the next start does
+        assert root.exists() and remove_stale(tmp_path) == [root]
+    assert not root.exists()
