@@ -4,12 +4,20 @@ Design: the tools named in ``tool_server.tools`` are built in-process by the sam
 rollout server uses (options from ``tools.*``), so a tool behaves the same wherever it runs; a
 rollout server reaches them with ``RemoteTool`` (tools.remote). A small Starlette app on uvicorn:
 
-    GET  /health        -> {"ok": true, "tools": [names]}
+    GET  /health        -> {"ok": true, "tools": [names]}   (no token needed; names only with it)
     GET  /tools         -> {"tools": [OpenAI function schemas]}
     POST /call/{name}   {"arguments": {...}, "episode_id": "..."}
                         -> 200 {"text", "ok", "terminal", "answer", "metrics"}   (a ToolResult)
                            404 unknown tool, 400 malformed body, 413 body too large,
-                           503 abandoned at shutdown: {"error": ...}
+                           401 missing or wrong token, 503 abandoned at shutdown: {"error": ...}
+
+Access: the server binds ``tool_server.host``, loopback (127.0.0.1) unless a config says
+otherwise, and a warning is logged when it serves another address without a token. With
+``tool_server.token`` set, every request but ``GET /health`` must carry ``Authorization: Bearer
+<token>`` (``RemoteToolClient`` sends the same key's value); the token is compared in constant time
+(``hmac.compare_digest``) and a request without the right one is refused with 401 before its body
+is read. The token is a shared secret, not encryption: across an untrusted network put the server
+behind TLS (a reverse proxy) as well.
 
 A tool that raises is the model's problem to read (200, ok=false, the error text) and the
 operator's to fix (logged with its traceback); nothing a client sends stops the server. At most
@@ -22,6 +30,8 @@ and the process exits 0.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import signal
@@ -54,8 +64,9 @@ GRACEFUL_SHUTDOWN_S = 5.0  # running calls get this long to finish after a stop 
 class ToolService:
     """The HTTP app serving ``tools`` (``.app``), and the calls it is running."""
 
-    def __init__(self, tools: Mapping[str, Tool], *, max_concurrent_calls: int) -> None:
+    def __init__(self, tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None) -> None:
         self.tools = dict(tools)
+        self._token = token.encode() if token else None
         self._schemas = [tool.schema for tool in self.tools.values()]
         self._limiter = anyio.CapacityLimiter(max_concurrent_calls)
         self._running: set[anyio.CancelScope] = set()
@@ -72,13 +83,33 @@ class ToolService:
             scope.cancel()
         return len(self._running)
 
+    def _refused(self, request: Request) -> Response | None:
+        """The 401 answer for a request without the right token; None when it may go on."""
+        if self._token is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # compare_digest takes as long whatever prefix matches: the token cannot be guessed byte by byte.
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
+            return None
+        problem = "wrong token" if scheme else "no token"
+        return JSONResponse({"error": f"unauthorized: {problem}; this tool server requires "
+                             "'Authorization: Bearer <tool_server.token>'"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+
     async def _health(self, request: Request) -> Response:
+        # Liveness for supervisors without the token; what is served only for clients with it.
+        if self._refused(request) is not None:
+            return JSONResponse({"ok": True})
         return JSONResponse({"ok": True, "tools": list(self.tools)})
 
     async def _list_tools(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
         return JSONResponse({"tools": self._schemas})
 
     async def _call(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
         name = request.path_params["name"]
         tool = self.tools.get(name)
         if tool is None:
@@ -116,9 +147,19 @@ class ToolService:
             return json.dumps(result_to_json(failed))
 
 
-def make_app(tools: Mapping[str, Tool], *, max_concurrent_calls: int) -> Starlette:
+def make_app(tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None) -> Starlette:
     """The HTTP app serving ``tools`` (see ToolService)."""
-    return ToolService(tools, max_concurrent_calls=max_concurrent_calls).app
+    return ToolService(tools, max_concurrent_calls=max_concurrent_calls, token=token).app
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 async def _read_json_body(request: Request) -> dict[str, Any] | Response:
@@ -186,13 +227,16 @@ async def run(config: Config, run_dir: Path) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         tools = build_local_tools(config, settings.tools, key="tool_server.tools")
-        service = ToolService(tools, max_concurrent_calls=settings.max_concurrent_calls)
+        service = ToolService(tools, max_concurrent_calls=settings.max_concurrent_calls, token=settings.token)
+        if not is_loopback(settings.host) and settings.token is None:
+            log.warning("tool server reachable from other hosts without a token: anyone who reaches "
+                        "it can run code in its sandbox; set tool_server.token", host=settings.host)
         server = uvicorn.Server(uvicorn.Config(
             service.app, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5))  # a backstop; see _abandon_after_grace
         with bind_socket(settings.host, settings.port) as sock:
             log.info("tool server listening", url=server_url(sock), tools=list(tools),
-                     max_concurrent_calls=settings.max_concurrent_calls)
+                     max_concurrent_calls=settings.max_concurrent_calls, token=settings.token is not None)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_abandon_after_grace, server, service)
                 await server.serve(sockets=[sock])

@@ -166,10 +166,15 @@ class ToolServerConfig(Section):
     """bin/tool-server: serves tools over HTTP (JSON in, JSON out)."""
 
     host: str = Field("127.0.0.1", min_length=1)
-    """Interface to bind; 0.0.0.0 to serve other hosts."""
+    """Interface to bind: loopback by default; 0.0.0.0 to serve other hosts (then set `token`)."""
     port: int = Field(8900, ge=0, le=65535)
     """TCP port; 0: any free port (printed at start)."""
     tools: list[str] = Field(default_factory=lambda: ["python", "search", "calculator"])
     """Tools served (registry names)."""
     max_concurrent_calls: int = Field(32, gt=0)
     """Calls running at once; more wait in line (a client's own limit is tools.remote.max_concurrent)."""
+    token: str | None = Field(None, min_length=16)
+    """Shared secret: when set, the tool server refuses (HTTP 401) every request but GET /health
+    without `Authorization: Bearer <token>`, and rollout servers (tools.remote) send it. At least 16
+    characters, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`; null: no check
+    (fine on loopback)."""

@@ -83,7 +83,7 @@ def build_tools(
     served: dict[str, dict[str, Any]] = {}
     remote_names: list[str] = []
     if remote.url is not None and (not remote.names or set(remote.names) & set(wanted)):
-        served = fetch_schemas(remote.url, remote.timeout_s)
+        served = fetch_schemas(remote.url, remote.timeout_s, token=config.tool_server.token)
         if remote.names:
             missing = [n for n in remote.names if n in wanted and n not in served]
             if missing:
@@ -104,7 +104,8 @@ def build_tools(
         assert remote.url is not None
         if client is None:
             client = RemoteToolClient(remote.url, timeout_s=remote.timeout_s, retries=remote.retries,
-                                      backoff_s=remote.backoff_s, max_concurrent=remote.max_concurrent)
+                                      backoff_s=remote.backoff_s, max_concurrent=remote.max_concurrent,
+                                      token=config.tool_server.token)
         tools.update({n: RemoteTool(n, served[n], client) for n in remote_names})
     return {n: tools[n] for n in wanted}
 

@@ -9,7 +9,8 @@ unknown tool, a refused request), comes back as ``ToolResult(ok=False)`` naming 
 problem, for the model (and the failure metrics) to see. Retrying a timed-out call may run it
 twice on the server; tool calls are treated as idempotent, like the model retrying by hand.
 ``fetch_schemas`` is the synchronous start-up counterpart: it learns what a server offers and fails
-loudly, naming the config key, when it cannot be reached.
+loudly, naming the config key, when it cannot be reached. Both send ``tool_server.token``, when one
+is configured, as ``Authorization: Bearer``; a refusal (401) is never retried and names that key.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from rollout_service.tools.base import ToolContext, ToolResult, invalid_args
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 MAX_RETRY_AFTER_S = 30.0  # a server's Retry-After is honoured up to this long
 _URL_KEY = "tools.remote.url"
+_TOKEN_KEY = "tool_server.token"
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The headers that authenticate a client to a tool server with ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class RemoteToolClient:
@@ -41,6 +48,7 @@ class RemoteToolClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_concurrent: int = 32,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
@@ -50,6 +58,7 @@ class RemoteToolClient:
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=timeout_s,
+            headers=auth_headers(token),
             limits=httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=max_concurrent),
         )
         self._closed = False
@@ -92,6 +101,12 @@ class RemoteToolClient:
         )
 
     def _result(self, name: str, response: httpx.Response) -> ToolResult:
+        if response.status_code == 401:
+            return ToolResult(
+                text=f"error: tool server {self.url} refused the call of {name!r}: "
+                f"{_error_text(response)} (check {_TOKEN_KEY} on both sides)",
+                ok=False,
+            )
         if response.status_code != 200:
             # Unknown tool (404), refused request (400), a server bug (500): retrying changes nothing.
             return ToolResult(
@@ -165,7 +180,8 @@ def result_from_json(data: Any) -> ToolResult:
                       metrics={str(k): float(v) for k, v in metrics.items()})
 
 
-def fetch_schemas(url: str, timeout_s: float = 10.0, *, attempts: int = 3) -> dict[str, dict[str, Any]]:
+def fetch_schemas(url: str, timeout_s: float = 10.0, *, attempts: int = 3,
+                  token: str | None = None) -> dict[str, dict[str, Any]]:
     """Tool name -> function schema served at ``url`` (``GET /tools``), for start-up.
 
     Blocks (a few short retries, for a server that is still starting); raises ValueError naming
@@ -177,13 +193,17 @@ def fetch_schemas(url: str, timeout_s: float = 10.0, *, attempts: int = 3) -> di
         if attempt:
             time.sleep(0.25 * 2 ** (attempt - 1))
         try:
-            response = httpx.get(f"{base}/tools", timeout=timeout_s)
+            response = httpx.get(f"{base}/tools", timeout=timeout_s, headers=auth_headers(token))
         except httpx.TransportError as exc:
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             continue
         if response.status_code in TRANSIENT_STATUS:
             problem = f"HTTP {response.status_code}"
             continue
+        if response.status_code == 401:
+            given = "the token sent was refused" if token else "none is configured"
+            raise ValueError(f"{_TOKEN_KEY}: tool server {base} requires a token and {given} "
+                             f"({_error_text(response)}); set the server's token in this config too")
         try:
             return _schemas_from(response)
         except ValueError as exc:

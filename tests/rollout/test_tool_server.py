@@ -310,3 +310,56 @@ async def test_a_tool_that_raises_is_a_failed_call_not_a_dead_server() -> None:
         nan = await http.post("/call/explode", json={"arguments": {"nan": True}})
         assert nan.status_code == 200 and nan.json()["ok"] is False  # not JSON-safe: reported, not a 500
         assert (await http.get("/health")).json() == {"ok": True, "tools": ["explode"]}
+
+
+TOKEN = "s3cret-token-for-the-tool-server-test"
+
+
+def test_binds_loopback_by_default(server: str) -> None:
+    assert server.startswith("http://127.0.0.1:")  # the fixture only overrides the port
+
+
+@pytest.mark.anyio
+async def test_token_is_required_and_sent_by_the_client(tmp_path: Path) -> None:
+    with tool_server(tmp_path, f"tool_server.token={TOKEN}") as (_, url, lines):
+        assert "token=True" in "".join(lines)
+        # Without (or with a wrong) token: 401 with a clear error before the body is read; the
+        # health check says only that the server lives.
+        assert httpx.get(f"{url}/health").json() == {"ok": True}
+        for headers in ({}, {"Authorization": "Bearer wrong-token-of-some-length"}, {"Authorization": TOKEN}):
+            for response in (httpx.get(f"{url}/tools", headers=headers),
+                             httpx.post(f"{url}/call/calculator", headers=headers, content=b"x" * 100)):
+                assert response.status_code == 401, (headers, response.text)
+                assert "unauthorized" in response.json()["error"]
+                assert "tool_server.token" in response.json()["error"]
+        with pytest.raises(ValueError, match=r"tool_server\.token: tool server .* requires a token and none is configured"):
+            fetch_schemas(url, attempts=1)
+        with pytest.raises(ValueError, match=r"tool_server\.token: .* the token sent was refused"):
+            fetch_schemas(url, attempts=1, token="another-token-0123456789")
+        async with client_for(url, token="another-token-0123456789", retries=3) as wrong:
+            start = time.monotonic()
+            res = await wrong.call("calculator", {"expression": "1+1"})
+            assert not res.ok and "refused" in res.text and "tool_server.token" in res.text
+            assert time.monotonic() - start < 0.5  # a refusal is final: not retried with backoff
+        # With it: the same calls work.
+        assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["tools"]
+        async with client_for(url, token=TOKEN) as client:
+            tools = {n: RemoteTool(n, s, client) for n, s in fetch_schemas(url, token=TOKEN).items()}
+            res = await tools["calculator"].call({"expression": "6*7"}, CTX)
+        assert res.ok and "42" in res.text
+
+
+def test_non_loopback_bind_without_a_token_warns(tmp_path: Path) -> None:
+    with tool_server(tmp_path, "tool_server.host=0.0.0.0") as (_, _url, lines):
+        assert any("without a token" in line and "tool_server.token" in line for line in lines), lines
+    from rollout_service.tool_server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2") and not is_loopback("toolhost")
+
+
+def test_a_short_token_is_refused_by_the_config() -> None:
+    from common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="tool_server.token"):
+        load_config(None, ["actor_rollout_ref.model.path=/nowhere", "tool_server.token=short"], check_paths=False)
