@@ -14,6 +14,11 @@ Admission (1.3, capability "admission"): an ADMIT becomes a ``GroupsAdmitted`` e
 application keeps the grants; a new session starts with none, like credits), and the application's
 running count of response tokens it dropped itself goes out in heartbeats (``dropped_tokens``).
 
+Weights: announces and chunks go to ``assembler`` (``protocol.weights``: checked before anything is
+allocated, with deadlines that ``tick`` enforces). A failed transfer is answered with
+WEIGHTS_APPLIED ok=false; a refused announce and an abandoned (timed-out) transfer also with a typed
+ERROR. Only an accepted announce becomes ``WeightsAnnounced``.
+
 Validation (1.1, capability "validation"): a VALIDATE_REQUEST becomes a ``ValidationRequested``
 event; ``validation_result`` queues the answer, but only while the session that asked is still
 open (a learner that lost the session has forgotten the request), and only once per request.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from protocol import codec
 from protocol.errors import ErrorCode, ProtocolError
@@ -55,6 +60,7 @@ from protocol.messages import (
     Hello,
     Identity,
     Limits,
+    MsgType,
     TrajectoryBatch,
     ValidateRequest,
     ValidateResult,
@@ -98,6 +104,7 @@ class RolloutConnection:
         version: ProtocolVersion = PROTOCOL_VERSION,
         host: str = "",
         slots: int = 0,
+        weights: WeightAssembler | None = None,
     ) -> None:
         self.slots = slots  # prompt groups this server generates at once, sent in HELLO (admission)
         self.host = host  # this machine's key, sent in HELLO (file hand-over of weights)
@@ -120,7 +127,8 @@ class RolloutConnection:
         self._out: list[Frames] = []
         self._last_sent = self._last_recv = 0.0
         self._validations: set[str] = set()  # requests of this session not yet answered
-        self.assembler = WeightAssembler()
+        # The application's assembler knows its model, slot-file directories and transfer timeouts.
+        self.assembler = weights if weights is not None else WeightAssembler()
 
     # -- application API -------------------------------------------------------------------------
     @property
@@ -204,20 +212,25 @@ class RolloutConnection:
         return out
 
     def next_deadline(self) -> float:
-        """When ``tick`` must run next (heartbeat due or peer timeout)."""
+        """When ``tick`` must run next (heartbeat due, peer timeout, or a weight transfer's deadline)."""
         if self.state is SenderState.READY:
-            return min(self._last_sent + self.heartbeat_interval_s, self._last_recv + self.heartbeat_timeout_s)
+            return min(self._last_sent + self.heartbeat_interval_s, self._last_recv + self.heartbeat_timeout_s,
+                       self.assembler.deadline)
         if self.state is SenderState.HELLO_SENT:
-            return self._last_recv + self.heartbeat_timeout_s
+            return min(self._last_recv + self.heartbeat_timeout_s, self.assembler.deadline)
         return float("inf")
 
     def tick(self, now: float) -> list[Event]:
+        events: list[Event] = []
+        if (stuck := self.assembler.expire(now)) is not None:  # abandoned: said once, here
+            announce, err = stuck
+            events += self._weights_failed(announce.version, announce.transfer_id, err, report=True)
         if self.state in (SenderState.READY, SenderState.HELLO_SENT):
             if now - self._last_recv >= self.heartbeat_timeout_s:
                 self._requeue_unacked()
                 self.state = SenderState.IDLE
-                return [PeerTimedOut("learner")]
-        return []
+                events.append(PeerTimedOut("learner"))
+        return events
 
     def receive(self, frames: Frames, now: float) -> list[Event]:
         self._last_recv = now
@@ -228,7 +241,7 @@ class RolloutConnection:
                 self._out.append(codec.encode(codec.error_message(e)))
             return [ProtocolViolation("learner", e)]
         try:
-            return self._dispatch(msg)
+            return self._dispatch(msg, now)
         except ProtocolError as e:
             e.ref_type = e.ref_type or int(TYPE_OF[type(msg)])
             self._out.append(codec.encode(codec.error_message(e)))
@@ -240,7 +253,7 @@ class RolloutConnection:
             self._queue.extendleft(reversed(list(self._unacked.items())))
             self._unacked.clear()
 
-    def _dispatch(self, msg: object) -> list[Event]:
+    def _dispatch(self, msg: object, now: float) -> list[Event]:
         match msg:
             case Welcome():
                 return self._on_welcome(msg)
@@ -251,10 +264,9 @@ class RolloutConnection:
             case Heartbeat():
                 return []
             case WeightsAnnounce():
-                ev: list[Event] = [WeightsAnnounced(msg.version)]
-                return ev + self._weights(lambda: self._announce(msg), msg.version, msg.transfer_id)
+                return self._weights(lambda: self._announce(msg, now), msg.version, msg.transfer_id, announce=True)
             case WeightsChunk():
-                return self._weights(lambda: self.assembler.chunk(msg), msg.version, msg.transfer_id)
+                return self._weights(lambda: self.assembler.chunk(msg, now), msg.version, msg.transfer_id)
             case ValidateRequest():
                 return self._on_validate_request(msg)
             case Admit():
@@ -329,16 +341,28 @@ class RolloutConnection:
                 events.append(BatchRejected(msg.ref_seq, msg))
         return events
 
-    def _announce(self, msg: WeightsAnnounce) -> ReceivedWeights | None:
+    def _announce(self, msg: WeightsAnnounce, now: float) -> ReceivedWeights | None:
         if msg.file and WEIGHTS_FILE_CAPABILITY not in self.capabilities:
             raise ProtocolError(ErrorCode.UNEXPECTED, "a weights file announced to a rollout server whose "
                                 f"HELLO did not offer the {WEIGHTS_FILE_CAPABILITY!r} capability", field="file")
-        return self.assembler.announce(msg)
+        return self.assembler.announce(msg, now)
 
-    def _weights(self, step, version: int, transfer_id: str) -> list[Event]:
+    def _weights(self, step: Callable[[], ReceivedWeights | None], version: int, transfer_id: str, *,
+                 announce: bool = False) -> list[Event]:
+        """Run one assembler step. Only an accepted announce is ``WeightsAnnounced`` (a refused one
+        must not raise the version the application waits for)."""
         try:
             done = step()
         except ProtocolError as e:
-            self._out.append(codec.encode(WeightsApplied(version, transfer_id, False, e.message)))
-            return [WeightsFailed(version, e.message)]
-        return [WeightsReceived(done)] if done is not None else []
+            # A refused announce also gets a typed ERROR, which the learner logs as a warning. Chunk
+            # and verification failures only fail the transfer (one ERROR per bad chunk would flood).
+            return self._weights_failed(version, transfer_id, e, report=announce)
+        events: list[Event] = [WeightsAnnounced(version)] if announce else []
+        return events + ([WeightsReceived(done)] if done is not None else [])
+
+    def _weights_failed(self, version: int, transfer_id: str, err: ProtocolError, *, report: bool) -> list[Event]:
+        self._out.append(codec.encode(WeightsApplied(version, transfer_id, False, err.message)))
+        if report:
+            err.ref_type = err.ref_type or int(MsgType.WEIGHTS_ANNOUNCE)
+            self._out.append(codec.encode(codec.error_message(err)))
+        return [WeightsFailed(version, err.message)]

@@ -4,31 +4,54 @@ The learner describes the new policy in one WEIGHTS_ANNOUNCE (a manifest of tens
 shapes, sizes and xxh3 checksums) and streams the raw bytes in WEIGHTS_CHUNK messages of at most
 ``chunk_bytes``. A chunk's payload frames are memoryview slices of the caller's tensor buffers, so
 nothing is copied before ZeroMQ; the same frames go to every rollout server. Callers must not mutate
-those buffers until the transfer is done (publish a snapshot). The receiver writes parts into
-buffers preallocated from the manifest, ignores repeated chunks, and only hands the weights over
-once every chunk has arrived and every checksum matches: a transfer is never half-applied.
+those buffers until the transfer is done (publish a snapshot). The receiver ignores repeated chunks
+and only hands the weights over once every chunk has arrived and every checksum matches: a transfer
+is never half-applied.
+
+The receiver trusts nothing an announce claims (SPEC §8 "Checks before allocating"):
+- the manifest is checked before anything is allocated: against the receiver's own model
+  (``ModelManifest``: names, shapes and dtypes from the model's safetensors headers; every tensor
+  required, none unknown, floating dtypes no wider than the model's or float32) when it has one,
+  else only against ``max_total_bytes``; ``num_chunks`` may not exceed the bytes announced;
+- a tensor's buffer is allocated when the first chunk writing into it arrives, never for the whole
+  claim up front, so memory follows the bytes received, which the checked manifest bounds;
+- every transfer has a deadline: it is abandoned (``expire``) once no new chunk has arrived for
+  ``timeout_s``, or once it has run ``timeout_s + bytes / min_bytes_per_s``, whichever is first.
+  The connection reports it (WEIGHTS_APPLIED ok=false and ERROR TIMED_OUT); nothing stays pending.
 
 File hand-over (1.2, capability "weights_file"): to a rollout server on its own machine the learner
 sends only the manifest, naming a safetensors file (on /dev/shm) that holds exactly those tensors;
-no chunks follow and the assembler returns the file path at once. The receiving application checks
-the file's header against the manifest before loading it.
+no chunks follow and the assembler returns the file path at once. With ``file_roots`` set, the path
+must resolve (symlinks followed) to a regular file inside ``<root>/agentrl-weights-*/`` of one of
+them, as the learner's ``learner.weights_files`` lays them out, and be big enough for the manifest;
+the receiving application checks the file's header against its model before loading it. This is
+the only part that touches the file system (a ``stat``), and only when ``file_roots`` is given.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import ChunkPart, TensorSpec, WeightsAnnounce, WeightsChunk
+from protocol.messages import ChunkPart, MsgType, TensorSpec, WeightsAnnounce, WeightsChunk
 
 DTYPE_SIZES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+# The learner's slot files lie in <weights_file_dir>/agentrl-weights-<pid>-<id>/ (learner.weights_files).
+WEIGHTS_DIR_PREFIX = "agentrl-weights-"
+DEFAULT_TIMEOUT_S = 60.0  # rollout_server.weights_timeout_s
+DEFAULT_MIN_BYTES_PER_S = 5e6  # rollout_server.weights_min_mb_per_s
+MAX_PROBLEMS = 5  # listed in one refusal; the count says how many there were
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,85 @@ def plan_transfer(
     return WeightsAnnounce(version, tid, specs, len(chunks)), chunks
 
 
+@dataclass(frozen=True)
+class ModelManifest:
+    """What a weight update of one model may hold: every tensor's dtype and shape (from the model's
+    safetensors headers; ``common.safetensors_buffers.model_manifest`` builds it)."""
+
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape); all required
+    optional: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # tied lm_head
+    name: str = "the model"  # for messages
+
+    def _spec(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        return self.tensors.get(name) or self.optional.get(name)
+
+    @staticmethod
+    def _widest(dtype: str) -> int:
+        """Bytes per element an update may use for a tensor stored as ``dtype``: floating tensors
+        may come as any floating dtype up to float32 (or the model's own, if wider)."""
+        size = DTYPE_SIZES.get(dtype, 8)
+        return max(size, 4) if dtype in FLOAT_DTYPES else size
+
+    @property
+    def max_bytes(self) -> int:
+        """The most bytes an update of this model can take (optional tensors included)."""
+        return sum(math.prod(shape) * self._widest(dtype)
+                   for dtype, shape in (*self.tensors.values(), *self.optional.values()))
+
+    def problems(self, specs: Sequence[TensorSpec]) -> list[tuple[str, str]]:
+        """(field, what is wrong) for every tensor of ``specs`` the model does not have as announced."""
+        out: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        for i, s in enumerate(specs):
+            want = self._spec(s.name)
+            if s.name in seen:
+                out.append((f"tensors[{i}].name", f"{s.name} is announced twice"))
+            elif want is None:
+                out.append((f"tensors[{i}].name", f"{s.name} is not a tensor of {self.name}"))
+            else:
+                dtype, shape = want
+                if tuple(s.shape) != shape:
+                    out.append((f"tensors[{i}].shape", f"{s.name}: shape {list(s.shape)}, {self.name} has {list(shape)}"))
+                if s.dtype != dtype and not (dtype in FLOAT_DTYPES and s.dtype in FLOAT_DTYPES
+                                             and DTYPE_SIZES[s.dtype] <= self._widest(dtype)):
+                    out.append((f"tensors[{i}].dtype", f"{s.name}: dtype {s.dtype}, {self.name} stores {dtype}"))
+            seen.add(s.name)
+        if missing := [n for n in self.tensors if n not in seen]:
+            out.append(("tensors", f"{len(missing)} tensors of {self.name} missing, e.g. {missing[:3]}"))
+        return out
+
+
+def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> str:
+    """The real path of the slot file ``path`` of a file announce, if it is a regular file of at
+    least ``needed_bytes`` inside ``<root>/agentrl-weights-*/`` of one of ``roots``; else INVALID_FIELD
+    (field ``file``). Symlinks are resolved first, so a link out of the directory is refused."""
+    if "\0" in path or not os.path.isabs(path):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} is not an absolute path", field="file")
+    real = os.path.realpath(path)
+    inside = False
+    for root in roots:
+        base = os.path.realpath(root)
+        rel = os.path.relpath(real, base)
+        parts = rel.split(os.sep)
+        if rel != os.curdir and parts[0] != os.pardir and len(parts) >= 2 and parts[0].startswith(WEIGHTS_DIR_PREFIX):
+            inside = True
+            break
+    if not inside:
+        dirs = ", ".join(os.path.join(r, WEIGHTS_DIR_PREFIX + "*") for r in roots) or "(none configured)"
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} (resolves to {real}) is not inside a learner "
+                            f"weights directory: {dirs}", field="file")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r}: {e.strerror or e}", field="file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} is not a regular file", field="file")
+    if st.st_size < needed_bytes:
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} holds {st.st_size} bytes, the announced "
+                            f"tensors need {needed_bytes}", field="file")
+    return real
+
+
 @dataclass
 class ReceivedWeights:
     version: int
@@ -98,16 +200,30 @@ class ReceivedWeights:
 @dataclass
 class _Transfer:
     announce: WeightsAnnounce
-    buffers: list[bytearray]
+    buffers: list[bytearray | None]  # allocated by the first chunk that writes into the tensor
     filled: list[int]
+    deadline: float  # the whole transfer: timeout_s + bytes / min_bytes_per_s after the announce
+    last_progress: float  # when the announce or the last new chunk arrived
+    started: float
     chunks_seen: set[int] = field(default_factory=set)
 
 
 class WeightAssembler:
-    """Receiving end of transfers. Sans-IO: feed it messages, get complete weights back."""
+    """Receiving end of transfers. Sans-IO: feed it messages and the time, get complete weights back.
 
-    def __init__(self, *, max_total_bytes: int = 64 << 30) -> None:
-        self.max_total_bytes = max_total_bytes
+    ``manifest``: the receiver's model; announces that do not fit it are refused (None: only
+    ``max_total_bytes`` bounds them). ``file_roots``: where file announces may point (None: any
+    path, unchecked). ``timeout_s`` / ``min_bytes_per_s``: the deadlines (None: no timeout); they
+    only run for callers that pass ``now``.
+    """
+
+    def __init__(self, *, max_total_bytes: int = 64 << 30, manifest: ModelManifest | None = None,
+                 file_roots: Sequence[str] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S) -> None:
+        self.max_total_bytes = manifest.max_bytes if manifest is not None else max_total_bytes
+        self.manifest = manifest
+        self.file_roots = list(file_roots) if file_roots is not None else None
+        self.timeout_s, self.min_bytes_per_s = timeout_s, min_bytes_per_s
         self._current: _Transfer | None = None
         self._abandoned: set[str] = set()
         self._finished: set[str] = set()
@@ -116,8 +232,59 @@ class WeightAssembler:
     def in_progress(self) -> WeightsAnnounce | None:
         return self._current.announce if self._current else None
 
-    def announce(self, msg: WeightsAnnounce) -> ReceivedWeights | None:
-        """Start a transfer; a newer announce abandons an unfinished older one."""
+    @property
+    def deadline(self) -> float:
+        """When ``expire`` must run next (inf: nothing pending, or no timeout)."""
+        cur = self._current
+        if cur is None or self.timeout_s is None:
+            return math.inf
+        return min(cur.deadline, cur.last_progress + self.timeout_s)
+
+    def expire(self, now: float) -> tuple[WeightsAnnounce, ProtocolError] | None:
+        """Abandon the pending transfer if its deadline has passed: its announce, and what to report."""
+        cur = self._current
+        if cur is None or now < self.deadline:
+            return None
+        self._current = None
+        self._abandoned.add(cur.announce.transfer_id)
+        a = cur.announce
+        total = sum(t.nbytes for t in a.tensors)
+        if now - cur.last_progress >= (self.timeout_s or 0.0):
+            why = f"no new chunk for {now - cur.last_progress:.1f} s (timeout {self.timeout_s:g} s)"
+        else:
+            why = (f"not complete {cur.deadline - cur.started:.1f} s after its announce (timeout {self.timeout_s:g} s "
+                   f"+ {total} bytes at {self.min_bytes_per_s:g} bytes/s)")
+        err = ProtocolError(ErrorCode.TIMED_OUT, f"weights version {a.version} (transfer {a.transfer_id}) abandoned: "
+                            f"{len(cur.chunks_seen)} of {a.num_chunks} chunks, {sum(cur.filled)} of {total} bytes "
+                            f"received; {why}")
+        err.ref_type = int(MsgType.WEIGHTS_ANNOUNCE)
+        return a, err
+
+    def announce(self, msg: WeightsAnnounce, now: float | None = None) -> ReceivedWeights | None:
+        """Start a transfer; a newer announce abandons an unfinished older one. A refused announce
+        (ProtocolError) leaves any transfer in progress as it was."""
+        total = self._check(msg)
+        if msg.file:
+            if msg.num_chunks != 0:
+                raise ProtocolError(ErrorCode.INVALID_FIELD, "a file announce has no chunks", field="num_chunks")
+            path = msg.file if self.file_roots is None else check_weights_file(msg.file, self.file_roots, total)
+            self._supersede()
+            self._finished.add(msg.transfer_id)
+            return ReceivedWeights(msg.version, msg.transfer_id, [], file=path, specs=list(msg.tensors))
+        self._supersede()
+        start = math.inf if now is None else now  # no clock: no deadline
+        budget = (self.timeout_s or 0.0) + total / self.min_bytes_per_s
+        self._current = _Transfer(msg, [None] * len(msg.tensors), [0] * len(msg.tensors),
+                                  deadline=start + budget, last_progress=start, started=start)
+        return self._finish_if_complete()
+
+    def _supersede(self) -> None:
+        if self._current is not None:
+            self._abandoned.add(self._current.announce.transfer_id)
+            self._current = None
+
+    def _check(self, msg: WeightsAnnounce) -> int:
+        """Every check an announce must pass before anything is allocated; returns its total bytes."""
         if msg.checksum_algo != "xxh3_64":
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"unsupported checksum_algo {msg.checksum_algo!r}",
                                 field="checksum_algo")
@@ -130,19 +297,19 @@ class WeightAssembler:
                                     field=f"tensors[{i}]")
             total += s.nbytes
         if total > self.max_total_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"weights of {total} bytes exceed {self.max_total_bytes}")
-        if self._current is not None:
-            self._abandoned.add(self._current.announce.transfer_id)
-            self._current = None
-        if msg.file:
-            if msg.num_chunks != 0:
-                raise ProtocolError(ErrorCode.INVALID_FIELD, "a file announce has no chunks", field="num_chunks")
-            self._finished.add(msg.transfer_id)
-            return ReceivedWeights(msg.version, msg.transfer_id, [], file=msg.file, specs=list(msg.tensors))
-        self._current = _Transfer(msg, [bytearray(s.nbytes) for s in msg.tensors], [0] * len(msg.tensors))
-        return self._finish_if_complete()
+            of = f"{self.manifest.name} can hold" if self.manifest is not None else "max_total_bytes allows"
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"weights of {total} bytes in {len(msg.tensors)} tensors "
+                                f"exceed the {self.max_total_bytes} bytes {of}", field="tensors")
+        if self.manifest is not None and (problems := self.manifest.problems(msg.tensors)):
+            more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"version {msg.version} does not fit {self.manifest.name}: "
+                                + "; ".join(p for _, p in problems[:MAX_PROBLEMS]) + more, field=problems[0][0])
+        if not msg.file and (msg.num_chunks > total or (total > 0 and msg.num_chunks == 0)):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"num_chunks {msg.num_chunks} for {total} bytes: every "
+                                "chunk carries at least one byte", field="num_chunks")
+        return total
 
-    def chunk(self, msg: WeightsChunk) -> ReceivedWeights | None:
+    def chunk(self, msg: WeightsChunk, now: float | None = None) -> ReceivedWeights | None:
         cur = self._current
         if cur is None or msg.transfer_id != cur.announce.transfer_id:
             if msg.transfer_id in self._abandoned or msg.transfer_id in self._finished:
@@ -152,13 +319,19 @@ class WeightAssembler:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index")
         if msg.index in cur.chunks_seen:
             return None
+        specs = cur.announce.tensors
         for i, p in enumerate(msg.parts):
-            if p.tensor >= len(cur.buffers) or p.offset + p.nbytes > len(cur.buffers[p.tensor]):
+            if p.tensor >= len(specs) or p.offset + p.nbytes > specs[p.tensor].nbytes:
                 raise ProtocolError(ErrorCode.INVALID_FIELD, f"parts[{i}] outside its tensor", field=f"parts[{i}]")
         for p, data in zip(msg.parts, msg.frames, strict=True):
-            cur.buffers[p.tensor][p.offset : p.offset + p.nbytes] = data
+            buf = cur.buffers[p.tensor]
+            if buf is None:  # the first bytes of this tensor: only now is its room taken
+                buf = cur.buffers[p.tensor] = bytearray(specs[p.tensor].nbytes)
+            buf[p.offset : p.offset + p.nbytes] = data
             cur.filled[p.tensor] += p.nbytes
         cur.chunks_seen.add(msg.index)
+        if now is not None:
+            cur.last_progress = now
         return self._finish_if_complete()
 
     def _finish_if_complete(self) -> ReceivedWeights | None:
@@ -168,8 +341,9 @@ class WeightAssembler:
             return None
         self._current = None
         self._finished.add(cur.announce.transfer_id)
-        for spec, buf, filled in zip(cur.announce.tensors, cur.buffers, cur.filled, strict=True):
-            if filled != spec.nbytes or checksum(memoryview(buf)) != spec.checksum:
+        buffers = [b if b is not None else bytearray() for b in cur.buffers]
+        for spec, buf, filled in zip(cur.announce.tensors, buffers, cur.filled, strict=True):
+            if filled != spec.nbytes or len(buf) != spec.nbytes or checksum(memoryview(buf)) != spec.checksum:
                 raise ProtocolError(
                     ErrorCode.CHECKSUM_MISMATCH,
                     f"version {cur.announce.version}: tensor {spec.name} failed verification "
@@ -177,4 +351,4 @@ class WeightAssembler:
                     field=spec.name,
                 )
         return ReceivedWeights(cur.announce.version, cur.announce.transfer_id,
-                               list(zip(cur.announce.tensors, cur.buffers, strict=True)))
+                               list(zip(cur.announce.tensors, buffers, strict=True)))

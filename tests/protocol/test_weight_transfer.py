@@ -1,5 +1,7 @@
 """Weight transfer: manifest + zero-copy chunks, xxh3_64 checksums, never half-applied, a newer
-announce supersedes an older one, joiners asking with policy_version -1 (or older) get the latest."""
+announce supersedes an older one, joiners asking with policy_version -1 (or older) get the latest.
+The receiver's checks before allocating: the manifest against the model, buffers allocated as
+chunks arrive, and deadlines that abandon a stuck transfer with an ERROR (SPEC §8)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import PeerWeightsApplied, WeightsAnnounced, WeightsFailed, WeightsReceived
 from protocol.messages import ChunkPart, MsgType, TensorSpec, WeightsAnnounce, WeightsChunk
 from protocol.sender import SenderState
-from protocol.weights import NamedBuffer, WeightAssembler, checksum, plan_transfer
+from protocol.weights import (
+    DTYPE_SIZES,
+    ModelManifest,
+    NamedBuffer,
+    WeightAssembler,
+    checksum,
+    plan_transfer,
+)
 
 
 def _bytes_of(bufs: list[NamedBuffer]) -> dict[str, bytes]:
@@ -171,14 +180,27 @@ def test_no_weights_published_nothing_sent_to_joiner() -> None:
     assert not net.sent("down", MsgType.WEIGHTS_ANNOUNCE)
 
 
-def test_missing_chunk_never_completes() -> None:
+def test_missing_chunk_never_completes_and_times_out_with_an_error() -> None:
     net = connected()
     net.mutate = None
     net.drop = lambda d, i, f: codec.peek_type(f) is MsgType.WEIGHTS_CHUNK and codec.decode(f).index == 2
     net.learner.publish_weights(1, tensors([64]), chunk_bytes=64)
     net.pump()
+    conn = net.conns[b"r0"]
     assert net.events(b"r0", WeightsAnnounced) and not net.events(b"r0", WeightsReceived)
-    assert net.conns[b"r0"].assembler.in_progress is not None
+    assert conn.assembler.in_progress is not None
+    # the driver wakes for the transfer's deadline: no new chunk for timeout_s (60 s by default)
+    assert conn.next_deadline() <= net.clock.now + 60
+    for _ in range(70):  # heartbeats keep the session alive; only the transfer is stuck
+        net.advance(1.0)
+    (failed,) = net.events(b"r0", WeightsFailed)
+    assert failed.version == 1 and "abandoned" in failed.reason and "3 of 4 chunks" in failed.reason
+    assert conn.assembler.in_progress is None and conn.state is SenderState.READY
+    (applied,) = _applied(net)
+    assert (applied.version, applied.ok) == (1, False)
+    (err,) = [r.decoded() for r in net.sent("up", MsgType.ERROR, b"r0")]
+    assert err.code == ErrorCode.TIMED_OUT and err.ref_type == MsgType.WEIGHTS_ANNOUNCE and not err.fatal
+    assert "192 of 256 bytes" in err.message
 
 
 # -- the assembler's checks --------------------------------------------------------------------------
@@ -201,13 +223,13 @@ def test_bad_announce_is_refused(announce: WeightsAnnounce, code: ErrorCode) -> 
     assert e.value.code is code
 
 
-def test_bad_announce_over_the_wire_reports_weights_applied_false() -> None:
+def test_bad_announce_over_the_wire_reports_weights_applied_false_and_an_error() -> None:
     conn = connected().conns[b"r0"]
     events = conn.receive(on_wire(codec.encode(_announce(checksum_algo="sha1"))), 0.0)
-    assert [type(e) for e in events] == [WeightsAnnounced, WeightsFailed]
-    (frames,) = conn.data_to_send(0.0)
-    applied = codec.decode(frames)
+    assert [type(e) for e in events] == [WeightsFailed]  # refused: not announced to the application
+    applied, err = (codec.decode(f) for f in conn.data_to_send(0.0))
     assert (applied.version, applied.ok) == (1, False) and "checksum_algo" in applied.error
+    assert (err.code, err.field, err.ref_type) == (ErrorCode.INVALID_FIELD, "checksum_algo", MsgType.WEIGHTS_ANNOUNCE)
 
 
 @pytest.mark.parametrize(
@@ -240,3 +262,137 @@ def test_empty_transfer_completes_on_announce() -> None:
     assert chunks == [] and announce.num_chunks == 0
     got = WeightAssembler().announce(announce)
     assert got is not None and got.version == 4 and got.tensors == []
+
+
+# -- checks before allocating (SPEC §8) --------------------------------------------------------------
+MODEL = ModelManifest({"embed.weight": ("float32", (8, 4)), "norm.weight": ("float32", (4,))},
+                      optional={"lm_head.weight": ("float32", (8, 4))}, name="tiny")
+GOOD = [("embed.weight", "float32", [8, 4]), ("norm.weight", "float32", [4])]
+
+
+def _specs(*items: tuple[str, str, list[int]]) -> list[TensorSpec]:
+    return [TensorSpec(n, d, s, int(np.prod(s)) * DTYPE_SIZES[d], 0) for n, d, s in items]
+
+
+def test_manifest_bound_is_the_models_size() -> None:
+    assert MODEL.max_bytes == (32 + 4 + 32) * 4
+    assert WeightAssembler(manifest=MODEL).max_total_bytes == MODEL.max_bytes  # not 64 GiB
+
+
+@pytest.mark.parametrize(
+    ("specs", "code", "field", "words"),
+    [([("embed.weight", "float32", [3 << 28])], ErrorCode.TOO_LARGE, "tensors", "exceed the 272 bytes tiny can hold"),
+     ([*GOOD, ("extra", "float32", [1])], ErrorCode.INVALID_FIELD, "tensors[2].name", "extra is not a tensor of tiny"),
+     ([("embed.weight", "float32", [4, 8]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].shape",
+      "embed.weight: shape [4, 8], tiny has [8, 4]"),
+     ([("embed.weight", "float64", [8, 4]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].dtype",
+      "dtype float64, tiny stores float32"),
+     ([("embed.weight", "int32", [8, 4]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].dtype", "dtype int32"),
+     ([GOOD[0]], ErrorCode.INVALID_FIELD, "tensors", "1 tensors of tiny missing, e.g. ['norm.weight']"),
+     ([GOOD[1], GOOD[1], GOOD[0]], ErrorCode.INVALID_FIELD, "tensors[1].name", "announced twice")],
+)
+def test_announce_that_does_not_fit_the_model_is_refused(specs: list, code: ErrorCode, field: str,
+                                                         words: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        WeightAssembler(manifest=MODEL).announce(_announce(tensors=_specs(*specs)), 0.0)
+    assert (e.value.code, e.value.field) == (code, field) and words in e.value.message, e.value.message
+
+
+def test_announce_that_fits_the_model_is_accepted() -> None:
+    asm = WeightAssembler(manifest=MODEL)
+    assert asm.announce(_announce(tensors=_specs(*GOOD), num_chunks=2), 0.0) is None
+    # narrower floating dtypes are fine, and the tied lm_head may come or not
+    half = _specs(("embed.weight", "bfloat16", [8, 4]), ("norm.weight", "float16", [4]),
+                  ("lm_head.weight", "float32", [8, 4]))
+    assert asm.announce(_announce(tensors=half, transfer_id="t2", num_chunks=3), 0.0) is None
+
+
+def test_many_problems_are_listed_with_a_count() -> None:
+    many = ModelManifest({f"w{i}": ("float32", (2,)) for i in range(9)}, name="m")
+    specs = _specs(*[(f"w{i}", "float32", [1, 2]) for i in range(9)])
+    with pytest.raises(ProtocolError) as e:
+        WeightAssembler(manifest=many).announce(_announce(tensors=specs), 0.0)
+    assert e.value.message.count("shape [1, 2]") == 5 and "(and 4 more)" in e.value.message
+
+
+def test_more_chunks_than_bytes_is_refused() -> None:
+    with pytest.raises(ProtocolError) as e:
+        WeightAssembler().announce(_announce(num_chunks=17), 0.0)  # 16 bytes
+    assert (e.value.code, e.value.field) == (ErrorCode.INVALID_FIELD, "num_chunks")
+    with pytest.raises(ProtocolError):
+        WeightAssembler().announce(_announce(num_chunks=0), 0.0)  # bytes, and nothing to carry them
+
+
+def test_a_refused_announce_leaves_the_transfer_in_progress() -> None:
+    asm = WeightAssembler()
+    asm.announce(_announce(), 0.0)
+    with pytest.raises(ProtocolError):
+        asm.announce(_announce(transfer_id="huge", tensors=_specs(("w", "uint8", [1 << 40]))), 0.0)
+    assert asm.in_progress is not None and asm.in_progress.transfer_id == "t"
+
+
+def test_buffers_are_allocated_as_chunks_arrive() -> None:
+    ts = tensors([100, 50, 25])
+    announce, chunks = plan_transfer(1, ts, chunk_bytes=100, transfer_id="lazy")
+    asm = WeightAssembler()
+    asm.announce(announce, 0.0)
+    cur = asm._current
+    assert cur is not None and cur.buffers == [None, None, None]  # nothing allocated for the claim
+    asm.chunk(chunks[0], 1.0)
+    assert [b is not None for b in cur.buffers] == [True, False, False]
+    got = None
+    for c in chunks[1:]:
+        got = asm.chunk(c, 2.0)
+    assert got is not None and {s.name: bytes(b) for s, b in got.tensors} == _bytes_of(ts)
+
+
+def test_stalled_transfer_expires_after_timeout_without_progress() -> None:
+    announce, chunks = plan_transfer(1, tensors([64]), chunk_bytes=64, transfer_id="slow")
+    asm = WeightAssembler(timeout_s=10.0, min_bytes_per_s=1.0)  # whole-transfer deadline: 266 s
+    asm.announce(announce, 100.0)
+    assert asm.deadline == 110.0
+    asm.chunk(chunks[0], 105.0)
+    assert asm.deadline == 115.0 and asm.expire(114.9) is None
+    asm.chunk(chunks[0], 114.0)  # a repeated chunk is no progress
+    assert asm.deadline == 115.0
+    expired = asm.expire(115.0)
+    assert expired is not None
+    ann, err = expired
+    assert ann.transfer_id == "slow" and err.code is ErrorCode.TIMED_OUT
+    assert "no new chunk for 10.0 s" in err.message and "1 of 4 chunks, 64 of 256 bytes" in err.message
+    assert asm.in_progress is None and asm.deadline == float("inf") and asm.expire(1e9) is None
+    assert asm.chunk(chunks[1], 116.0) is None  # late chunks of the abandoned transfer: ignored
+
+
+def test_slow_drip_expires_at_the_size_based_deadline() -> None:
+    announce, chunks = plan_transfer(1, tensors([64]), chunk_bytes=4, transfer_id="drip")  # 64 chunks
+    asm = WeightAssembler(timeout_s=10.0, min_bytes_per_s=32.0)  # 10 s + 256 B / 32 B/s = 18 s
+    asm.announce(announce, 0.0)
+    t, expired = 0.0, None
+    for c in chunks:  # a new chunk every 5 s: always progress, never fast enough
+        t += 5.0
+        if (expired := asm.expire(t)) is not None:
+            break
+        asm.chunk(c, t)
+    assert expired is not None and t == 20.0
+    assert "not complete 18.0 s after its announce" in expired[1].message
+
+
+def test_no_clock_no_deadline() -> None:
+    asm = WeightAssembler(timeout_s=1.0)
+    asm.announce(_announce())
+    assert asm.deadline == float("inf") and asm.expire(1e12) is None
+
+
+def test_version_jumps_are_accepted_and_nothing_stays_pending() -> None:
+    """Versions may jump (a learner generation in the version): never refused for that, and an
+    announce never followed by its chunks is abandoned once, with an ERROR."""
+    net = connected()
+    conn = net.conns[b"r0"]
+    big = _announce(version=10**9 + 7, tensors=_specs(("w", "float32", [4])), num_chunks=1)
+    assert conn.receive(on_wire(codec.encode(big)), net.clock.now) == [WeightsAnnounced(10**9 + 7)]
+    for _ in range(3):
+        net.advance(30.0)
+    assert [e.version for e in net.events(b"r0", WeightsFailed)] == [10**9 + 7]
+    (err,) = [r.decoded() for r in net.sent("up", MsgType.ERROR, b"r0")]
+    assert err.code == ErrorCode.TIMED_OUT and f"version {10**9 + 7}" in err.message
