@@ -2,7 +2,9 @@
 
 Files (JSON list, JSONL, parquet) are read whole and every row is checked at load time, so a bad
 row stops the server at start-up with the file, the row and the field named, not hours later in an
-agent loop. A row needs ``question`` (str) and ``answer`` (str, number or list); ``data_source``
+agent loop. Bytes that are not UTF-8 are reported with the file and line, and a row bigger than
+``data.max_row_bytes`` with its size and the limit (a JSONL line is refused without reading it
+whole). ``load_rows(..., limit=n)`` reads only the first rows, as ``--check`` does. A row needs ``question`` (str) and ``answer`` (str, number or list); ``data_source``
 and ``agent`` are optional; every other field is kept for reward functions (``tests``,
 ``documents``...).
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,20 +87,23 @@ class Source:
 # -- loading -------------------------------------------------------------------------------------
 
 
-def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every row of one file, validated. Raises ``DataError`` naming the file, row and field."""
+DEFAULT_MAX_ROW_BYTES = 4 << 20  # data.max_row_bytes's default
+Reader = Callable[[Path, int, int | None], list[tuple[str, Any]]]
+"""(file, max_row_bytes, first rows only or None) -> [(where in the file, row)]."""
+
+
+def load_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+              limit: int | None = None) -> list[dict[str, Any]]:
+    """Every row of one file (the first ``limit`` only, when given), validated. Raises
+    ``DataError`` naming the file, the line or row, and the field or limit."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such data file")
-    suffix = p.suffix.lower()
-    if suffix == ".jsonl":
-        rows = _read_jsonl(p)
-    elif suffix == ".json":
-        rows = _read_json_list(p)
-    elif suffix == ".parquet":
-        rows = _read_parquet(p)
-    else:
-        raise DataError(f"{p}: unknown data file type {suffix!r} (expected .json, .jsonl or .parquet)")
+    reader = _READERS.get(p.suffix.lower())
+    if reader is None:
+        raise DataError(f"{p}: unknown data file type {p.suffix.lower()!r} "
+                        f"(expected {', '.join(sorted(_READERS))})")
+    rows = reader(p, max_row_bytes, limit)
     for where, row in rows:
         _check_row(row, f"{p}: {where}")
     if not rows:
@@ -106,38 +111,107 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [row for _, row in rows]
 
 
-def _read_jsonl(p: Path) -> list[tuple[str, Any]]:
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+def _too_big(where: str, size: int, limit: int) -> DataError:
+    return DataError(f"{where}: row of {size} bytes is larger than data.max_row_bytes={limit}; "
+                     "shorten it or raise the limit")
+
+
+def _not_utf8(where: str, e: UnicodeDecodeError, text: bytes) -> DataError:
+    """``where``: the file, or the file and line; ``text`` holds ``e``'s bytes from its start."""
+    line = text.count(b"\n", 0, e.start) + 1
+    column = e.start - (text.rfind(b"\n", 0, e.start) + 1) + 1
+    return DataError(f"{where}: line {line} column {column} (byte): not UTF-8 text "
+                     f"({e.reason}: {e.object[e.start:e.end]!r}); data files must be UTF-8")
+
+
+def _read_jsonl(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    with p.open("rb") as f:
+        lineno = 0
+        # Bounded reads: a line past the limit is refused after max_row_bytes + 2 bytes of it,
+        # never read whole into memory.
+        while limit is None or len(rows) < limit:
+            raw = f.readline(max_row_bytes + 2)
+            if not raw:
+                break
+            lineno += 1
+            where = f"{p}: line {lineno}"
+            content = raw.rstrip(b"\r\n")
+            if len(content) > max_row_bytes:
+                size = len(content)
+                while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):  # measure, don't keep
+                    size += len(raw.rstrip(b"\r\n"))
+                raise _too_big(where, size, max_row_bytes)
+            try:
+                line = content.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text at byte {e.start + 1} of the line "
+                                f"({e.reason}: {e.object[e.start:e.end]!r}); data files must be UTF-8") from None
             if not line.strip():
                 continue  # a trailing newline or blank separator line is not a row
             try:
                 rows.append((f"line {lineno}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}: line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     return rows
 
 
-def _read_json_list(p: Path) -> list[tuple[str, Any]]:
+def _read_json_list(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[str, Any]]:
+    raw = p.read_bytes()
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _not_utf8(str(p), e, raw) from None
     except json.JSONDecodeError as e:
         raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     if not isinstance(data, list):
         raise DataError(f"{p}: expected a JSON list of rows, got a {type(data).__name__}")
-    return [(f"row {i}", row) for i, row in enumerate(data)]
+    rows = [(f"row {i}", row) for i, row in enumerate(data[:limit])]
+    if len(raw) > max_row_bytes:  # else no row can be bigger than the limit
+        _check_sizes(p, rows, max_row_bytes)
+    return rows
 
 
-def _read_parquet(p: Path) -> list[tuple[str, Any]]:
+def _read_parquet(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(p)
+        parquet = pq.ParquetFile(p)
+        if limit is None:
+            table = parquet.read()
+        else:
+            table = pa.Table.from_batches(list(_first(parquet.iter_batches(batch_size=limit))),
+                                          schema=parquet.schema_arrow)
+        records = table.to_pylist()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: a text column holds bytes that are not UTF-8 ({e.reason}); "
+                        "data files must be UTF-8") from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{p}: not a readable parquet file ({e})") from None
-    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
+    rows = [(f"row {i}", row) for i, row in enumerate(records)]
+    # Every row is measured: the file's own sizes (compressed, dictionary-encoded) bound nothing.
+    _check_sizes(p, rows, max_row_bytes)
+    return rows
+
+
+def _first(batches: Iterator[Any]) -> Iterator[Any]:
+    for batch in batches:
+        yield batch
+        return
+
+
+def _check_sizes(p: Path, rows: list[tuple[str, Any]], max_row_bytes: int) -> None:
+    """A row's size is its compact JSON encoding (what a JSONL line of it would take)."""
+    for where, row in rows:
+        text = json.dumps(row, ensure_ascii=False, separators=(",", ":"), default=str)
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > max_row_bytes:
+            raise _too_big(f"{p}: {where}", size, max_row_bytes)
+
+
+_READERS: dict[str, Reader] = {".jsonl": _read_jsonl, ".json": _read_json_list, ".parquet": _read_parquet}
+"""File suffix -> its reader."""
 
 
 def _check_row(row: Any, where: str) -> None:
@@ -200,12 +274,13 @@ class PromptSource:
         state_dir: str | os.PathLike[str] | None = None,
         max_epochs: int | None = None,
         batch_size: int | None = None,
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise DataError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
         self.shard_index, self.shard_count = shard_index, shard_count
         self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
-        self.rows, self.source_rows = _load_sources(sources, default_agent_type)
+        self.rows, self.source_rows = _load_sources(sources, default_agent_type, max_row_bytes=max_row_bytes)
         self.ratios = [s.ratio for s in sources]
         self.mix = _mixed_schedule(sources, self.source_rows, batch_size, seed=seed, shuffle=shuffle)
         if self.mix is None:
@@ -233,7 +308,8 @@ class PromptSource:
                     max_epochs: int | None = None) -> PromptSource:
         return cls(sources_from_config(data), shard_index=shard_index, shard_count=shard_count,
                    seed=data.seed, shuffle=data.shuffle, default_agent_type=data.agent_type,
-                   state_dir=state_dir, max_epochs=max_epochs, batch_size=data.train_batch_size)
+                   state_dir=state_dir, max_epochs=max_epochs, batch_size=data.train_batch_size,
+                   max_row_bytes=data.max_row_bytes)
 
     # -- iteration ---------------------------------------------------------------------------------
 
@@ -373,7 +449,8 @@ class PromptSource:
         self._next_undone, self._done_ahead = nxt, set(ahead)
 
 
-def _load_sources(sources: Sequence[Source], default_agent_type: str) -> tuple[list[_Row], list[int]]:
+def _load_sources(sources: Sequence[Source], default_agent_type: str, *,
+                  max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[list[_Row], list[int]]:
     """Every source's rows, concatenated, and how many rows each source has."""
     rows: list[_Row] = []
     sizes: list[int] = []
@@ -381,7 +458,7 @@ def _load_sources(sources: Sequence[Source], default_agent_type: str) -> tuple[l
         before = len(rows)
         for path in source.paths:
             fallback_name = source.name or Path(path).stem
-            for row in load_rows(path):
+            for row in load_rows(path, max_row_bytes=max_row_bytes):
                 # A dataset's name is authoritative (metrics and rewards group by it); plain
                 # train_files keep each row's own data_source. The agent is the most specific one
                 # named: the row's own, else the dataset's, else data.agent_type.

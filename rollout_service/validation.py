@@ -50,7 +50,7 @@ def load_val_rows(data: Any, *, shard_index: int, shard_count: int) -> list[ValR
     rows (the row's own, else the file's stem / ``data.agent_type``). Raises ``DataError``."""
     if not data.val_files:
         return []
-    rows, _ = _load_sources([Source(tuple(data.val_files))], data.agent_type)
+    rows, _ = _load_sources([Source(tuple(data.val_files))], data.agent_type, max_row_bytes=data.max_row_bytes)
     return [ValRow(i, r.row, r.data_source, r.agent_type) for i, r in enumerate(rows)
             if i % shard_count == shard_index]
 

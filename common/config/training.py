@@ -143,6 +143,10 @@ class DataConfig(Section):
     """Seed of the data order and the mixed-batch schedule."""
     prompt_key: str = Field("prompt", min_length=1)
     """Field of a data record that holds the prompt (chat messages or text)."""
+    max_row_bytes: int = Field(4 << 20, gt=0)
+    """Largest data row in bytes (a JSONL line; a JSON or parquet row as compact JSON): a bigger one
+    stops the load naming the file, the line or row, its size and this limit. 4 MiB holds long
+    documents; raise it for data that needs more."""
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod

@@ -168,3 +168,58 @@ def test_held_groups_are_not_issued_and_commit_by_uid(tmp_path: Path) -> None:
     for uid in [items[1].group_uid, items[0].group_uid, "e9-i3"]:  # a foreign uid is ignored
         src.commit_group(uid)
     assert src.cursor == (0, 2) and [it.position for it in _take(src, 2)] == [2, 3]
+
+
+def test_non_utf8_bytes_name_the_file_and_line(tmp_path: Path) -> None:
+    good = json.dumps({"question": "a?", "answer": 1}).encode()
+    bad = b'{"question": "caf' + b"\xe9" + b'?", "answer": 1}'  # Latin-1, not UTF-8
+    as_jsonl = tmp_path / "latin1.jsonl"
+    as_jsonl.write_bytes(good + b"\n" + good + b"\n" + bad + b"\n")
+    with pytest.raises(DataError) as e:
+        load_rows(as_jsonl)
+    assert str(as_jsonl) in str(e.value) and "line 3" in str(e.value) and "not UTF-8" in str(e.value)
+    assert "byte 18 " in str(e.value)  # where in the line
+    as_json = tmp_path / "latin1.json"
+    as_json.write_bytes(b"[\n" + good + b",\n" + bad + b"\n]")
+    with pytest.raises(DataError) as e:
+        load_rows(as_json)
+    assert str(as_json) in str(e.value) and "line 3 column 18" in str(e.value) and "not UTF-8" in str(e.value)
+
+
+def test_a_row_over_the_limit_is_refused_with_its_size(tmp_path: Path) -> None:
+    # 50 MB in one JSONL line: refused under the default limit (4 MiB), naming file, line, size, limit.
+    big = {"question": "q?", "answer": 1, "documents": ["x" * 50_000_000]}
+    path = _jsonl(tmp_path / "big.jsonl", [*_rows(2), big])
+    size = len(json.dumps(big).encode())
+    with pytest.raises(DataError) as e:
+        load_rows(path)
+    message = str(e.value)
+    assert str(path) in message and "line 3" in message
+    assert f"row of {size} bytes" in message and f"data.max_row_bytes={4 << 20}" in message
+    # The limit is a setting: the same row passes a larger one; JSON lists and parquet are bounded too.
+    assert len(load_rows(path, max_row_bytes=60_000_000)) == 3
+    rows = [*_rows(2), {"question": "q?", "answer": "1", "documents": ["y" * 5000]}]
+    as_json = tmp_path / "d.json"
+    as_json.write_text(json.dumps(rows))
+    as_parquet = tmp_path / "d.parquet"
+    # from_pylist takes its columns from the first row: every row names every column.
+    pq.write_table(pa.Table.from_pylist([{"documents": [], **r, "answer": str(r["answer"])} for r in rows]), as_parquet)
+    for p in (as_json, as_parquet):
+        with pytest.raises(DataError, match=rf"{p}: row 2: row of \d+ bytes is larger than data\.max_row_bytes=4000"):
+            load_rows(p, max_row_bytes=4000)
+        assert len(load_rows(p, max_row_bytes=6000)) == 3
+    # The configured limit reaches the prompt stream.
+    config = DataConfig(train_files=[str(path)], max_row_bytes=1000)
+    with pytest.raises(DataError, match=r"data\.max_row_bytes=1000"):
+        PromptSource.from_config(config, shard_index=0, shard_count=1)
+
+
+def test_first_rows_only(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in _rows(3)) + b"\xff\xfe broken\n")
+    assert [r["question"] for r in load_rows(path, limit=2)] == ["q0?", "q1?"]
+    with pytest.raises(DataError, match="line 4"):
+        load_rows(path)
+    as_parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in _rows(50)]), as_parquet)
+    assert len(load_rows(as_parquet, limit=5)) == 5 and len(load_rows(as_parquet)) == 50
