@@ -55,13 +55,14 @@ import anyio
 
 from common.hostkey import host_key
 from common.identity import embedding_rows, wire_identities
+from common.log_throttle import PeerErrorLog
 from common.logging import get_logger
 from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer, GroupKey
 from learner.journal import Journal
 from learner.validation import ValidationRound
 from protocol.batch import token_count
-from protocol.codec import CodecLimits
+from protocol.codec import CodecLimits, max_frame_bytes
 from protocol.driver import LearnerServer
 from protocol.events import (
     BatchReceived,
@@ -79,7 +80,7 @@ from protocol.events import (
 from protocol.receiver import LearnerProtocol
 from protocol.trajectory import Trajectory
 from protocol.weights import NamedBuffer
-from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel
+from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel, exposure_warning
 
 STATE_FORMAT = 1
 
@@ -101,19 +102,30 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
     # Ids the policy can emit: its embedding rows, which often exceed the tokenizer's ids (Qwen2.5:
     # 151936 rows, 151665 tokens); a sampled padding id is still a valid action with a logprob.
     vocab = max(tok.vocab_size, embedding_rows(config.actor_rollout_ref.model.path))
+    # Lengths the run can produce (the rollout server's own budgets, rollout_service/server.py):
+    # prompt + response within the context, the response within the episode's budget. The prompt
+    # has no tighter bound of its own: a rendered prompt (or a StateLM segment's) may exceed
+    # data.max_prompt_length as long as it fits the context.
+    rollout = config.actor_rollout_ref.rollout
     limits = CodecLimits(
         max_message_bytes=t.max_message_bytes, max_trajectories_per_batch=t.max_trajectories_per_batch,
         max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=vocab,
+        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        max_response_tokens=rollout.response_length,
     )
-    curve = None
-    if t.curve.enabled:
-        curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
-    channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=t.max_message_bytes)
     proto = LearnerProtocol(
         tokenizer=tok, host=host_key(),
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
+    curve = None
+    if t.curve.enabled:
+        curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
+    if (warning := exposure_warning(config.learner.bind_address, curve=curve is not None)) is not None:
+        get_logger("learner.intake").warning(warning, address=config.learner.bind_address,
+                                             fix="learner.bind_address: tcp://127.0.0.1:PORT, or transport.curve")
+    channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=t.max_message_bytes,
+                               max_frame_bytes=max_frame_bytes(limits), budget=proto.message_budget)
     server = LearnerServer(proto, channel, persist=persist)
     if publish_initial:
         from common.safetensors_buffers import load_dir
@@ -146,6 +158,9 @@ class Intake:
                  journal_dir: Path | None = None, fresh: bool = False) -> None:
         self.config, self.run_dir = config, Path(run_dir)
         self._log = get_logger("learner.intake")
+        # One window per (peer, code): a flood of bad frames costs a few lines and a summary.
+        self._peer_log = PeerErrorLog(self._log.warning, what="invalid messages")
+        self._peer_errors = PeerErrorLog(self._log.warning, what="errors reported by peers")
         self._journal = Journal(journal_dir or Path(run_dir) / "intake-journal")
         if fresh and state is None and len(self._journal):
             self._log.info("fresh run: deleting the intake journal", records=len(self._journal),
@@ -200,9 +215,13 @@ class Intake:
                 self._log.info("listening", address=self.address, tokenizer=self._proto.tokenizer.name,
                                buffer_batches=self._proto.capacity, buffered_groups=len(self._buffer))
                 task_status.started(self.address)
+                tg.start_soon(self._flush_peer_logs)
                 async for ev in self._server.events:
                     self._handle(ev)
+                tg.cancel_scope.cancel()  # the server has stopped (its events ended): stop the flusher
         finally:
+            for log in (self._peer_log, self._peer_errors):
+                log.flush(time.monotonic(), all_windows=True)
             self._closed = True
             self._wake()
             self._end_validations()
@@ -376,6 +395,8 @@ class Intake:
     def stats(self) -> dict[str, int | float]:
         p = self._proto.stats
         return {"peers": len(self._proto.ready_peers()), **self._counts,
+                **{f"violations_{code.lower()}": n for code, n in sorted(self._peer_log.counts.items())},
+                "violations_log_suppressed": self._peer_log.suppressed_total,
                 "duplicate_batches": p["duplicate_batches"], "duplicate_trajectories": p["duplicate_trajectories"],
                 "dropped_stale_groups": self._buffer.dropped_stale, "buffered_groups": len(self._buffer),
                 "in_flight_groups": self._buffer.in_flight, "buffered_batches": self._proto.buffered,
@@ -499,10 +520,26 @@ class Intake:
                                       request=ev.request_id, why=ev.reason)
             case ProtocolViolation():
                 self._counts["violations"] += 1
-                self._log.warning("invalid message", peer=ev.peer_id, code=ev.error.code.name, error=ev.error.message)
+                self._peer_log.log(ev.peer_id, ev.error.code.name, time.monotonic(), "invalid message",
+                                   error=ev.error.message[:300], field=ev.error.field)
             case PeerError():
-                self._log.warning("peer reported an error", peer=ev.peer_id, code=ev.error.code,
-                                  error=ev.error.message)
+                self._peer_errors.log(ev.peer_id, str(ev.error.code), time.monotonic(), "peer reported an error",
+                                      error=ev.error.message[:300])
+
+    async def _flush_peer_logs(self, every_s: float = 10.0) -> None:
+        """Summaries of suppressed peer errors come out within ``every_s`` of their window's end."""
+        while True:
+            await anyio.sleep(every_s)
+            for log in (self._peer_log, self._peer_errors):
+                log.flush(time.monotonic())
+
+    def peer_error_metrics(self) -> dict[str, float]:
+        """``intake/violations/<CODE>``: invalid messages refused so far, per error code (every one,
+        logged or not); ``intake/violations_log_suppressed``: those not logged in full."""
+        out = {f"intake/violations/{code}": float(n) for code, n in sorted(self._peer_log.counts.items())}
+        out["intake/violations"] = float(self._counts["violations"])
+        out["intake/violations_log_suppressed"] = float(self._peer_log.suppressed_total)
+        return out
 
     def _drop_stale(self, policy_version: int, max_staleness: int) -> None:
         out = self._buffer.drop_stale(policy_version, max_staleness)

@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from protocol.batch import Trajectories, as_columns
+from protocol.budget import Truncated
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -41,6 +42,10 @@ class CodecLimits:
     max_trajectories_per_batch: int = 4096
     max_tokens_per_trajectory: int = 1 << 20
     vocab_size: int = 0  # 0: token ids are only checked for >= 0
+    # Tied to the model and the run (0: unchecked). A trajectory longer than the model's context, or
+    # with more response tokens than the rollout budget, cannot be trained; refused before any ACK.
+    max_model_len: int = 0  # prompt_len + response_len
+    max_response_tokens: int = 0  # response_len
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -99,6 +104,19 @@ def encode(msg: Message) -> list[Frame]:
 _WIRE_COLUMNS = [[name, dtype] for name, _, dtype, _ in COLUMNS]
 
 
+HEADER_FRAME_BYTES = 32 << 20  # room for a batch header (its per-trajectory scalars) of any valid batch
+_WIDEST_ITEM = 8  # int64/float64: the widest dtype a token column may use
+
+
+def max_frame_bytes(limits: CodecLimits) -> int:
+    """The largest frame a valid message under ``limits`` can hold: a header, or one token column
+    of a batch of the most trajectories at the longest length; at most ``max_message_bytes``.
+    (libzmq's per-frame bound: a bigger frame is refused before it is buffered.)"""
+    tokens = min(limits.max_tokens_per_trajectory, limits.max_model_len or limits.max_tokens_per_trajectory)
+    column = limits.max_trajectories_per_batch * tokens * _WIDEST_ITEM
+    return min(limits.max_message_bytes, max(column, HEADER_FRAME_BYTES))
+
+
 def frame_bytes(frames: Sequence[Frame]) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
@@ -124,6 +142,8 @@ def peek_type(frames: Sequence[Frame]) -> MsgType:
 
 def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Message:
     """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known)."""
+    if isinstance(frames, Truncated):
+        raise _over_budget(frames)
     size = frame_bytes(frames)
     t = peek_type(frames)
     header: Any = None
@@ -152,11 +172,53 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
         raise
 
 
+def _over_budget(frames: Truncated) -> ProtocolError:
+    """The error for a message the transport stopped keeping (``protocol.budget``): the budget's
+    code, naming what broke it and the limit, matched to its batch when the header was kept."""
+    ref_type = ref_seq = 0
+    try:
+        ref_type = int(peek_type([*frames[:1], b""]))  # the type frame alone (the header may be gone)
+        if ref_type == MsgType.TRAJECTORY_BATCH and len(frames) >= 2:
+            header = _unpack(frames[1])
+            seq = header.get("seq") if isinstance(header, dict) else 0
+            ref_seq = seq if type(seq) is int and seq > 0 else 0
+    except ProtocolError:
+        pass  # junk type or header: the error stays unmatched
+    e = ProtocolError(frames.budget.code_for(ref_type), f"message of {frames.what}: dropped unread")
+    e.ref_type, e.ref_seq = ref_type, ref_seq
+    return e
+
+
+def _check_lengths(meta: Any, limits: CodecLimits) -> None:
+    """Trajectory lengths against the model and the run, before any column is looked at. Only
+    what can be read as integer columns is checked here; ``decode_columns`` reports the rest."""
+    if not (limits.max_model_len or limits.max_response_tokens) or not isinstance(meta, dict):
+        return
+    plens, rlens = meta.get("prompt_len"), meta.get("response_len")
+    if not (isinstance(plens, list) and isinstance(rlens, list) and len(plens) == len(rlens) and plens):
+        return
+    try:
+        p, r = np.asarray(plens, dtype=np.int64), np.asarray(rlens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return
+    if p.ndim != 1 or r.ndim != 1:
+        return
+    checks = (("response_len", r, limits.max_response_tokens, "response token limit"),
+              ("prompt_len+response_len", p + r, limits.max_model_len, "max_model_len"))
+    for name, values, limit, what in checks:
+        if limit and values.max() > limit:
+            i = int(np.argmax(values > limit))
+            path = f"trajectories[{i}].{name}"
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{path} = {int(values[i])} exceeds the learner's {what} "
+                                f"of {limit}", field=path)
+
+
 def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) -> TrajectoryBatch:
     seq = check(int, header.get("seq"), "TRAJECTORY_BATCH.seq")
     if seq < 1:
         raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})",
                             field="seq")
+    _check_lengths(header.get("meta"), limits)
     meta, columns = decode_columns(
         header.get("meta"), header.get("columns"), payload,
         max_tokens=limits.max_tokens_per_trajectory, max_trajectories=limits.max_trajectories_per_batch,

@@ -40,6 +40,7 @@ from typing import Any
 
 from protocol import codec
 from protocol.batch import as_columns
+from protocol.budget import MessageBudget
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import (
     BatchReceived,
@@ -76,11 +77,14 @@ from protocol.messages import (
     WeightsApplied,
     Welcome,
 )
-from protocol.trajectory import Trajectory
+from protocol.trajectory import COLUMNS, Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import NamedBuffer, plan_transfer
 
 Frames = list[codec.Frame]
+
+SMALL_MESSAGE_BYTES = 1 << 20  # what a peer may send before HELLO, or in session without a credit
+_BATCH_FRAMES = 2 + len(COLUMNS)  # the most frames any message to a learner has
 
 
 @dataclass
@@ -223,6 +227,7 @@ class LearnerProtocol:
         hold_batches: bool = False,
         host: str = "",
         admission: bool = False,
+        small_message_bytes: int = SMALL_MESSAGE_BYTES,
     ) -> None:
         self.admission = admission  # grant prompt groups to peers that offer "admission" (``admit``)
         self.host = host  # this machine's key (``common.hostkey``): peers with the same may get files
@@ -245,6 +250,16 @@ class LearnerProtocol:
         self._dropped: dict[tuple[str, str], int] = {}  # (peer_id, epoch) -> its dropped_tokens
         self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0,
                       "refused_batches": 0}
+        # Per-message budgets (``message_budget``): only a TRAJECTORY_BATCH is big, and only a peer
+        # in session holding a credit may send one.
+        self.small_message_bytes = small_message_bytes
+        self._budgets = (
+            MessageBudget(small_message_bytes, 2, "before HELLO", ErrorCode.HELLO_REQUIRED,
+                          ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),)),
+            MessageBudget(small_message_bytes, 2, "a peer without a credit", ErrorCode.TOO_LARGE,
+                          ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),)),
+            MessageBudget(self.limits.max_message_bytes, _BATCH_FRAMES, "max_message_bytes"),
+        )
 
     # -- application API -------------------------------------------------------------------------
     @property
@@ -381,6 +396,16 @@ class LearnerProtocol:
                 self._out.append((p.identity, codec.encode(Bye(reason))))
 
     # -- driver API ------------------------------------------------------------------------------
+    def message_budget(self, identity: bytes) -> MessageBudget:
+        """The most the next message from ``identity`` may hold (``protocol.budget``): small before
+        HELLO (its answer HELLO_REQUIRED, so a sender the learner forgot handshakes again and keeps
+        its batches), small in session without a credit (a batch over it: CREDIT_EXCEEDED, which the
+        sender resends later), ``max_message_bytes`` otherwise."""
+        peer = self.peers.get(identity)
+        if peer is None or peer.hello is None:
+            return self._budgets[0]
+        return self._budgets[2] if peer.credits > 0 else self._budgets[1]
+
     def data_to_send(self, now: float) -> list[tuple[bytes, Frames]]:
         for p in self.peers.values():
             if p.hello is not None and now - p.last_sent >= self.heartbeat_interval_s:

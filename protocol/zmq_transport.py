@@ -6,6 +6,13 @@ flow control is the protocol's job (credits); ZeroMQ's own HWM would silently dr
 Payload frames go out with ``copy=False`` so big trajectory columns and tensor slices are not
 copied again (pyzmq still copies frames below its copy threshold, where that is cheaper).
 
+Receiving is bounded twice (SPEC §13): libzmq refuses any frame over ``MAXMSGSIZE`` (the largest
+frame a valid message has) by dropping the connection before buffering it, and a message is read
+frame by frame against the sending peer's ``MessageBudget`` (``protocol.budget``): past it, the
+rest of the frames are read and let go at once, never kept, and the receiver gets a ``Truncated``
+list that the codec answers with a typed ERROR. libzmq hands a message over only once all of it
+has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
+
 CURVE (optional): the learner holds a secret key and an allow-list directory of client public
 keys (ZAP authenticator); clients hold their own key pair and the learner's public key. Keys are
 ZeroMQ certificate files made by ``bin/make-curve-keys``. libzmq allows one ZAP handler per context
@@ -15,8 +22,10 @@ each under its own ZAP domain with its own allow-list (two learners, or a restar
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +33,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from protocol.budget import MessageBudget, MessageReader
 from protocol.sender import Frames
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
+FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
+CLIENT_MAX_FRAMES = 1 << 16  # frames of one message to a rollout server (a weights chunk: one per part)
+_DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
 
 
 @dataclass(frozen=True)
@@ -89,15 +104,33 @@ def _drop_allow_list(ctx: zmq.Context, domain: str) -> None:
         auth.stop()
 
 
-def _tune(sock: zmq.Socket, max_message_bytes: int | None) -> None:
+def _tune(sock: zmq.Socket, max_frame_bytes: int | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    if max_message_bytes:
-        # Memory guard below the protocol's TOO_LARGE answer. ZeroMQ applies it per frame, not
-        # per message: a peer can still make us buffer frames x this size before the codec
-        # refuses the message. Only authentication (CURVE allow-list) bounds that today.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
+    if max_frame_bytes:
+        # libzmq checks this against each frame's announced size, before allocating it, and drops
+        # the connection over it: the only bound it puts on memory a peer makes us hold. It is per
+        # frame, never per message (libzmq has no frame-count limit), see SPEC §13. The slack lets a
+        # frame a little over the limit through to be answered with a typed TOO_LARGE instead.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK_BYTES)
+
+
+async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> list[Any]:
+    """The rest of the message being read (``more``: its last frame read had the MORE flag), fed
+    to ``reader``; its frames, or ``Truncated`` when over the budget. The rest of a message is in
+    libzmq once its first frame is readable (delivery is atomic), so it is read without waiting,
+    through ``sync`` (a blocking shadow of the asyncio socket)."""
+    n = 0
+    while more:
+        frame = sync.recv(zmq.NOBLOCK, copy=False)
+        more = frame.more
+        reader.add(frame.buffer)
+        del frame  # a frame over the budget is released here, not when the message ends
+        n += 1
+        if reader.over and n % _DRAIN_YIELD_FRAMES == 0:
+            await asyncio.sleep(0)
+    return reader.result()
 
 
 def _bind(sock: zmq.Socket, address: str, *, wait_s: float = 0.5) -> None:
@@ -143,12 +176,40 @@ def _remove_ipc_file(ident: tuple[Path, int, int] | None) -> None:
         pass
 
 
+_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1", "lo")
+
+
+def is_loopback(address: str) -> bool:
+    """``address`` is reachable only from this machine: ipc/inproc, or tcp on a loopback interface."""
+    if not address.startswith("tcp://"):
+        return address.startswith(("ipc://", "inproc://"))
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    host = host.split(";")[-1]  # "tcp://src;dst:port": the interface bound is the last one
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def exposure_warning(address: str, *, curve: bool) -> str | None:
+    """The warning to log when ``address`` is bound without CURVE and reachable from other hosts."""
+    if curve or is_loopback(address):
+        return None
+    return ("binding a non-loopback address without CURVE: any host that can reach it may connect "
+            "unauthenticated, and libzmq buffers a whole message before it can be refused (SPEC §13)")
+
+
 class ZmqServerChannel:
     """ROUTER socket bound at ``address`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
 
     def __init__(self, address: str, *, curve: CurveServerKeys | None = None,
-                 max_message_bytes: int | None = None, context: zmq.asyncio.Context | None = None) -> None:
+                 max_message_bytes: int | None = None, max_frame_bytes: int | None = None,
+                 budget: Callable[[bytes], MessageBudget] | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        """``budget(identity)``: the budget of the next message from that peer (default: the same
+        ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame bound
+        (default ``max_message_bytes``)."""
         keys = None
+        max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        default = MessageBudget(max_message_bytes, CLIENT_MAX_FRAMES)
+        self.budget: Callable[[bytes], MessageBudget] = budget or (lambda identity: default)
         if curve is not None:  # check the key files before any socket or thread exists
             keys = _load(curve.secret_key_file, secret=True)
             if not Path(curve.allowed_keys_dir).is_dir():
@@ -156,8 +217,9 @@ class ZmqServerChannel:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._zap_domain: str | None = None
+        self._sync = zmq.Socket.shadow(self.sock.underlying)
         try:
-            _tune(self.sock, max_message_bytes)
+            _tune(self.sock, min(max_frame_bytes or max_message_bytes, max_message_bytes))
             if curve is not None and keys is not None:
                 self._zap_domain = _allow_list(self.ctx, Path(curve.allowed_keys_dir))
                 self.sock.zap_domain = self._zap_domain.encode()
@@ -175,9 +237,11 @@ class ZmqServerChannel:
 
     async def recv(self) -> tuple[bytes, Frames]:
         while True:
-            parts = await self.sock.recv_multipart(copy=False)
-            if len(parts) >= 2:
-                return parts[0].bytes, [p.buffer for p in parts[1:]]
+            first = await self.sock.recv(copy=False)  # the routing id: the peer is known before its frames
+            identity = first.bytes
+            frames = await _read_rest(self._sync, first.more, MessageReader(self.budget(identity)))
+            if frames:
+                return identity, frames
             # an identity with no content cannot be answered meaningfully; skip it
 
     async def aclose(self) -> None:
@@ -197,13 +261,16 @@ class ZmqClientChannel:
     """DEALER socket connected to the learner; one per session (see driver)."""
 
     def __init__(self, address: str, *, curve: CurveClientKeys | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 max_message_bytes: int | None = None, context: zmq.asyncio.Context | None = None) -> None:
         if curve is not None:  # check the key files before the socket exists
             public, secret = _load(curve.secret_key_file, secret=True)
             server_public, _ = _load(curve.server_public_key_file, secret=False)
+        max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        self.budget = MessageBudget(max_message_bytes, CLIENT_MAX_FRAMES)
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _tune(self.sock, None)
+        self._sync = zmq.Socket.shadow(self.sock.underlying)
+        _tune(self.sock, max_message_bytes)
         if curve is not None:
             self.sock.curve_secretkey = secret
             self.sock.curve_publickey = public
@@ -218,17 +285,19 @@ class ZmqClientChannel:
         await self.sock.send_multipart(frames, copy=False)
 
     async def recv(self) -> Frames:
-        parts = await self.sock.recv_multipart(copy=False)
-        return [p.buffer for p in parts]
+        first = await self.sock.recv(copy=False)
+        reader = MessageReader(self.budget)
+        reader.add(first.buffer)
+        return await _read_rest(self._sync, first.more, reader)
 
     async def aclose(self) -> None:
         self.sock.close(linger=200)  # let a final BYE leave; a dead learner costs at most 0.2 s
 
 
-def client_factory(address: str, *, curve: CurveClientKeys | None = None):
+def client_factory(address: str, *, curve: CurveClientKeys | None = None, max_message_bytes: int | None = None):
     """``connect`` callable for ``RolloutClient``: a fresh DEALER per session."""
 
     async def connect() -> ZmqClientChannel:
-        return ZmqClientChannel(address, curve=curve)
+        return ZmqClientChannel(address, curve=curve, max_message_bytes=max_message_bytes)
 
     return connect
