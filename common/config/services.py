@@ -57,8 +57,10 @@ class RolloutServerConfig(Section):
 class LearnerConfig(Section):
     """The learner's network side."""
 
-    bind_address: ZmqEndpoint = "tcp://0.0.0.0:5555"
-    """ZeroMQ endpoint the learner binds for rollout servers."""
+    bind_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint the learner binds for rollout servers. Loopback by default: rollout servers on
+    other hosts need an explicit address (tcp://0.0.0.0:5555, configs/multinode.yaml), and CURVE
+    (transport.curve) there, or anyone who can reach the port may connect (a warning at start)."""
     buffer_batches: int = Field(16, gt=0)
     """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
     granted and unused): the room that credit-based flow control hands out to rollout servers.
