@@ -1,7 +1,8 @@
 """Raw tensors of a safetensors checkpoint as NamedBuffers, memory-mapped, for any dtype.
 
 Used wherever weights are sent as they lie on disk: the learner publishing the checkpoint it starts
-from (version 0), and the conformance suite's ``--weights-from``. Reading the format directly
+from (version 0), and the conformance suite's ``--weights-from``; and on the receiving side, for
+``model_manifest``: what a weight update of the model may hold, from the headers alone. Reading the format directly
 (8-byte header length, JSON header, raw data) keeps bf16 and fp8 bytes as they are, where numpy-based
 loaders cannot represent them, imports no torch, and copies nothing.
 """
@@ -13,7 +14,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from protocol.weights import NamedBuffer
+from protocol.weights import ModelManifest, NamedBuffer
 
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
@@ -43,6 +44,28 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         header = json.loads(f.read(n))
     return {name: (DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
             for name, meta in header.items() if name != "__metadata__"}
+
+
+def model_manifest(model_dir: str | Path) -> ModelManifest:
+    """Names, dtypes and shapes of every tensor of the model in ``model_dir`` (its safetensors
+    headers; no tensor data is read). With ``tie_word_embeddings`` and no ``lm_head.weight`` on
+    disk, an update may still carry one, shaped like the embedding."""
+    from common.identity import display_name
+
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no *.safetensors files: cannot tell which weights this model takes")
+    tensors = {name: spec for path in files for name, spec in read_header(path).items()}
+    optional = {}
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    embed = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and embed is not None:
+        optional["lm_head.weight"] = tensors[embed]
+    return ModelManifest(tensors, optional, name=f"model {display_name(root)!r}")
 
 
 def load_file(path: Path) -> list[NamedBuffer]:

@@ -20,6 +20,9 @@ is complete it is loaded into the running engine according to ``on_weight_update
 generation is interrupted and continued on the new weights by the engine), ``drain`` (admission
 stops, running groups finish, then the weights load). WEIGHTS_APPLIED goes back only after the
 engine generates with them; a failed load is reported with ok=false and the old weights stay.
+What the learner announces is checked against the engine's model before anything is received
+(``_weight_assembler``, protocol SPEC §8), and a transfer that fails or times out no longer holds
+admission back for its version.
 
 Validation: the server offers the "validation" capability; each VALIDATE_REQUEST becomes a task
 in the group (``_validate``) that waits until the engine runs the requested policy version (or
@@ -63,7 +66,7 @@ from protocol.messages import (
     ValidateRequest,
     ValidateResult,
 )
-from protocol.weights import ReceivedWeights
+from protocol.weights import ReceivedWeights, WeightAssembler
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
@@ -225,6 +228,7 @@ class RolloutServer:
         self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
         self.stats = RolloutStats(server_id=self.server_id)
         self.newest_version = 0  # newest policy version the learner announced
+        self._newest_before = 0  # the one before it (back to it if its transfer fails)
         self._running = 0  # episodes in flight
         self._groups_running = 0
         self._granted: Counter[int] | None = None  # min_version -> groups the learner granted; None: no grants
@@ -253,7 +257,8 @@ class RolloutServer:
                                  host=host_key(),
                                  slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
-                                 heartbeat_timeout_s=c.transport.heartbeat_timeout_s)
+                                 heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
+                                 weights=self._weight_assembler())
         curve = None
         if c.transport.curve.enabled:
             curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
@@ -267,6 +272,19 @@ class RolloutServer:
                        groups_per_batch=server.groups_per_batch, max_unacked_batches=server.max_unacked_batches,
                        recorder=recorder, stats=self.stats,
                        on_recovered_acked=lambda uids: [self.source.commit_group(u) for u in uids])
+
+    def _weight_assembler(self) -> WeightAssembler:
+        """Receives weights checked against the engine's model (names, shapes, dtypes, size) before
+        anything is allocated, slot files only from the learner's directories, and every transfer
+        under a deadline. An engine that names no manifest (test fakes) gets the size bound only."""
+        server = self.config.rollout_server
+        manifest = getattr(self.engine, "weight_manifest", None)
+        if manifest is None:
+            self.log.warning("weight announces are not checked against the model: the engine names no manifest",
+                             engine=type(self.engine).__name__)
+        roots = list(dict.fromkeys(r for r in ("/dev/shm", self.config.learner.weights_file_dir) if r))
+        return WeightAssembler(manifest=manifest, file_roots=roots, timeout_s=server.weights_timeout_s,
+                   min_bytes_per_s=server.weights_min_mb_per_s * 1e6)
 
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
@@ -428,12 +446,17 @@ class RolloutServer:
                 await self._apply(ev.weights)
             elif isinstance(ev, WeightsFailed):
                 self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
+                if ev.version == self.newest_version > self._newest_before:
+                    # Nothing more of it will come: admission waits for the weights before it again,
+                    # not for these forever.
+                    self.newest_version = max(self._newest_before, self.engine.policy_version)
+                    self._poke()
             elif isinstance(ev, ValidationRequested):
                 self._tasks.start_soon(self._validate, ev.request)
 
     def _announce(self, version: int) -> None:
         if version > self.newest_version:
-            self.newest_version = version
+            self._newest_before, self.newest_version = self.newest_version, version
             self._poke()
 
     async def _apply(self, w: ReceivedWeights) -> None:

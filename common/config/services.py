@@ -48,6 +48,13 @@ class RolloutServerConfig(Section):
     """Reward function per data source, overriding reward_fn (a row's own `reward_fn` field wins)."""
     tool_timeout_s: float = Field(30.0, gt=0)
     """Wall-clock limit of one tool call of any kind; a slower call becomes an error response."""
+    weights_timeout_s: float = Field(60.0, gt=0)
+    """A weight transfer from the learner is abandoned when no new chunk has arrived for this long,
+    or when it is not complete this long plus its size at ``weights_min_mb_per_s`` after its
+    announce: the learner gets WEIGHTS_APPLIED ok=false and ERROR TIMED_OUT, and the server keeps
+    its weights (protocol SPEC §8)."""
+    weights_min_mb_per_s: float = Field(5.0, gt=0)
+    """The slowest rate (MB/s) a weight transfer is given time for; a 15 GB model: 60 s + 50 min."""
 
     def resolved_server_id(self) -> str:
         """The configured server id, or one unique to this host and process."""

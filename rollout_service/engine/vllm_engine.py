@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from common.config import ActorRolloutRefConfig
+    from protocol.weights import ModelManifest
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,14 @@ class VllmEngine:
     @property
     def async_llm(self) -> AsyncLLM:
         return self._llm
+
+    @property
+    def weight_manifest(self) -> ModelManifest:
+        """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs): the
+        server checks weight announces against it before receiving anything."""
+        from common.safetensors_buffers import model_manifest
+
+        return model_manifest(self._settings.model)
 
     # -- Engine protocol -----------------------------------------------------------------------
 
