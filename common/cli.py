@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # imported lazily at run time, see the module docstring
 LEARNER_TARGET = "learner.app:run"
 ROLLOUT_SERVER_TARGET = "rollout_service.app:run"
 TOOL_SERVER_TARGET = "rollout_service.tool_server:run"
+ROLLOUT_PREFLIGHT = "rollout_service.preflight:check_issues"
+TOOL_SERVER_PREFLIGHT = "rollout_service.preflight:tool_server_issues"
 
 Resolver = Callable[["Config"], dict[str, Any]]
 """Fills runtime values (a server id) into the config before it is saved; returns the fields that
@@ -46,7 +48,9 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="validate the config (model path included), print it resolved as YAML and exit",
+        help="validate the config (model path included; for rollout servers and bin/train also the "
+        "agent, tool and reward names and the first rows of every data file), print it resolved "
+        "as YAML and exit",
     )
     parser.add_argument(
         "--log-format",
@@ -66,10 +70,12 @@ def main(
     component: str,
     resolve: Resolver | None = None,
     check_paths: bool = True,
+    preflight: str | None = None,
 ) -> int:
     """Parse `argv`, validate the config, then run `target` ("module:function"); returns the exit status.
     `check_paths` False skips the filesystem checks (model directory, key files) for a process
-    that never reads them."""
+    that never reads them. `preflight` ("module:function", see `check_preflight`) is what `--check`
+    verifies beyond the config: the names and data files this process would refuse at start."""
     args = build_parser(prog, description).parse_args(argv)
 
     from common.config import ConfigError, dump_config, load_config
@@ -82,6 +88,8 @@ def main(
         print(exc, file=sys.stderr)
         return 2
     if args.check:
+        if preflight is not None and (status := check_preflight(preflight, config)):
+            return status
         sys.stdout.write(dump_config(config))
         return 0
 
@@ -113,6 +121,17 @@ def main(
         return 1
     log.info("finished", status=result if isinstance(result, int) else 0)
     return result if isinstance(result, int) else 0
+
+
+def check_preflight(target: str, config: Config) -> int:
+    """Run a preflight check, `target(config) -> (issues, warnings)`; print what it found on
+    stderr. Returns 2 when there are issues (the real start would refuse them), else 0."""
+    issues, warnings = load_target(target)(config)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    for issue in issues:
+        print(issue, file=sys.stderr)
+    return 2 if issues else 0
 
 
 def load_target(target: str) -> Callable[..., Any]:
@@ -148,6 +167,7 @@ def rollout_server_main(argv: Sequence[str] | None = None) -> int:
         target=ROLLOUT_SERVER_TARGET,
         component="rollout-server",
         resolve=resolve_rollout_server,
+        preflight=ROLLOUT_PREFLIGHT,
     )
 
 
@@ -170,6 +190,7 @@ def tool_server_main(argv: Sequence[str] | None = None) -> int:
         component="tool-server",
         resolve=resolve_tool_server,
         check_paths=False,  # the tool host shares the config file but not the model or the keys
+        preflight=TOOL_SERVER_PREFLIGHT,
     )
 
 

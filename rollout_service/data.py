@@ -96,6 +96,12 @@ def load_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_
               limit: int | None = None) -> list[dict[str, Any]]:
     """Every row of one file (the first ``limit`` only, when given), validated. Raises
     ``DataError`` naming the file, the line or row, and the field or limit."""
+    return [row for _, row in located_rows(path, max_row_bytes=max_row_bytes, limit=limit)]
+
+
+def located_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+                 limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """``load_rows`` with where each row is in its file ("line 3", "row 2"), for messages."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such data file")
@@ -108,7 +114,7 @@ def load_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_
         _check_row(row, f"{p}: {where}")
     if not rows:
         raise DataError(f"{p}: the file holds no rows")
-    return [row for _, row in rows]
+    return rows
 
 
 def _too_big(where: str, size: int, limit: int) -> DataError:

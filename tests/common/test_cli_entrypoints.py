@@ -247,3 +247,60 @@ def test_failing_run_exits_1_and_logs_the_error(
 def test_load_target_rejects_malformed_names() -> None:
     with pytest.raises(ValueError, match=r"package\.module:function"):
         cli.load_target("learner.app.run")
+
+
+TOOL_SERVER = REPO / "bin" / "tool-server"
+TRAIN = REPO / "bin" / "train"
+
+
+def _data(tmp_path: Path) -> tuple[Path, Path]:
+    """A good data file and one whose rows name what does not exist, or are not UTF-8."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"question": "a?", "answer": 1}\n{"question": "b?", "answer": 2, "reward_fn": "qa_em"}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "a?", "answer": 1}\n'
+                    b'{"question": "b?", "answer": 1, "agent": "no_such_agent", "reward_fn": "no_such_reward"}\n')
+    return good, bad
+
+
+def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(config_file: Path, tmp_path: Path) -> None:
+    good, bad = _data(tmp_path)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"question": "a?", "answer": 1}\n{"question": "caf\xe9?", "answer": 1}\n')
+    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check",
+                     f"data.train_files=[{good},{bad},{latin1}]", "rollout_server.reward_fn=no_such_default",
+                     "actor_rollout_ref.rollout.multi_turn.tools=[calculator,no_such_tool]")
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert f"{bad}: line 2: field 'agent': unknown agent type 'no_such_agent'; known:" in err
+    assert f"{bad}: line 2: field 'reward_fn': unknown reward function 'no_such_reward'" in err
+    assert "rollout_server.reward_fn: unknown reward function 'no_such_default'" in err
+    assert "actor_rollout_ref.rollout.multi_turn.tools: unknown tool 'no_such_tool'" in err
+    assert f"data.train_files.2: {latin1}: line 2: not UTF-8" in err
+    assert result.stdout == ""  # nothing resolved is printed for a config that would not start
+    # A row over data.max_row_bytes fails --check too, naming file, line, size and limit.
+    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check",
+                     f"data.train_files={good}", "data.max_row_bytes=40")
+    assert result.returncode == 2
+    size = len(good.read_bytes().splitlines()[1])
+    assert f"{good}: line 2: row of {size} bytes is larger than data.max_row_bytes=40" in result.stderr
+
+
+def test_check_passes_good_data_and_only_warns_about_validation_files(config_file: Path, tmp_path: Path) -> None:
+    good, bad = _data(tmp_path)
+    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check", f"data.train_files={good}",
+                     f"data.val_files=[{bad},{tmp_path / 'elsewhere.jsonl'}]")
+    assert result.returncode == 0, result.stderr
+    assert "warning: " in result.stderr and "unknown agent type 'no_such_agent'" in result.stderr
+    assert "elsewhere.jsonl: no such data file on this machine" in result.stderr
+    assert yaml.safe_load(result.stdout)["data"]["train_files"] == [str(good)]
+
+
+def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path) -> None:
+    result = run_bin(TOOL_SERVER, "--config", str(config_file), "--check", "tool_server.tools=[python,no_such_tool]")
+    assert result.returncode == 2
+    assert "tool_server.tools: unknown tool 'no_such_tool'" in result.stderr
+    _, bad = _data(tmp_path)
+    result = run_bin(TRAIN, "--config", str(config_file), "--check", f"data.train_files={bad}")
+    assert result.returncode == 2
+    assert "unknown agent type 'no_such_agent'" in result.stderr
