@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -37,10 +38,20 @@ def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+MAX_HEADER_BYTES = 100 << 20  # the format's own limit on the JSON header
+
+
 def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype as in NamedBuffer, shape) from a safetensors header; no tensor data is read."""
+    """name -> (dtype as in NamedBuffer, shape) from a safetensors header; no tensor data is read.
+    ValueError for a file that is no safetensors file: its first 8 bytes are never trusted as a
+    length to allocate (any file read as a header would claim petabytes)."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: not a safetensors file (header length {n}, file {size} bytes, "
+                             f"limit {MAX_HEADER_BYTES})")
         header = json.loads(f.read(n))
     return {name: (DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
             for name, meta in header.items() if name != "__metadata__"}

@@ -14,7 +14,7 @@ The receiver trusts nothing an announce claims (SPEC §8 "Checks before allocati
   required, none unknown, floating dtypes no wider than the model's or float32) when it has one,
   else only against ``max_total_bytes``; ``num_chunks`` may not exceed the bytes announced;
 - a tensor's buffer is allocated when the first chunk writing into it arrives, never for the whole
-  claim up front, so memory follows the bytes received, which the checked manifest bounds;
+  claim up front: memory grows with the tensors that chunks reach, at most the checked manifest;
 - every transfer has a deadline: it is abandoned (``expire``) once no new chunk has arrived for
   ``timeout_s``, or once it has run ``timeout_s + bytes / min_bytes_per_s``, whichever is first.
   The connection reports it (WEIGHTS_APPLIED ok=false and ERROR TIMED_OUT); nothing stays pending.
@@ -24,7 +24,7 @@ sends only the manifest, naming a safetensors file (on /dev/shm) that holds exac
 no chunks follow and the assembler returns the file path at once. With ``file_roots`` set, the path
 must resolve (symlinks followed) to a regular file inside ``<root>/agentrl-weights-*/`` of one of
 them, as the learner's ``learner.weights_files`` lays them out, and be big enough for the manifest;
-the receiving application checks the file's header against its model before loading it. This is
+the resolved path is what the application gets. It checks the file's header against its model before loading it. This is
 the only part that touches the file system (a ``stat``), and only when ``file_roots`` is given.
 """
 

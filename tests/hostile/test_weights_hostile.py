@@ -11,6 +11,7 @@ measures the child's RSS. Checked (issue 16, SPEC §8 "Checks before allocating"
   TIMED_OUT and WEIGHTS_APPLIED ok=false, logged once;
 - file announces pointing at /etc/passwd, through a symlink or ``..`` out of the weights
   directory, or at a directory, are refused with ERROR INVALID_FIELD ``file``;
+- a slot file whose first bytes claim a huge safetensors header is refused, not allocated for;
 - afterwards the server still applies valid versions, as a file and as chunks.
 """
 
@@ -248,6 +249,19 @@ def test_a_file_announce_outside_the_weights_directory_is_refused(learner: Learn
     assert err.code == ErrorCode.INVALID_FIELD and err.field == "file" and path in err.message, err.message
     words = {"directory": "not a regular file", "missing": "No such file"}.get(how, "is not inside a learner weights")
     assert words in err.message and applied.error == err.message
+
+
+def test_a_garbage_slot_file_is_refused_without_trusting_its_header(tmp_path: Path) -> None:
+    """Inside the directory, a file whose first 8 bytes claim a 3 GiB header (as /etc/shadow's do,
+    read as one) is refused before the header is read: the engine reads headers with this."""
+    from common.safetensors_buffers import read_header
+
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes((3 << 30).to_bytes(8, "little") + b"{}" * 1000)
+    before = psutil.Process().memory_info().rss
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_header(bad)
+    assert psutil.Process().memory_info().rss - before < MAX_RSS_GROWTH
 
 
 def test_the_server_still_applies_valid_versions(learner: Learner, tiny_model: Path, shm: Path) -> None:
