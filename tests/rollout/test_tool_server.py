@@ -361,5 +361,5 @@ def test_non_loopback_bind_without_a_token_warns(tmp_path: Path) -> None:
 def test_a_short_token_is_refused_by_the_config() -> None:
     from common.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="tool_server.token"):
+    with pytest.raises(ConfigError, match=r"tool_server\.token"):
         load_config(None, ["actor_rollout_ref.model.path=/nowhere", "tool_server.token=short"], check_paths=False)
