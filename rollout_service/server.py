@@ -228,7 +228,6 @@ class RolloutServer:
         self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
         self.stats = RolloutStats(server_id=self.server_id)
         self.newest_version = 0  # newest policy version the learner announced
-        self._newest_before = 0  # the one before it (back to it if its transfer fails)
         self._running = 0  # episodes in flight
         self._groups_running = 0
         self._granted: Counter[int] | None = None  # min_version -> groups the learner granted; None: no grants
@@ -445,18 +444,22 @@ class RolloutServer:
             elif isinstance(ev, WeightsReceived):
                 await self._apply(ev.weights)
             elif isinstance(ev, WeightsFailed):
-                self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
-                if ev.version == self.newest_version > self._newest_before:
-                    # Nothing more of it will come: admission waits for the weights before it again,
-                    # not for these forever.
-                    self.newest_version = max(self._newest_before, self.engine.policy_version)
-                    self._poke()
+                self._transfer_failed(ev)
             elif isinstance(ev, ValidationRequested):
                 self._tasks.start_soon(self._validate, ev.request)
 
+    def _transfer_failed(self, ev: WeightsFailed) -> None:
+        self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
+        if ev.version == self.newest_version > self.engine.policy_version:
+            # Nothing more of it will come (abandoned at its deadline, failed verification), and it
+            # superseded any transfer before it: admission no longer waits for weights that will
+            # not arrive. The learner's next version, or its grants, set the pace again.
+            self.newest_version = self.engine.policy_version
+            self._poke()
+
     def _announce(self, version: int) -> None:
         if version > self.newest_version:
-            self._newest_before, self.newest_version = self.newest_version, version
+            self.newest_version = version
             self._poke()
 
     async def _apply(self, w: ReceivedWeights) -> None:

@@ -264,6 +264,35 @@ def test_a_garbage_slot_file_is_refused_without_trusting_its_header(tmp_path: Pa
     assert psutil.Process().memory_info().rss - before < MAX_RSS_GROWTH
 
 
+def test_an_abandoned_version_no_longer_holds_admission_back(tmp_path: Path, tiny_model: Path) -> None:
+    """An announce far ahead (10**9) whose chunks never come: once it is abandoned, the server's
+    staleness bound counts from the weights it runs again, so generation does not stop for good."""
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    from scripted import EchoTool, ScriptedEngine
+    from server_testkit import make_config
+    from transformers import AutoTokenizer
+
+    from protocol.events import WeightsFailed
+    from rollout_service.server import RolloutServer
+    from rollout_service.tools.base import TOOLS
+
+    if "echo" not in TOOLS:
+        TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
+    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
+    server = RolloutServer(config, tmp_path / "run",
+                           engine=ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [], version=3))
+    try:
+        server._announce(10**9)
+        assert server.newest_version == 10**9
+        server._transfer_failed(WeightsFailed(10**9, "abandoned"))
+        assert server.newest_version == 3  # what the engine runs
+        server._announce(5)
+        server._transfer_failed(WeightsFailed(4, "an older one"))  # not the newest: changes nothing
+        assert server.newest_version == 5
+    finally:
+        server._state_lock.release()
+
+
 def test_the_server_still_applies_valid_versions(learner: Learner, tiny_model: Path, shm: Path) -> None:
     slot = shm / f"agentrl-weights-{os.getpid()}-ok" / "v5"
     slot.mkdir(parents=True)
