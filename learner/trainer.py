@@ -326,6 +326,7 @@ class Trainer:
         metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
         metrics |= self.intake.waste_metrics()
+        metrics |= self.intake.peer_error_metrics()  # intake/violations/<CODE>: refused peer messages
         self.step += 1
         self._audit(trajs)
         metrics |= timer.metrics()
