@@ -1,0 +1,9 @@
+"""Makes ``hostile_testkit`` (a real bin/learner, its RSS, protocol-driven peers) importable from
+these tests under any pytest import mode."""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
