@@ -77,10 +77,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def trained_by_step(run: Path) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for line in read_jsonl(run / "trained.jsonl"):  # a step trained again after a restart: last wins
-        out[line["step"]] = line["trajectory_ids"]
-    return out
+    from learner import trained_log
+
+    return trained_log.read(run / "trained.jsonl").trajectory_ids()  # steps a restart undid left out
 
 
 def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Path) -> None:
@@ -144,7 +143,9 @@ def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(tiny_model: P
     metrics = read_jsonl(run / "metrics.jsonl")
     final = {m["step"]: m for m in metrics}  # steps after the checkpoint ran twice: last wins
     assert sorted(final) == [1, 2, 3, 4, 5, 6]
-    assert [final[s]["policy/version"] for s in range(1, 7)] == [1, 2, 3, 4, 5, 6]
+    versions = [final[s]["policy/version"] for s in range(1, 7)]
+    # after the checkpoint: above every version published before the kill (learner/versions.py)
+    assert versions[:killed_at] == list(range(1, killed_at + 1)) and versions == sorted(set(versions))
     trained = trained_by_step(run)
     ids = [i for step in sorted(trained) for i in trained[step]]
     assert len(ids) == len(set(ids)) == 24, "a trajectory was trained twice or lost"
