@@ -52,6 +52,12 @@ WEIGHTS_DIR_PREFIX = "agentrl-weights-"
 DEFAULT_TIMEOUT_S = 60.0  # rollout_server.weights_timeout_s
 DEFAULT_MIN_BYTES_PER_S = 5e6  # rollout_server.weights_min_mb_per_s
 MAX_PROBLEMS = 5  # listed in one refusal; the count says how many there were
+MAX_QUOTED = 200  # characters of a peer's name or path quoted back in an error
+
+
+def _q(text: str) -> str:
+    """A peer-chosen string, cut short: a megabyte-long name must not become a megabyte error."""
+    return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}... ({len(text)} chars)"
 
 
 @dataclass(frozen=True)
@@ -139,18 +145,19 @@ class ModelManifest:
         out: list[tuple[str, str]] = []
         seen: set[str] = set()
         for i, s in enumerate(specs):
-            want = self._spec(s.name)
+            want, name = self._spec(s.name), _q(s.name)
             if s.name in seen:
-                out.append((f"tensors[{i}].name", f"{s.name} is announced twice"))
+                out.append((f"tensors[{i}].name", f"{name} is announced twice"))
             elif want is None:
-                out.append((f"tensors[{i}].name", f"{s.name} is not a tensor of {self.name}"))
+                out.append((f"tensors[{i}].name", f"{name} is not a tensor of {self.name}"))
             else:
                 dtype, shape = want
                 if tuple(s.shape) != shape:
-                    out.append((f"tensors[{i}].shape", f"{s.name}: shape {list(s.shape)}, {self.name} has {list(shape)}"))
+                    out.append((f"tensors[{i}].shape",
+                                _q(f"{name}: shape {list(s.shape)}, {self.name} has {list(shape)}")))
                 if s.dtype != dtype and not (dtype in FLOAT_DTYPES and s.dtype in FLOAT_DTYPES
                                              and DTYPE_SIZES[s.dtype] <= self._widest(dtype)):
-                    out.append((f"tensors[{i}].dtype", f"{s.name}: dtype {s.dtype}, {self.name} stores {dtype}"))
+                    out.append((f"tensors[{i}].dtype", f"{name}: dtype {s.dtype}, {self.name} stores {dtype}"))
             seen.add(s.name)
         if missing := [n for n in self.tensors if n not in seen]:
             out.append(("tensors", f"{len(missing)} tensors of {self.name} missing, e.g. {missing[:3]}"))
@@ -161,8 +168,9 @@ def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> st
     """The real path of the slot file ``path`` of a file announce, if it is a regular file of at
     least ``needed_bytes`` inside ``<root>/agentrl-weights-*/`` of one of ``roots``; else INVALID_FIELD
     (field ``file``). Symlinks are resolved first, so a link out of the directory is refused."""
+    shown = repr(_q(path))
     if "\0" in path or not os.path.isabs(path):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} is not an absolute path", field="file")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} is not an absolute path", field="file")
     real = os.path.realpath(path)
     inside = False
     for root in roots:
@@ -174,16 +182,16 @@ def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> st
             break
     if not inside:
         dirs = ", ".join(os.path.join(r, WEIGHTS_DIR_PREFIX + "*") for r in roots) or "(none configured)"
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} (resolves to {real}) is not inside a learner "
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} (resolves to {_q(real)}) is not inside a learner "
                             f"weights directory: {dirs}", field="file")
     try:
         st = os.stat(real)
     except OSError as e:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r}: {e.strerror or e}", field="file") from None
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown}: {e.strerror or e}", field="file") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} is not a regular file", field="file")
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} is not a regular file", field="file")
     if st.st_size < needed_bytes:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {path!r} holds {st.st_size} bytes, the announced "
+        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} holds {st.st_size} bytes, the announced "
                             f"tensors need {needed_bytes}", field="file")
     return real
 
@@ -254,7 +262,7 @@ class WeightAssembler:
         else:
             why = (f"not complete {cur.deadline - cur.started:.1f} s after its announce (timeout {self.timeout_s:g} s "
                    f"+ {total} bytes at {self.min_bytes_per_s:g} bytes/s)")
-        err = ProtocolError(ErrorCode.TIMED_OUT, f"weights version {a.version} (transfer {a.transfer_id}) abandoned: "
+        err = ProtocolError(ErrorCode.TIMED_OUT, f"weights version {a.version} (transfer {_q(a.transfer_id)}) abandoned: "
                             f"{len(cur.chunks_seen)} of {a.num_chunks} chunks, {sum(cur.filled)} of {total} bytes "
                             f"received; {why}")
         err.ref_type = int(MsgType.WEIGHTS_ANNOUNCE)
@@ -286,14 +294,14 @@ class WeightAssembler:
     def _check(self, msg: WeightsAnnounce) -> int:
         """Every check an announce must pass before anything is allocated; returns its total bytes."""
         if msg.checksum_algo != "xxh3_64":
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"unsupported checksum_algo {msg.checksum_algo!r}",
+            raise ProtocolError(ErrorCode.INVALID_FIELD, f"unsupported checksum_algo {_q(msg.checksum_algo)!r}",
                                 field="checksum_algo")
         total = 0
         for i, s in enumerate(msg.tensors):
             size = DTYPE_SIZES.get(s.dtype)
             if size is None or any(d < 0 for d in s.shape) or math.prod(s.shape) * size != s.nbytes:
                 raise ProtocolError(ErrorCode.INVALID_FIELD,
-                                    f"tensors[{i}] ({s.name}): dtype/shape/nbytes inconsistent",
+                                    f"tensors[{i}] ({_q(s.name)}): dtype/shape/nbytes inconsistent",
                                     field=f"tensors[{i}]")
             total += s.nbytes
         if total > self.max_total_bytes:
@@ -314,7 +322,7 @@ class WeightAssembler:
         if cur is None or msg.transfer_id != cur.announce.transfer_id:
             if msg.transfer_id in self._abandoned or msg.transfer_id in self._finished:
                 return None  # late or repeated chunks of a superseded or finished transfer: harmless
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"chunk of unannounced transfer {msg.transfer_id}")
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"chunk of unannounced transfer {_q(msg.transfer_id)}")
         if not 0 <= msg.index < cur.announce.num_chunks:
             raise ProtocolError(ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index")
         if msg.index in cur.chunks_seen:
@@ -346,7 +354,7 @@ class WeightAssembler:
             if filled != spec.nbytes or len(buf) != spec.nbytes or checksum(memoryview(buf)) != spec.checksum:
                 raise ProtocolError(
                     ErrorCode.CHECKSUM_MISMATCH,
-                    f"version {cur.announce.version}: tensor {spec.name} failed verification "
+                    f"version {cur.announce.version}: tensor {_q(spec.name)} failed verification "
                     f"({filled}/{spec.nbytes} bytes)",
                     field=spec.name,
                 )

@@ -396,3 +396,10 @@ def test_version_jumps_are_accepted_and_nothing_stays_pending() -> None:
     assert [e.version for e in net.events(b"r0", WeightsFailed)] == [10**9 + 7]
     (err,) = [r.decoded() for r in net.sent("up", MsgType.ERROR, b"r0")]
     assert err.code == ErrorCode.TIMED_OUT and f"version {10**9 + 7}" in err.message
+
+
+def test_a_megabyte_name_is_not_quoted_back_whole() -> None:
+    long_name = "w" * (1 << 20)
+    with pytest.raises(ProtocolError) as e:
+        WeightAssembler(manifest=MODEL).announce(_announce(tensors=_specs(*GOOD, (long_name, "float32", [1]))), 0.0)
+    assert len(e.value.message) < 1000 and f"({1 << 20} chars)" in e.value.message
