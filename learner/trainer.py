@@ -199,7 +199,7 @@ class Trainer:
                              dir=c.weights_file_dir, error=str(e))
             return None
 
-    def _init_algorithm_state(self, state: dict[str, Any] | None, resume_path: Path | None) -> None:
+    def _init_algorithm_state(self, state: dict[str, Any] | None, resume_path: Path | None = None) -> None:
         from learner.algorithms import make_kl_controller
 
         k = self.config.algorithm.kl_ctrl
