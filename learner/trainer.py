@@ -402,11 +402,11 @@ class Trainer:
                 finally:
                     self.intake.close()  # BYE to every rollout server; intake.run returns once sent
         finally:
+            if self.weight_files is not None:  # first: a SIGKILL during the slower steps must not leave them
+                self.weight_files.close()
             sinks.close()
             if self.workers is not None:
                 self.workers.shutdown()
-            if self.weight_files is not None:
-                self.weight_files.close()
         return 0
 
     async def _train(self, resume: Path | None, address: str, sinks: Any,
