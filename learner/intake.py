@@ -41,6 +41,7 @@ Either way the final stats are written to ``RUN_DIR/intake_stats.json`` when ``r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
@@ -62,7 +63,7 @@ from learner.buffer import Group, GroupBuffer, GroupKey
 from learner.journal import Journal
 from learner.validation import ValidationRound
 from protocol.batch import token_count
-from protocol.codec import CodecLimits, max_frame_bytes
+from protocol.codec import CodecLimits, run_message_bytes
 from protocol.driver import LearnerServer
 from protocol.events import (
     BatchReceived,
@@ -113,6 +114,9 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
         max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
         max_response_tokens=rollout.response_length,
     )
+    # The message bound of the run, not only the configured ceiling: announced in WELCOME, and no
+    # frame above it is ever buffered (libzmq's MAXMSGSIZE, SPEC §13).
+    limits = dataclasses.replace(limits, max_message_bytes=run_message_bytes(limits))
     proto = LearnerProtocol(
         tokenizer=tok, host=host_key(),
         capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
@@ -124,8 +128,8 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
     if (warning := exposure_warning(config.learner.bind_address, curve=curve is not None)) is not None:
         get_logger("learner.intake").warning(warning, address=config.learner.bind_address,
                                              fix="learner.bind_address: tcp://127.0.0.1:PORT, or transport.curve")
-    channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=t.max_message_bytes,
-                               max_frame_bytes=max_frame_bytes(limits), budget=proto.message_budget)
+    channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=limits.max_message_bytes,
+                               budget=proto.message_budget)
     server = LearnerServer(proto, channel, persist=persist)
     if publish_initial:
         from common.safetensors_buffers import load_dir

@@ -104,17 +104,19 @@ def encode(msg: Message) -> list[Frame]:
 _WIRE_COLUMNS = [[name, dtype] for name, _, dtype, _ in COLUMNS]
 
 
-HEADER_FRAME_BYTES = 32 << 20  # room for a batch header (its per-trajectory scalars) of any valid batch
-_WIDEST_ITEM = 8  # int64/float64: the widest dtype a token column may use
+HEADER_ROOM_BYTES = 16 << 20  # room for a batch header (its per-trajectory scalars) of any valid batch
+# Bytes per token of a batch in the canonical dtypes (what ``encode`` writes): prompt tokens carry
+# fewer, so this bounds both.
+_TOKEN_BYTES = sum(np.dtype(dt).itemsize for _, _, dt, _ in COLUMNS)
 
 
-def max_frame_bytes(limits: CodecLimits) -> int:
-    """The largest frame a valid message under ``limits`` can hold: a header, or one token column
-    of a batch of the most trajectories at the longest length; at most ``max_message_bytes``.
-    (libzmq's per-frame bound: a bigger frame is refused before it is buffered.)"""
+def run_message_bytes(limits: CodecLimits) -> int:
+    """The largest message a valid sender of this run needs: a batch of the most trajectories, each
+    at the longest length ``limits`` allow, in the canonical dtypes, plus room for its header; at
+    most ``max_message_bytes``. (A learner announces it in WELCOME and lets libzmq refuse any
+    bigger frame before buffering it.)"""
     tokens = min(limits.max_tokens_per_trajectory, limits.max_model_len or limits.max_tokens_per_trajectory)
-    column = limits.max_trajectories_per_batch * tokens * _WIDEST_ITEM
-    return min(limits.max_message_bytes, max(column, HEADER_FRAME_BYTES))
+    return min(limits.max_message_bytes, limits.max_trajectories_per_batch * tokens * _TOKEN_BYTES + HEADER_ROOM_BYTES)
 
 
 def frame_bytes(frames: Sequence[Frame]) -> int:

@@ -91,11 +91,11 @@ def test_trajectory_lengths_against_the_run() -> None:
         assert (e.code, e.field, e.ref_seq) == (ErrorCode.TOO_LARGE, field, 7) and limit in e.message
 
 
-def test_max_frame_bytes_follows_the_run() -> None:
+def test_run_message_bytes_follows_the_run() -> None:
     limits = codec.CodecLimits(max_trajectories_per_batch=4096, max_model_len=768)
-    assert codec.max_frame_bytes(limits) == codec.HEADER_FRAME_BYTES
+    assert codec.run_message_bytes(limits) == 4096 * 768 * 17 + codec.HEADER_ROOM_BYTES  # 67 MiB
     long = codec.CodecLimits(max_trajectories_per_batch=4096, max_model_len=16384)
-    assert codec.max_frame_bytes(long) == long.max_message_bytes
+    assert codec.run_message_bytes(long) == long.max_message_bytes
 
 
 def test_loopback_addresses() -> None:
