@@ -262,7 +262,8 @@ class RolloutServer:
         if c.transport.curve.enabled:
             curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
                                     Path(c.transport.curve.server_public_key_file))
-        client = RolloutClient(conn, client_factory(server.learner_address, curve=curve))
+        client = RolloutClient(conn, client_factory(server.learner_address, curve=curve,
+                                                    max_message_bytes=c.transport.max_message_bytes))
         recordings = resolve_run_dir(c) / "recordings" / self.server_id  # one place per run, for bin/replay
         recorder = Recorder(recordings, server_id=self.server_id) if server.record else None
         # A group found in the spool at start is resent, not rerun; its prompt is committed once
