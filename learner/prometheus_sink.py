@@ -44,12 +44,13 @@ class PrometheusSink:
     def __init__(self, ctx: SinkContext) -> None:
         learner: Mapping[str, Any] = ctx.config.get("learner", {}) if ctx.config else {}
         port = learner.get("metrics_port") or 0
+        host = str(learner.get("metrics_host") or "127.0.0.1")  # loopback unless the config opens it
         self._latest = _Latest()
         self.registry = CollectorRegistry()
         self.registry.register(self._latest)  # type: ignore[arg-type]
-        self._server, self._thread = start_http_server(int(port), registry=self.registry)
+        self._server, self._thread = start_http_server(int(port), addr=host, registry=self.registry)
         self.port = self._server.server_port
-        get_logger("learner").info("metrics endpoint", url=f"http://0.0.0.0:{self.port}/metrics")
+        get_logger("learner").info("metrics endpoint", url=f"http://{host}:{self.port}/metrics")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         values = dict(self._latest.values)

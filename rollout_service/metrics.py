@@ -138,7 +138,7 @@ class RolloutStats:
 
     # -- Prometheus -------------------------------------------------------------------------------
 
-    def start_metrics_server(self, port: int, addr: str = "0.0.0.0") -> int:
+    def start_metrics_server(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``port`` (0: any free port) from a daemon thread; the actual port."""
         if self._http is not None:
             raise RuntimeError("the metrics server is already running")

@@ -292,8 +292,8 @@ class RolloutServer:
         server = self.config.rollout_server
         self.shipper = self._build_shipper()
         if server.metrics_port is not None:
-            port = self.stats.start_metrics_server(server.metrics_port)
-            self.log.info("metrics endpoint", url=f"http://0.0.0.0:{port}/metrics")
+            port = self.stats.start_metrics_server(server.metrics_port, server.metrics_host)
+            self.log.info("metrics endpoint", url=f"http://{server.metrics_host}:{port}/metrics")
         try:
             await self._serve(max_groups)
         except BaseExceptionGroup as group:  # refused for good: one clear error, not a task tree

@@ -42,6 +42,9 @@ class RolloutServerConfig(Section):
     """Seconds between stats lines in the log."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port of the Prometheus endpoint (/metrics); null: off, 0: any free port (logged)."""
+    metrics_host: str = Field("127.0.0.1", min_length=1)
+    """Interface the Prometheus endpoint binds: loopback by default; 0.0.0.0 for a scraper on
+    another host (the endpoint has no authentication: expose it only on a trusted network)."""
     reward_fn: str = Field("math", min_length=1)
     """Reward function (registry name: math, qa_f1, qa_em, code) for rows that name none."""
     reward_by_data_source: dict[str, str] = Field(default_factory=dict)
@@ -82,6 +85,9 @@ class LearnerConfig(Section):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port of the learner's Prometheus endpoint (``trainer.logger`` includes prometheus); null or
     0: any free port (logged)."""
+    metrics_host: str = Field("127.0.0.1", min_length=1)
+    """Interface the learner's Prometheus endpoint binds: loopback by default; 0.0.0.0 for a
+    scraper on another host (no authentication: expose it only on a trusted network)."""
     weights_file_dir: str | None = "/dev/shm"
     """Where new weights are written as safetensors files for rollout servers on this machine,
     which reload them in place instead of receiving chunks (the fast path; others still get

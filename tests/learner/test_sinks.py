@@ -329,6 +329,7 @@ def test_prometheus_serves_the_latest_step(tmp_path: Path) -> None:
     assert prometheus_name("rollout/waste_frac") == "agentrl_learner_rollout_waste_frac"
     sink = PrometheusSink(SinkContext(tmp_path, total_steps=3, config={"learner": {"metrics_port": 0}}))
     try:
+        assert sink._server.server_address[0] == "127.0.0.1"  # loopback unless learner.metrics_host opens it
         sink.log(1, {"rollout/waste_frac": 0.25, "reward/mean": float("nan")})
         sink.log(2, {"rollout/waste_frac": 0.0})
         text = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10).read().decode()

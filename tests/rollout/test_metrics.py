@@ -68,8 +68,9 @@ def test_prometheus_endpoint_serves_the_values_from_its_own_registry() -> None:
     stats = _busy_stats(FakeClock())
     other = RolloutStats(server_id="rs-8")  # a second server in the same process must not clash
     port = stats.start_metrics_server(0, addr="127.0.0.1")
-    port2 = other.start_metrics_server(0, addr="127.0.0.1")
+    port2 = other.start_metrics_server(0)  # the default interface is loopback
     try:
+        assert other._http is not None and other._http[0].server_address[0] == "127.0.0.1"
         assert port > 0 and port2 != port
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             body = r.read().decode()
