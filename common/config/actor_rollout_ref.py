@@ -39,19 +39,19 @@ class ModelConfig(Section):
 class OptimConfig(Section):
     """AdamW settings of the actor."""
 
-    lr: float = Field(1e-6, gt=0)
+    lr: float = Field(default=1e-6, gt=0)
     """Peak learning rate."""
-    lr_warmup_steps: int = Field(-1, ge=-1)
+    lr_warmup_steps: int = Field(default=-1, ge=-1)
     """Linear warm-up steps; -1 means use lr_warmup_steps_ratio instead."""
-    lr_warmup_steps_ratio: float = Field(0.0, ge=0, le=1)
+    lr_warmup_steps_ratio: float = Field(default=0.0, ge=0, le=1)
     """Warm-up length as a fraction of the total training steps (used when lr_warmup_steps is -1)."""
-    weight_decay: float = Field(0.01, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0)
     """AdamW weight decay."""
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2)
     """AdamW (beta1, beta2)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """Schedule after the warm-up: constant, or cosine decay to min_lr_ratio * lr at the last step."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Final learning rate of the cosine schedule as a fraction of lr."""
 
 
@@ -74,7 +74,7 @@ class OffPolicyConfig(Section):
     is_level: Literal["token", "sequence", "off"] = "token"
     """Importance weight old policy / rollout policy applied to the policy loss (recompute mode):
     per token, per sequence (product of the token ratios), or off."""
-    is_cap: float = Field(2.0, gt=0)
+    is_cap: float = Field(default=2.0, gt=0)
     """Truncation of the importance weight (truncated IS): weights above it are clipped to it."""
     skip_old_logprob_forward: Literal["auto", "never"] = "auto"
     """auto: in recompute mode, when a step has one PPO epoch and one mini-batch (ppo_mini_batch_size
@@ -89,10 +89,10 @@ class ActorConfig(Section):
 
     strategy: Literal["fsdp2"] = "fsdp2"
     """Data-parallel strategy of the learner (FSDP2 `fully_shard`)."""
-    ppo_mini_batch_size: int = Field(8, gt=0)
+    ppo_mini_batch_size: int = Field(default=8, gt=0)
     """Samples (trajectories) per optimizer step; data.train_batch_size * rollout.n must be a
     multiple of it."""
-    ppo_micro_batch_size_per_gpu: int = Field(4, gt=0)
+    ppo_micro_batch_size_per_gpu: int = Field(default=4, gt=0)
     """Samples per forward/backward pass on one worker (gradient accumulation unit) when
     use_dynamic_bsz is false."""
     use_dynamic_bsz: bool = True
@@ -100,30 +100,30 @@ class ActorConfig(Section):
     ppo_max_token_len_per_gpu tokens, and the ranks get equal tokens rather than equal sample
     counts. Applies to every learner pass (actor and critic updates, old-logprob, reference and
     value forwards). The loss is normalised by global counts, so the gradient does not change."""
-    ppo_max_token_len_per_gpu: int = Field(16384, gt=0)
+    ppo_max_token_len_per_gpu: int = Field(default=16384, gt=0)
     """Token cap of a micro-batch with use_dynamic_bsz (prompt + response tokens; padded micro-
     batches count their padding). A longer sequence runs alone. Sets the learner's peak memory."""
-    ppo_epochs: int = Field(1, gt=0)
+    ppo_epochs: int = Field(default=1, gt=0)
     """Passes over each training batch."""
-    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_low: float = Field(default=0.2, ge=0)
     """PPO clip below 1: the ratio is clipped at 1 - clip_ratio_low."""
-    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(default=0.2, ge=0)
     """PPO clip above 1: the ratio is clipped at 1 + clip_ratio_high (DAPO's clip-higher uses 0.28)."""
-    clip_ratio_c: float = Field(3.0, gt=1)
+    clip_ratio_c: float = Field(default=3.0, gt=1)
     """Dual-clip bound for negative advantages (loss capped at -A * clip_ratio_c)."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """How per-token losses are reduced to one number (global token counts across workers)."""
-    entropy_coeff: float = Field(0.0, ge=0)
+    entropy_coeff: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
     """Add a KL(actor || reference) term to the loss (GRPO style) instead of to the reward."""
-    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_coef: float = Field(default=0.001, ge=0)
     """Weight of the KL loss term."""
     kl_loss_type: KlType = "low_var_kl"
     """KL estimator of the loss term (low_var_kl is k3)."""
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(default=1.0, gt=0)
     """Gradient norm clipping threshold."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer settings."""
@@ -138,13 +138,13 @@ class MultiTurnConfig(Section):
 
     enable: bool = False
     """Run agent loops with tool calls instead of single-turn generation."""
-    max_assistant_turns: int | None = Field(None, gt=0)
+    max_assistant_turns: int | None = Field(default=None, gt=0)
     """Stop an episode after this many model turns; null: only the token budget stops it."""
-    max_user_turns: int | None = Field(None, gt=0)
+    max_user_turns: int | None = Field(default=None, gt=0)
     """Stop an episode after this many user/tool turns; null: no limit."""
-    max_parallel_calls: int = Field(1, gt=0)
+    max_parallel_calls: int = Field(default=1, gt=0)
     """Tool calls of one turn executed concurrently; further calls in that turn are refused."""
-    max_tool_response_length: int = Field(256, gt=0)
+    max_tool_response_length: int = Field(default=256, gt=0)
     """Characters of a tool response kept before truncation."""
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
     """Which part of a long tool response is cut (middle keeps both ends)."""
@@ -152,9 +152,9 @@ class MultiTurnConfig(Section):
     """Tool-call syntax parsed from model output (hermes: <tool_call>{json}</tool_call>)."""
     tools: list[str] = Field(default_factory=lambda: ["calculator", "finish"])
     """Tools offered to tool agents, by registry name (calculator, python, finish, answer, ...)."""
-    max_tokens_per_turn: int | None = Field(None, gt=0)
+    max_tokens_per_turn: int | None = Field(default=None, gt=0)
     """Most tokens one model turn may generate; null: only the episode's budget limits a turn."""
-    max_consecutive_tool_errors: int = Field(3, gt=0)
+    max_consecutive_tool_errors: int = Field(default=3, gt=0)
     """End an episode (termination tool_error) after this many turns in a row whose tool calls
     all failed."""
 
@@ -163,13 +163,13 @@ class ValKwargsConfig(Section):
     """Sampling of validation episodes (verl's `val_kwargs`); the rest of the rollout settings (token
     budgets, agents, tools, rewards) are the training ones."""
 
-    temperature: float = Field(0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0)
     """Sampling temperature of validation episodes; 0 is greedy (only used when do_sample is true)."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling mass of validation episodes (only used when do_sample is true)."""
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1)
     """Top-k of validation episodes; -1 disables it (only used when do_sample is true)."""
-    n: int = Field(1, gt=0)
+    n: int = Field(default=1, gt=0)
     """Episodes per validation prompt (metrics average over all of them)."""
     do_sample: bool = False
     """Sample validation episodes with temperature/top_p/top_k; false: greedy decoding whatever
@@ -181,19 +181,19 @@ class RolloutConfig(Section):
 
     name: Literal["vllm"] = "vllm"
     """Inference engine."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature; 0 is greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1)
     """Top-k sampling; -1 disables it."""
-    prompt_length: int | None = Field(None, gt=0)
+    prompt_length: int | None = Field(default=None, gt=0)
     """Prompt token budget; null: data.max_prompt_length (filled in when the config is loaded)."""
-    response_length: int | None = Field(None, gt=0)
+    response_length: int | None = Field(default=None, gt=0)
     """Response token budget of a whole episode, tool tokens included; null: data.max_response_length."""
-    max_model_len: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0)
     """vLLM context length; null: the model's own. Must hold prompt_length + response_length."""
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     """Fraction of accelerator memory vLLM may use (of RAM on the CPU engine, where 0.9 fails)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype; auto: bfloat16 on CUDA, float32 on CPU (what the CPU engine runs reliably)."""
@@ -204,15 +204,15 @@ class RolloutConfig(Section):
     false. E.g. ``{mode: 0, cudagraph_mode: FULL_DECODE_ONLY}``: CUDA graphs for decode steps without
     torch.compile, which starts in seconds instead of minutes on a fresh GPU machine; null: vLLM's
     default (torch.compile + piecewise/full graphs)."""
-    tensor_model_parallel_size: int = Field(1, gt=0)
+    tensor_model_parallel_size: int = Field(default=1, gt=0)
     """GPUs one engine is sharded over."""
     seed: int = 0
     """Engine sampling seed."""
-    n: int = Field(4, gt=0)
+    n: int = Field(default=4, gt=0)
     """Samples per prompt (the GRPO group size)."""
-    max_num_seqs: int = Field(64, gt=0)
+    max_num_seqs: int = Field(default=64, gt=0)
     """Sequences the engine batches at once."""
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(default=1, ge=0)
     """Policy versions a trajectory may lag behind the learner and still be trained on; 0 is
     on-policy."""
     on_weight_update: Literal["abort", "keep", "drain"] = "keep"

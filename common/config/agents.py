@@ -23,9 +23,9 @@ class StateLMConfig(Section):
         "deleteContext", "note", "readNote", "updateNote", "loadDocument", "readChunk", "checkBudget",
         "finish"])
     """StateLM tools offered to the model (registry names; any other tool, e.g. search, may be added)."""
-    chunk_chars: int = Field(1000, gt=0)
+    chunk_chars: int = Field(default=1000, gt=0)
     """Characters per document chunk returned by readChunk."""
-    max_segments: int | None = Field(None, gt=0)
+    max_segments: int | None = Field(default=None, gt=0)
     """Trajectories kept per episode (snapshots + final); null: all of them."""
     segment_selection: Literal["last", "random"] = "last"
     """Which to keep when an episode has more than max_segments: the last ones, or random snapshots
@@ -34,7 +34,7 @@ class StateLMConfig(Section):
     """Episode reward on every segment (broadcast), or on the final segment only (snapshots get 0)."""
     length_penalty: float = -1.0
     """Reward of an episode that ended by running out of tokens (replaces its score)."""
-    min_turns: int = Field(0, ge=0)
+    min_turns: int = Field(default=0, ge=0)
     """Episodes with fewer model turns than this get min_turns_penalty added to their score."""
     min_turns_penalty: float = 0.0
     """Added to the score of an episode with fewer than min_turns model turns."""
@@ -52,22 +52,22 @@ class MaskSpan(Section):
 class CodeAgentConfig(Section):
     """The code-execution agent (seed 000): code between tags runs in the sandbox."""
 
-    code_start_tag: str = Field("<code>", min_length=1)
+    code_start_tag: str = Field(default="<code>", min_length=1)
     """Opens a code block in the model's text."""
-    code_end_tag: str = Field("</code>", min_length=1)
+    code_end_tag: str = Field(default="</code>", min_length=1)
     """Closes a code block; the block runs when this tag is generated (generation stops on it)."""
-    result_start_tag: str = Field("<execution_results>", min_length=1)
+    result_start_tag: str = Field(default="<execution_results>", min_length=1)
     """Opens the sandbox output appended after a code block (mask 0)."""
-    result_end_tag: str = Field("</execution_results>", min_length=1)
+    result_end_tag: str = Field(default="</execution_results>", min_length=1)
     """Closes the sandbox output."""
-    answer_start_tag: str = Field("<answer>", min_length=1)
+    answer_start_tag: str = Field(default="<answer>", min_length=1)
     """Opens the final answer."""
-    answer_end_tag: str = Field("</answer>", min_length=1)
+    answer_end_tag: str = Field(default="</answer>", min_length=1)
     """Text between the answer tags ends the episode and is the final answer."""
     mask_spans: list[MaskSpan] = Field(default_factory=list)
     """State masking: {start, end} marker pairs; model tokens from a start marker through its end
     marker get mask 0 (kept as context, not trained on)."""
-    max_output_chars: int = Field(1024, gt=0)
+    max_output_chars: int = Field(default=1024, gt=0)
     """Longest sandbox output returned to the model (head and tail kept)."""
 
 
@@ -86,20 +86,20 @@ class SearchToolConfig(Section):
     corpus: str | None = None
     """JSONL file, one document per line with `text` (and optional `title`, `id`); required when
     the search tool is used."""
-    top_k: int = Field(3, gt=0)
+    top_k: int = Field(default=3, gt=0)
     """Passages returned per query."""
-    max_chars_per_passage: int = Field(400, gt=0)
+    max_chars_per_passage: int = Field(default=400, gt=0)
     """Each passage is cut to this many characters."""
 
 
 class PythonToolConfig(Section):
     """The `python` tool and the code agent's sandbox."""
 
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(default=10.0, gt=0)
     """Wall-clock limit of one run (the process group is killed after it)."""
-    memory_mb: int = Field(512, gt=0)
+    memory_mb: int = Field(default=512, gt=0)
     """Address-space limit of one run, in MiB."""
-    max_output_chars: int = Field(4000, gt=0)
+    max_output_chars: int = Field(default=4000, gt=0)
     """Longest output returned to the model (head and tail kept)."""
 
 
@@ -111,13 +111,13 @@ class RemoteToolsConfig(Section):
     names: list[str] = Field(default_factory=list)
     """Tools served remotely; the others in multi_turn.tools run in-process. Empty with a url: every
     tool the server offers that multi_turn.tools names."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0)
     """Limit of one HTTP call, retries excluded."""
-    retries: int = Field(3, ge=0)
+    retries: int = Field(default=3, ge=0)
     """Retries of a call that failed transiently (connection error, timeout, HTTP 429/502/503/504)."""
-    backoff_s: float = Field(0.5, gt=0)
+    backoff_s: float = Field(default=0.5, gt=0)
     """First retry delay; doubles per retry (with jitter)."""
-    max_concurrent: int = Field(32, gt=0)
+    max_concurrent: int = Field(default=32, gt=0)
     """Calls in flight to the tool server at once from this process."""
 
     @field_validator("url")
@@ -133,7 +133,7 @@ class RateLimit(Section):
 
     per_minute: float = Field(gt=0)
     """Sustained rate: tokens added per minute."""
-    burst: int = Field(1, gt=0)
+    burst: int = Field(default=1, gt=0)
     """Bucket size: calls admitted at once after a quiet period."""
 
 
@@ -143,7 +143,7 @@ class RateLimitsConfig(Section):
     state_dir: str | None = None
     """Directory of the lock and state files; null: <run_dir>/ratelimit. Put it on a shared
     filesystem to share limits across hosts (see README, Rate limits)."""
-    acquire_timeout_s: float = Field(300.0, gt=0)
+    acquire_timeout_s: float = Field(default=300.0, gt=0)
     """Longest wait for a token before the call fails with a rate-limit error."""
     limits: dict[str, RateLimit] = Field(default_factory=dict)
     """Key (tool name or external API name) -> bucket. Tools without a key are not limited."""
@@ -165,15 +165,15 @@ class ToolsConfig(Section):
 class ToolServerConfig(Section):
     """bin/tool-server: serves tools over HTTP (JSON in, JSON out)."""
 
-    host: str = Field("127.0.0.1", min_length=1)
+    host: str = Field(default="127.0.0.1", min_length=1)
     """Interface to bind: loopback by default; 0.0.0.0 to serve other hosts (then set `token`)."""
-    port: int = Field(8900, ge=0, le=65535)
+    port: int = Field(default=8900, ge=0, le=65535)
     """TCP port; 0: any free port (printed at start)."""
     tools: list[str] = Field(default_factory=lambda: ["python", "search", "calculator"])
     """Tools served (registry names)."""
-    max_concurrent_calls: int = Field(32, gt=0)
+    max_concurrent_calls: int = Field(default=32, gt=0)
     """Calls running at once; more wait in line (a client's own limit is tools.remote.max_concurrent)."""
-    token: str | None = Field(None, min_length=16)
+    token: str | None = Field(default=None, min_length=16)
     """Shared secret: when set, the tool server refuses (HTTP 401) every request but GET /health
     without `Authorization: Bearer <token>`, and rollout servers (tools.remote) send it. At least 16
     characters, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`; null: no check

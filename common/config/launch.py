@@ -23,16 +23,16 @@ GpuList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class LaunchConfig(Section):
     """bin/train: the processes of one training job on this machine and how they are supervised."""
 
-    rollout_servers: int = Field(2, gt=0)
+    rollout_servers: int = Field(default=2, gt=0)
     """Rollout servers to start (each gets shard i of N of the data and server id rs<i>)."""
     tool_server: bool = False
     """Also start bin/tool-server with the same config; tools.remote.url is pointed at it when it
     is null or names this machine."""
-    connect_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for every rollout server to connect to the learner before the run fails."""
-    max_restarts: int = Field(2, ge=0)
+    max_restarts: int = Field(default=2, ge=0)
     """Restarts of each rollout server that dies (it resumes its shard); 0: any death stops the run."""
-    stop_timeout_s: float = Field(60.0, gt=0)
+    stop_timeout_s: float = Field(default=60.0, gt=0)
     """Grace between SIGTERM and SIGKILL when the processes are stopped."""
     auto_port: bool = True
     """Pick free ports for the learner (and the tool server) when they bind a loopback address, so

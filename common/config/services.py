@@ -19,44 +19,44 @@ from common.config.base import MiB, Section, ZmqEndpoint
 class RolloutServerConfig(Section):
     """A standalone rollout server (vLLM engine + agent loops) feeding the learner."""
 
-    server_id: str | None = Field(None, min_length=1)
+    server_id: str | None = Field(default=None, min_length=1)
     """Name of this server in logs and on the wire; null: `<hostname>-<pid>`."""
     learner_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint of the learner to connect to."""
-    max_concurrent_episodes: int = Field(64, gt=0)
+    max_concurrent_episodes: int = Field(default=64, gt=0)
     """Episodes (agent loops) running at once on this server."""
-    max_groups: int | None = Field(None, gt=0)
+    max_groups: int | None = Field(default=None, gt=0)
     """Stop after this many prompt groups are shipped and acknowledged; null: run until stopped."""
-    shard_index: int = Field(0, ge=0)
+    shard_index: int = Field(default=0, ge=0)
     """This server's shard of the training data (rows i with i % shard_count == shard_index)."""
-    shard_count: int = Field(1, gt=0)
+    shard_count: int = Field(default=1, gt=0)
     """Rollout servers sharing the data set without overlap."""
-    groups_per_batch: int = Field(1, gt=0)
+    groups_per_batch: int = Field(default=1, gt=0)
     """Whole prompt groups (rollout.n trajectories each) per trajectory batch sent to the learner."""
-    max_unacked_batches: int = Field(8, gt=0)
+    max_unacked_batches: int = Field(default=8, gt=0)
     """Batches handed to the protocol and not yet acknowledged before episodes stop being admitted
     (they wait on disk in the spool, never in memory only)."""
     record: bool = False
     """Write every shipped batch to <run_dir>/recordings/<server_id>/ (read by the replay tool)."""
-    stats_interval_s: float = Field(10.0, gt=0)
+    stats_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between stats lines in the log."""
-    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the Prometheus endpoint (/metrics); null: off, 0: any free port (logged)."""
-    metrics_host: str = Field("127.0.0.1", min_length=1)
+    metrics_host: str = Field(default="127.0.0.1", min_length=1)
     """Interface the Prometheus endpoint binds: loopback by default; 0.0.0.0 for a scraper on
     another host (the endpoint has no authentication: expose it only on a trusted network)."""
-    reward_fn: str = Field("math", min_length=1)
+    reward_fn: str = Field(default="math", min_length=1)
     """Reward function (registry name: math, qa_f1, qa_em, code) for rows that name none."""
     reward_by_data_source: dict[str, str] = Field(default_factory=dict)
     """Reward function per data source, overriding reward_fn (a row's own `reward_fn` field wins)."""
-    tool_timeout_s: float = Field(30.0, gt=0)
+    tool_timeout_s: float = Field(default=30.0, gt=0)
     """Wall-clock limit of one tool call of any kind; a slower call becomes an error response."""
-    weights_timeout_s: float = Field(60.0, gt=0)
+    weights_timeout_s: float = Field(default=60.0, gt=0)
     """A weight transfer from the learner is abandoned when no new chunk has arrived for this long,
     or when it is not complete this long plus its size at ``weights_min_mb_per_s`` after its
     announce: the learner gets WEIGHTS_APPLIED ok=false and ERROR TIMED_OUT, and the server keeps
     its weights (protocol SPEC §8)."""
-    weights_min_mb_per_s: float = Field(5.0, gt=0)
+    weights_min_mb_per_s: float = Field(default=5.0, gt=0)
     """The slowest rate (MB/s) a weight transfer is given time for; a 15 GB model: 60 s + 50 min."""
 
     def resolved_server_id(self) -> str:
@@ -71,7 +71,7 @@ class LearnerConfig(Section):
     """ZeroMQ endpoint the learner binds for rollout servers. Loopback by default: rollout servers on
     other hosts need an explicit address (tcp://0.0.0.0:5555, configs/multinode.yaml), and CURVE
     (transport.curve) there, or anyone who can reach the port may connect (a warning at start)."""
-    buffer_batches: int = Field(16, gt=0)
+    buffer_batches: int = Field(default=16, gt=0)
     """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
     granted and unused): the room that credit-based flow control hands out to rollout servers.
     With admission it is raised, if needed, to hold every admitted group (twice the window)."""
@@ -82,17 +82,17 @@ class LearnerConfig(Section):
     waits for a slow group instead of dropping it. Nothing generated is wasted; ``max_staleness:
     0`` is a synchronous trainer. false: servers generate ahead as credits allow and the learner
     drops what grew too stale (and servers that predate 1.3 always do)."""
-    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the learner's Prometheus endpoint (``trainer.logger`` includes prometheus); null or
     0: any free port (logged)."""
-    metrics_host: str = Field("127.0.0.1", min_length=1)
+    metrics_host: str = Field(default="127.0.0.1", min_length=1)
     """Interface the learner's Prometheus endpoint binds: loopback by default; 0.0.0.0 for a
     scraper on another host (no authentication: expose it only on a trusted network)."""
     weights_file_dir: str | None = "/dev/shm"
     """Where new weights are written as safetensors files for rollout servers on this machine,
     which reload them in place instead of receiving chunks (the fast path; others still get
     chunks); null: chunks only. The directory must be RAM-backed and hold a few model copies."""
-    weights_file_slots: int = Field(3, ge=2)
+    weights_file_slots: int = Field(default=3, ge=2)
     """Files the learner keeps there at most; one is rewritten in place (no new pages to fault
     in) once every rollout server using files has applied a newer version."""
 
@@ -125,21 +125,21 @@ CURVE_REQUIRED_FIELDS = ("secret_key_file", "server_public_key_file", "allowed_k
 class TransportConfig(Section):
     """Limits and timings of the learner <-> rollout server protocol."""
 
-    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
     """Seconds between heartbeats."""
-    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
     """A peer silent this long is declared dead; must exceed heartbeat_interval_s."""
-    handshake_timeout_s: float = Field(30.0, gt=0)
+    handshake_timeout_s: float = Field(default=30.0, gt=0)
     """Seconds to wait for the peer's handshake reply before failing start-up."""
-    initial_credits: int = Field(4, gt=0)
+    initial_credits: int = Field(default=4, gt=0)
     """Trajectory batches a rollout server may send before the learner grants more (back-pressure)."""
-    max_message_bytes: int = Field(256 * MiB, gt=0)
+    max_message_bytes: int = Field(default=256 * MiB, gt=0)
     """Largest message either side accepts (ZeroMQ maxmsgsize)."""
-    max_trajectories_per_batch: int = Field(4096, gt=0)
+    max_trajectories_per_batch: int = Field(default=4096, gt=0)
     """Most trajectories in one message."""
-    max_tokens_per_trajectory: int = Field(1_048_576, gt=0)
+    max_tokens_per_trajectory: int = Field(default=1_048_576, gt=0)
     """Most tokens (prompt + response) in one trajectory."""
-    weight_chunk_bytes: int = Field(64 * MiB, gt=0)
+    weight_chunk_bytes: int = Field(default=64 * MiB, gt=0)
     """Size of the chunks weights are streamed in; at most max_message_bytes."""
     curve: CurveConfig = Field(default_factory=CurveConfig)
     """Encryption."""

@@ -31,11 +31,11 @@ class KlCtrlConfig(Section):
 
     type: Literal["fixed", "adaptive"] = "fixed"
     """fixed: constant kl_coef; adaptive: move kl_coef towards target_kl over `horizon` steps."""
-    kl_coef: float = Field(0.001, ge=0)
+    kl_coef: float = Field(default=0.001, ge=0)
     """(Initial) KL coefficient."""
-    target_kl: float = Field(0.1, gt=0)
+    target_kl: float = Field(default=0.1, gt=0)
     """KL the adaptive controller aims at."""
-    horizon: int = Field(10000, gt=0)
+    horizon: int = Field(default=10000, gt=0)
     """Adaptation horizon of the adaptive controller, in samples."""
 
 
@@ -44,9 +44,9 @@ class AlgorithmConfig(Section):
 
     adv_estimator: AdvEstimator = "grpo"
     """Advantage estimator (gae needs critic.enable)."""
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount factor."""
-    lam: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(default=1.0, ge=0, le=1)
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group's std (false gives Dr.GRPO)."""
@@ -61,9 +61,9 @@ class AlgorithmConfig(Section):
 class CriticOptimConfig(Section):
     """Optimizer settings of the critic."""
 
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(default=1e-5, gt=0)
     """Learning rate of the critic."""
-    weight_decay: float = Field(0.01, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0)
     """AdamW weight decay."""
 
 
@@ -83,13 +83,13 @@ class CriticConfig(Section):
     """Train a critic (required by algorithm.adv_estimator=gae)."""
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
     """Optimizer settings."""
-    ppo_micro_batch_size_per_gpu: int = Field(4, gt=0)
+    ppo_micro_batch_size_per_gpu: int = Field(default=4, gt=0)
     """Samples per forward/backward pass on one worker."""
-    cliprange_value: float = Field(0.5, gt=0)
+    cliprange_value: float = Field(default=0.5, gt=0)
     """Clip of the value update around the old values."""
     model_path: str | None = None
     """Model the value head is put on; null: actor_rollout_ref.model.path."""
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(default=1.0, gt=0)
     """Gradient norm clipping threshold."""
     fsdp_config: CriticFsdpConfig = Field(default_factory=CriticFsdpConfig)
     """FSDP2 settings."""
@@ -109,7 +109,7 @@ class DatasetConfig(Section):
     """Data file(s) of this source (one path or a list)."""
     ratio: float = Field(gt=0, le=1)
     """Share of every training batch; the ratios of all datasets sum to 1."""
-    agent_type: str | None = Field(None, min_length=1)
+    agent_type: str | None = Field(default=None, min_length=1)
     """Agent loop that runs this source's samples; null: data.agent_type."""
 
     @field_validator("path", mode="before")
@@ -127,23 +127,23 @@ class DataConfig(Section):
     """Validation data file(s) (one path or a list)."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Mixed training set: sources with per-batch ratios (replaces train_files)."""
-    agent_type: str = Field("single_turn", min_length=1)
+    agent_type: str = Field(default="single_turn", min_length=1)
     """Agent loop for samples that do not name one."""
-    train_batch_size: int = Field(4, gt=0)
+    train_batch_size: int = Field(default=4, gt=0)
     """Prompts per training step (each sampled rollout.n times)."""
-    val_batch_size: int | None = Field(None, gt=0)
+    val_batch_size: int | None = Field(default=None, gt=0)
     """Prompts per validation batch; null: the whole validation set at once."""
-    max_prompt_length: int = Field(256, gt=0)
+    max_prompt_length: int = Field(default=256, gt=0)
     """Longest prompt in tokens; longer prompts are filtered out."""
-    max_response_length: int = Field(128, gt=0)
+    max_response_length: int = Field(default=128, gt=0)
     """Token budget of a response (all turns of an episode, tool tokens included)."""
     shuffle: bool = True
     """Shuffle the training data every epoch."""
     seed: int = 0
     """Seed of the data order and the mixed-batch schedule."""
-    prompt_key: str = Field("prompt", min_length=1)
+    prompt_key: str = Field(default="prompt", min_length=1)
     """Field of a data record that holds the prompt (chat messages or text)."""
-    max_row_bytes: int = Field(4 << 20, gt=0)
+    max_row_bytes: int = Field(default=4 << 20, gt=0)
     """Largest data row in bytes (a JSONL line; a JSON or parquet row as compact JSON): a bigger one
     stops the load naming the file, the line or row, its size and this limit. 4 MiB holds long
     documents; raise it for data that needs more."""
@@ -170,29 +170,29 @@ class DataConfig(Section):
 class TrainerConfig(Section):
     """The training run: length, checkpoints, logging, hardware."""
 
-    project_name: str = Field("agentrl", min_length=1)
+    project_name: str = Field(default="agentrl", min_length=1)
     """Project name (metrics grouping)."""
-    experiment_name: str = Field("tiny-cpu", min_length=1)
+    experiment_name: str = Field(default="tiny-cpu", min_length=1)
     """Name of this run; names the run directory by default."""
-    total_training_steps: int | None = Field(None, gt=0)
+    total_training_steps: int | None = Field(default=None, gt=0)
     """Stop after this many steps; null: total_epochs over the training data."""
-    total_epochs: int = Field(1, gt=0)
+    total_epochs: int = Field(default=1, gt=0)
     """Passes over the training data (when total_training_steps is null)."""
-    nnodes: int = Field(1, gt=0)
+    nnodes: int = Field(default=1, gt=0)
     """Learner nodes."""
-    n_gpus_per_node: int = Field(1, gt=0)
+    n_gpus_per_node: int = Field(default=1, gt=0)
     """Learner workers per node (GPUs, or processes with device=cpu)."""
-    save_freq: int = Field(-1, ge=-1)
+    save_freq: int = Field(default=-1, ge=-1)
     """Checkpoint every this many steps; -1 or 0 never."""
-    test_freq: int = Field(-1, ge=-1)
+    test_freq: int = Field(default=-1, ge=-1)
     """Validate every this many steps; -1 or 0 never."""
     val_before_train: bool = False
     """Validate once before the first step."""
-    val_timeout_s: float = Field(600.0, gt=0)
+    val_timeout_s: float = Field(default=600.0, gt=0)
     """How long one validation may take: waiting for a rollout server to connect (before the first
     step), then for every asked server's result. Training waits meanwhile; when it expires the
     results that arrived are logged and training goes on."""
-    critic_warmup: int = Field(0, ge=0)
+    critic_warmup: int = Field(default=0, ge=0)
     """Steps that update only the critic before the actor starts learning."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     """auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh;
@@ -208,7 +208,7 @@ class TrainerConfig(Section):
     """Seed of the learner's initialisation and sampling (checkpoints restore the RNG state)."""
     default_local_dir: str | None = None
     """Checkpoint directory; null: <run_dir>/checkpoints."""
-    run_dir: str = Field("runs/{experiment_name}", min_length=1)
+    run_dir: str = Field(default="runs/{experiment_name}", min_length=1)
     """Directory of this run (resolved config, logs, metrics); may use {experiment_name} and
     {project_name}."""
     device: Literal["cpu", "cuda", "auto"] = "auto"
@@ -237,5 +237,5 @@ class RayConfig(Section):
 
     address: str | None = None
     """Address of an existing cluster (e.g. `auto` or `host:6379`); null: start a local one."""
-    num_cpus: int | None = Field(None, gt=0)
+    num_cpus: int | None = Field(default=None, gt=0)
     """CPUs of the local cluster; null: all."""
