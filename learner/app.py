@@ -2,21 +2,33 @@
 
 Heavy imports (torch, Ray, verl) happen here, after the config has been checked, so `--help` and
 `--check` stay instant. The local Ray cluster started for the workers is shut down on every exit.
+Once the workers are up the learner says so on the run's event channel (`common.run_events`), which
+bin/train follows instead of the log.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 
+class _Ready:
+    """Trainer.run's task status: it reports its address once its workers are up and it trains."""
+
+    def started(self, value: Any = None) -> None:
+        from common.run_events import Kind, emit
+
+        emit(Kind.READY, "learner", address=value)
+
+
 def run(config: Any, run_dir: Path) -> int:
     from learner.trainer import Trainer
 
     try:
-        return anyio.run(Trainer(config, run_dir).run)
+        return anyio.run(partial(Trainer(config, run_dir).run, task_status=_Ready()))
     finally:
         import ray
 

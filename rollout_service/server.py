@@ -48,6 +48,7 @@ from common.hostkey import host_key
 from common.identity import wire_identities
 from common.logging import get_logger
 from common.ratelimit import GlobalRateLimiter, set_shared
+from common.run_events import Kind, emit
 from common.rundir import resolve_run_dir
 from protocol.events import (
     Connected,
@@ -425,6 +426,8 @@ class RolloutServer:
     # -- weights -----------------------------------------------------------------------------------
     async def _weights_loop(self) -> None:
         async for ev in self.shipper.events:
+            if isinstance(ev, Connected | PeerClosed | PeerTimedOut):  # for bin/train (common/run_events.py)
+                emit(Kind.CONNECTED if isinstance(ev, Connected) else Kind.DISCONNECTED, self.server_id)
             if isinstance(ev, Connected):
                 # A learner that grants groups says so; grants of an earlier session are void.
                 self._granted = Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None

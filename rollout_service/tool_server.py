@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.logging import get_logger
+from common.run_events import Kind, emit
 from rollout_service.tools.base import Tool, ToolContext, ToolResult
 from rollout_service.tools.remote import result_to_json
 
@@ -235,6 +236,8 @@ async def run(config: Config, run_dir: Path) -> int:
             service.app, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5))  # a backstop; see _abandon_after_grace
         with bind_socket(settings.host, settings.port) as sock:
+            # The real port (port 0: the OS chose it) for bin/train, which waits for it.
+            emit(Kind.LISTENING, "tool-server", url=server_url(sock), port=sock.getsockname()[1])
             log.info("tool server listening", url=server_url(sock), tools=list(tools),
                      max_concurrent_calls=settings.max_concurrent_calls, token=settings.token is not None)
             async with anyio.create_task_group() as tg:

@@ -22,7 +22,7 @@ import anyio
 import numpy as np
 from anyio.from_thread import start_blocking_portal
 
-from learner.launch import free_port as launch_free_port
+from launcher.plan import free_port as launch_free_port
 from protocol import codec
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient

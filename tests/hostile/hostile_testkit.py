@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from learner.launch import free_port
+from launcher.plan import free_port
 from protocol import codec
 from protocol.messages import Ack, Error, Welcome
 from protocol.sender import RolloutConnection, SenderState

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from learner.launch import free_port
+from launcher.plan import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

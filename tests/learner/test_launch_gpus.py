@@ -12,8 +12,8 @@ import pytest
 
 from common.config import Config, ConfigError, load_config
 from common.config.launch import launch_issues, rollout_gpus_of
-from learner.launch import check_launch, plan_run
-from learner.launch_children import LAUNCH_ID_ENV, MULTICAST_OFF, child_env
+from launcher.plan import check_launch, plan_run
+from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", "trainer.total_training_steps=2"]

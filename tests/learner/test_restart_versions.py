@@ -158,7 +158,7 @@ def feed(tmp: Path, name: str, key: str) -> list[Any]:
 
 @pytest.mark.slow
 def test_sigkill_after_step_5_with_checkpoint_3_then_restart(tiny_model: Path, tmp_path: Path) -> None:
-    from learner.launch import free_port
+    from launcher.plan import free_port
 
     port = free_port("127.0.0.1")
     shm = Path(tempfile.mkdtemp(prefix="restart-test-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from learner.launch import free_port
+from launcher.plan import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

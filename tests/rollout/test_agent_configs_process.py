@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from learner.launch import free_port
+from launcher.plan import free_port
 from rollout_service.recording import read_recording
 from tools.make_tiny_data import make_tiny_data
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from anyio.from_thread import start_blocking_portal
 
-from learner.launch import free_port
+from launcher.plan import free_port
 from protocol.reference import ReferenceLearner
 from tools.make_tiny_data import make_tiny_data
 

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from learner.launch import free_port
+from launcher.plan import free_port
 from rollout_service.tool_server import make_app
 from rollout_service.tools import ToolContext, ToolResult
 from rollout_service.tools.base import function_schema

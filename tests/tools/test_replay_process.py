@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from learner.launch import free_port
+from launcher.plan import free_port
 
 pytestmark = pytest.mark.slow
 

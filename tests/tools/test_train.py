@@ -38,39 +38,57 @@ def test_help_and_check_are_instant(tmp_path: Path) -> None:
     assert "launch.rollout_servers" in bad.stderr and "launch.bogus" in bad.stderr
 
 
-def test_auto_port_only_on_loopback() -> None:
+def test_auto_port_binds_port_zero_only_on_loopback() -> None:
+    """Ports are bound once: a loopback learner/tool server binds port 0 and reports the port it
+    got; bin/train never picks a port and releases it before the child binds it."""
     from common.config import load_config
-    from learner.launch import launch_overrides
+    from launcher.plan import launch_overrides
 
     base = ["actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", "trainer.logger=[console]"]
     cfg = load_config(None, [*base, "learner.bind_address=tcp://127.0.0.1:5555", "launch.tool_server=true"],
                       check_paths=False)
-    over, url = launch_overrides(cfg, Path("/r/{x}"))
+    decided = launch_overrides(cfg, Path("/r/{x}"))
+    over = decided.overrides
     assert over[0] == 'trainer.run_dir="/r/{{x}}"' and over[1] == 'trainer.logger=["console", "jsonl"]'
-    bind = next(o for o in over if o.startswith("learner.bind_address="))
-    assert bind != 'learner.bind_address="tcp://127.0.0.1:5555"'
-    assert f"rollout_server.learner_address={bind.partition('=')[2]}" in over
-    assert url is not None and f"tools.remote.url={json.dumps(url)}" in over
+    assert 'learner.bind_address="tcp://127.0.0.1:0"' in over and "tool_server.port=0" in over
+    assert decided.learner_auto_port and decided.tool_auto_port and decided.tool_remote
+    assert decided.tool_health_url is None  # known once the tool server reports its port
+    assert not any(o.startswith(("rollout_server.learner_address", "tools.remote.url")) for o in over)
     cfg = load_config(None, [*base, "learner.bind_address=tcp://0.0.0.0:5555"], check_paths=False)
-    assert not any(o.startswith("learner.") for o in launch_overrides(cfg, Path("/r"))[0])
+    decided = launch_overrides(cfg, Path("/r"))
+    assert not decided.learner_auto_port and not any(o.startswith("learner.") for o in decided.overrides)
 
 
-def test_log_tail_and_connections(tmp_path: Path) -> None:
-    from learner.launch_console import Connections, JsonlTail
+def test_events_and_connections(tmp_path: Path) -> None:
+    """bin/train follows typed events (common/run_events.py), never the learner's log text."""
+    from common.run_events import EVENTS_ENV, Event, Kind, emit
+    from launcher.console import Connections, JsonlTail
 
-    log = tmp_path / "learner.jsonl"
-    log.write_text(json.dumps({"event": "rollout server joined", "peer": "rs0"}) + "\n")  # an earlier run
-    conns = Connections(log, ["rs0", "rs1"])
-    assert conns.poll() == [] and conns.missing == ["rs0", "rs1"]
-    with log.open("a") as f:
-        f.write(json.dumps({"event": "training"}) + "\nnot json\n")
-        f.write(json.dumps({"event": "rollout server joined", "peer": "rs1"}) + "\n")
-        f.write('{"event": "rollout server left", "pe')  # half a line: not yet
-    assert conns.poll() == [("ready", ""), ("joined", "rs1")]
-    with log.open("a") as f:
-        f.write('er": "rs1"}\n' + json.dumps({"event": "rollout server joined", "peer": "rs1"}) + "\n")
-    assert conns.poll() == [("left", "rs1"), ("rejoined", "rs1")]
-    assert conns.missing == ["rs0"] and conns.connected == {"rs1"}
+    events = tmp_path / "events.jsonl"
+    emit(Kind.CONNECTED, "rs0")  # no EVENTS_ENV: started by hand, nothing written
+    assert not events.exists()
+    os.environ[EVENTS_ENV] = str(events)
+    try:
+        emit(Kind.CONNECTED, "rs0")  # an earlier run
+        conns = Connections(events, ["rs0", "rs1"])
+        assert conns.poll() == [] and conns.missing == ["rs0", "rs1"]
+        emit(Kind.LISTENING, "learner", address="tcp://127.0.0.1:40001")
+        emit(Kind.READY, "learner", address="tcp://127.0.0.1:40001")
+        with events.open("a") as f:
+            f.write("not json\n" + json.dumps({"event": "some future kind", "source": "x"}) + "\n")
+        emit(Kind.CONNECTED, "rs1")
+        with events.open("a") as f:
+            f.write(Event(Kind.DISCONNECTED, "rs1", 0.0).to_json()[:20])  # half a line: not yet
+        assert conns.poll() == [("listening", "tcp://127.0.0.1:40001"), ("ready", ""), ("joined", "rs1")]
+        assert conns.learner_address == "tcp://127.0.0.1:40001"
+        with events.open("a") as f:
+            f.write(Event(Kind.DISCONNECTED, "rs1", 0.0).to_json()[20:] + "\n")
+        emit(Kind.CONNECTED, "rs1")
+        emit(Kind.LISTENING, "tool-server", url="http://127.0.0.1:40002", port=40002)
+        assert conns.poll() == [("left", "rs1"), ("rejoined", "rs1"), ("tool listening", "40002")]
+        assert conns.missing == ["rs0"] and conns.connected == {"rs1"} and conns.tool_port == 40002
+    finally:
+        del os.environ[EVENTS_ENV]
     tail = JsonlTail(tmp_path / "metrics.jsonl")  # not there yet
     assert tail.read() == []
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')

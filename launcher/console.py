@@ -1,10 +1,10 @@
 """What bin/train reads while its children run, and what it shows: progress and step lines.
 
-Design: bin/train learns what its children do only from files they already write, read
-incrementally from where they ended when the launch began (a resumed run appends to them): the
-learner's JSON log (``RUN_DIR/logs/learner.jsonl``: "rollout server joined"/"left", "training")
-tells which rollout servers are connected, and ``RUN_DIR/metrics.jsonl`` brings one record per
-finished step. The console shows a rich progress bar over the steps with the learner's own step
+Design: bin/train learns what its children do only from files they write, read incrementally
+from where they ended when the launch began (a resumed run appends to them): the event channel
+(``RUN_DIR/events.jsonl``, `common.run_events`: typed records, never log text) tells where the
+learner listens, when it is ready and which rollout servers are connected, and
+``RUN_DIR/metrics.jsonl`` brings one record per finished step. The console shows a rich progress bar over the steps with the learner's own step
 line (`learner.sinks.step_line`) above it; when stdout is not a terminal only the lines are printed.
 """
 
@@ -62,31 +62,44 @@ class JsonlTail:
 
 
 class Connections:
-    """Which rollout servers are connected to the learner, from its log's join/leave events."""
+    """Where the learner and tool server listen, whether the learner is ready and which rollout
+    servers are connected, from the event channel."""
 
-    JOINED, LEFT = "rollout server joined", "rollout server left"
-
-    def __init__(self, learner_log: Path, expected: list[str]) -> None:
-        self.tail = JsonlTail(learner_log)
+    def __init__(self, events_file: Path, expected: list[str]) -> None:
+        self.tail = JsonlTail(events_file)
         self.expected = expected
         self.connected: set[str] = set()
         self.ever: set[str] = set()
         self.learner_ready = False
+        self.learner_address: str | None = None
+        self.tool_port: int | None = None
 
     def poll(self) -> list[tuple[str, str]]:
-        """(event, peer) pairs since the last call: ("joined" | "rejoined" | "left", server id),
-        and ("ready", "") once the learner's workers are up."""
+        """(event, who) pairs since the last call: ("joined" | "rejoined" | "left", server id),
+        ("listening", address) when the learner's intake is bound, ("tool listening", port), and
+        ("ready", "") once the learner's workers are up."""
+        from common.run_events import Event, Kind
+
         events = []
         for record in self.tail.read():
-            event, peer = record.get("event"), str(record.get("peer", ""))
-            if event == self.JOINED:
+            event = Event.parse(record)
+            if event is None:
+                continue
+            if event.kind is Kind.CONNECTED:
+                peer = event.source
                 events.append(("rejoined" if peer in self.ever else "joined", peer))
                 self.connected.add(peer)
                 self.ever.add(peer)
-            elif event == self.LEFT:
-                self.connected.discard(peer)
-                events.append(("left", peer))
-            elif event == "training" and not self.learner_ready:
+            elif event.kind is Kind.DISCONNECTED:
+                self.connected.discard(event.source)
+                events.append(("left", event.source))
+            elif event.kind is Kind.LISTENING and event.source == "learner":
+                self.learner_address = str(event.data.get("address"))
+                events.append(("listening", self.learner_address))
+            elif event.kind is Kind.LISTENING and event.source == "tool-server":
+                self.tool_port = int(event.data.get("port", 0))
+                events.append(("tool listening", str(self.tool_port)))
+            elif event.kind is Kind.READY and not self.learner_ready:
                 self.learner_ready = True
                 events.append(("ready", ""))
         return events

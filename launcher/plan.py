@@ -1,20 +1,13 @@
-"""bin/train: a whole training job on this machine from one config, supervised until it ends.
+"""bin/train's plan: from one config, the run directory and the children it will run.
 
-Design: bin/train validates the config, then starts the learner, `launch.rollout_servers` rollout
+Design: bin/train validates the config, then plans the learner, `launch.rollout_servers` rollout
 servers (shard i of N, server id rs<i>) and optionally a tool server as separate processes, each
-from the same config file and overrides plus a few of its own (the run directory, free loopback
-ports, the shard), so every process could also be started by hand with the same command line.
-Children log to ``RUN_DIR/logs/<name>.log``; bin/train itself shows only progress, per-step lines
-and errors. It never sleeps to wait for a peer: it polls the files the children write (the learner's
-JSON log says which rollout servers joined; metrics.jsonl says which steps finished).
-
-Ending: the learner exiting 0 with every step done is success; the children are stopped (see
-`learner.launch_children.stop_all`), the curves are drawn and a summary printed (exit 0). A dead
-rollout server is restarted on its shard (its cursor and spool resume it) up to
-`launch.max_restarts` times; the learner or the tool server dying, restarts running out, the
-rollout servers not connecting within `launch.connect_timeout_s`, or a step count short of the
-total stop everything (exit 1, naming the process and its log). SIGINT/SIGTERM stop everything
-(exit 130); a second one skips the grace period.
+from the same config file and overrides plus a few of its own (the run directory, the shard), so
+every process could also be started by hand with the same command line. Ports are bound once: with
+`launch.auto_port` a loopback learner (and tool server) binds port 0 and reports the port it got on
+the run's event channel (``RUN_DIR/events.jsonl``, `common.run_events`); the supervisor then starts
+the rollout servers with that address (`rollout_overrides`). Nothing here starts a process; this
+module imports nothing of the supervisor (``launcher/supervisor.py`` imports it).
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
-import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily (bin/train --help stays instant)
     from common.config import Config
-    from learner.launch_children import Child
+    from launcher.children import Child
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES_FILE = "processes.json"
@@ -52,12 +44,25 @@ class Plan:
     rollouts: list[Child]
     tool_server: Child | None = None
     tool_health_url: str | None = None
+    """Where the tool server answers GET /health; None until it reports its port (auto port)."""
     overrides: list[str] = field(default_factory=list)
     """The overrides bin/train added for every child."""
+    learner_auto_port: bool = False
+    """The learner binds port 0: the rollout servers wait for the address it reports."""
+    tool_auto_port: bool = False
+    """The tool server binds port 0: the rollout servers wait for the URL it reports."""
+    tool_remote: bool = False
+    """Whether the rollout servers' tools.remote.url is pointed at our tool server."""
 
     @property
     def children(self) -> list[Child]:
         return [c for c in (self.tool_server, self.learner, *self.rollouts) if c is not None]
+
+    @property
+    def events_file(self) -> Path:
+        from common.run_events import EVENTS_FILE
+
+        return self.run_dir / EVENTS_FILE
 
 
 # ---------------------------------------------------------------- planning
@@ -81,7 +86,8 @@ def is_loopback(host: str) -> bool:
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now (released at once: the child binds it moments later)."""
+    """A TCP port free on `host` now, released at once. For tests that must name a port before
+    anything binds it; bin/train itself never picks ports (its children bind port 0)."""
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -93,44 +99,75 @@ def _yaml(value: Any) -> str:
     return json.dumps(value)  # JSON is YAML: quoted strings and lists survive the override parser
 
 
-def launch_overrides(config: Config, run_dir: Path) -> tuple[list[str], str | None]:
-    """The overrides every child gets, and the URL at which the tool server (if any) answers."""
+def tool_url(host: str, port: int) -> str:
+    """The URL at which a tool server bound to host:port answers on this machine."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    local = f"[{local}]" if ":" in local else local
+    return f"http://{local}:{port}"
+
+
+@dataclass
+class LaunchOverrides:
+    """What `launch_overrides` decides: the overrides every child gets, and which ports are bound
+    at 0 (their real value arrives on the event channel)."""
+
+    overrides: list[str]
+    learner_auto_port: bool = False
+    tool_auto_port: bool = False
+    tool_health_url: str | None = None
+    """The tool server's URL when its port is fixed (known up front)."""
+    tool_remote: bool = False
+
+
+def launch_overrides(config: Config, run_dir: Path) -> LaunchOverrides:
+    """The overrides every child gets, and which ports bin/train leaves to the children to bind."""
     from urllib.parse import urlsplit
 
     launch = config.launch
     escaped = str(run_dir).replace("{", "{{").replace("}", "}}")  # trainer.run_dir is a format string
-    out = [f"trainer.run_dir={_yaml(escaped)}"]
+    out = LaunchOverrides([f"trainer.run_dir={_yaml(escaped)}"])
     if "jsonl" not in config.trainer.logger:  # bin/train follows the run through metrics.jsonl
-        out.append(f"trainer.logger={_yaml([*config.trainer.logger, 'jsonl'])}")
+        out.overrides.append(f"trainer.logger={_yaml([*config.trainer.logger, 'jsonl'])}")
     scheme, host, _ = _split_endpoint(config.learner.bind_address)
     if launch.auto_port and scheme == "tcp" and is_loopback(host):
-        address = f"tcp://{host}:{free_port(host)}"
-        out += [f"learner.bind_address={_yaml(address)}", f"rollout_server.learner_address={_yaml(address)}"]
-    health_url = None
+        # Port 0: the learner binds a free port itself and reports it (never pick, then bind).
+        out.overrides.append(f"learner.bind_address={_yaml(f'tcp://{host}:0')}")
+        out.learner_auto_port = True
     if launch.tool_server:
         ts = config.tool_server
-        port = ts.port
-        if port == 0 or (launch.auto_port and is_loopback(ts.host)):
-            port = free_port(ts.host)
-            out.append(f"tool_server.port={port}")
-        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ts.host, ts.host)
-        local = f"[{local}]" if ":" in local else local
-        health_url = f"http://{local}:{port}"
+        if ts.port == 0 or (launch.auto_port and is_loopback(ts.host)):
+            out.overrides.append("tool_server.port=0")
+            out.tool_auto_port = True
+        else:
+            out.tool_health_url = tool_url(ts.host, ts.port)
         remote = config.tools.remote.url
-        if remote is None or is_loopback(urlsplit(remote).hostname or ""):
-            out.append(f"tools.remote.url={_yaml(health_url)}")
-    return out, health_url
+        out.tool_remote = remote is None or is_loopback(urlsplit(remote).hostname or "")
+        if out.tool_remote and out.tool_health_url is not None:
+            out.overrides.append(f"tools.remote.url={_yaml(out.tool_health_url)}")
+    return out
+
+
+def rollout_overrides(plan: Plan, learner_address: str | None, tool_health_url: str | None) -> list[str]:
+    """What the rollout servers get once the ports bound at 0 are known."""
+    out = []
+    if plan.learner_auto_port and learner_address is not None:
+        out.append(f"rollout_server.learner_address={_yaml(learner_address)}")
+    if plan.tool_auto_port and plan.tool_remote and tool_health_url is not None:
+        out.append(f"tools.remote.url={_yaml(tool_health_url)}")
+    return out
 
 
 def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Config,
              log_format: str | None) -> Plan:
     from common.config import load_config
     from common.config.launch import rollout_gpus_of
+    from common.epochs import total_steps
     from common.rundir import resolve_run_dir
-    from learner.launch_children import Child, child_env, python_argv
+    from launcher.children import Child, child_env, python_argv
 
     run_dir = resolve_run_dir(config).resolve()
-    extra, health_url = launch_overrides(config, run_dir)
+    decided = launch_overrides(config, run_dir)
+    extra = decided.overrides
     final = load_config(config_file, [*user_overrides, *extra], check_paths=True)
     base = ["--config", config_file] if config_file is not None else []
     base += [*user_overrides, *extra]
@@ -138,25 +175,24 @@ def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Con
         base += ["--log-format", log_format]
     launch_id = uuid.uuid4().hex
     logs = run_dir / "logs"
+    from common.run_events import EVENTS_FILE
+
+    events = run_dir / EVENTS_FILE
 
     def child(name: str, title: str, script: str, *args: str, gpus: list[int] | None = None) -> Child:
         return Child(name, title, python_argv(ROOT / "bin" / script, [*base, *args]), logs / f"{name}.log",
-                     child_env(launch_id, gpus))
+                     child_env(launch_id, gpus, events_file=events))
 
     n = final.launch.rollout_servers
     rollouts = [child(f"rollout-{i}", f"rollout server rs{i}", "rollout-server", f"rollout_server.shard_index={i}",
                       f"rollout_server.shard_count={n}", f"rollout_server.server_id=rs{i}",
                       gpus=rollout_gpus_of(final.launch, i)) for i in range(n)]
-    if final.trainer.total_training_steps:
-        total = final.trainer.total_training_steps
-    else:  # learner.trainer imports torch: only when the steps must be counted
-        from learner.trainer import total_steps
-
-        total = total_steps(final)
-    return Plan(config=final, run_dir=run_dir, total_steps=total, launch_id=launch_id,
+    return Plan(config=final, run_dir=run_dir, total_steps=total_steps(final), launch_id=launch_id,
                 learner=child("learner", "learner", "learner", gpus=final.launch.learner_gpus), rollouts=rollouts,
                 tool_server=child("tool-server", "tool server", "tool-server") if final.launch.tool_server else None,
-                tool_health_url=health_url, overrides=extra)
+                tool_health_url=decided.tool_health_url, overrides=extra,
+                learner_auto_port=decided.learner_auto_port, tool_auto_port=decided.tool_auto_port,
+                tool_remote=decided.tool_remote)
 
 
 def check_launch(config: Config, config_file: str | None, overrides: Sequence[str]) -> None:
@@ -184,50 +220,3 @@ def check_launch(config: Config, config_file: str | None, overrides: Sequence[st
         return hits[-1] if hits else config_file
 
     raise ConfigError(issues).with_sources(blame)
-
-
-# ---------------------------------------------------------------- the command
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from common.cli import build_parser
-
-    parser = build_parser(
-        "train",
-        "Run a whole training job on this machine: the learner, launch.rollout_servers rollout "
-        "servers (and a tool server with launch.tool_server=true), all from one config and one run "
-        "directory; shows progress, restarts rollout servers that die, stops everything on "
-        "Ctrl-C, and draws RUN_DIR/training_curves.png at the end.",
-    )
-    args = parser.parse_args(argv)
-
-    from common.config import ConfigError, dump_config, load_config
-    from common.logging import configure_logging, format_from_env, get_logger
-    from common.rundir import prepare_run_dir
-
-    try:
-        config = load_config(args.config, args.overrides, check_paths=True)
-        check_launch(config, args.config, args.overrides)
-        if args.check:
-            from common.cli import ROLLOUT_PREFLIGHT, TOOL_SERVER_PREFLIGHT, check_preflight
-
-            # The names and data the rollout servers (and the tool server) would refuse at start.
-            preflights = [ROLLOUT_PREFLIGHT, *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else [])]
-            if status := max(check_preflight(p, config) for p in preflights):
-                return status
-            sys.stdout.write(dump_config(config))
-            return 0
-        plan = plan_run(args.config, args.overrides, config, args.log_format)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    prepare_run_dir(plan.config, plan.run_dir)
-    configure_logging(args.log_format or format_from_env(plan.config.logging.format),
-                      plan.config.logging.level, component="train",
-                      file=plan.run_dir / "logs" / "train.jsonl")
-    from learner.launch_supervisor import Supervisor
-
-    try:
-        return Supervisor(plan, get_logger("learner.launch")).run()
-    except KeyboardInterrupt:  # a Ctrl-C after the children were stopped (while plotting)
-        return 130

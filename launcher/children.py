@@ -90,12 +90,17 @@ memory and NVSHMEM. The multi-GPU machines the project runs on fail collectives 
 
 
 def child_env(launch_id: str, gpus: Sequence[int] | None = None,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
+              base: Mapping[str, str] | None = None, *, events_file: Path | None = None) -> dict[str, str]:
     """A child's environment: `base` (default: ours) plus the launch id, unbuffered output, the
-    multicast switches of `MULTICAST_OFF` (unless `base` sets them) and, when `gpus` is not None,
+    multicast switches of `MULTICAST_OFF` (unless `base` sets them), the event channel's file
+    (`common.run_events.EVENTS_ENV`) when given and, when `gpus` is not None,
     ``CUDA_VISIBLE_DEVICES`` naming exactly those GPUs (an empty list hides every GPU)."""
+    from common.run_events import EVENTS_ENV
+
     env = dict(os.environ if base is None else base)
     env[LAUNCH_ID_ENV] = launch_id
+    if events_file is not None:
+        env[EVENTS_ENV] = str(events_file)
     env["PYTHONUNBUFFERED"] = "1"  # log files follow the process as it runs
     for key, value in MULTICAST_OFF.items():
         env.setdefault(key, value)

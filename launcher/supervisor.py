@@ -1,8 +1,11 @@
 """bin/train's supervision loop: start the children, follow the run, restart, stop, report.
 
 Design: one loop on the main thread, every `POLL_S`: signals first (a handler only records them),
-then the learner's exit, the tool server's, each rollout server's, then the learner's log (who is
-connected) and metrics.jsonl (steps done). Every way out of the loop goes through one `finally`
+then the learner's exit, the tool server's, each rollout server's, then the event channel (where
+the learner listens, who is connected; ``RUN_DIR/events.jsonl``) and metrics.jsonl (steps done).
+The rollout servers start once the learner's address is known (it binds port 0 with
+`launch.auto_port` and reports the port) and the tool server, if any, answers. Every start and
+exit of a child is appended to the event channel too, so it holds the whole story of a launch. Every way out of the loop goes through one `finally`
 that stops all children and sweeps their stray descendants, so nothing of a run outlives bin/train
 whatever ends it. Failures are reported after the stop, with the tail of the failed child's log.
 """
@@ -19,9 +22,10 @@ from types import FrameType
 from typing import Any
 
 from common.fileio import atomic_write_bytes
-from learner.launch import POLL_S, PROCESSES_FILE, TAIL_LINES, Plan
-from learner.launch_children import Child, kill_tree, stop_all, sweep
-from learner.launch_console import Connections, Display, JsonlTail, metric_values, summary_lines
+from common.run_events import Event, Kind, append
+from launcher.children import Child, kill_tree, stop_all, sweep
+from launcher.console import Connections, Display, JsonlTail, metric_values, summary_lines
+from launcher.plan import POLL_S, PROCESSES_FILE, TAIL_LINES, Plan, rollout_overrides, tool_url
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -35,12 +39,11 @@ class Supervisor:
         """(message, the child it names, children whose log tails to show)."""
         self.records: list[dict[str, Any]] = []
         self.metrics = JsonlTail(plan.run_dir / "metrics.jsonl")
-        self.connections = Connections(plan.run_dir / "logs" / "learner.jsonl",
-                                       [f"rs{i}" for i in range(len(plan.rollouts))])
-        # Without info records in the learner's log the joins cannot be seen: do not wait for them.
-        self.track_connections = plan.config.logging.level in ("debug", "info")
+        self.connections = Connections(plan.events_file, [f"rs{i}" for i in range(len(plan.rollouts))])
         self.rollouts_started = False
         self.finished: set[str] = set()
+        self.exited: set[str] = set()
+        """Children whose exit is already on the event channel (one EXITED per incarnation)."""
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -52,9 +55,6 @@ class Supervisor:
             self.log.info("starting", run_dir=str(plan.run_dir), logs=str(plan.run_dir / "logs"),
                           rollout_servers=len(plan.rollouts), tool_server=plan.tool_server is not None,
                           steps=plan.total_steps)
-            if not self.track_connections:
-                self.log.warning("logging.level hides the learner's info records: not waiting for "
-                                 "rollout servers to connect")
             if plan.tool_server is not None:
                 self._start(plan.tool_server, "start")
             self._start(plan.learner, "start")
@@ -68,6 +68,7 @@ class Supervisor:
             t0 = time.monotonic()
             killed = stop_all(plan.children, plan.config.launch.stop_timeout_s,
                               hurry=lambda: len(self.signals) > 1)
+            self._record_exits()
             if stray := sweep(plan.launch_id):
                 self.log.warning("killed processes that had left their group", pids=stray)
             self.log.info("every process stopped", seconds=round(time.monotonic() - t0, 1),
@@ -96,17 +97,24 @@ class Supervisor:
             if ts is not None and ts.returncode() is not None:
                 return self._fail(f"{ts.title} died ({ts.describe_exit()})", ts)
             if not self.rollouts_started:
-                if self._tool_server_ready():
+                learner_known = not plan.learner_auto_port or self.connections.learner_address is not None
+                if learner_known and self._tool_server_ready():
+                    extra = rollout_overrides(plan, self.connections.learner_address, plan.tool_health_url)
                     for child in plan.rollouts:
+                        child.argv += extra  # restarts keep them: the learner's address does not change
                         self._start(child, "start")
                     self.rollouts_started = True
                 elif time.monotonic() > connect_deadline:
+                    if not learner_known:
+                        return self._fail(f"the learner did not bind its address within "
+                                          f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
+                                          plan.learner)
                     return self._fail(f"tool server did not answer {plan.tool_health_url}/health within "
                                       f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)", ts)
             for child in plan.rollouts:
                 if (status := self._check_rollout(child)) is not None:
                     return status
-            waiting = self.track_connections and self.connections.missing
+            waiting = self.connections.missing
             if waiting and time.monotonic() > connect_deadline:
                 missing = [c for i, c in enumerate(plan.rollouts) if f"rs{i}" in waiting]
                 names = ", ".join(c.title for c in missing)
@@ -121,13 +129,34 @@ class Supervisor:
 
     def _start(self, child: Child, note: str) -> None:
         child.start(note)
+        self.exited.discard(child.name)
+        self._event(Kind.STARTED, child.name, pid=child.pid, note=note)
         self._write_processes()
         self.log.info(f"{child.title} started", pid=child.pid, log=str(child.log))
 
+    def _event(self, kind: Kind, source: str, **data: Any) -> None:
+        try:
+            append(self.plan.events_file, Event(kind, source, time.time(), data))
+        except OSError as e:  # the channel informs; it must not end the run
+            self.log.warning("could not append to the event channel", error=str(e))
+
+    def _record_exits(self) -> None:
+        """One EXITED event per child incarnation that has ended (deaths included)."""
+        for child in self.plan.children:
+            code = child.returncode()
+            if code is not None and child.name not in self.exited:
+                self.exited.add(child.name)
+                self._event(Kind.EXITED, child.name, pid=child.pid, code=code, exit=child.describe_exit())
+
     def _poll_files(self) -> None:
+        self._record_exits()
         for event, peer in self.connections.poll():
             if event == "ready":
                 self.log.info("learner ready")
+            elif event == "listening":
+                self.log.info("learner listening", address=peer)
+            elif event == "tool listening" and self.plan.tool_server is not None:
+                self.plan.tool_health_url = tool_url(self.plan.config.tool_server.host, int(peer))
             elif event in ("joined", "rejoined"):
                 n, total = len(self.connections.ever), len(self.connections.expected)
                 self.log.info(f"rollout server {peer} {'re' if event == 'rejoined' else ''}connected",
@@ -143,8 +172,10 @@ class Supervisor:
         """True when there is no tool server or it answers GET /health (rollout servers ask it
         for its tools as they start)."""
         url = self.plan.tool_health_url
-        if self.plan.tool_server is None or url is None:
+        if self.plan.tool_server is None:
             return True
+        if url is None:  # it binds port 0 and has not reported its port yet
+            return False
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
                 ready = bool(response.status == 200)
@@ -187,6 +218,7 @@ class Supervisor:
                               f"{child.restarts} time(s) already (launch.max_restarts={limit})", child)
         self.log.warning(f"{child.title} died ({child.describe_exit()}): restarting "
                          f"({child.restarts + 1}/{limit})", log=str(child.log))
+        self._record_exits()  # its death, before the restart starts a new incarnation
         kill_tree(child)  # its vLLM engine process too, before a new one loads the model
         child.restarts += 1
         self._start(child, f"restart {child.restarts} after {child.describe_exit()}")

@@ -1,0 +1,65 @@
+"""bin/train: a whole training job on this machine from one config, supervised until it ends.
+
+Design: the command checks the config (``--check`` stops there), plans the children
+(`launcher.plan`) and hands them to the supervisor (`launcher.supervisor`), which starts them,
+follows the run through the event channel and metrics.jsonl, and stops them all however it ends.
+Every import past argument parsing is lazy, so ``--help`` stays instant.
+
+Ending: the learner exiting 0 with every step done is success; the children are stopped (see
+`launcher.children.stop_all`), the curves are drawn and a summary printed (exit 0). A dead
+rollout server is restarted on its shard (its cursor and spool resume it) up to
+`launch.max_restarts` times; the learner or the tool server dying, restarts running out, the
+rollout servers not connecting within `launch.connect_timeout_s`, or a step count short of the
+total stop everything (exit 1, naming the process and its log). SIGINT/SIGTERM stop everything
+(exit 130); a second one skips the grace period. A bad config exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from common.cli import build_parser
+
+    parser = build_parser(
+        "train",
+        "Run a whole training job on this machine: the learner, launch.rollout_servers rollout "
+        "servers (and a tool server with launch.tool_server=true), all from one config and one run "
+        "directory; shows progress, restarts rollout servers that die, stops everything on "
+        "Ctrl-C, and draws RUN_DIR/training_curves.png at the end.",
+    )
+    args = parser.parse_args(argv)
+
+    from common.config import ConfigError, dump_config, load_config
+    from common.logging import configure_logging, format_from_env, get_logger
+    from common.rundir import prepare_run_dir
+    from launcher.plan import check_launch, plan_run
+
+    try:
+        config = load_config(args.config, args.overrides, check_paths=True)
+        check_launch(config, args.config, args.overrides)
+        if args.check:
+            from common.cli import ROLLOUT_PREFLIGHT, TOOL_SERVER_PREFLIGHT, check_preflight
+
+            # The names and data the rollout servers (and the tool server) would refuse at start.
+            preflights = [ROLLOUT_PREFLIGHT, *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else [])]
+            if status := max(check_preflight(p, config) for p in preflights):
+                return status
+            sys.stdout.write(dump_config(config))
+            return 0
+        plan = plan_run(args.config, args.overrides, config, args.log_format)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    prepare_run_dir(plan.config, plan.run_dir)
+    configure_logging(args.log_format or format_from_env(plan.config.logging.format),
+                      plan.config.logging.level, component="train",
+                      file=plan.run_dir / "logs" / "train.jsonl")
+    from launcher.supervisor import Supervisor
+
+    try:
+        return Supervisor(plan, get_logger("launcher")).run()
+    except KeyboardInterrupt:  # a Ctrl-C after the children were stopped (while plotting)
+        return 130
