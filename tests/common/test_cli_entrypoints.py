@@ -304,3 +304,58 @@ def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path
     result = run_bin(TRAIN, "--config", str(config_file), "--check", f"data.train_files={bad}")
     assert result.returncode == 2
     assert "unknown agent type 'no_such_agent'" in result.stderr
+
+
+# ---------------------------------------------------------------- bin/* from any shell
+
+
+def _bare_env() -> dict[str, str]:
+    """What `env -i PATH=/usr/bin:/bin HOME=$HOME` leaves: no venv activated, no PYTHONPATH."""
+    import os
+
+    return {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def _system_python() -> str:
+    import shutil
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no python3 on /usr/bin:/bin")
+    return python
+
+
+def test_entrypoints_run_from_a_shell_without_the_venv() -> None:
+    """The issue's check: a plain shell (the script's shebang finds the system python3) re-runs
+    the entrypoint with .venv/bin/python; --help stays fast through the re-exec."""
+    _system_python()
+    result = subprocess.run([str(ROLLOUT_SERVER), "--config", str(REPO / "configs" / "tiny_statelm.yaml"), "--check"],
+                            env=_bare_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "rollout_server:" in result.stdout
+    for name in ("train", "learner", "tool-server", "plot", "conformance", "replay"):
+        start = time.perf_counter()
+        result = subprocess.run([str(REPO / "bin" / name), "--help"], env=_bare_env(), capture_output=True,
+                                text=True, timeout=30, cwd=REPO)
+        assert result.returncode == 0, (name, result.stderr)
+        assert "usage" in result.stdout.lower()
+        assert time.perf_counter() - start < 2.0, name
+
+
+def test_missing_venv_says_run_setup(tmp_path: Path) -> None:
+    """A checkout without .venv, run by a Python without the project's packages: one line that
+    says to run bin/setup, not a ModuleNotFoundError."""
+    import shutil
+
+    python = _system_python()
+    if subprocess.run([python, "-c", "import structlog"], capture_output=True, env=_bare_env()).returncode == 0:
+        pytest.skip("the system python has the project's packages: nothing to refuse")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "common").mkdir()
+    shutil.copy(ROLLOUT_SERVER, tmp_path / "bin" / "rollout-server")
+    shutil.copy(REPO / "common" / "venv.py", tmp_path / "common" / "venv.py")
+    (tmp_path / "common" / "__init__.py").write_text("")
+    result = subprocess.run([python, str(tmp_path / "bin" / "rollout-server"), "--help"], env=_bare_env(),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "run bin/setup" in result.stderr and "ModuleNotFoundError" not in result.stderr
