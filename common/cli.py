@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # imported lazily at run time, see the module docstring
 LEARNER_TARGET = "learner.app:run"
 ROLLOUT_SERVER_TARGET = "rollout_service.app:run"
 TOOL_SERVER_TARGET = "rollout_service.tool_server:run"
+LEARNER_PREFLIGHT = "learner.sinks:preflight_issues"  # metric sinks whose package is missing
 ROLLOUT_PREFLIGHT = "rollout_service.preflight:check_issues"
 TOOL_SERVER_PREFLIGHT = "rollout_service.preflight:tool_server_issues"
 
@@ -154,6 +155,7 @@ def learner_main(argv: Sequence[str] | None = None) -> int:
         "policy with Ray + FSDP and streams new weights back.",
         target=LEARNER_TARGET,
         component="learner",
+        preflight=LEARNER_PREFLIGHT,
     )
 
 

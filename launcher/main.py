@@ -40,15 +40,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides, check_paths=True)
         check_launch(config, args.config, args.overrides)
-        if args.check:
-            from common.cli import ROLLOUT_PREFLIGHT, TOOL_SERVER_PREFLIGHT, check_preflight
+        from common.cli import LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT, TOOL_SERVER_PREFLIGHT, check_preflight
 
-            # The names and data the rollout servers (and the tool server) would refuse at start.
-            preflights = [ROLLOUT_PREFLIGHT, *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else [])]
+        if args.check:
+            # What the learner (its metric sinks), the rollout servers (names, data) and the tool
+            # server would refuse at start.
+            preflights = [LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT,
+                          *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else [])]
             if status := max(check_preflight(p, config) for p in preflights):
                 return status
             sys.stdout.write(dump_config(config))
             return 0
+        if status := check_preflight(LEARNER_PREFLIGHT, config):  # cheap; else it fails after Ray
+            return status
         plan = plan_run(args.config, args.overrides, config, args.log_format)
     except ConfigError as exc:
         print(exc, file=sys.stderr)

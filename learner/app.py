@@ -25,6 +25,14 @@ class _Ready:
 
 
 def run(config: Any, run_dir: Path) -> int:
+    import sys
+
+    from learner.sinks import missing_sink_packages
+
+    # Before Ray and the workers: a sink that cannot be built would fail only after them.
+    if missing := missing_sink_packages(config.trainer.logger):
+        print("\n".join(missing), file=sys.stderr)
+        return 2
     from learner.trainer import Trainer
 
     try:

@@ -47,6 +47,32 @@ WANDB_MISSING = (
     "trainer.logger includes wandb but the wandb package is not installed: "
     "pip install wandb, or drop wandb from trainer.logger"
 )
+SINK_PACKAGES: dict[str, tuple[str, str]] = {
+    "wandb": ("wandb", WANDB_MISSING),
+    "tensorboard": ("tensorboardX", "trainer.logger includes tensorboard but the tensorboardX package is not "
+                    "installed: pip install tensorboardX, or drop tensorboard from trainer.logger"),
+}
+"""Sinks whose package is optional: the package and the message that says how to get it."""
+
+
+def missing_sink_packages(loggers: Sequence[str]) -> list[str]:
+    """One message per configured sink whose package is not installed (found without importing
+    it: `--check` stays fast), so a run refuses it before Ray starts rather than after."""
+    import importlib.util
+    import sys
+
+    def installed(package: str) -> bool:
+        if package in sys.modules:  # imported already (or blocked: None)
+            return sys.modules[package] is not None
+        return importlib.util.find_spec(package) is not None
+
+    return [message for name in dict.fromkeys(loggers) if name in SINK_PACKAGES
+            for package, message in [SINK_PACKAGES[name]] if not installed(package)]
+
+
+def preflight_issues(config: Any) -> tuple[list[str], list[str]]:
+    """bin/learner --check (and bin/train's): the sinks this learner would fail to build."""
+    return missing_sink_packages(config.trainer.logger), []
 
 
 @dataclass(frozen=True)

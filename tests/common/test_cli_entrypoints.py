@@ -359,3 +359,27 @@ def test_missing_venv_says_run_setup(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "run bin/setup" in result.stderr and "ModuleNotFoundError" not in result.stderr
+
+
+def test_check_refuses_a_sink_whose_package_is_missing(config_file: Path) -> None:
+    """trainer.logger=[..., wandb] without wandb installed: refused by --check (bin/learner and
+    bin/train) and at start before Ray, with the install hint, not a traceback after Ray."""
+    import importlib.util
+
+    from learner.sinks import WANDB_MISSING, missing_sink_packages
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    assert missing_sink_packages(["console", "jsonl", "wandb", "wandb"]) == [WANDB_MISSING]
+    for script in (LEARNER, TRAIN):
+        result = run_bin(script, "--config", str(config_file), "--check", "trainer.logger=[console,wandb]",
+                         "launch.rollout_servers=1")
+        assert result.returncode == 2, (script.name, result.stderr)
+        assert "pip install wandb" in result.stderr and "Traceback" not in result.stderr
+    assert run_bin(LEARNER, "--config", str(config_file), "--check", "trainer.logger=[console]").returncode == 0
+    # The start, before Ray: the learner's run target refuses it first.
+    from common.config import load_config as load
+    from learner.app import run
+
+    config = load(str(config_file), ["trainer.logger=[console,wandb]"], check_paths=False)
+    assert run(config, config_file.parent) == 2
