@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = plan_run(args.config, args.overrides, config, args.log_format)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        if "model.path" in str(exc) and (hint := model_hint(args.config)):
+            print(f"the model this config needs is made by: {hint}", file=sys.stderr)
         return 2
     prepare_run_dir(plan.config, plan.run_dir)
     configure_logging(args.log_format or format_from_env(plan.config.logging.format),
@@ -67,3 +69,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Supervisor(plan, get_logger("launcher")).run()
     except KeyboardInterrupt:  # a Ctrl-C after the children were stopped (while plotting)
         return 130
+
+
+MODEL_HINT = "# model made by:"
+"""A config's header line naming the command that writes its model (configs/gpu_e2e.yaml)."""
+
+
+def model_hint(config_file: str | None) -> str | None:
+    """The command a config names for making its model, for the error when the model is missing."""
+    if config_file is None:
+        return None
+    try:
+        lines = open(config_file, encoding="utf-8").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(MODEL_HINT):
+            return line[len(MODEL_HINT):].strip()
+    return None

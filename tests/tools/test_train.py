@@ -38,6 +38,15 @@ def test_help_and_check_are_instant(tmp_path: Path) -> None:
     assert "launch.rollout_servers" in bad.stderr and "launch.bogus" in bad.stderr
 
 
+def test_missing_model_names_the_command_that_makes_it(tmp_path: Path) -> None:
+    """configs/gpu_e2e.yaml's model is written by bench/e2e.py: the error says so."""
+    out = subprocess.run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "gpu_e2e.yaml"), "--check",
+                          f"actor_rollout_ref.model.path={tmp_path / 'absent'}"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2
+    assert "made by: python3 bench/e2e.py --workload calc --prepare-only" in out.stderr
+
+
 def test_auto_port_binds_port_zero_only_on_loopback() -> None:
     """Ports are bound once: a loopback learner/tool server binds port 0 and reports the port it
     got; bin/train never picks a port and releases it before the child binds it."""

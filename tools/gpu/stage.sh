@@ -2,6 +2,8 @@
 # Stage everything the project needs on an air-gapped GPU machine (Python 3.12, torch 2.11.0+cu130 and
 # the packages of .library/device/KINDS.md preinstalled) as wheels in pieces of <= 58 MiB.
 # Usage: tools/gpu/stage.sh [--force] [DEST]      (default DEST=.gpu; run where pip has network)
+#   FETCH_VLLM_WHEELS=SCRIPT  the script that writes the vLLM set (called as SCRIPT DEST); needed
+#   unless DEST already holds one. Default: ../shared/gpu/fetch-vllm-wheels.sh next to the clone.
 #
 # Design: two independent tar streams, each split into 58 MiB pieces (a piece + the ~2 MB repo fits
 # one 64 MiB transfer):
@@ -19,7 +21,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 force=0 dest=.gpu
-for a in "$@"; do case $a in --force) force=1 ;; -h|--help) sed -n 2,4p "$0"; exit 0 ;; *) dest=$a ;; esac; done
+for a in "$@"; do case $a in --force) force=1 ;; -h|--help) sed -n 2,6p "$0"; exit 0 ;; *) dest=$a ;; esac; done
 vllm_version=0.24.0
 fetch=${FETCH_VLLM_WHEELS:-$root/../shared/gpu/fetch-vllm-wheels.sh}
 verl_spec=$(grep -o 'verl==[0-9][0-9.]*' "$root/bin/setup" | head -1 || true)
@@ -52,6 +54,16 @@ write_stamp() {  # record the pieces, after checking that their stream holds vll
 if [[ $force == 0 ]] && { stamp_ok || { compgen -G "$dest/part*.d" > /dev/null && write_stamp 2> /dev/null; }; }; then
   echo "stage.sh: vLLM $vllm_version pieces already in $dest/part*.d (--force fetches them again)"
 else
+  if [[ ! -x $fetch ]]; then  # a fresh clone has no ../shared: say what is needed, before any work
+    cat >&2 <<MSG
+stage.sh: the vLLM $vllm_version wheel set must be fetched, and the script that does it is missing:
+  $fetch
+Set FETCH_VLLM_WHEELS=/path/to/fetch-vllm-wheels.sh (called as SCRIPT DEST; it writes DEST/partNN.d/partNN,
+pieces of <= 58 MiB of a tar of vllm==$vllm_version and its dependency wheels for CPython 3.12
+manylinux x86_64), or copy an already staged set (part*.d and vllm-set.txt) into $dest.
+MSG
+    exit 2
+  fi
   rm -f "$stamp"; quiet "$fetch" "$dest"; write_stamp || { echo "stage.sh: $fetch made no vllm $vllm_version set" >&2; exit 1; }
 fi
 t1=$SECONDS
