@@ -33,6 +33,9 @@ class Panel:
 
 PANELS = (
     Panel("reward", ("reward/mean",), pattern=r"^reward/mean/.+"),
+    # The demo's story: the warmed model calls the calculator in about a third of its episodes,
+    # and RL raises that; each tool call adds a turn, so turns per episode is the tool-call rate.
+    Panel("tool use (turns per episode)", ("episode/turns_mean", "val/episode/turns_mean")),
     Panel("KL", ("actor/kl_loss", "kl_in_reward/kl")),
     Panel("entropy", ("actor/entropy",)),
     Panel("staleness (policy versions)", ("staleness/mean", "staleness/max")),
@@ -125,7 +128,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="plot", description="Draw a run's training curves (reward, KL, entropy, staleness, "
+        prog="plot", description="Draw a run's training curves (reward, tool use, KL, entropy, staleness, "
         "throughput, validation reward) from RUN_DIR/metrics.jsonl into one PNG.")
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
     parser.add_argument("--out", type=Path, metavar="PNG",

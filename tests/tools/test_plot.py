@@ -87,3 +87,11 @@ def test_bin_plot(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1
     assert "metrics.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_tool_use_panel_draws_turns_per_episode() -> None:
+    """The demo's story, the tool-call rate, has its own panel (training and validation)."""
+    records = [{"step": 1, "episode/turns_mean": 1.3, "val/episode/turns_mean": 1.2},
+               {"step": 2, "episode/turns_mean": 1.8}]
+    series = panel_series(records, panel("tool use"))
+    assert series == {"episode/turns_mean": ([1.0, 2.0], [1.3, 1.8]), "val/episode/turns_mean": ([1.0], [1.2])}
