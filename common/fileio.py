@@ -9,8 +9,11 @@ no disk flush (configs, generated data).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def temporary_name(path: Path) -> Path:
@@ -27,11 +30,17 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename itself is only durable once the directory entry is on disk.
+def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Rows as JSON lines, written atomically (not fsynced: generated data can be made again)."""
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries durable: a file created or renamed in it survives a crash only
+    once this returns (the file's own fsync does not cover its name)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tools.make_tiny_data import write_jsonl
+from common.fileio import write_jsonl
 
 PROJECTS = ["Falcon", "Heron", "Otter", "Lynx", "Marten", "Badger", "Kestrel", "Ibis", "Puffin", "Stoat"]
 FILLER = ["The committee met on a Tuesday and discussed the budget at length.",

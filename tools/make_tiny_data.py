@@ -18,14 +18,13 @@ model learns the format from a short warm-up and follows long chains to their en
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.fileio import atomic_write_bytes
+from common.fileio import write_jsonl
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -94,21 +93,17 @@ def longtail_episode(row: dict[str, Any]) -> list[tuple[str, list[str]]]:
     digits: rules a tiny model learns from a short warm-up, whatever the episode's length.
     tools/warmup.py demonstrates it (calling the real calculator); the tests measure the set's
     budgets with it."""
-    from tools.warmup import tool_call_text
+    from rollout_service.agents.parsers import hermes_call_text
 
     number, step, steps = int(row["number"]), str(row["step"]), int(row["steps"])
     sign, amount = step.split()
     turns: list[tuple[str, list[str]]] = []
     for _ in range(steps):
         nxt = number + int(amount) if sign == "+" else number - int(amount)
-        turns.append((tool_call_text("calculator", {"expression": f"{number} {step}"}), [str(nxt)]))
+        turns.append((hermes_call_text("calculator", {"expression": f"{number} {step}"}), [str(nxt)]))
         number = nxt
     turns.append((f"The answer is \\boxed{{{number}}}.", []))
     return turns
-
-
-def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
-    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False)
 
 
 def make_tiny_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0,

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollout_service.agents.parsers import hermes_call_text as tool_call_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,11 +87,6 @@ def expression_of(question: str) -> str:
     if m is None:
         raise ValueError(f"no 'What is ...?' in question {question!r}")
     return m.group(1).strip()
-
-
-def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """One hermes call, as the chat template renders an assistant tool call."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 def answer_text(answer: str) -> str:

@@ -40,6 +40,11 @@ class ToolCallParser(Protocol):
 PARSERS: Registry[type] = Registry("tool-call format")
 
 
+def hermes_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One call as HermesParser reads it, and as the chat templates render an assistant tool call."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
 @PARSERS.register("hermes")
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn."""
