@@ -325,15 +325,16 @@ def _system_python() -> str:
     return python
 
 
-def test_entrypoints_run_from_a_shell_without_the_venv() -> None:
-    """The issue's check: a plain shell (the script's shebang finds the system python3) re-runs
-    the entrypoint with .venv/bin/python; --help stays fast through the re-exec."""
+def test_entrypoints_run_from_a_shell_without_the_venv(config_file: Path) -> None:
+    """The issue's check (`env -i PATH=/usr/bin:/bin HOME=$HOME bin/rollout-server --config F
+    --check`): a plain shell (the shebang finds the system python3) re-runs the entrypoint with
+    .venv/bin/python; --help stays fast through the re-exec."""
     _system_python()
-    result = subprocess.run([str(ROLLOUT_SERVER), "--config", str(REPO / "configs" / "tiny_statelm.yaml"), "--check"],
+    result = subprocess.run([str(LEARNER), "--config", str(config_file), "--check"],
                             env=_bare_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "rollout_server:" in result.stdout
-    for name in ("train", "learner", "tool-server", "plot", "conformance", "replay"):
+    for name in ("rollout-server", "train", "learner", "tool-server", "plot", "conformance", "replay"):
         start = time.perf_counter()
         result = subprocess.run([str(REPO / "bin" / name), "--help"], env=_bare_env(), capture_output=True,
                                 text=True, timeout=30, cwd=REPO)
