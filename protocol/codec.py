@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -53,7 +53,7 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))  # None only when given a stream
 
 
 # msgpack decodes its Timestamp extension (type -1) itself, without asking ext_hook. Every encoding
@@ -69,8 +69,13 @@ def _no_timestamps(obj: Any) -> Any:
     return obj
 
 
+def view(frame: Frame) -> memoryview:
+    """A frame's bytes without a copy (an ndarray's buffer is its ``.data``)."""
+    return frame.data if isinstance(frame, np.ndarray) else memoryview(frame)
+
+
 def _unpack(buf: Frame) -> Any:
-    data = buf if isinstance(buf, bytes) else memoryview(buf).tobytes()  # headers are small
+    data = buf if isinstance(buf, bytes) else view(buf).tobytes()  # headers are small
     hooks: dict[str, Any] = {}
     if any(m in data for m in _TIMESTAMP_MARKS):
         hooks = {"object_hook": _no_timestamps, "list_hook": _no_timestamps}
@@ -120,14 +125,14 @@ def run_message_bytes(limits: CodecLimits) -> int:
 
 
 def frame_bytes(frames: Sequence[Frame]) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
+    return sum(view(f).nbytes for f in frames)
 
 
 def peek_type(frames: Sequence[Frame]) -> MsgType:
     """Route on the type frame alone. Raises MALFORMED / UNKNOWN_TYPE."""
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message")
-    tf = memoryview(frames[0])
+    tf = view(frames[0])
     if tf.nbytes != 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"type frame must be 1 byte, got {tf.nbytes}")
     code = tf.tobytes()[0]
@@ -151,7 +156,7 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
     header: Any = None
     try:
         if size > limits.max_message_bytes:
-            if memoryview(frames[1]).nbytes <= _PEEK_HEADER_BYTES:
+            if view(frames[1]).nbytes <= _PEEK_HEADER_BYTES:
                 header = _unpack(frames[1])  # only to name the refused batch (ref_seq) below
             raise ProtocolError(
                 ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}"
@@ -159,7 +164,7 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
         header = _unpack(frames[1])
         if not isinstance(header, dict):
             raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
-        payload = [memoryview(f).cast("B") for f in frames[2:]]
+        payload = [view(f).cast("B") for f in frames[2:]]
         if t is MsgType.TRAJECTORY_BATCH:
             return _decode_batch(header, payload, limits)
         if t is MsgType.WEIGHTS_CHUNK:

@@ -11,11 +11,12 @@ import itertools
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from protocol.codec import view
 from protocol.sender import Frames
 
 
 def _copy(frames: Frames) -> Frames:
-    return [bytes(memoryview(f).cast("B")) for f in frames]
+    return [bytes(view(f).cast("B")) for f in frames]
 
 
 class MemoryHub:

@@ -8,10 +8,13 @@ worker processes go away on success, on error and on Ctrl-C / SIGTERM alike.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 
-async def serve(config: Any, run_dir: Path) -> int:
+async def serve(config: Config, run_dir: Path) -> int:
     from common.logging import get_logger
     from rollout_service.engine.vllm_engine import VllmEngine
     from rollout_service.server import RolloutServer, StartupError
@@ -35,7 +38,7 @@ async def serve(config: Any, run_dir: Path) -> int:
     return 0
 
 
-def run(config: Any, run_dir: Path) -> int:
+def run(config: Config, run_dir: Path) -> int:
     import anyio
 
     return anyio.run(serve, config, run_dir)

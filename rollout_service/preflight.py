@@ -19,10 +19,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config.errors import Issue
 from rollout_service.data import DataError, located_rows, sources_from_config
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 PEEK_ROWS = 100
 """Rows read from the start of each data file; enough to catch a wrong format or field naming."""
@@ -59,7 +62,7 @@ def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: boo
                 found.rewards.setdefault(row["reward_fn"], f"{path}: {where}: field 'reward_fn'")
 
 
-def check_issues(config: Any) -> tuple[list[Issue], list[Issue]]:
+def check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
     """(problems a rollout server would refuse at start, warnings) for ``config``."""
     import rollout_service.rewards as rewards_pkg
     from rollout_service.agents import load_builtin_agents
@@ -103,7 +106,7 @@ def check_issues(config: Any) -> tuple[list[Issue], list[Issue]]:
     return found.issues, found.warnings
 
 
-def _tool_option_issues(config: Any, agents: set[str]) -> list[Issue]:
+def _tool_option_issues(config: Config, agents: set[str]) -> list[Issue]:
     """Options the in-process tools need from the config (a search corpus), as their factories
     would refuse them at start. Remote tools are the tool server's business."""
     from rollout_service.agents.base import AGENTS
@@ -116,7 +119,7 @@ def _tool_option_issues(config: Any, agents: set[str]) -> list[Issue]:
     return _option_issues(config, list(names))
 
 
-def _option_issues(config: Any, names: list[str]) -> list[Issue]:
+def _option_issues(config: Config, names: list[str]) -> list[Issue]:
     from rollout_service.tools.factory import tool_options
 
     issues = []
@@ -129,7 +132,7 @@ def _option_issues(config: Any, names: list[str]) -> list[Issue]:
     return issues
 
 
-def tool_server_issues(config: Any) -> tuple[list[Issue], list[Issue]]:
+def tool_server_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
     """``tool_server.tools`` against the tool registry and their options (what bin/tool-server
     builds at start)."""
     from rollout_service.tools import load_builtin_tools

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import msgpack
@@ -72,8 +72,8 @@ def pack_batch_file(frames: Sequence[codec.Frame], *, server_id: str, seq: int,
                     at: float | None = None) -> bytes:
     doc = {"format": FORMAT_VERSION, "server_id": server_id, "seq": seq,
            "time": time.time() if at is None else at,
-           "frames": [memoryview(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames]}
-    return msgpack.packb(doc, use_bin_type=True)
+           "frames": [codec.view(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames]}
+    return cast(bytes, msgpack.packb(doc, use_bin_type=True))  # None only when given a stream
 
 
 def write_batch_file(path: Path, frames: Sequence[codec.Frame], *, server_id: str, seq: int,

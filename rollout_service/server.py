@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -71,7 +71,7 @@ from protocol.weights import ReceivedWeights, WeightAssembler
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
-from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
 from rollout_service.groups import RewardChoice, run_group, stale
 from rollout_service.metrics import RolloutStats
 from rollout_service.rewards.base import REWARDS
@@ -79,8 +79,11 @@ from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
 from rollout_service.validation import ValidationRunner
 
+if TYPE_CHECKING:
+    from common.config import Config
 
-def agent_limits(config: Any) -> AgentLimits:
+
+def agent_limits(config: Config) -> AgentLimits:
     rollout, mt, server = config.actor_rollout_ref.rollout, config.actor_rollout_ref.rollout.multi_turn, config.rollout_server
     return AgentLimits(
         response_length=rollout.response_length,
@@ -93,7 +96,7 @@ def agent_limits(config: Any) -> AgentLimits:
     )
 
 
-def sampling_settings(config: Any) -> SamplingSettings:
+def sampling_settings(config: Config) -> SamplingSettings:
     r = config.actor_rollout_ref.rollout
     return SamplingSettings(max_tokens=r.response_length, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, seed=None)
@@ -113,12 +116,12 @@ AGENT_SETUPS: dict[str, Callable[[Any], AgentSetup]] = {
 }
 
 
-def agent_setup(config: Any, agent_type: str) -> AgentSetup:
+def agent_setup(config: Config, agent_type: str) -> AgentSetup:
     make = AGENT_SETUPS.get(agent_type)
     return make(config) if make else AgentSetup(list(config.actor_rollout_ref.rollout.multi_turn.tools))
 
 
-def build_agent_deps(config: Any, base: AgentDeps, agent_types: set[str], limiter: Any) -> dict[str, AgentDeps]:
+def build_agent_deps(config: Config, base: AgentDeps, agent_types: set[str], limiter: Any) -> dict[str, AgentDeps]:
     """Per agent type, its tools (local or remote, rate-limited where a bucket is configured; one
     build, so remote tools share one client) and options."""
     from rollout_service.tools.factory import build_tools
@@ -134,7 +137,7 @@ class StartupError(Exception):
     """The server cannot start as configured; the message names the key or resource to change."""
 
 
-def check_names(config: Any, agent_types: set[str]) -> None:
+def check_names(config: Config, agent_types: set[str]) -> None:
     """Fail at start-up, naming the config key, for any agent or reward name nothing provides
     (unknown tools are reported by the tool factory, which also knows the tool server's)."""
     import rollout_service.rewards as rewards_pkg
@@ -170,7 +173,7 @@ def _first_leaf(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseExc
     return sub
 
 
-def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
+def shard_state_dir(config: Config, run_dir: Path) -> tuple[Path, Any]:
     """Where a shard's data cursor and spool live, and the lock held on it (release when done).
 
     Keyed by shard, not by server id (which defaults to host-pid): a restarted server of the same
@@ -194,14 +197,15 @@ def shard_state_dir(config: Any, run_dir: Path) -> tuple[Path, Any]:
 
 
 class RolloutServer:
-    def __init__(self, config: Any, run_dir: Path, *, engine: Any = None) -> None:
+    def __init__(self, config: Config, run_dir: Path, *, engine: Engine | None = None) -> None:
         """Everything but the engine is checked and built here, so a bad name or data file fails
         before the (slow) engine starts; ``attach_engine`` completes the server."""
         from transformers import AutoTokenizer
 
         from rollout_service.data import PromptSource
 
-        self.config, self.run_dir, self.engine = config, run_dir, engine
+        self.config, self.run_dir = config, run_dir
+        self.engine: Engine = engine if engine is not None else DetachedEngine()
         server = config.rollout_server
         self.server_id = server.resolved_server_id()
         self.log = get_logger("rollout_service.server", server_id=self.server_id)
@@ -218,7 +222,7 @@ class RolloutServer:
         mt = config.actor_rollout_ref.rollout.multi_turn
         self.limiter = GlobalRateLimiter.from_config(config.tools.rate_limits, resolve_run_dir(config))
         set_shared(self.limiter)  # reward functions that call external APIs take tokens from it
-        base = AgentDeps(engine=engine, renderer=self.renderer, sampling=sampling_settings(config),
+        base = AgentDeps(engine=self.engine, renderer=self.renderer, sampling=sampling_settings(config),
                          limits=agent_limits(config), parser=PARSERS.get(mt.format)())
         try:
             self.deps = build_agent_deps(config, base, {r.agent_type for r in self.source.rows}
@@ -237,7 +241,7 @@ class RolloutServer:
         self._changed = anyio.Event()
         self._tasks: Any = None  # the serving task group (validation requests run in it)
 
-    def attach_engine(self, engine: Any) -> None:
+    def attach_engine(self, engine: Engine) -> None:
         self.engine = engine
         for deps in self.deps.values():
             deps.engine = engine
@@ -279,7 +283,7 @@ class RolloutServer:
         anything is allocated, slot files only from the learner's directories, and every transfer
         under a deadline. An engine that names no manifest (test fakes) gets the size bound only."""
         server = self.config.rollout_server
-        manifest = getattr(self.engine, "weight_manifest", None)
+        manifest = self.engine.weight_manifest
         if manifest is None:
             self.log.warning("weight announces are not checked against the model: the engine names no manifest",
                              engine=type(self.engine).__name__)
@@ -475,8 +479,6 @@ class RolloutServer:
                 while self._running:
                     await self._changed.wait()
             if w.file:  # the learner's file on this machine (protocol 1.2 file hand-over)
-                if not hasattr(self.engine, "load_weights_file"):
-                    raise RuntimeError(f"{type(self.engine).__name__} cannot load weights from a file")
                 seconds = await self.engine.load_weights_file(w.version, w.file, mode=mode)
             else:
                 tensors = [(s.name, np.frombuffer(buf, dtype=_numpy_dtype(s.dtype)).reshape(s.shape))
@@ -493,7 +495,7 @@ class RolloutServer:
         self._announce(w.version)
         self.stats.set_weight_version(w.version)
         self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
-        timings = getattr(self.engine, "last_update_timings", {})
+        timings = self.engine.last_update_timings
         self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 4),
                       via="file" if w.file else "chunks", reload_s=round(timings.get("reload_s", 0.0), 4))
 

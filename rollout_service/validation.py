@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -35,6 +35,9 @@ from rollout_service.agents.base import AgentDeps
 from rollout_service.data import DataError, Source, _load_sources
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.groups import RewardChoice, run_group
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ def load_val_rows(data: Any, *, shard_index: int, shard_count: int) -> list[ValR
             if i % shard_count == shard_index]
 
 
-def val_sampling(config: Any) -> SamplingSettings:
+def val_sampling(config: Config) -> SamplingSettings:
     """``val_kwargs`` as engine settings: greedy (temperature 0, no top-p/top-k) unless do_sample."""
     r = config.actor_rollout_ref.rollout
     v = r.val_kwargs
@@ -88,7 +91,7 @@ class ValidationRunner:
     """Runs validation requests on one server. ``problem``, when set, is why this server cannot
     validate: every request is then answered ok=false with it."""
 
-    def __init__(self, config: Any, rows: list[ValRow], *, server_id: str, problem: str = "") -> None:
+    def __init__(self, config: Config, rows: list[ValRow], *, server_id: str, problem: str = "") -> None:
         server = config.rollout_server
         self.rows, self.server_id, self.problem = rows, server_id, problem
         self.n = config.actor_rollout_ref.rollout.val_kwargs.n
@@ -97,7 +100,7 @@ class ValidationRunner:
         self._limit = anyio.CapacityLimiter(max(1, server.max_concurrent_episodes // self.n))
 
     @classmethod
-    def from_config(cls, config: Any, *, server_id: str) -> ValidationRunner:
+    def from_config(cls, config: Config, *, server_id: str) -> ValidationRunner:
         """Never raises for validation data problems: they become ``problem``."""
         server = config.rollout_server
         try:

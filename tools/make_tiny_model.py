@@ -473,7 +473,7 @@ def _save_bfloat16(config: dict[str, Any], seed: int, path: Path) -> int:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for _, array in _iter_weights(config, seed):  # sorted: the header's order
-            f.write(memoryview(to_bfloat16_bits(array).reshape(-1)).cast("B"))
+            f.write(to_bfloat16_bits(array).reshape(-1).data.cast("B"))
             n_params += array.size
     return n_params
 

@@ -17,7 +17,7 @@ from common.registry import Registry
 from rollout_service.agents.episode import Episode, State
 from rollout_service.agents.parsers import ToolCallParser
 from rollout_service.agents.rendering import ChatRenderer
-from rollout_service.engine.base import Engine, Generation, SamplingSettings
+from rollout_service.engine.base import Generation, SamplingEngine, SamplingSettings
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class AgentLimits:
 
 @dataclass
 class AgentDeps:
-    engine: Engine
+    engine: SamplingEngine
     renderer: ChatRenderer
     sampling: SamplingSettings  # max_tokens is replaced per turn
     limits: AgentLimits

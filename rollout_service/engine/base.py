@@ -5,15 +5,33 @@ verbatim (never decoded and re-encoded: retokenisation drift is the classic bug 
 logprob of each sampled token under the policy that sampled it, and the policy version of each
 token (a generation can straddle a weight update under the ``keep`` policy). A scripted engine for
 unit tests implements the same protocol.
+
+Two protocols: ``SamplingEngine`` is what an agent loop needs (generate, abort, the version);
+``Engine`` is what the rollout server drives: that, plus weight updates (chunks received over the
+protocol, or the learner's file on this machine), the manifest announces are checked against, and
+shutdown. The server calls every member; an engine that cannot do one (a scripted test engine has
+no file hand-over) raises ``WeightUpdateError`` saying so, and the server reports the update failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from protocol.weights import ModelManifest
 
 FinishReason = Literal["stop", "length", "abort"]
+UpdateMode = Literal["abort", "keep"]
+"""What a weight update does to requests in flight: abort them, or keep them running (the rest of
+their tokens come from the new weights and carry its version)."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update was refused or failed; the previous weights and version stay."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,9 @@ class Generation:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class Engine(Protocol):
+class SamplingEngine(Protocol):
+    """What an agent loop uses: sampling, aborting, and the version it samples with."""
+
     @property
     def policy_version(self) -> int:
         """Version of the weights generation uses now."""
@@ -52,3 +72,61 @@ class Engine(Protocol):
         ...
 
     async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+
+class Engine(SamplingEngine, Protocol):
+    """What the rollout server drives: sampling plus weight updates and shutdown."""
+
+    @property
+    def weight_manifest(self) -> ModelManifest | None:
+        """Every tensor an update must carry (names, dtypes, shapes); the server checks weight
+        announces against it before receiving anything. None: only the size bound is checked."""
+        ...
+
+    @property
+    def last_update_timings(self) -> Mapping[str, float]:
+        """Breakdown of the last weight update in seconds (``reload_s``...); empty if none."""
+        ...
+
+    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+        """Swaps in ``tensors`` as ``version``; returns the seconds taken. All or nothing: on error
+        the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why."""
+        ...
+
+    async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
+        """Swaps in ``version`` from a safetensors file on this machine (the learner's file
+        hand-over); returns the seconds taken. All or nothing, like ``load_weights``."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stops generating and releases the engine's processes and memory."""
+        ...
+
+
+class DetachedEngine:
+    """The engine of a server that has none attached yet: every use says so."""
+
+    weight_manifest: ModelManifest | None = None
+    last_update_timings: Mapping[str, float] = {}
+
+    def _missing(self) -> RuntimeError:
+        return RuntimeError("no engine attached to the rollout server yet (RolloutServer.attach_engine)")
+
+    @property
+    def policy_version(self) -> int:
+        raise self._missing()
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+        raise self._missing()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        raise self._missing()
+
+    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+        raise self._missing()
+
+    async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
+        raise self._missing()
+
+    async def shutdown(self) -> None:
+        pass

@@ -44,7 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout_service.engine.base import FinishReason, Generation, SamplingSettings
+from rollout_service.engine.base import (
+    FinishReason,
+    Generation,
+    SamplingSettings,
+    UpdateMode,
+    WeightUpdateError,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,13 +61,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UpdateMode = Literal["abort", "keep"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 SHUTDOWN_TIMEOUT_S = 30.0
-
-
-class WeightUpdateError(RuntimeError):
-    """A weight update was refused or failed; the previous weights and version are still in use."""
 
 
 @dataclass(frozen=True)
@@ -572,13 +573,16 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
 
     from rollout_service.engine.vllm_compat import resolve_dtype
 
+    # vLLM's annotations are narrower than what it accepts: max_model_len None means "from the
+    # model's config" (its default), dtype is any of its dtype names, and compilation_config may be
+    # a dict (its CLI passes one); pyright would check the unpacked dict against every parameter.
     args = AsyncEngineArgs(
         model=s.model,
-        max_model_len=s.max_model_len,
+        max_model_len=s.max_model_len,  # pyright: ignore[reportArgumentType]
         gpu_memory_utilization=s.gpu_memory_utilization,
-        dtype=resolve_dtype(s.dtype),
+        dtype=resolve_dtype(s.dtype),  # pyright: ignore[reportArgumentType]
         enforce_eager=s.enforce_eager,
-        **({"compilation_config": dict(s.compilation_config)} if s.compilation_config else {}),
+        **({"compilation_config": dict(s.compilation_config)} if s.compilation_config else {}),  # pyright: ignore[reportArgumentType]
         tensor_parallel_size=s.tensor_model_parallel_size,
         seed=s.seed,
         max_num_seqs=s.max_num_seqs,
@@ -639,7 +643,7 @@ def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) 
             f.write(head)
             for array in arrays:
                 # a byte view: memoryview cannot cast ml_dtypes' bfloat16 ("E") to bytes
-                f.write(memoryview(array.reshape(-1).view(np.uint8)))
+                f.write(array.reshape(-1).view(np.uint8).data)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

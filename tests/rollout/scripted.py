@@ -3,16 +3,22 @@ model's real tokenizer (tokenising is real; only generation is scripted)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_service.engine.base import Generation, SamplingSettings
+from protocol.weights import ModelManifest
+from rollout_service.engine.base import Generation, SamplingSettings, UpdateMode, WeightUpdateError
 from rollout_service.tools.base import ToolContext, ToolResult
 
 
 class ScriptedEngine:
-    """Returns the given turns in order: each a text (tokenised, ending with eos) or a Generation."""
+    """Returns the given turns in order: each a text (tokenised, ending with eos) or a Generation.
+    An ``Engine``: weight chunks are recorded in ``loaded``; it has no file hand-over and no
+    manifest (a subclass may give both)."""
+
+    weight_manifest: ModelManifest | None = None
+    last_update_timings: Mapping[str, float] = {}
 
     def __init__(self, tokenizer: Any, turns: Sequence[str | Generation], *, version: int = 0) -> None:
         self.tok, self.turns, self.version = tokenizer, list(turns), version
@@ -71,12 +77,18 @@ class ScriptedEngine:
     async def abort(self, request_ids: Sequence[str]) -> None:
         pass
 
-    async def load_weights(self, version: int, tensors: list[tuple[str, Any]], *, mode: str) -> float:
+    async def load_weights(self, version: int, tensors: list[tuple[str, Any]], *, mode: UpdateMode) -> float:
         if self.load_gate is not None:  # a test holds the update back (a slow load)
             await self.load_gate.wait()
         self.loaded.append((version, {name: bytes(memoryview(a)) for name, a in tensors}, mode))
         self.version = version
         return 0.001
+
+    async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
+        raise WeightUpdateError(f"{type(self).__name__} cannot load weights from a file")
+
+    async def shutdown(self) -> None:
+        pass
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -186,7 +186,7 @@ def batch_frames(seq: int, trajectories: list[Trajectory]) -> Frames:
 
 # -- corrupting traffic by hand ----------------------------------------------------------------------
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))  # None only when given a stream
 
 
 def header_of(frames: Frames) -> dict[str, Any]:

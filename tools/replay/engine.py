@@ -25,14 +25,17 @@ did.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout_service.engine.base import Generation, SamplingSettings
+from rollout_service.engine.base import Generation, SamplingSettings, UpdateMode, WeightUpdateError
+
+if TYPE_CHECKING:
+    from protocol.weights import ModelManifest
 
 
 def episode_of(trajectory_id: str, group_uid: str) -> tuple[str, int | None]:
@@ -103,7 +106,11 @@ class _Cursor:
 
 
 class ReplayEngine:
-    """Plays back recorded model turns per episode (see the module docstring)."""
+    """Plays back recorded model turns per episode (see the module docstring). An ``Engine`` that
+    takes no weights: the recording fixes every token and its version."""
+
+    weight_manifest: ModelManifest | None = None
+    last_update_timings: Mapping[str, float] = {}
 
     def __init__(self, episodes: dict[str, RecordedEpisode], renderer: Any, *, stop_token_ids: Iterable[int] = (),
                  extend_masked: Iterable[str] = ()) -> None:
@@ -119,6 +126,15 @@ class ReplayEngine:
         return self._version
 
     async def abort(self, request_ids: Sequence[str]) -> None:
+        pass
+
+    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+        raise WeightUpdateError("a replay plays back recorded tokens; it takes no weights")
+
+    async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
+        raise WeightUpdateError("a replay plays back recorded tokens; it takes no weights")
+
+    async def shutdown(self) -> None:
         pass
 
     def unused_model_tokens(self, episode_id: str) -> int:

@@ -26,11 +26,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tools.replay import locate
 from tools.replay.compare import Divergence, compare_episode, render_text
 from tools.replay.engine import RecordedEpisode, ReplayEngine, group_episodes, stop_ids
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 _PLAIN_UID = re.compile(r"^e(\d+)-i(\d+)$")
 
@@ -65,7 +68,7 @@ def _group_problem(episodes: list[RecordedEpisode]) -> str | None:
     return None
 
 
-async def rerun_recording(rec: locate.Recording, config: Any, *, concurrency: int = 8) -> dict[str, Any]:
+async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency: int = 8) -> dict[str, Any]:
     """Rerun every episode of one server's recording; the report as a JSON-able dict."""
     import anyio
     from transformers import AutoTokenizer
