@@ -174,7 +174,7 @@ def progress(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="e2e", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="e2e", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail",
                    help="longtail: long-tailed multi-turn calculator chains; calc: the demo's task (default %(default)s)")

@@ -279,8 +279,8 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
             elapsed, cpu, threads = time.perf_counter() - t0, time.process_time() - c0, cpu_diff(th0, thread_cpu())
             await client.close("bench done")
             tg.cancel_scope.cancel()
-        pipe.send({"elapsed_s": elapsed, "cpu_s": cpu, "threads": threads, "message_bytes": nbytes,
-                   "connections": client.connections})
+            pipe.send({"elapsed_s": elapsed, "cpu_s": cpu, "threads": threads, "message_bytes": nbytes,
+                       "connections": client.connections})
 
     anyio.run(main)
 
@@ -290,12 +290,14 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     _child_setup(cfg)
     import zmq
 
+    from protocol.codec import view
     from protocol.sender import encode_batch
 
     # The protocol phase's batches (the first DISTINCT of them, cycled): distinct buffers, so the
-    # bound does not gain from sending one cache-hot buffer over and over.
+    # bound does not gain from sending one cache-hot buffer over and over. Views, not copies.
     templates = make_templates(cfg)
-    distinct = [encode_batch(i + 1, fresh(b, f"b{i}")) for i, b in enumerate(distinct_batches(cfg, templates, "columns"))]
+    distinct = [[view(f) for f in encode_batch(i + 1, fresh(b, f"b{i}"))]
+                for i, b in enumerate(distinct_batches(cfg, templates, "columns"))]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -324,6 +326,7 @@ def raw_receiver(cfg: Config, pipe: Any) -> None:
     ident, _, _ = sock.recv_multipart()
     sock.send_multipart([ident, b"ok"])
     nbytes = 0
+    c0, th0 = time.process_time(), thread_cpu()  # restarted when the first batch arrives
     for i in range(cfg.batches):
         parts = sock.recv_multipart(copy=False)
         if not i:
@@ -362,7 +365,7 @@ def run_pair(receiver: Any, sender: Any, cfg: Config) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     d = Config()
     ap.add_argument("--trajectories", type=int, default=d.trajectories, help="trajectories per batch")
     ap.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per trajectory")
@@ -380,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(args.trajectories, args.prompt, args.response, args.batches, args.credits, args.window,
                  malloc_tuning=args.malloc_tuning, input=args.input)
 
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     runs = []
+    sent: dict[str, Any] = {}
     for r in range(args.repeat):
         print(f"run {r + 1}/{args.repeat}: {cfg.batches} batches of {cfg.trajectories} x "
               f"{cfg.prompt + cfg.response} tokens", file=sys.stderr, flush=True)

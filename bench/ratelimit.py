@@ -46,7 +46,7 @@ def progress(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/ratelimit.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench/ratelimit.py", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--seconds", type=float, default=3.0, help="duration of one measurement (default %(default)s)")
     p.add_argument("--procs", default="1,4,8", help="process counts (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1, help="rounds per figure, median taken (default %(default)s)")

@@ -77,7 +77,7 @@ def cuda_available() -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/rollout.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench/rollout.py", description=(__doc__ or "").split("\n")[0])
     p.add_argument(
         "--requests", type=int, default=64, help="concurrent requests (default %(default)s)"
     )

@@ -53,8 +53,13 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise ValueError(f"{path}: not a safetensors file (header length {n}, file {size} bytes, "
                              f"limit {MAX_HEADER_BYTES})")
         header = json.loads(f.read(n))
-    return {name: (DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
+    return {name: (_dtype_name(meta["dtype"]), tuple(meta["shape"]))
             for name, meta in header.items() if name != "__metadata__"}
+
+
+def _dtype_name(code: str) -> str:
+    """numpy's name of a safetensors dtype code (an unknown code stays as it is)."""
+    return DTYPES.get(code, code)
 
 
 def model_manifest(model_dir: str | Path) -> ModelManifest:

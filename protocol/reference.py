@@ -175,7 +175,7 @@ def synthetic_validation(request: ValidateRequest, policy_version: int, *, episo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m protocol.reference", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m protocol.reference", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("role", choices=["learner", "rollout-server"])
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="learner: address to bind")
     ap.add_argument("--connect", default="tcp://127.0.0.1:5555", help="rollout-server: learner address")

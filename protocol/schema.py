@@ -73,7 +73,7 @@ def check(tp: Any, value: Any, path: str) -> Any:
         if value not in typing.get_args(tp):
             raise _fail(path, f"expected one of {list(typing.get_args(tp))}", value)
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_wire(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):

@@ -262,16 +262,19 @@ class ZmqClientChannel:
 
     def __init__(self, address: str, *, curve: CurveClientKeys | None = None,
                  max_message_bytes: int | None = None, context: zmq.asyncio.Context | None = None) -> None:
+        keys = None
         if curve is not None:  # check the key files before the socket exists
             public, secret = _load(curve.secret_key_file, secret=True)
             server_public, _ = _load(curve.server_public_key_file, secret=False)
+            keys = (public, secret, server_public)
         max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         self.budget = MessageBudget(max_message_bytes, CLIENT_MAX_FRAMES)
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self._sync = zmq.Socket.shadow(self.sock.underlying)
         _tune(self.sock, max_message_bytes)
-        if curve is not None:
+        if keys is not None:
+            public, secret, server_public = keys
             self.sock.curve_secretkey = secret
             self.sock.curve_publickey = public
             self.sock.curve_serverkey = server_public

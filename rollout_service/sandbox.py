@@ -515,7 +515,8 @@ def _result(run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall
         reason = "sandbox_error"  # the bootstrap died before exec; its traceback is in stderr
     else:
         reason = _killed_reason(code, stderr)
-    notes = status.get("notes") or []
+    found = status.get("notes")
+    notes: list[object] = list(found) if isinstance(found, list) else []
     if status and not status.get("fs_isolated"):
         _warn_unisolated(notes)
     return SandboxResult(

@@ -86,8 +86,8 @@ if TYPE_CHECKING:
 def agent_limits(config: Config) -> AgentLimits:
     rollout, mt, server = config.actor_rollout_ref.rollout, config.actor_rollout_ref.rollout.multi_turn, config.rollout_server
     return AgentLimits(
-        response_length=rollout.response_length,
-        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        response_length=rollout.response_budget,
+        max_model_len=rollout.max_model_len or rollout.prompt_budget + rollout.response_budget,
         max_tokens_per_turn=mt.max_tokens_per_turn, max_assistant_turns=mt.max_assistant_turns,
         max_user_turns=mt.max_user_turns, max_parallel_calls=mt.max_parallel_calls,
         max_tool_response_length=mt.max_tool_response_length,
@@ -98,7 +98,7 @@ def agent_limits(config: Config) -> AgentLimits:
 
 def sampling_settings(config: Config) -> SamplingSettings:
     r = config.actor_rollout_ref.rollout
-    return SamplingSettings(max_tokens=r.response_length, temperature=r.temperature, top_p=r.top_p,
+    return SamplingSettings(max_tokens=r.response_budget, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, seed=None)
 
 
@@ -263,10 +263,11 @@ class RolloutServer:
                                  heartbeat_interval_s=c.transport.heartbeat_interval_s,
                                  heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
                                  weights=self._weight_assembler())
-        curve = None
-        if c.transport.curve.enabled:
-            curve = CurveClientKeys(Path(c.transport.curve.secret_key_file),
-                                    Path(c.transport.curve.server_public_key_file))
+        curve, keys = None, c.transport.curve
+        if keys.enabled:
+            if keys.secret_key_file is None or keys.server_public_key_file is None:
+                raise StartupError("transport.curve.enabled needs secret_key_file and server_public_key_file")
+            curve = CurveClientKeys(Path(keys.secret_key_file), Path(keys.server_public_key_file))
         client = RolloutClient(conn, client_factory(server.learner_address, curve=curve,
                                                     max_message_bytes=c.transport.max_message_bytes))
         recordings = resolve_run_dir(c) / "recordings" / self.server_id  # one place per run, for bin/replay
@@ -276,7 +277,11 @@ class RolloutServer:
         return Shipper(client, spool_dir=self.state_dir / "spool", server_id=self.server_id,
                        groups_per_batch=server.groups_per_batch, max_unacked_batches=server.max_unacked_batches,
                        recorder=recorder, stats=self.stats,
-                       on_recovered_acked=lambda uids: [self.source.commit_group(u) for u in uids])
+                       on_recovered_acked=self._commit_groups)
+
+    def _commit_groups(self, uids: list[str]) -> None:
+        for uid in uids:
+            self.source.commit_group(uid)
 
     def _weight_assembler(self) -> WeightAssembler:
         """Receives weights checked against the engine's model (names, shapes, dtypes, size) before
@@ -534,7 +539,7 @@ def _numpy_dtype(name: str) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         try:
-            import ml_dtypes
+            import ml_dtypes  # pyright: ignore[reportMissingImports]  (optional: comes with jax / vLLM's GPU builds)
         except ImportError as e:
             raise RuntimeError(f"weights of dtype {name} need the ml_dtypes package") from e
         return np.dtype(getattr(ml_dtypes, name))

@@ -34,6 +34,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import signal
 import socket
 import time
@@ -234,7 +235,7 @@ async def run(config: Config, run_dir: Path) -> int:
                         "it can run code in its sandbox; set tool_server.token", host=settings.host)
         server = uvicorn.Server(uvicorn.Config(
             service.app, log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5))  # a backstop; see _abandon_after_grace
+            timeout_graceful_shutdown=math.ceil(GRACEFUL_SHUTDOWN_S) + 5))  # a backstop; see _abandon_after_grace
         with bind_socket(settings.host, settings.port) as sock:
             # The real port (port 0: the OS chose it) for bin/train, which waits for it.
             emit(Kind.LISTENING, "tool-server", url=server_url(sock), port=sock.getsockname()[1])

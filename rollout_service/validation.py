@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -63,8 +64,8 @@ def val_sampling(config: Config) -> SamplingSettings:
     r = config.actor_rollout_ref.rollout
     v = r.val_kwargs
     if not v.do_sample:
-        return SamplingSettings(max_tokens=r.response_length, temperature=0.0, top_p=1.0, top_k=-1, seed=None)
-    return SamplingSettings(max_tokens=r.response_length, temperature=v.temperature, top_p=v.top_p,
+        return SamplingSettings(max_tokens=r.response_budget, temperature=0.0, top_p=1.0, top_k=-1, seed=None)
+    return SamplingSettings(max_tokens=r.response_budget, temperature=v.temperature, top_p=v.top_p,
                             top_k=v.top_k, seed=None)
 
 
@@ -126,10 +127,10 @@ class ValidationRunner:
         replaced by the validation sampling) and rewards, and summarise it. ``policy_version``: the
         engine's version at the start. Exceptions other than cancellation become an ok=false result."""
         t0 = time.monotonic()
-        base = dict(request_id=request_id, policy_version=policy_version, shard_index=self.shard_index,
-                    shard_count=self.shard_count, prompts=len(self.rows))
+        result = partial(ValidateResult, request_id=request_id, policy_version=policy_version,
+                         shard_index=self.shard_index, shard_count=self.shard_count, prompts=len(self.rows))
         if self.problem:
-            return ValidateResult(ok=False, error=self.problem[:1000], **base)
+            return result(ok=False, error=self.problem[:1000])
         episodes: list[EpisodeOutcome] = []
         v = self.sampling
         val_deps = {a: replace(d, sampling=replace(d.sampling, temperature=v.temperature, top_p=v.top_p,
@@ -151,5 +152,5 @@ class ValidationRunner:
             while isinstance(e, BaseExceptionGroup):
                 e = e.exceptions[0]
             error = f"{type(e).__name__}: {e}"
-            return ValidateResult(ok=False, error=error[:1000], duration_s=time.monotonic() - t0, **base)
-        return ValidateResult(sources=summarize(episodes), duration_s=time.monotonic() - t0, **base)
+            return result(ok=False, error=error[:1000], duration_s=time.monotonic() - t0)
+        return result(sources=summarize(episodes), duration_s=time.monotonic() - t0)

@@ -140,7 +140,7 @@ def make_longtail_data(out_dir: str | Path, *, train: int = 256, val: int = 32, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="make-tiny-data", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="make-tiny-data", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and the agent sets")
     ap.add_argument("--train", type=int, default=256, help="training rows")
     ap.add_argument("--val", type=int, default=32, help="validation rows")

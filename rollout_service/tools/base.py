@@ -35,7 +35,8 @@ class ToolResult:
 
 
 class Tool(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     @property
     def schema(self) -> dict[str, Any]:

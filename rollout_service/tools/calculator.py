@@ -85,6 +85,10 @@ _UNARYOPS: dict[type[ast.unaryop], Callable[[Any], Number]] = {
 _CONSTANTS: dict[str, float] = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf}
 
 
+def _abs(x: Number) -> Number:
+    return abs(x)
+
+
 def _log(x: Number, base: Number | None = None) -> float:
     return math.log(x) if base is None else math.log(x, base)
 
@@ -126,7 +130,7 @@ _FUNCTIONS: dict[str, Callable[..., Number]] = {
     },
     "log": _log,
     "ln": math.log,
-    "abs": abs,
+    "abs": _abs,
     "round": round,
     "min": min,
     "max": max,

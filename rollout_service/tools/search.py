@@ -15,7 +15,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio.to_thread
 
@@ -54,7 +54,7 @@ class SearchIndex:
         """The best ``k`` documents with a positive score, best first."""
         import numpy as np
 
-        words = self._tokenize(query, stopwords=_STOPWORDS, show_progress=False, return_ids=False)[0]
+        words = cast(list[str], self._tokenize(query, stopwords=_STOPWORDS, show_progress=False, return_ids=False)[0])
         ids = self._bm25.get_tokens_ids(words)  # words the corpus never uses are dropped
         if not ids:
             return []

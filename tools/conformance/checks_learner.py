@@ -412,7 +412,7 @@ async def check_weights(t: LearnerTarget) -> None:
         done = asm.announce(ann)
         while done is None:
             rec = await p.expect(f"WEIGHTS_CHUNK {chunks + 1}/{ann.num_chunks} of version {ann.version}",
-                                 lambda r: r.is_(WeightsChunk) and r.msg.transfer_id == ann.transfer_id,
+                                 lambda r: isinstance(r.msg, WeightsChunk) and r.msg.transfer_id == ann.transfer_id,
                                  fail_on_error="weights")
             assert isinstance(rec.msg, WeightsChunk)
             chunks += 1

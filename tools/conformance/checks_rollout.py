@@ -79,8 +79,8 @@ async def check_credit_respected(fl: FakeLearner) -> None:
     extra = await fl.collect(QUIET_S, fl.from_session(TrajectoryBatch))
     if extra:
         raise CheckFailed(f"{len(extra)} more batch(es), {wire.describe(extra)}, arrived while the only credit "
-                          f"was in use (batch {first.msg.seq} not yet acknowledged)")
-    await fl.ack([first.msg.seq], 2)
+                          f"was in use (batch {first.as_(TrajectoryBatch).seq} not yet acknowledged)")
+    await fl.ack([first.as_(TrajectoryBatch).seq], 2)
     more = [await fl.next("TRAJECTORY_BATCH after an ACK granting 2 credits", fl.from_session(TrajectoryBatch))]
     while True:  # until QUIET_S passes without a batch
         got = await fl.collect(QUIET_S, fl.from_session(TrajectoryBatch))
@@ -164,7 +164,7 @@ async def check_malformed_tolerated(fl: FakeLearner) -> None:
     await fl.next("TRAJECTORY_BATCH after the malformed messages and an ACK granting 1 credit", until_batch,
                   fail_if=gave_up)
     errors = [r for r in seen if isinstance(r.msg, Error)]
-    bounced = [r for r in errors if r.msg.ref_type == MsgType.ERROR]
+    bounced = [r for r in errors if r.as_(Error).ref_type == MsgType.ERROR]
     if bounced:
         raise CheckFailed(f"an undecodable ERROR was answered with {bounced[0].describe()}: two peers doing "
                           "that bounce errors forever")
@@ -194,13 +194,13 @@ async def check_resend_after_reconnect(fl: FakeLearner) -> None:
         fl.note("the new HELLO came on the same connection, not a new one")
     new = await fl.welcome(rec, credits=len(unacked), next_seq=min(unacked))
     resent: list[Received] = []
-    while {r.msg.seq for r in resent} != set(unacked):
+    while {r.as_(TrajectoryBatch).seq for r in resent} != set(unacked):
         resent.append(await fl.next(f"resend of unacknowledged batch(es) {unacked} (WELCOME.next_seq={min(unacked)}, "
                                     f"credits={len(unacked)})", fl.from_session(TrajectoryBatch)))
-        seq = resent[-1].msg.seq
+        seq = resent[-1].as_(TrajectoryBatch).seq
         if seq not in originals:
             raise CheckFailed(f"after the reconnect batch {seq} arrived, not one of the unacknowledged {unacked}")
-        if [t.trajectory_id for t in resent[-1].msg.trajectories] != originals[seq]:
+        if [t.trajectory_id for t in resent[-1].as_(TrajectoryBatch).trajectories] != originals[seq]:
             raise CheckFailed(f"batch {seq} was resent with other trajectories than the first time")
     await fl.ack(sorted(unacked), 0)
     fl.details.update(resent=unacked, new_connection=rec.identity != s.identity, session=new.identity.hex())

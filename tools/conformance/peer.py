@@ -90,7 +90,7 @@ class Peer:
         if self.pending:
             return self.pending.popleft()
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not await self.sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+        if remaining <= 0 or not await self.sock.poll(max(1, int(remaining * 1000))):
             return None
         rec = wire.decode(await self.sock.recv_multipart(), self.limits)
         self._track(rec)

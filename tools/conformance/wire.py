@@ -15,7 +15,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import msgpack
 import numpy as np
@@ -45,6 +45,8 @@ COLUMN_FRAME = {name: 2 + i for i, (name, *_rest) in enumerate(COLUMNS)}
 DEFAULT_MODEL = Identity(name="conformance", sha256="0" * 64, vocab_size=0)
 DEFAULT_TOKENIZER = Identity(name="conformance", sha256="", vocab_size=0)
 
+M = TypeVar("M")
+
 
 @dataclass
 class Received:
@@ -66,6 +68,12 @@ class Received:
 
     def is_(self, cls: type) -> bool:
         return isinstance(self.msg, cls)
+
+    def as_(self, cls: type[M]) -> M:
+        """The message as ``cls``: what the predicate that picked this record checked."""
+        if not isinstance(self.msg, cls):
+            raise TypeError(f"expected {cls.__name__}, got {self.describe()}")
+        return self.msg
 
     def error_code(self) -> ErrorCode | None:
         """The code of a received ERROR message (not of a decoding failure)."""

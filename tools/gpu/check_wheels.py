@@ -22,10 +22,8 @@ from pathlib import Path
 
 try:
     from packaging.requirements import Requirement
-    from packaging.version import Version
 except ImportError:  # pip always vendors it
     from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.version import Version
 
 IMAGE = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
@@ -96,12 +94,12 @@ def main(dirs: list[str]) -> int:
             if n not in staged and n not in provided:
                 no_deps.setdefault(n, []).append(owner)
             continue
-        if n in IMAGE_VERSIONS and r.specifier and not r.specifier.contains(Version(IMAGE_VERSIONS[n]), prereleases=True):
+        if n in IMAGE_VERSIONS and r.specifier and not r.specifier.contains(IMAGE_VERSIONS[n], prereleases=True):
             image_notes.append(f"{owner} wants {text}; the image has {n} {IMAGE_VERSIONS[n]}")
         if n in HEAVY_N and n not in staged:
             heavy.setdefault(n, []).append(owner)
         elif n in staged:
-            if r.specifier and not r.specifier.contains(Version(staged[n]), prereleases=True):
+            if r.specifier and not r.specifier.contains(staged[n], prereleases=True):
                 bad_version.append(f"{owner} needs {text}; staged {n} {staged[n]}")
         elif n not in provided:
             missing.setdefault(n, []).append(f"{owner} ({text})")

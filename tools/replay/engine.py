@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout_service.engine.base import Generation, SamplingSettings, UpdateMode, WeightUpdateError
+from rollout_service.engine.base import (
+    FinishReason,
+    Generation,
+    SamplingSettings,
+    UpdateMode,
+    WeightUpdateError,
+)
 
 if TYPE_CHECKING:
     from protocol.weights import ModelManifest
@@ -103,6 +109,9 @@ class _Cursor:
     position: int = 0
     calls: int = 0
     beyond: int = 0  # calls past the end of the recording
+
+
+_FINISH_OF_TERMINATION: dict[str, FinishReason] = {"aborted": "abort", "length": "length"}
 
 
 class ReplayEngine:
@@ -179,7 +188,7 @@ class ReplayEngine:
         elif end - start >= sampling.max_tokens:
             finish = "length"
         elif self._at_end(ep, cur):
-            finish = {"aborted": "abort", "length": "length"}.get(t.termination, "stop")
+            finish = _FINISH_OF_TERMINATION.get(t.termination, "stop")
         else:
             finish = "stop"
         return Generation(ids, t.rollout_logprobs[start:end].tolist(), t.versions[start:end].tolist(), finish,

@@ -38,7 +38,7 @@ class Recording:
     def server_id(self) -> str:
         """The id in the files (the directory name is only a hint: files may have been copied)."""
         if self._server_id is None:
-            self._server_id = read_meta(self.files[0]).server_id
+            self._server_id = str(read_meta(self.files[0]).server_id)
         return self._server_id
 
     @property

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from tools.replay import locate
 from tools.replay.compare import Divergence, compare_episode, render_text
@@ -111,7 +111,7 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
         why = (f"no data row for group {uid!r} in the configured data (data.train_files / data.datasets)"
                if info is None else _group_problem(eps))
         if info is None or why is not None:
-            skipped |= {ep.episode_id: why for ep in eps}
+            skipped |= {ep.episode_id: why or "" for ep in eps}  # never "": no row, or a problem
             continue
         rows[uid] = info
         # The group's other episodes still rerun and compare (episodes of a group are independent).
@@ -218,7 +218,7 @@ def run(path: str, *, config: str | None = None, model: str | None = None, overr
 
     import anyio
 
-    out = out or sys.stdout
+    out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     reports = []
     for rec in locate.find(path):
         cfg = locate.load_run_config(rec, config=config, model=model, overrides=overrides or [])

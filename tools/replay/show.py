@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from tools.replay import locate
 
@@ -178,7 +178,7 @@ def run(path: str, *, trajectory: str | None = None, group: str | None = None, l
     from rollout_service.agents.parsers import PARSERS
     from rollout_service.agents.rendering import ChatRenderer
 
-    out = out or sys.stdout
+    out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     if limit is None and html_out is None:
         limit = DEFAULT_TERMINAL_LIMIT
     recordings = locate.find(path)

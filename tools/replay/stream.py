@@ -31,8 +31,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
+from protocol.batch import Trajectories
 from tools.replay import locate
 
 
@@ -64,8 +65,7 @@ def prescan(files: list[Path]) -> tuple[int, int]:
             raise locate.ReplayError(str(e)) from None
         trajs = msg.trajectories
         n += len(trajs)
-        versions = trajs.columns["versions"] if hasattr(trajs, "columns") else []
-        if len(versions):
+        if isinstance(trajs, Trajectories) and len(versions := trajs.columns["versions"]):
             newest = max(newest, int(versions.max()))
     return n, newest
 
@@ -180,7 +180,7 @@ def run(path: str, *, to: str, server_id: str | None = None, model: str | None =
     """Stream the recording(s) ``path`` names to the learner at ``to``; exit status."""
     import anyio
 
-    out = out or sys.stdout
+    out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     recordings = locate.find(path)
     if len(recordings) > 1 and server_id is not None:
         raise locate.ReplayError("--server-id names one peer: give one recording directory, not a run with "
