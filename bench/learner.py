@@ -3,7 +3,7 @@
 to publish weights to rollout servers against memcpy.
 
 Phase 1 (update): a ``WorkerGroup`` of ``--world`` Ray actors (``TrainWorker``, FSDP2, gloo on CPU,
-NCCL and bf16 on CUDA) runs ``update_actor`` on ``split_for_ranks`` plans of synthetic samples
+NCCL and bf16 on CUDA) runs the actor update (``TrainWorker.update``) on ``split_for_ranks`` plans of synthetic samples
 (prompt + response tokens, ``old_logprobs`` and ``advantages``; ``--lengths longtail`` for the
 mixed lengths of agentic batches) for a Qwen2 model written locally by ``tools.make_tiny_model``
 (``--shape``), in packed or padded micro-batches (``--layout``) of ``--micro-size`` samples or of at
@@ -147,10 +147,10 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
         s = Sample(ids, p, mask)
         old = (-rng.random(r) * 3).astype(np.float32) * mask
         if args.old_logprobs == "from-update":  # the workers compare their own with the rollout's
-            s.tokens["rollout_logprobs"] = old
+            s.rollout_logprobs = old
         else:
-            s.tokens["old_logprobs"] = old
-        s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
+            s.old_logprobs = old
+        s.advantages = rng.normal(size=r).astype(np.float32) * mask
         out.append(s)
     return out
 
@@ -315,7 +315,7 @@ def ablation_setup(worker: Any) -> bool:
 
 
 ABLATION = {
-    "update": "TrainWorker.update_actor, as timed above",
+    "update": "TrainWorker.update (actor), as timed above",
     "fsdp_ce": "the worker's FSDP PolicyHead, loss = the bound's cross-entropy (no entropy, PPO loss, "
                "metric syncs or grad clipping)",
     "other_reshard_update": "the update loop (PPO loss, entropy, metrics, clipping) on an FSDP copy "
@@ -336,7 +336,7 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
 
     t0, c0 = time.perf_counter(), time.process_time()
     if variant == "update":
-        worker.update_actor(plans, epochs)
+        update_step(worker, plans, epochs)
     elif variant == "bare":
         bare_update(worker, plans, epochs)
     else:  # a copy of TrainWorker._update's loop (actor role)
@@ -406,7 +406,7 @@ def torch_profile(worker: Any, plans: list[Any], epochs: int, bare: bool) -> str
         if bare:
             bare_update(worker, plans, epochs)
         else:
-            worker.update_actor(plans, epochs)
+            update_step(worker, plans, epochs)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
 
@@ -457,7 +457,7 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         async def ours() -> Any:
             if args.old_logprobs == "forward":  # as Trainer._prepare runs it (samples shipped each time)
                 await group.forward("actor", samples, "old_logprobs", batching)
-            return await group.all("update_actor", [(ref, args.epochs, old_from_forward) for ref in plan_refs])
+            return await ray_all(group, update_step, [(ref, args.epochs, old_from_forward) for ref in plan_refs])
 
         def bare() -> Any:
             return ray_all(group, bare_update, [(ref, args.epochs, bound_packed) for ref in plan_refs])
@@ -517,6 +517,14 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     finally:
         group.shutdown()
         ray.shutdown()
+
+
+def update_step(worker: Any, plans: list[Any], epochs: int, old_from_forward: Any = None) -> Any:
+    """TrainWorker.update of the actor, inside the actor (``plans`` arrive resolved from their
+    object refs, which Ray does for top-level arguments only, not inside an UpdateRequest)."""
+    from learner.worker_api import UpdateRequest
+
+    return worker.update(UpdateRequest("actor", plans, epochs, old_from_forward))
 
 
 async def ray_all(group: Any, fn: Any, args: list[tuple[Any, ...]] | None = None) -> list[Any]:

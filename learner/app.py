@@ -10,21 +10,24 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
+
+if TYPE_CHECKING:
+    from common.config.root import Config
 
 
 class _Ready:
     """Trainer.run's task status: it reports its address once its workers are up and it trains."""
 
-    def started(self, value: Any = None) -> None:
+    def started(self, value: str | None = None) -> None:
         from common.run_events import Kind, emit
 
         emit(Kind.READY, "learner", address=value)
 
 
-def run(config: Any, run_dir: Path) -> int:
+def run(config: Config, run_dir: Path) -> int:
     import sys
 
     from learner.sinks import missing_sink_packages

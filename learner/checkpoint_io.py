@@ -14,8 +14,9 @@ import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from learner.worker_api import WeightArray
 
 TORCH_TO_WIRE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                  torch.float64: "float64", torch.int64: "int64", torch.int32: "int32"}
@@ -26,7 +27,17 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return tensors_only(get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+
+
+def tensors_only(sd: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """A model's state dict as what it holds: tensors (DCP's types also cover optimizer states)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"state dict entry {k} is a {type(v).__name__}, not a tensor")
+        out[k] = v
+    return out
 
 
 def select(sd: Mapping[str, torch.Tensor], names: Sequence[str],
@@ -44,7 +55,7 @@ def select(sd: Mapping[str, torch.Tensor], names: Sequence[str],
 
 
 def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
-                 dtypes: Mapping[str, str] | None = None) -> list[tuple[str, str, tuple[int, ...], np.ndarray]] | None:
+                 dtypes: Mapping[str, str] | None = None) -> list[WeightArray] | None:
     """Collective. On rank 0: (name, wire dtype, shape, raw array) for every name in ``names``, cast
     to ``dtypes[name]`` when given (bf16 travels as its raw 16-bit pattern)."""
     sd = _full_state_dict(lm)
@@ -54,36 +65,36 @@ def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
     for n, t in select(sd, names, dtypes):
         wire = TORCH_TO_WIRE[t.dtype]
         raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
-        out.append((n, wire, tuple(t.shape), raw.numpy()))
+        out.append(WeightArray(n, wire, tuple(t.shape), raw.numpy()))
     return out
 
 
 def save(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
          scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
     """Collective: DCP shards of every trainable model and its optimizer, plus this rank's extras."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     state = {}
     for role, opt in optims.items():
         msd, osd = get_state_dict(models[role], opt)
         state[f"{role}.model"], state[f"{role}.optim"] = msd, osd
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(directory / "dcp"))
+    dcp_save(state, checkpoint_id=str(directory / "dcp"))
     extras = {"sched": {r: s.state_dict() for r, s in scheds.items()}, "rng": torch.get_rng_state()}
     torch.save(extras, directory / f"extras-rank{rank}.pt")
 
 
 def load(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
          scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     state = {}
     for role, opt in optims.items():
         msd, osd = get_state_dict(models[role], opt)
         state[f"{role}.model"], state[f"{role}.optim"] = msd, osd
-    dcp.load(state, checkpoint_id=str(directory / "dcp"))
+    dcp_load(state, checkpoint_id=str(directory / "dcp"))
     for role, opt in optims.items():
         set_state_dict(models[role], opt, model_state_dict=state[f"{role}.model"],
                        optim_state_dict=state[f"{role}.optim"])
@@ -100,6 +111,9 @@ def load(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping
 def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int) -> None:
     """Collective: a Hugging Face model directory (safetensors, config, tokenizer) on rank 0,
     loadable by transformers and vLLM as is."""
+    from transformers import PreTrainedModel
+
+    assert isinstance(lm, PreTrainedModel)  # FSDP2 subclasses the model's own class in place
     sd = _full_state_dict(lm)
     if rank != 0:
         return

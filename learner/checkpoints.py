@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -34,7 +34,8 @@ def staging_dir(root: Path, step: int) -> Path:
 
 def finalize(root: Path, staging: Path, step: int, state: dict[str, Any], *, keep: int | None = None) -> Path:
     """Write the trainer state, publish the staged directory as step ``step`` and mark it latest."""
-    atomic_write_bytes(staging / STATE, msgpack.packb(state, use_bin_type=True))
+    # cast: msgpack's stub allows None (a Packer with autoreset off), packb always gives bytes
+    atomic_write_bytes(staging / STATE, cast(bytes, msgpack.packb(state, use_bin_type=True)))
     final = step_dir(root, step)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)

@@ -53,7 +53,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from anyio.abc import TaskStatus
 
+from common.config.root import Config
 from common.hostkey import host_key
 from common.identity import embedding_rows, wire_identities
 from common.log_throttle import PeerErrorLog
@@ -94,7 +96,7 @@ class IntakeStarved(RuntimeError):
     """The buffer is full and still holds fewer groups than a training batch needs."""
 
 
-def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None = None,
+def build_server(config: Config, *, persist: Callable[[BatchReceived], Any] | None = None,
                  publish_initial: bool = True) -> tuple[LearnerServer, ZmqServerChannel]:
     """The protocol server of the run config, bound. ``publish_initial`` serves the model directory's
     weights as version 0 to rollout servers that ask."""
@@ -108,6 +110,8 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
     # has no tighter bound of its own: a rendered prompt (or a StateLM segment's) may exceed
     # data.max_prompt_length as long as it fits the context.
     rollout = config.actor_rollout_ref.rollout
+    # Filled in from data.* when the config is loaded (common.config.root): never None here.
+    assert rollout.prompt_length is not None and rollout.response_length is not None
     limits = CodecLimits(
         max_message_bytes=t.max_message_bytes, max_trajectories_per_batch=t.max_trajectories_per_batch,
         max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=vocab,
@@ -124,6 +128,8 @@ def build_server(config: Any, *, persist: Callable[[BatchReceived], Any] | None 
     )
     curve = None
     if t.curve.enabled:
+        # Both are required with curve on when the config is loaded (common.config.root).
+        assert t.curve.secret_key_file is not None and t.curve.allowed_keys_dir is not None
         curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
     if (warning := exposure_warning(config.learner.bind_address, curve=curve is not None)) is not None:
         get_logger("learner.intake").warning(warning, address=config.learner.bind_address,
@@ -158,7 +164,7 @@ class Intake:
     ``run_dir/intake-journal``); ``fresh``: without a state, delete the journal instead of replaying
     it (a new run). Binds the socket at once; ``run`` serves it."""
 
-    def __init__(self, config: Any, run_dir: Path, *, state: dict[str, Any] | None = None,
+    def __init__(self, config: Config, run_dir: Path, *, state: dict[str, Any] | None = None,
                  journal_dir: Path | None = None, fresh: bool = False) -> None:
         self.config, self.run_dir = config, Path(run_dir)
         self._log = get_logger("learner.intake")
@@ -183,7 +189,7 @@ class Intake:
                                       "persist_failures", "replayed_records", "replayed_groups"), 0)
         self._peer_versions: dict[str, int] = {}
         self._published_at: dict[int, float] = {}  # version -> when publishing began (monotonic)
-        self._applied: dict[int, dict[str, Any]] = {}  # version -> weights/* metrics once all applied
+        self._applied: dict[int, dict[str, float]] = {}  # version -> weights/* metrics once all applied
         self._apply_times: dict[int, list[float]] = {}  # version -> each server's apply_time_s
         self._arrived: anyio.Event | None = None
         self._joined: anyio.Event | None = None  # set when a rollout server joins
@@ -204,7 +210,7 @@ class Intake:
             raise
 
     # -- trainer API -----------------------------------------------------------------------------
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve rollout servers until ``close`` (BYE sent to each) or cancellation. Reports the
         bound address through ``task_status``."""
         if self._started:
@@ -327,16 +333,22 @@ class Intake:
         return rnd
 
     def publish_weights(self, version: int, tensors: list[NamedBuffer], *, file: str = "",
-                        started: float | None = None) -> None:
+                        started: float | None = None) -> bool:
         """Send policy ``version`` to every rollout server (and to joiners that ask). The buffers must
         stay unchanged until the next publish. With ``file`` (a safetensors file holding exactly
         ``tensors``), servers on this machine load that file instead of receiving chunks.
-        ``started``: when gathering the weights began (``time.monotonic``), for ``weights/applied_s``."""
+        ``started``: when gathering the weights began (``time.monotonic``), for ``weights/applied_s``.
+
+        Returns whether chunks were cut from the version this one replaces: ZeroMQ may then still be
+        sending slices of its buffers (read just before the publish, with no await in between, so no
+        later planning is missed; `learner.publisher` retires such a slot file)."""
+        replaced_chunked = self._proto.chunks_planned
         self._published_at[version] = time.monotonic() if started is None else started
         self._server.publish_weights(version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes,
                                      file=file)
         if self._rule is not None:
             self._rule = (max(version, self._rule[0]), self._rule[1])
+        return replaced_chunked
 
     def _note_applied(self, version: int, apply_time_s: float) -> None:
         """Once every connected server runs ``version``: how long that took from the publish."""
@@ -351,7 +363,7 @@ class Intake:
             self._published_at.pop(old)
             self._apply_times.pop(old, None)
 
-    def weight_update_metrics(self) -> dict[str, Any]:
+    def weight_update_metrics(self) -> dict[str, float]:
         """``weights/*`` of the newest version every server applied since the last call ({} if none):
         ``applied_s`` from the start of the publish until the last server generates with it,
         ``apply_s`` the slowest server's own load time."""
@@ -362,11 +374,9 @@ class Intake:
         return newest
 
     def file_peers_oldest_version(self) -> int | None:
+        """The lowest version applied by a connected rollout server that loads weights files (None:
+        no such server): slot files of older versions will not be read again."""
         return self._proto.file_peers_oldest_version()
-
-    @property
-    def chunks_planned(self) -> bool:
-        return self._proto.chunks_planned
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume without losing or re-training accepted data (plain
@@ -609,8 +619,8 @@ class Intake:
                 "learner.buffer_batches (or ship more groups per batch)")
 
 
-async def serve(config: Any, run_dir: Path, *, stats_interval_s: float = 10.0,
-                task_status: Any = anyio.TASK_STATUS_IGNORED) -> int:
+async def serve(config: Config, run_dir: Path, *, stats_interval_s: float = 10.0,
+                task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
     """The intake alone (no trainer): batches count as trained as soon as they arrive. Stops on
     SIGINT/SIGTERM; a stats line is logged every ``stats_interval_s`` and written to
     ``RUN_DIR/intake_stats.json`` on exit."""

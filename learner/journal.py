@@ -35,10 +35,12 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import msgpack
+import numpy as np
 
+from common.fileio import fsync_dir
 from common.logging import get_logger
 from protocol import codec
 from protocol.batch import Trajectories
@@ -89,7 +91,7 @@ def _segment_name(first_id: int) -> str:
 
 
 def _bytes_view(frame: codec.Frame) -> memoryview:
-    m = memoryview(frame)
+    m = frame.data if isinstance(frame, np.ndarray) else memoryview(frame)
     return m if m.format == "B" and m.ndim == 1 else m.cast("B")
 
 
@@ -98,14 +100,6 @@ def _write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
         view = memoryview(part)
         while view.nbytes:
             view = view[os.write(fd, view):]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -174,8 +168,9 @@ class Journal:
     def append(self, peer_id: str, epoch: str, seq: int, trajectories: Sequence[Trajectory]) -> tuple[int, int]:
         """Write one batch durably; returns (record id, bytes written). Thread-safe."""
         frames = [_bytes_view(f) for f in codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))]
-        meta = msgpack.packb({"peer_id": peer_id, "epoch": epoch, "seq": seq,
-                              "frames": [f.nbytes for f in frames]}, use_bin_type=True)
+        # cast: msgpack's stub allows None (a Packer with autoreset off), packb always gives bytes
+        meta = cast(bytes, msgpack.packb({"peer_id": peer_id, "epoch": epoch, "seq": seq,
+                                          "frames": [f.nbytes for f in frames]}, use_bin_type=True))
         parts: list[memoryview | bytes] = [_META_LEN.pack(len(meta)), meta, *frames]
         body_len = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
@@ -228,7 +223,7 @@ class Journal:
                 s.path.unlink()
                 self._segments.remove(s)
             if self.durable:
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
             self._recount()
             return sum(len(s.records) for s in doomed)
 
@@ -243,7 +238,7 @@ class Journal:
             self._next_id = 1
             self._failed = None
             if self.durable:
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
             self._recount()
 
     def close(self) -> None:
@@ -274,7 +269,7 @@ class Journal:
                     os.fsync(f.fileno())
             os.replace(tmp, path)
             if self.durable:
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
             seg = _Segment(first, path, _SEGMENT_HEAD.size)
             self._segments.append(seg)
         self._fd = os.open(path, os.O_WRONLY)

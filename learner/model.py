@@ -30,14 +30,17 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
-from learner.samples import TOKEN_FIELDS, Sample
+from learner.samples import Sample, TokenField
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION = "learner_packed_sdpa"  # registered with transformers by register_attention()
 
@@ -82,7 +85,7 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
     r = max(max(s.response_len for s in samples), 1)
     valid = np.zeros((b, r), bool)
     mask = np.zeros((b, r), np.float32)
-    extra = {k: np.zeros((b, r), np.float32) for k in TOKEN_FIELDS if k in samples[0].tokens}
+    extra: dict[TokenField, np.ndarray] = {k: np.zeros((b, r), np.float32) for k in samples[0].token_fields()}
     labels, hidden = [], []
     starts = np.concatenate([[0], np.cumsum(lens)]) if packed else np.arange(b) * max(lens)
     for i, s in enumerate(samples):
@@ -92,7 +95,7 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
         labels.append(s.input_ids[p:])
         hidden.append(starts[i] + np.arange(p - 1, p - 1 + rl))
         for k, arr in extra.items():
-            arr[i, :rl] = s.tokens[k]
+            arr[i, :rl] = s.get(k)
 
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
@@ -159,7 +162,7 @@ def varlen_kernel(device: torch.device) -> VarlenKernel | None:
     torch 2.9, its arguments changed between releases) if it matches per-sequence SDPA, forward and
     gradients, on a small GQA case on this device (`check_varlen_kernel`)."""
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # pyright: ignore[reportMissingImports]
     except ImportError:  # optional package
         pass
     else:
@@ -203,7 +206,9 @@ def torch_varlen_kernel() -> VarlenKernel | None:
             extra["scale"] = scale
         elif scale is not None and scale != q.size(-1) ** -0.5:
             raise ValueError("this torch's varlen_attn takes no scale")
-        return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        assert isinstance(out, torch.Tensor)  # (out, aux) only when return_aux is asked for
+        return out
 
     return run
 
@@ -251,14 +256,15 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, flash_attention_mask)
 
 
-def _decoder_kwargs(config: Any, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+def _decoder_kwargs(config: object, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                     cu_seqlens: torch.Tensor | None, bounds: tuple[int, ...]) -> dict[str, Any]:
     if position_ids is None:
         return {"attention_mask": attention_mask}
-    if getattr(config, "_attn_implementation", None) != ATTENTION:
+    attn = getattr(config, "_attn_implementation", None)  # a transformers PretrainedConfig's
+    if attn != ATTENTION:
         # Any other attention would let the packed sequences attend to each other.
         raise ValueError(f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
-                         f"(learner.model.load_causal_lm), not {config._attn_implementation!r}")
+                         f"(learner.model.load_causal_lm), not {attn!r}")
     return {"position_ids": position_ids, "packed_bounds": bounds, "packed_cu_seqlens": cu_seqlens}
 
 
@@ -274,7 +280,9 @@ def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
 class PolicyHead(nn.Module):
     """Causal LM -> (logprobs of the response tokens, entropy at those positions), flat [Nr]."""
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0) -> None:
+    keep_gathered: bool = False  # FSDP2 parameters stay gathered through a step (`shard`)
+
+    def __init__(self, lm: PreTrainedModel, temperature: float = 1.0) -> None:
         super().__init__()
         self.lm = lm
         # The rollout's logprobs are of the temperature-scaled distribution it sampled from.
@@ -284,8 +292,10 @@ class PolicyHead(nn.Module):
                 with_entropy: bool = False, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                 bounds: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        head = self.lm.get_output_embeddings()
+        assert head is not None  # a causal LM has one
         hidden = hidden_states(self.lm.get_decoder(), input_ids, attention_mask, position_ids, cu_seqlens, bounds)
-        logits = self.lm.get_output_embeddings()(hidden[hidden_idx]).float() / self.temperature
+        logits = head(hidden[hidden_idx]).float() / self.temperature
         logp = logprobs_from_logits(logits, labels)
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
@@ -301,7 +311,9 @@ def policy_outputs(model: nn.Module, mb: MicroBatch, with_entropy: bool = False
 class ValueHead(nn.Module):
     """Token-classification model with one label -> value of the state before each response token."""
 
-    def __init__(self, model: nn.Module) -> None:
+    keep_gathered: bool = False  # as PolicyHead's
+
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.model = model
 
@@ -361,7 +373,7 @@ def _device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def shard(wrapper: nn.Module, inner: nn.Module, *, device: torch.device, param_offload: bool,
+def shard(wrapper: PolicyHead | ValueHead, inner: nn.Module, *, device: torch.device, param_offload: bool,
           bf16: bool, world_size: int = 2, keep_gathered: bool | None = None) -> nn.Module:
     """FSDP2 over every decoder layer of ``inner``, then the wrapper as the root unit.
 
@@ -380,9 +392,7 @@ def shard(wrapper: nn.Module, inner: nn.Module, *, device: torch.device, param_o
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if param_offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    layers = decoder_layers(inner)
-    for layer in layers:
-        fully_shard(layer, **kwargs)
+    layers = [fully_shard(layer, **kwargs) for layer in decoder_layers(inner)]
     fully_shard(wrapper, **kwargs)
     if world_size > 1 and device.type == "cuda":
         for layer, nxt in itertools.pairwise(layers):
@@ -395,13 +405,17 @@ def set_micro_batch(model: nn.Module, index: int, count: int) -> None:
     """Before micro-batch ``index`` of ``count`` in one optimizer step: gradients are reduced only
     after the last, and a model that keeps its parameters gathered reshards only then too (the
     optimizer step must see, and the next step gather, the updated shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"set_micro_batch needs a model sharded by `shard`, got {type(model).__name__}")
     last = index == count - 1
     model.set_requires_gradient_sync(last)
     if getattr(model, "keep_gathered", False):
         model.set_reshard_after_backward(last)
 
 
-def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing: bool) -> nn.Module:
+def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing: bool) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     register_attention()
@@ -414,7 +428,7 @@ def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing
     return lm
 
 
-def load_value_model(path: str, *, trust_remote_code: bool) -> nn.Module:
+def load_value_model(path: str, *, trust_remote_code: bool) -> PreTrainedModel:
     from transformers import AutoModelForTokenClassification
 
     register_attention()

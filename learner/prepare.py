@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
-from learner.samples import Batching, OldFromForward, Sample
+from common.config.root import Config
+from learner.samples import Batching, OldFromForward, Sample, TokenField
+from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
 
 REMAX_BASELINE = "remax_baseline"  # reward_extras key set by the rollout side (rollout_service.groups)
@@ -29,19 +30,18 @@ def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
     out = []
     for t in trajs:
         ids = np.concatenate([np.asarray(t.prompt_ids, np.int64), np.asarray(t.response_ids, np.int64)])
-        s = Sample(ids, len(t.prompt_ids), np.asarray(t.response_mask, np.float32))
-        s.tokens["rollout_logprobs"] = np.asarray(t.rollout_logprobs, np.float32)
-        out.append(s)
+        out.append(Sample(ids, len(t.prompt_ids), np.asarray(t.response_mask, np.float32),
+                          rollout_logprobs=np.asarray(t.rollout_logprobs, np.float32)))
     return out
 
 
-def mini_batch_count(config: Any) -> int:
+def mini_batch_count(config: Config) -> int:
     """Optimizer steps per epoch: data.train_batch_size * rollout.n / actor.ppo_mini_batch_size."""
     arr = config.actor_rollout_ref
     return max(1, config.data.train_batch_size * arr.rollout.n // arr.actor.ppo_mini_batch_size)
 
 
-def batching(config: Any, micro_size: int | None = None, *, can_pack: bool = True) -> Batching:
+def batching(config: Config, micro_size: int | None = None, *, can_pack: bool = True) -> Batching:
     """How a learner pass cuts micro-batches: the actor's token cap with use_dynamic_bsz, else
     ``micro_size`` samples (default actor.ppo_micro_batch_size_per_gpu); packed with
     model.use_remove_padding when the workers ``can_pack`` (`learner.workers.WorkerGroup.can_pack`:
@@ -53,7 +53,7 @@ def batching(config: Any, micro_size: int | None = None, *, can_pack: bool = Tru
                     packed=arr.model.use_remove_padding and can_pack)
 
 
-def old_logprobs_from_update(config: Any, step: int) -> OldFromForward | None:
+def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None:
     """Whether this step's actor update takes the old logprobs from its own forward (returned: what
     the workers need for it) instead of a separate forward before it (None).
 
@@ -86,17 +86,17 @@ def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float
     return out
 
 
-def response_tensors(samples: Sequence[Sample], key: str | None = None) -> torch.Tensor:
+def response_tensors(samples: Sequence[Sample], key: TokenField | None = None) -> torch.Tensor:
     """[N, R] padded response mask (key None) or per-token field ``key``."""
     width = max((s.response_len for s in samples), default=1)
-    rows = [s.response_mask if key is None else s.tokens[key] for s in samples]
+    rows = [s.response_mask if key is None else s.get(key) for s in samples]
     return pad(rows, width)
 
 
-def set_tokens(samples: Sequence[Sample], key: str, padded: torch.Tensor) -> None:
+def set_tokens(samples: Sequence[Sample], key: TokenField, padded: torch.Tensor) -> None:
     arr = padded.detach().float().cpu().numpy()
     for i, s in enumerate(samples):
-        s.tokens[key] = np.ascontiguousarray(arr[i, : s.response_len], dtype=np.float32)
+        s.set(key, np.ascontiguousarray(arr[i, : s.response_len], dtype=np.float32))
 
 
 def token_level_scores(trajs: Sequence[Trajectory], mask: torch.Tensor) -> torch.Tensor:
@@ -126,10 +126,10 @@ def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
             f"{prefix}/min": float(a.min()), f"{prefix}/max": float(a.max())}
 
 
-def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version: int) -> dict[str, Any]:
+def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version: int) -> dict[str, float]:
     """Reward, lengths, turns and terminations of a batch, overall and per data source (keys end
     in ``/{source}``: ``reward/mean/math``, ``batch/count/math``...), and its staleness."""
-    out: dict[str, Any] = _stats("reward", [t.reward for t in trajs])
+    out: dict[str, float] = _stats("reward", [t.reward for t in trajs])
     by_source: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         by_source[t.data_source or "unknown"].append(t)
@@ -159,17 +159,18 @@ def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version
     return out
 
 
-def reduce_worker_metrics(per_rank: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+def reduce_worker_metrics(per_rank: Sequence[UpdateResult], prefix: str) -> dict[str, float]:
     """Sums over ranks -> means: token-weighted (``*_tok``), sequence-weighted (``*_seq``), maxima
     (``*_max``), per optimizer step (losses, grad norm). Keys are put under ``prefix/``, except
     those that name their own section (``off_policy/is_weight_mean_tok``)."""
     total: defaultdict[str, float] = defaultdict(float)
-    for m in per_rank:
-        for k, v in m.items():
+    for r in per_rank:
+        for k, v in r.sums.items():
             total[k] = max(total.get(k, v), v) if k.endswith("_max") else total[k] + v
     tokens = max(total.pop("tokens", 0.0), 1.0)
     seqs = max(total.pop("seqs", 0.0), 1.0)
-    steps = max(per_rank[0].get("optimizer_steps", 1.0), 1.0)
+    first = per_rank[0]  # every rank takes the same optimizer steps with the same schedule
+    steps = float(max(first.optimizer_steps, 1))
     out: dict[str, float] = {}
     for k, v in total.items():
         name = k if "/" in k else f"{prefix}/{k}"
@@ -179,12 +180,10 @@ def reduce_worker_metrics(per_rank: Sequence[dict[str, float]], prefix: str) -> 
             out[name[:-4]] = v / seqs
         elif k.endswith("_max"):
             out[name[:-4]] = v
-        elif k == "grad_norm_sum":
-            out[f"{prefix}/grad_norm"] = v / len(per_rank) / steps
-        elif k in ("lr",):
-            out[f"{prefix}/lr"] = per_rank[0]["lr"]
-        elif k in ("optimizer_steps", "skipped_steps"):
-            out[f"{prefix}/{k}"] = per_rank[0].get(k, 0.0)
         else:  # losses: each rank's sum over micro-batches is its share of the mini-batch loss
             out[f"{prefix}/{k}"] = v / steps
+    out[f"{prefix}/grad_norm"] = sum(r.grad_norm_sum for r in per_rank) / len(per_rank) / steps
+    out[f"{prefix}/lr"] = first.lr
+    out[f"{prefix}/optimizer_steps"] = float(first.optimizer_steps)
+    out[f"{prefix}/skipped_steps"] = float(first.skipped_steps)
     return out

@@ -4,8 +4,10 @@ micro-batches.
 Design: one `Sample` per trajectory holds numpy arrays of its own length (no padding crosses a
 process boundary); a worker lays a micro-batch out only when it runs it (`learner.model.collate`):
 packed (the sequences end to end, no padding: ``Batching.packed``) or right-padded to the
-micro-batch's longest sequence. Per-token training inputs (advantages, old logprobs, ...) are
-response-length arrays aligned with ``response_mask``.
+micro-batch's longest sequence. Per-token training inputs (advantages, old logprobs, ...) are named
+fields of the sample, response-length float32 arrays aligned with ``response_mask``, None until a
+step computes them (and set back to None to keep them off the wire when the loss does not need
+them); ``TokenField`` names them where code is generic over them.
 
 `split_for_ranks` deals mini-batches to workers and `split_forward` deals forward-only passes. Both
 balance the ranks by tokens and give every rank the same number of micro-batches (FSDP's
@@ -19,12 +21,15 @@ micro-batches so that each costs about the same, and a step costs its tokens, no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "is_weights",
-                "rollout_logprobs")
+TokenField = Literal["old_logprobs", "ref_logprobs", "advantages", "returns", "values", "is_weights",
+                     "rollout_logprobs"]
+TOKEN_FIELDS: tuple[TokenField, ...] = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values",
+                                        "is_weights", "rollout_logprobs")
 
 
 @dataclass
@@ -32,16 +37,42 @@ class Sample:
     input_ids: np.ndarray  # int64, prompt + response
     prompt_len: int
     response_mask: np.ndarray  # float32, length of the response: 1 = trained on
-    tokens: dict[str, np.ndarray] = field(default_factory=dict)  # TOKEN_FIELDS -> float32 [R]
+    # Per-token inputs, float32 [response_len] each, None while not computed or not shipped:
+    rollout_logprobs: np.ndarray | None = None  # the sampling engine's (from the trajectory)
+    old_logprobs: np.ndarray | None = None  # the policy's before this step's update
+    ref_logprobs: np.ndarray | None = None  # the reference model's (KL loss, KL in the reward)
+    values: np.ndarray | None = None  # the critic's before the update
+    advantages: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    is_weights: np.ndarray | None = None  # truncated importance weights old / rollout
 
     @property
     def response_len(self) -> int:
         return len(self.input_ids) - self.prompt_len
 
+    def token_fields(self) -> dict[TokenField, np.ndarray]:
+        """The per-token inputs this sample carries, by name."""
+        out: dict[TokenField, np.ndarray] = {}
+        for name in TOKEN_FIELDS:
+            arr = getattr(self, name)
+            if arr is not None:
+                out[name] = arr
+        return out
+
+    def get(self, name: TokenField) -> np.ndarray:
+        """The per-token input ``name``; an error names it when it was never set."""
+        arr = getattr(self, name)
+        if arr is None:
+            raise ValueError(f"the sample carries no {name} (not computed before it was needed)")
+        return arr
+
+    def set(self, name: TokenField, arr: np.ndarray | None) -> None:
+        setattr(self, name, arr)
+
     def dummy(self) -> Sample:
         """A copy that contributes nothing to any loss: keeps a rank in step with the others."""
-        return replace(self, response_mask=np.zeros_like(self.response_mask),
-                       tokens={k: np.zeros_like(v) for k, v in self.tokens.items()})
+        zeros = {k: np.zeros_like(v) for k, v in self.token_fields().items()}
+        return replace(self, response_mask=np.zeros_like(self.response_mask), **zeros)
 
 
 @dataclass(frozen=True)
@@ -65,10 +96,11 @@ class Batching:
 
 @dataclass(frozen=True)
 class OldFromForward:
-    """Tells ``update_actor`` to take the old logprobs from the update's own forward, detached,
-    instead of from ``Sample.tokens``: the same numbers, one forward pass fewer, but only when every
-    forward of the update runs on the weights before it, i.e. one epoch and one mini-batch (the
-    trainer's rule: `learner.prepare.old_logprobs_from_update`). The truncated importance weights
+    """Tells the actor update (``UpdateRequest.old_from_forward``) to take the old logprobs from
+    the update's own forward, detached, instead of from ``Sample.old_logprobs``: the same numbers,
+    one forward pass fewer, but only when every forward of the update runs on the weights before
+    it, i.e. one epoch and one mini-batch (the trainer's rule:
+    `learner.prepare.old_logprobs_from_update`). The truncated importance weights
     (old / rollout, ``is_level``, ``is_cap``) and the metrics that compare old and rollout logprobs
     are then computed there too, from ``rollout_logprobs``."""
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.console import Console
 from rich.progress import (
@@ -39,6 +39,9 @@ from rich.progress import (
 from rich.text import Text
 
 from common.registry import Registry
+
+if TYPE_CHECKING:
+    from common.config.root import Config
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -70,7 +73,7 @@ def missing_sink_packages(loggers: Sequence[str]) -> list[str]:
             for package, message in [SINK_PACKAGES[name]] if not installed(package)]
 
 
-def preflight_issues(config: Any) -> tuple[list[str], list[str]]:
+def preflight_issues(config: Config) -> tuple[list[str], list[str]]:
     """bin/learner --check (and bin/train's): the sinks this learner would fail to build."""
     return missing_sink_packages(config.trainer.logger), []
 
@@ -362,7 +365,7 @@ class WandbSink:
 
     def __init__(self, ctx: SinkContext) -> None:
         try:
-            import wandb
+            import wandb  # pyright: ignore[reportMissingImports]
         except ImportError as e:
             if e.name != "wandb":  # wandb is there but broken: its own error says more
                 raise

@@ -2,10 +2,11 @@
 
 Design: one async task owns the loop; the intake serves rollout servers concurrently in the same
 task group, so receiving, acknowledging and credit-granting never pause while the workers train.
-The workers (Ray actors, FSDP2) are driven through `WorkerGroup`; the trainer itself only does the
-light, batch-level work (advantages, KL-in-reward, importance weights, metrics). Freshness is
-enforced on data, not on acknowledgements: the learner never waits for a rollout server's
-WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the intake grants servers only
+The workers (Ray actors, FSDP2) are driven through `WorkerGroup`'s typed calls; the trainer itself
+only does the light, batch-level work (advantages, KL-in-reward, importance weights, metrics).
+Each new policy version goes out through one call of `learner.publisher.WeightPublisher`.
+Freshness is enforced on data, not on acknowledgements: the learner never waits for a rollout
+server's WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the intake grants servers only
 groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
 so nothing generated is wasted (``rollout/waste_frac``); a server that dies takes its grants with
 it, so it never stalls the learner. Without it, groups older than max_staleness are dropped.
@@ -21,12 +22,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 import torch
+from anyio.abc import TaskStatus
 
+from common.config.root import Config
 from common.epochs import total_steps
 from common.logging import get_logger
 from common.run_events import Kind, emit
@@ -41,16 +44,24 @@ from learner.prepare import (
     to_samples,
     token_level_scores,
 )
-from learner.samples import Sample, split_for_ranks, split_forward
+from learner.samples import Sample, split_for_ranks
 from learner.validation import due
 from learner.versions import VersionLedger
 from learner.worker import WorkerSettings
-from protocol.weights import NamedBuffer
+from learner.worker_api import UpdateRequest
+from protocol.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from learner.algorithms.kl import KLController
+    from learner.intake import Intake
+    from learner.publisher import WeightPublisher
+    from learner.sinks import MetricSinks
+    from learner.workers import WorkerGroup
 
 TRAINED_IDS = trained_log.TRAINED_IDS
 
 
-def worker_settings(config: Any, total_steps: int) -> WorkerSettings:
+def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
     arr, critic, trainer = config.actor_rollout_ref, config.critic, config.trainer
     actor, optim = arr.actor, arr.actor.optim
     warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
@@ -92,8 +103,14 @@ class Timer:
         return parts | {"timing/step_s": sum(parts.values())}
 
 
+@dataclass(frozen=True)
+class StepUpdate:
+    metrics: dict[str, float]
+    actor_updated: bool  # the policy changed: a new version to publish (false during critic warm-up)
+
+
 class Trainer:
-    def __init__(self, config: Any, run_dir: Path) -> None:
+    def __init__(self, config: Config, run_dir: Path) -> None:
         self.config, self.run_dir = config, run_dir
         self.log = get_logger("learner")
         self.total = total_steps(config)
@@ -103,14 +120,35 @@ class Trainer:
         self.version = 0
         self.ckpt_root = checkpoint_dir(config, run_dir)
         self.max_staleness = config.actor_rollout_ref.rollout.max_staleness
-        self.kl_ctrl: Any = None
-        self.workers: Any = None
-        self.intake: Any = None
-        self.weight_names: list[str] = []
-        self.weight_dtypes: dict[str, str] = {}
-        self.weight_files: Any = None  # learner.weights_files.WeightFiles when learner.weights_file_dir is set
+        self._kl_ctrl: KLController | None = None
+        self._workers: WorkerGroup | None = None
+        self._intake: Intake | None = None
+        self.publisher: WeightPublisher | None = None  # made once the intake is bound
         self.ledger = VersionLedger(run_dir)  # versions only go up across restarts (learner.versions)
         self._resume_metrics: dict[str, float] = {}  # logged with the first step
+
+    # The parts made at start-up (`run`), each checked once here rather than at every use.
+    @property
+    def kl_ctrl(self) -> KLController:
+        if self._kl_ctrl is None:
+            raise RuntimeError("the algorithm state is not initialised yet (_init_algorithm_state)")
+        return self._kl_ctrl
+
+    @property
+    def workers(self) -> WorkerGroup:
+        if self._workers is None:
+            raise RuntimeError("the workers are not started yet")
+        return self._workers
+
+    @workers.setter
+    def workers(self, group: WorkerGroup) -> None:
+        self._workers = group
+
+    @property
+    def intake(self) -> Intake:
+        if self._intake is None:
+            raise RuntimeError("the intake is not bound yet")
+        return self._intake
 
     # -- start-up --------------------------------------------------------------------------------
     def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
@@ -123,77 +161,16 @@ class Trainer:
 
         self.workers = WorkerGroup(self.settings, self.world)
         info = await self.workers.start()
-        self.log.info("workers ready", world_size=self.world, backend=info[0]["backend"],
-                      device=info[0]["device"], params=info[0]["params"])
+        self.log.info("workers ready", world_size=self.world, backend=info[0].backend,
+                      device=info[0].device, params=info[0].params)
         if resume is not None:
-            await self.workers.all("load_checkpoint", [(str(resume),)] * self.world)
-
-    async def _publish(self) -> dict[str, Any]:
-        """Gather the policy and send it as ``self.version`` to every rollout server: written by
-        rank 0 into a /dev/shm slot file when there is one (servers on this machine reload it in
-        place, others get chunks cut from its pages), else gathered through Ray and chunked."""
-        from common.safetensors_buffers import load_file
-
-        t0 = time.perf_counter()
-        started = time.monotonic()
-        self.ledger.record(self.version)
-        take = None
-        if self.weight_files is not None:
-            take = self.weight_files.take(self.version, oldest_applied=self.intake.file_peers_oldest_version())
-        if take is not None:
-            slot, path = take
-            try:
-                parts = await self.workers.all(
-                    "write_weights_file", [(self.weight_names, self.weight_dtypes, slot, str(path))] * self.world)
-            except BaseException:
-                self.weight_files.failed(slot)
-                raise
-            chunked = self.intake.chunks_planned  # of the version this one replaces
-            self.intake.publish_weights(self.version, load_file(path), file=str(path), started=started)
-            self.weight_files.published(self.version, replaced_chunked=chunked)
-            info = parts[0]
-            return {"weights/gather_s": info["gather_s"], "weights/copy_s": info["copy_s"],
-                    "weights/pinned": float(info["pinned"]), "weights/via_file": 1.0,
-                    "weights/publish_s": time.perf_counter() - t0}
-        parts = await self.workers.all("full_weights", [(self.weight_names, self.weight_dtypes)] * self.world)
-        tensors = [NamedBuffer(n, d, shape, memoryview(np.ascontiguousarray(a)).cast("B"))
-                   for n, d, shape, a in parts[0]]
-        chunked = self.intake.chunks_planned
-        self.intake.publish_weights(self.version, tensors, started=started)
-        if self.weight_files is not None:
-            self.weight_files.published(self.version, replaced_chunked=chunked)
-        return {"weights/via_file": 0.0, "weights/publish_s": time.perf_counter() - t0}
-
-    def _weight_files(self, model_bytes: int) -> Any:
-        """Slot files for the file hand-over, when ``learner.weights_file_dir`` is set and has room
-        for every slot (else weights go as chunks only, with a warning)."""
-        import shutil
-
-        from learner.weights_files import WeightFiles
-
-        c = self.config.learner
-        if not c.weights_file_dir:
-            return None
-        from learner.weights_files import remove_stale
-
-        for stale in remove_stale(c.weights_file_dir):  # first: they may hold the room needed below
-            self.log.info("removed the weights files of a learner that is gone", path=str(stale))
-        try:
-            free = shutil.disk_usage(c.weights_file_dir).free
-            if free < 1.1 * c.weights_file_slots * model_bytes:
-                raise OSError(f"{free / 1e9:.2f} GB free, {c.weights_file_slots} slots need "
-                              f"{1.1 * c.weights_file_slots * model_bytes / 1e9:.2f} GB")
-            return WeightFiles(c.weights_file_dir, c.weights_file_slots)
-        except OSError as e:
-            self.log.warning("weights go to rollout servers as chunks only: learner.weights_file_dir is not usable",
-                             dir=c.weights_file_dir, error=str(e))
-            return None
+            await self.workers.load_checkpoint(str(resume))
 
     def _init_algorithm_state(self, state: dict[str, Any] | None, resume_path: Path | None = None) -> None:
         from learner.algorithms import make_kl_controller
 
         k = self.config.algorithm.kl_ctrl
-        self.kl_ctrl = make_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
+        self._kl_ctrl = make_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
         torch.manual_seed(self.config.trainer.seed)
         if state:
             self.step, self.version = state["step"], state["policy_version"]
@@ -203,23 +180,7 @@ class Trainer:
         self.version, self._resume_metrics = r.version, r.metrics()
 
     # -- one step --------------------------------------------------------------------------------
-    async def _forward(self, role: str, samples: list[Sample], key: str, *, with_entropy: bool = False) -> None:
-        """Forward-only pass over ``samples`` on every rank; results land in sample.tokens[key]."""
-        plan = split_forward(samples, ranks=self.world, micro_size=self.settings_micro)
-        per_rank = [[[samples[i] if i >= 0 else None for i in chunk] for chunk in rank] for rank in plan]
-        results = await self.workers.all("forward", [(role, chunks, with_entropy) for chunks in per_rank])
-        out_key = "values" if role == "critic" else "logprobs"
-        for rank, res in zip(plan, results, strict=True):
-            real = [i for chunk in rank for i in chunk if i >= 0]
-            flat = [r for chunk in res for r in chunk]
-            for i, r in zip(real, flat, strict=True):
-                samples[i].tokens[key] = r[out_key]
-
-    @property
-    def settings_micro(self) -> int:
-        return self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-
-    async def _prepare(self, trajs: list[Any], samples: list[Sample]) -> dict[str, float]:
+    async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
         from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
         from learner.prepare import batching, old_logprobs_from_update
 
@@ -231,7 +192,7 @@ class Trainer:
         passes = batching(self.config, can_pack=self.workers.can_pack)
         if cfg.off_policy.old_logprobs == "rollout":
             for s in samples:
-                s.tokens["old_logprobs"] = s.tokens["rollout_logprobs"]
+                s.old_logprobs = s.rollout_logprobs
         elif not in_update:
             await self.workers.forward("actor", samples, "old_logprobs", passes)
         if self.settings.need_ref:
@@ -270,7 +231,7 @@ class Trainer:
             metrics["rollout/logprob_diff"] = float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean()) if m.any() else 0.0
         return metrics
 
-    async def _update(self, samples: list[Sample]) -> dict[str, float]:
+    async def _update(self, samples: list[Sample]) -> StepUpdate:
         from learner.prepare import batching, mini_batch_count, old_logprobs_from_update
 
         cfg = self.config.actor_rollout_ref.actor
@@ -278,23 +239,24 @@ class Trainer:
         old_from_forward = old_logprobs_from_update(self.config, self.step)
         for s in samples:
             if old_from_forward is None:  # else the workers compare old and rollout logprobs
-                s.tokens.pop("rollout_logprobs", None)  # not needed by the loss: do not ship it
+                s.rollout_logprobs = None  # not needed by the loss: do not ship it
             if not self.settings.use_kl_loss:
-                s.tokens.pop("ref_logprobs", None)
+                s.ref_logprobs = None
         metrics: dict[str, float] = {}
         if self.settings.critic_model_path:
             plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
                                     batching=batching(self.config, self.config.critic.ppo_micro_batch_size_per_gpu,
                                                       can_pack=self.workers.can_pack))
-            res = await self.workers.all("update_critic", [(p, cfg.ppo_epochs) for p in plans])
+            res = await self.workers.update([UpdateRequest("critic", p, cfg.ppo_epochs) for p in plans])
             metrics |= reduce_worker_metrics(res, "critic")
-        if self.step >= self.config.trainer.critic_warmup:
-            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
-                                    batching=batching(self.config, can_pack=self.workers.can_pack))
-            res = await self.workers.all("update_actor", [(p, cfg.ppo_epochs, old_from_forward) for p in plans])
-            metrics |= reduce_worker_metrics(res, "actor")
-            self.version += 1
-        return metrics
+        if self.step < self.config.trainer.critic_warmup:
+            return StepUpdate(metrics, actor_updated=False)
+        plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
+                                batching=batching(self.config, can_pack=self.workers.can_pack))
+        res = await self.workers.update([UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans])
+        metrics |= reduce_worker_metrics(res, "actor")
+        self.version += 1
+        return StepUpdate(metrics, actor_updated=True)
 
     async def train_step(self) -> dict[str, float]:
         timer = Timer.start()
@@ -307,11 +269,12 @@ class Trainer:
         metrics |= await self._prepare(trajs, samples)
         timer.lap("prepare")
         tokens = sum(len(s.input_ids) for s in samples)
-        metrics |= await self._update(samples)
+        update = await self._update(samples)
+        metrics |= update.metrics
         timer.lap("update")
-        updated = "actor/pg_loss" in metrics
-        if updated:
-            metrics |= await self._publish()
+        if update.actor_updated:
+            assert self.publisher is not None  # made in run(), before any step
+            metrics |= await self.publisher.publish(self.version, self.workers)
         timer.lap("broadcast")
         metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
@@ -333,7 +296,7 @@ class Trainer:
             metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
         return metrics
 
-    def _audit(self, trajs: list[Any]) -> None:
+    def _audit(self, trajs: list[Trajectory]) -> None:
         """One line per step in RUN_DIR/trained.jsonl: which trajectories this step trained on (for
         replay checks and for proving exactly-once training across restarts). A resumed run appends,
         after a rollback record for the steps it undid (``learner.trained_log``)."""
@@ -343,8 +306,8 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------
     async def save_checkpoint(self) -> Path:
         staging = checkpoints.staging_dir(self.ckpt_root, self.step)
-        await self.workers.all("save_checkpoint", [(str(staging),)] * self.world)
-        await self.workers.all("export_hf", [(str(staging / "hf"), self.config.actor_rollout_ref.model.path)] * self.world)
+        await self.workers.save_checkpoint(str(staging))
+        await self.workers.export_hf(str(staging / "hf"), self.config.actor_rollout_ref.model.path)
         intake_state = self.intake.state_dict()
         state = {"step": self.step, "policy_version": self.version, "kl_ctrl": self.kl_ctrl.state_dict(),
                  "intake": intake_state}
@@ -354,9 +317,10 @@ class Trainer:
         return path
 
     # -- the run ---------------------------------------------------------------------------------
-    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> int:
+    async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
         from common.safetensors_buffers import load_dir
         from learner.intake import Intake
+        from learner.publisher import WeightPublisher
         from learner.sinks import MetricSinks
         from learner.workers import init_ray
 
@@ -365,18 +329,15 @@ class Trainer:
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
-        self.weight_names = [t.name for t in v0]
-        self.weight_dtypes = {t.name: t.dtype for t in v0}
-        self.intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
+        self._intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
                              fresh=resume is None and self.config.trainer.resume_mode == "disable")
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
             self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
-        self.ledger.record(self.version)
-        self.intake.publish_weights(self.version, v0 if resume is None else load_dir(resume / "hf"))
-        self.weight_files = self._weight_files(sum(t.data.nbytes for t in v0))
+        publisher = self.publisher = WeightPublisher.open(self.config, self.intake, self.ledger, v0)
+        publisher.publish_initial(self.version, v0 if resume is None else load_dir(resume / "hf"))
         t = self.config.trainer
         sinks = MetricSinks(t.logger, self.run_dir, total_steps=self.total, start_step=self.step,
                             project=t.project_name, experiment=t.experiment_name,
@@ -393,15 +354,15 @@ class Trainer:
                 finally:
                     self.intake.close()  # BYE to every rollout server; intake.run returns once sent
         finally:
-            if self.weight_files is not None:  # first: a SIGKILL during the slower steps must not leave them
-                self.weight_files.close()
+            # The slot files first: a SIGKILL during the slower steps must not leave them on /dev/shm.
+            publisher.close()
             sinks.close()
-            if self.workers is not None:
-                self.workers.shutdown()
+            if self._workers is not None:
+                self._workers.shutdown()
         return 0
 
-    async def _train(self, resume: Path | None, address: str, sinks: Any,
-                     task_status: Any) -> None:
+    async def _train(self, resume: Path | None, address: str, sinks: MetricSinks,
+                     task_status: TaskStatus[str]) -> None:
         t = self.config.trainer
         await self._start_workers(resume)
         self.log.info("training", address=address, from_step=self.step, to_step=self.total,
@@ -420,7 +381,7 @@ class Trainer:
                 await self.save_checkpoint()
         if t.save_freq <= 0:  # no checkpoints: still leave the trained model behind
             final = self.run_dir / "final-hf"
-            await self.workers.all("export_hf", [(str(final), self.config.actor_rollout_ref.model.path)] * self.world)
+            await self.workers.export_hf(str(final), self.config.actor_rollout_ref.model.path)
             self.log.info("model exported", path=str(final))
         self.log.info("training done", steps=self.step, policy_version=self.version)
 

@@ -14,7 +14,7 @@ and the gradient the same as with old logprobs from a separate forward of the sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +28,9 @@ from learner.algorithms import (
 )
 from learner.model import MicroBatch, policy_outputs, value_outputs
 from learner.samples import MiniBatchPlan, OldFromForward
+
+if TYPE_CHECKING:
+    from learner.worker import WorkerSettings
 
 
 def loss_norm(plan: MiniBatchPlan, world: int) -> LossNorm:
@@ -53,7 +56,7 @@ def off_policy_terms(old: torch.Tensor, b: MicroBatch, spec: OldFromForward
     return w, out
 
 
-def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: Any, world: int,
+def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: WorkerSettings, world: int,
                      old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     mask = b.response_mask
     # entropy is always reported; the bonus only enters the loss when entropy_coeff > 0
@@ -86,7 +89,7 @@ def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan,
     return loss, out
 
 
-def critic_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: Any, world: int,
+def critic_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: WorkerSettings, world: int,
                       old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     del old_from_forward  # the critic's old values always come from its own forward pass
     mask = b.response_mask

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from common.safetensors_buffers import header_bytes
-from learner.checkpoint_io import TORCH_TO_WIRE, select
+from learner.checkpoint_io import TORCH_TO_WIRE, select, tensors_only
+from learner.worker_api import WeightsFileResult
 
 
 @dataclass
@@ -37,9 +38,18 @@ class _Mapped:
 
     def close(self) -> None:
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+            _cudart().cudaHostUnregister(self.view.data_ptr())
         del self.view
         self.mm.close()
+
+
+def _cudart() -> Any:
+    """The CUDA runtime bindings (typed as optional: None only where torch was built without CUDA,
+    and nothing registers memory there)."""
+    rt = torch.cuda.cudart()
+    if rt is None:
+        raise RuntimeError("torch has no CUDA runtime")
+    return rt
 
 
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int], int]:
@@ -58,13 +68,13 @@ class WeightsFileWriter:
         self._slots: dict[int, _Mapped] = {}
 
     def write(self, lm: torch.nn.Module, names: Sequence[str], rank: int, dtypes: Mapping[str, str] | None,
-              slot: int, path: str) -> dict[str, Any] | None:
+              slot: int, path: str) -> WeightsFileResult | None:
         """Collective. Rank 0 writes every tensor in ``names`` (cast to ``dtypes[name]``) into
         ``path`` and returns timings; other ranks return None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         t0 = time.perf_counter()
-        sd = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        sd = tensors_only(get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False)))
         if rank != 0:
             return None
         tensors = [(n, t.contiguous()) for n, t in select(sd, names, dtypes)]
@@ -83,7 +93,7 @@ class WeightsFileWriter:
             torch.cuda.synchronize()
         end = time.perf_counter()
         del sd, tensors
-        return {"gather_s": gathered - t0, "copy_s": end - gathered, "bytes": total, "pinned": m.registered}
+        return WeightsFileResult(gather_s=gathered - t0, copy_s=end - gathered, bytes=total, pinned=m.registered)
 
     def _mapping(self, slot: int, path: str, header: bytes, total: int, cuda: bool) -> _Mapped:
         m = self._slots.get(slot)
@@ -110,7 +120,7 @@ class WeightsFileWriter:
         if cuda and os.environ.get("AGENTRL_WEIGHTS_PIN", "1") != "0":
             # Pinning lets the copies run at full speed; a refusal only costs speed.
             try:
-                registered = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, 0)) == 0
+                registered = int(_cudart().cudaHostRegister(view.data_ptr(), size, 0)) == 0
             except (RuntimeError, TypeError, ValueError):
                 registered = False
         m = self._slots[slot] = _Mapped(path, inode, header, mm, view, registered)

@@ -1,8 +1,9 @@
 """One training worker: a rank of the learner's torch.distributed group, holding FSDP2 shards.
 
 Design: a plain class (run as a Ray actor by `learner.workers`, or directly in tests) whose methods
-are the collective steps of a training step; every rank is called with its own share of the data
-and the same number of micro-batches, so FSDP's collectives line up. Losses are normalised by the
+are the collective steps of a training step, each taking one request and returning one result of
+`learner.worker_api`; every rank is called with its own share of the data and the same number of
+micro-batches, so FSDP's collectives line up. Losses are normalised by the
 global counts of the mini-batch (`MiniBatchPlan`), so the gradient is the same whatever the number of
 ranks and micro-batches. Metrics come back as sums with their weights; the trainer reduces them.
 Micro-batches are laid out as their plan says (packed or padded, `learner.model.collate`). Between
@@ -15,16 +16,33 @@ from __future__ import annotations
 import math
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
 from learner import checkpoint_io
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
+from learner.worker_api import (
+    ForwardRequest,
+    ForwardResult,
+    Role,
+    TrainedRole,
+    UpdateRequest,
+    UpdateResult,
+    WeightArray,
+    WeightsFileRequest,
+    WeightsFileResult,
+    WeightsRequest,
+    WorkerInfo,
+)
+
+if TYPE_CHECKING:
+    from learner.model import MicroBatch
+    from learner.weights_file_writer import WeightsFileWriter
 
 
 @dataclass(frozen=True)
@@ -79,9 +97,10 @@ class TrainWorker:
     def __init__(self, rank: int, world_size: int, settings: WorkerSettings) -> None:
         self.rank, self.world, self.s = rank, world_size, settings
         self.device = torch.device("cpu")
-        self.models: dict[str, torch.nn.Module] = {}
-        self.optims: dict[str, torch.optim.Optimizer] = {}
+        self.models: dict[str, torch.nn.Module] = {}  # by Role
+        self.optims: dict[str, torch.optim.Optimizer] = {}  # by TrainedRole
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+        self._weights_writer: WeightsFileWriter | None = None  # made at the first file hand-over
 
     # -- set-up ---------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -91,7 +110,7 @@ class TrainWorker:
             sock.bind(("", 0))
             return host, sock.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int) -> WorkerInfo:
         import torch.distributed as dist
 
         if self.s.threads:
@@ -105,28 +124,28 @@ class TrainWorker:
                                 rank=self.rank, world_size=self.world)
         torch.manual_seed(self.s.seed)  # same initialisation everywhere (value head of the critic)
         self._build()
-        return {"rank": self.rank, "backend": backend, "device": str(self.device),
-                "params": sum(p.numel() for p in self.models["actor"].parameters())}  # DTensors: global sizes
+        return WorkerInfo(rank=self.rank, backend=backend, device=str(self.device),
+                          params=sum(p.numel() for p in self.models["actor"].parameters()))  # DTensors: global sizes
 
     def _build(self) -> None:
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
-        lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
-                            gradient_checkpointing=s.gradient_checkpointing).to(self.device)
+        lm = _on(load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
+                                gradient_checkpointing=s.gradient_checkpointing), self.device)
         self.models["actor"] = shard(PolicyHead(lm, s.temperature), lm, device=self.device,
                                      param_offload=s.param_offload, bf16=bf16, world_size=self.world,
                                      keep_gathered=s.keep_gathered)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
-            ref = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
-                                 gradient_checkpointing=False).to(self.device).eval()
+            ref = _on(load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
+                                     gradient_checkpointing=False), self.device).eval()
             ref.requires_grad_(False)
             self.models["ref"] = shard(PolicyHead(ref, s.temperature), ref, device=self.device,
                                        param_offload=s.param_offload, bf16=bf16, world_size=self.world,
                                        keep_gathered=s.keep_gathered)
         if s.critic_model_path:
-            vm = load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code).to(self.device)
+            vm = _on(load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code), self.device)
             self.models["critic"] = shard(ValueHead(vm), vm, device=self.device,
                                           param_offload=s.param_offload, bf16=bf16, world_size=self.world,
                                           keep_gathered=s.keep_gathered)
@@ -141,7 +160,7 @@ class TrainWorker:
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
-    def _add_optimizer(self, role: str, lr: float, weight_decay: float) -> None:
+    def _add_optimizer(self, role: TrainedRole, lr: float, weight_decay: float) -> None:
         opt = torch.optim.AdamW(self.models[role].parameters(), lr=lr, betas=self.s.betas,
                                 weight_decay=weight_decay)
         self.optims[role] = opt
@@ -150,52 +169,51 @@ class TrainWorker:
 
     # -- forward-only passes ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, role: str, micro_batches: Sequence[Sequence[Sample | None]],
-                with_entropy: bool = False, packed: bool = False) -> list[list[dict[str, np.ndarray]]]:
-        """Per micro-batch and sample: logprobs (+ entropy) for actor/ref, values for critic.
-        None entries are placeholders that keep this rank in step; their results are dropped."""
+    def forward(self, req: ForwardRequest) -> ForwardResult:
+        """Per real sample: logprobs (+ entropy) for actor/ref, values for the critic. Placeholder
+        (None) entries run nothing of their own; a micro-batch of placeholders only runs a dummy
+        sample so that this rank joins the collectives."""
         from learner.model import collate
 
-        model = self.models[role]
+        model = self.models[req.role]
         # eval() changes nothing in these models (no dropout), but the update runs in train():
         # the numbers are the same, which the skipped old-logprob forward relies on.
         model.eval()
-        out = []
-        for micro in micro_batches:
+        outputs: list[np.ndarray] = []
+        entropy: list[np.ndarray] | None = [] if req.with_entropy and req.role != "critic" else None
+        for micro in req.micro_batches:
             real = [s for s in micro if s is not None]
-            batch = collate(real or [_placeholder()], self.device, packed=packed)
-            res = self._run(role, model, batch, with_entropy)
-            out.append([{k: v[i, :s.response_len].float().cpu().numpy() for k, v in res.items()}
-                        for i, s in enumerate(real)])
-        return out
+            batch = collate(real or [_placeholder()], self.device, packed=req.packed)
+            out, ent = self._run(req.role, model, batch, req.with_entropy)
+            for i, s in enumerate(real):
+                outputs.append(out[i, :s.response_len].float().cpu().numpy())
+                if entropy is not None and ent is not None:
+                    entropy.append(ent[i, :s.response_len].float().cpu().numpy())
+        return ForwardResult(outputs, entropy)
 
-    def _run(self, role: str, model: torch.nn.Module, b: Any, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _run(self, role: Role, model: torch.nn.Module, b: MicroBatch, with_entropy: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from learner.model import policy_outputs, value_outputs
 
         if role == "critic":
-            return {"values": value_outputs(model, b)}
-        logp, ent = policy_outputs(model, b, with_entropy)
-        return {"logprobs": logp} | ({"entropy": ent} if ent is not None else {})
+            return value_outputs(model, b), None
+        return policy_outputs(model, b, with_entropy)
 
     # -- updates --------------------------------------------------------------------------------
-    def update_actor(self, plans: Sequence[MiniBatchPlan], epochs: int = 1,
-                     old_from_forward: OldFromForward | None = None) -> dict[str, float]:
+    def update(self, req: UpdateRequest) -> UpdateResult:
         """One PPO update. ``old_from_forward``: the samples carry no old logprobs; each micro-batch
         takes its own forward's, detached, which is exact only before the first optimizer step."""
-        from learner.update import actor_micro_loss
+        from learner.update import actor_micro_loss, critic_micro_loss
 
-        if old_from_forward is not None and (epochs != 1 or len(plans) != 1):
+        if req.role == "critic":
+            return self._update("critic", req.plans, req.epochs, critic_micro_loss)
+        if req.old_from_forward is not None and (req.epochs != 1 or len(req.plans) != 1):
             raise ValueError(f"old logprobs from the update's forward need one epoch and one mini-batch "
-                             f"(got {epochs} epochs, {len(plans)} mini-batches)")
-        return self._update("actor", plans, epochs, actor_micro_loss, old_from_forward)
+                             f"(got {req.epochs} epochs, {len(req.plans)} mini-batches)")
+        return self._update("actor", req.plans, req.epochs, actor_micro_loss, req.old_from_forward)
 
-    def update_critic(self, plans: Sequence[MiniBatchPlan], epochs: int = 1) -> dict[str, float]:
-        from learner.update import critic_micro_loss
-
-        return self._update("critic", plans, epochs, critic_micro_loss)
-
-    def _update(self, role: str, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: Any,
-                old_from_forward: OldFromForward | None = None) -> dict[str, float]:
+    def _update(self, role: TrainedRole, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: MicroLoss,
+                old_from_forward: OldFromForward | None = None) -> UpdateResult:
         from learner.model import collate, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
@@ -203,7 +221,8 @@ class TrainWorker:
         self._onload_optimizer(role)
         model.train()
         sums: dict[str, float] = {}
-        grad_norms, skipped = [], 0
+        grad_norms: list[float] = []
+        skipped = 0
         for _ in range(epochs):
             for plan in plans:
                 opt.zero_grad(set_to_none=True)
@@ -214,8 +233,7 @@ class TrainWorker:
                     loss.backward()
                     for k, v in metrics.items():
                         sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                norm = _full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
                 if math.isfinite(norm):
                     opt.step()
                 else:  # a non-finite gradient would poison the weights: skip this step
@@ -224,35 +242,38 @@ class TrainWorker:
         self.scheds[role].step()
         self._offload_optimizer(role)
         opt.zero_grad(set_to_none=True)
-        sums["grad_norm_sum"] = float(np.nansum(grad_norms))
-        sums["optimizer_steps"] = float(len(grad_norms))
-        sums["skipped_steps"] = float(skipped)
-        sums["lr"] = float(self.scheds[role].get_last_lr()[0])
-        return sums
+        return UpdateResult(role=role, optimizer_steps=len(grad_norms), skipped_steps=skipped,
+                            grad_norm_sum=float(np.nansum(grad_norms)),
+                            lr=float(self.scheds[role].get_last_lr()[0]), sums=sums)
 
-    def _offload_optimizer(self, role: str) -> None:
+    def _offload_optimizer(self, role: TrainedRole) -> None:
         if self.s.optimizer_offload and self.device.type == "cuda":
             _move_optimizer_state(self.optims[role], torch.device("cpu"))
 
-    def _onload_optimizer(self, role: str) -> None:
+    def _onload_optimizer(self, role: TrainedRole) -> None:
         if self.s.optimizer_offload and self.device.type == "cuda":
             _move_optimizer_state(self.optims[role], self.device)
 
     # -- weights and checkpoints ------------------------------------------------------------------
-    def full_weights(self, names: Sequence[str], dtypes: dict[str, str] | None = None
-                     ) -> list[tuple[str, str, tuple[int, ...], np.ndarray]] | None:
-        """Collective: the full policy weights; rank 0 returns them (as raw arrays), others None."""
-        return checkpoint_io.full_weights(self.models["actor"].lm, names, self.rank, dtypes)
+    def _policy_lm(self) -> torch.nn.Module:
+        """The actor's language model inside its `PolicyHead` (the tensors rollout servers load)."""
+        lm = self.models["actor"].lm
+        assert isinstance(lm, torch.nn.Module)
+        return lm
 
-    def write_weights_file(self, names: Sequence[str], dtypes: dict[str, str] | None, slot: int,
-                           path: str) -> dict[str, Any] | None:
-        """Collective: the full policy written by rank 0 into slot file ``path`` (see
+    def full_weights(self, req: WeightsRequest) -> list[WeightArray] | None:
+        """Collective: the full policy weights; rank 0 returns them (as raw arrays), others None."""
+        return checkpoint_io.full_weights(self._policy_lm(), req.names, self.rank, req.dtypes)
+
+    def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult | None:
+        """Collective: the full policy written by rank 0 into the request's slot file (see
         ``learner.weights_file_writer``); rank 0 returns timings, others None."""
         from learner.weights_file_writer import WeightsFileWriter
 
-        if not hasattr(self, "_weights_writer"):
+        if self._weights_writer is None:
             self._weights_writer = WeightsFileWriter()
-        return self._weights_writer.write(self.models["actor"].lm, names, self.rank, dtypes, slot, path)
+        return self._weights_writer.write(self._policy_lm(), req.weights.names, self.rank, req.weights.dtypes,
+                                          req.slot, req.path)
 
     def save_checkpoint(self, directory: str) -> None:
         checkpoint_io.save(Path(directory), self.models, self.optims, self.scheds, self.rank)
@@ -261,15 +282,36 @@ class TrainWorker:
         checkpoint_io.load(Path(directory), self.models, self.optims, self.scheds, self.rank)
 
     def export_hf(self, directory: str, source_dir: str) -> None:
-        checkpoint_io.export_hf(self.models["actor"].lm, Path(directory), Path(source_dir), self.rank)
+        checkpoint_io.export_hf(self._policy_lm(), Path(directory), Path(source_dir), self.rank)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        if hasattr(self, "_weights_writer"):
+        if self._weights_writer is not None:
             self._weights_writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+MicroLoss = Callable[[torch.nn.Module, "MicroBatch", MiniBatchPlan, WorkerSettings, int, "OldFromForward | None"],
+                     tuple[torch.Tensor, dict[str, float]]]
+"""`learner.update.actor_micro_loss` or ``critic_micro_loss``."""
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def _on(model: M, device: torch.device) -> M:
+    """``model`` moved to ``device`` in place (through nn.Module.to: transformers' wrapper of ``to``
+    confuses type checkers about its ``self``)."""
+    torch.nn.Module.to(model, device)
+    return model
+
+
+def _full_norm(norm: torch.Tensor) -> float:
+    """A gradient norm as a float; on FSDP2 it is a DTensor whose full value needs a collective."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def _placeholder() -> Sample:

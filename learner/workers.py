@@ -4,19 +4,37 @@ Design: the trainer talks to one `WorkerGroup`; each collective step is "call th
 every rank with that rank's arguments and await all of them", and a failure of any rank fails the
 step with that rank's error. Ray is started locally or joined (`ray.address`); each worker gets one
 GPU on GPU runs, or a share of the CPUs on CPU runs, and sets its torch thread count to that share
-so the ranks do not oversubscribe the cores. `forward` runs a forward-only pass over whole samples
-and puts each sample's result back into its ``tokens``.
+so the ranks do not oversubscribe the cores.
+
+The group is a typed facade over `learner.worker.TrainWorker`: each method takes and returns the
+dataclasses of `learner.worker_api`, and ``_call`` is the one place that names a worker method for
+Ray (taken from the method itself, so a rename is a type error, not a runtime one). `forward` runs
+a forward-only pass over whole samples and puts each sample's result into the named field.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from common.logging import get_logger
-from learner.samples import Batching, Sample, split_forward
+from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker, WorkerSettings
+from learner.worker_api import (
+    ForwardRequest,
+    ForwardResult,
+    Role,
+    UpdateRequest,
+    UpdateResult,
+    WeightArray,
+    WeightsFileRequest,
+    WeightsFileResult,
+    WeightsRequest,
+    WorkerInfo,
+)
+
+R = TypeVar("R")
 
 
 def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool = True) -> None:
@@ -47,39 +65,76 @@ class WorkerGroup:
             opts = {"num_cpus": min(1.0, share)}
             if not settings.threads:
                 settings = _with_threads(settings, max(1, int(share)))
-        actor_cls = ray.remote(**opts)(TrainWorker)
-        self.actors = [actor_cls.remote(r, world_size, settings) for r in range(world_size)]
+        # Ray's actor handles are built at run time (method.remote(...)): typed here as Any, and
+        # used only by _call and shutdown.
+        actor_cls: Any = ray.remote(**opts)(TrainWorker)
+        self.actors: list[Any] = [actor_cls.remote(r, world_size, settings) for r in range(world_size)]
 
-    async def start(self) -> list[dict[str, Any]]:
+    async def start(self) -> list[WorkerInfo]:
         addr, port = await self.actors[0].rendezvous.remote()
-        infos = await self.all("setup", [(addr, port)] * self.world)
-        self.can_pack = all(await self.all("can_pack"))
+        infos = await self._call(TrainWorker.setup, [(addr, port)] * self.world)
+        self.can_pack = all(await self._call(TrainWorker.can_pack))
         if not self.can_pack:
             self.log.warning("no varlen attention kernel on the workers' GPUs (flash-attn, or torch's "
                              "torch.nn.attention.varlen): model.use_remove_padding falls back to padded micro-batches")
         return infos
 
-    async def all(self, method: str, args: Sequence[tuple[Any, ...]] | None = None, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on every rank (rank r gets ``args[r]``) and wait for all of them."""
+    async def _call(self, method: Callable[..., R], args: Sequence[tuple[Any, ...]] | None = None) -> list[R]:
+        """Call ``method`` (a `TrainWorker` method) on every rank, rank r with ``args[r]``, and wait
+        for all of them; any rank's error fails the call."""
         import asyncio
 
         args = args or [()] * self.world
-        refs = [getattr(a, method).remote(*args[r], **kwargs) for r, a in enumerate(self.actors)]
+        refs = [getattr(a, method.__name__).remote(*args[r]) for r, a in enumerate(self.actors)]
         return list(await asyncio.gather(*refs))
 
-    async def forward(self, role: str, samples: Sequence[Sample], key: str, batching: Batching, *,
+    # -- the typed calls -------------------------------------------------------------------------
+    async def forward_per_rank(self, requests: Sequence[ForwardRequest]) -> list[ForwardResult]:
+        """Rank r runs ``requests[r]``; every request must hold as many micro-batches."""
+        return await self._call(TrainWorker.forward, [(r,) for r in requests])
+
+    async def forward(self, role: Role, samples: Sequence[Sample], key: TokenField, batching: Batching, *,
                       with_entropy: bool = False) -> None:
         """Forward-only pass of ``role`` over ``samples`` on every rank; each sample's logprobs
-        (values for the critic) land in ``sample.tokens[key]``."""
+        (values for the critic) land in its field ``key``."""
         plan = split_forward(samples, ranks=self.world, batching=batching)
-        per_rank = [[[samples[i] if i >= 0 else None for i in chunk] for chunk in rank] for rank in plan]
-        results = await self.all("forward", [(role, chunks, with_entropy, batching.packed) for chunks in per_rank])
-        out_key = "values" if role == "critic" else "logprobs"
+        requests = [ForwardRequest(role, [[samples[i] if i >= 0 else None for i in chunk] for chunk in rank],
+                                   with_entropy=with_entropy, packed=batching.packed) for rank in plan]
+        results = await self.forward_per_rank(requests)
         for rank, res in zip(plan, results, strict=True):
             real = [i for chunk in rank for i in chunk if i >= 0]
-            flat = [r for chunk in res for r in chunk]
-            for i, r in zip(real, flat, strict=True):
-                samples[i].tokens[key] = r[out_key]
+            for i, out in zip(real, res.outputs, strict=True):
+                samples[i].set(key, out)
+
+    async def update(self, requests: Sequence[UpdateRequest]) -> list[UpdateResult]:
+        """One update on every rank, rank r on ``requests[r]`` (its share of each mini-batch)."""
+        return await self._call(TrainWorker.update, [(r,) for r in requests])
+
+    async def full_weights(self, req: WeightsRequest) -> list[WeightArray]:
+        """The full policy, gathered to rank 0 and sent back through Ray (the chunked path)."""
+        parts = await self._call(TrainWorker.full_weights, [(req,)] * self.world)
+        assert parts[0] is not None  # rank 0 answers
+        return parts[0]
+
+    async def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult:
+        """The full policy written into a slot file by rank 0 (the file hand-over)."""
+        parts = await self._call(TrainWorker.write_weights_file, [(req,)] * self.world)
+        assert parts[0] is not None  # rank 0 answers
+        return parts[0]
+
+    async def save_checkpoint(self, directory: str) -> None:
+        await self._call(TrainWorker.save_checkpoint, [(directory,)] * self.world)
+
+    async def load_checkpoint(self, directory: str) -> None:
+        await self._call(TrainWorker.load_checkpoint, [(directory,)] * self.world)
+
+    async def export_hf(self, directory: str, source_dir: str) -> None:
+        """The policy as a Hugging Face model directory (written by rank 0)."""
+        await self._call(TrainWorker.export_hf, [(directory, source_dir)] * self.world)
+
+    async def stop_workers(self) -> None:
+        """Leave the process group on every rank (before ``shutdown`` kills the actors)."""
+        await self._call(TrainWorker.shutdown)
 
     def shutdown(self) -> None:
         import ray

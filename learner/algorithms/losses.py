@@ -21,7 +21,7 @@ With ``norm=None`` every count is the micro-batch's own (verl's single-process d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 import verl.utils.torch_functional as verl_F
@@ -197,7 +197,8 @@ def _check_kl_kind(kind: str) -> None:
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate (verl's): kl = logp - ref; abs; mse = 0.5 (logp - ref)^2; low_var_kl = k3."""
     _check_kl_kind(kind)
-    return core_algos.kl_penalty(logprob, ref_logprob, kind)
+    # verl annotates torch.FloatTensor (the legacy float32 type); it computes on any float tensor.
+    return core_algos.kl_penalty(cast(torch.FloatTensor, logprob), cast(torch.FloatTensor, ref_logprob), kind)
 
 
 def value_loss(

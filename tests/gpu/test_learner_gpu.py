@@ -1,7 +1,7 @@
 """A one-rank learner WorkerGroup on CUDA (Ray actor, FSDP2, NCCL, bf16 compute), no fakes.
 
 The tiny model with a bf16 checkpoint: the worker must join an NCCL process group, run one
-``update_actor`` step, and ``full_weights`` must return the checkpoint's tensor names and shapes,
+actor update step, and ``full_weights`` must return the checkpoint's tensor names and shapes,
 as float32 master weights and, cast to the checkpoint's dtypes, as bf16 (raw 16-bit patterns, what
 the rollout servers receive) equal to the float32 ones rounded. Local Ray cluster with one GPU,
 shut down at the end. Skipped without a GPU (tests/conftest.py) or without the learner's packages
@@ -82,8 +82,8 @@ def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Any]:
         ids = rng.integers(0, vocab, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.2).astype(np.float32)
         s = Sample(ids, p, mask)
-        s.tokens["old_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
-        s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
+        s.old_logprobs = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.advantages = rng.normal(size=r).astype(np.float32) * mask
         out.append(s)
     return out
 
@@ -93,6 +93,7 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
     from common.safetensors_buffers import load_dir
     from learner.samples import split_for_ranks
     from learner.worker import WorkerSettings
+    from learner.worker_api import UpdateRequest, WeightsRequest
     from learner.workers import WorkerGroup
 
     checkpoint = {b.name: b for b in load_dir(bf16_model)}
@@ -108,15 +109,15 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
     group = WorkerGroup(settings, 1)
     try:
         (info,) = await group.start()
-        assert info["backend"] == "nccl" and info["device"].startswith("cuda"), info
-        assert info["params"] == sum(a.size for a in base.values())
+        assert info.backend == "nccl" and info.device.startswith("cuda"), info
+        assert info.params == sum(a.size for a in base.values())
 
         plans = split_for_ranks(make_samples(8), mini_batches=1, ranks=1, micro_size=4)
-        (metrics,) = await group.all("update_actor", [(plans[0], 1)])
-        assert metrics["optimizer_steps"] == 1 and metrics["skipped_steps"] == 0, metrics
-        assert math.isfinite(metrics["grad_norm_sum"]) and metrics["grad_norm_sum"] > 0
+        (metrics,) = await group.update([UpdateRequest("actor", plans[0])])
+        assert metrics.optimizer_steps == 1 and metrics.skipped_steps == 0, metrics
+        assert math.isfinite(metrics.grad_norm_sum) and metrics.grad_norm_sum > 0
 
-        (full,) = await group.all("full_weights", [(names,)])
+        full = await group.full_weights(WeightsRequest(names))
         assert [n for n, _, _, _ in full] == names
         f32 = {}
         for name, wire, shape, array in full:
@@ -127,7 +128,7 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
         moved = max(float(np.abs(f32[n] - base[n]).max()) for n in names)
         assert 0 < moved < 0.1, f"largest change {moved}: one step of lr 1e-3 expected"
 
-        (bf16,) = await group.all("full_weights", [(names, dtypes)])
+        bf16 = await group.full_weights(WeightsRequest(names, dtypes))
         assert [n for n, _, _, _ in bf16] == names
         for name, wire, shape, array in bf16:
             assert wire == "bfloat16" and array.itemsize == 2, (name, wire, array.dtype)
@@ -137,6 +138,6 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
             )
     finally:
         try:
-            await group.all("shutdown")
+            await group.stop_workers()
         finally:
             group.shutdown()

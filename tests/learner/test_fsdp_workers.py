@@ -16,6 +16,7 @@ import torch
 
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.worker import WorkerSettings
+from learner.worker_api import ForwardRequest, ForwardResult, UpdateRequest, UpdateResult, WeightsFileRequest, WeightsRequest
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +40,8 @@ def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
         ids = rng.integers(0, vocab, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.2).astype(np.float32)  # holes: tool tokens
         s = Sample(ids, p, mask)
-        s.tokens["old_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
-        s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
+        s.old_logprobs = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.advantages = rng.normal(size=r).astype(np.float32) * mask
         out.append(s)
     return out
 
@@ -50,16 +51,16 @@ def settings(model: Path, **kw: Any) -> WorkerSettings:
 
 
 async def _train(model: Path, world: int, samples: list[Sample], batching: Batching | None = None,
-                 **kw: Any) -> tuple[dict[str, float], dict]:
+                 **kw: Any) -> tuple[UpdateResult, dict]:
     from learner.workers import WorkerGroup
 
     group = WorkerGroup(settings(model, **kw), world)
     try:
         await group.start()
         plans = split_for_ranks(samples, mini_batches=2, ranks=world, micro_size=3, batching=batching)
-        metrics = await group.all("update_actor", [(p, 1) for p in plans])
+        metrics = await group.update([UpdateRequest("actor", p) for p in plans])
         names = [n for n, _ in _hf_names(model)]
-        weights = (await group.all("full_weights", [(names,)] * world))[0]
+        weights = await group.full_weights(WeightsRequest(names))
         return metrics[0], {n: a for n, _, _, a in weights}
     finally:
         group.shutdown()
@@ -106,26 +107,29 @@ def test_forward_logprobs_match_transformers(tiny_model: Path, ray_cluster: Any)
 
     samples = make_samples(5, seed=3)
 
-    async def run() -> list[list[list[dict[str, np.ndarray]]]]:
+    async def run() -> list[ForwardResult]:
         group = WorkerGroup(settings(tiny_model, temperature=0.7), 2)
         try:
             await group.start()
-            chunks = [[samples[0], samples[2], samples[4]]], [[samples[1], samples[3]]]
-            return await group.all("forward", [("actor", chunks[0], True), ("actor", chunks[1], True)])
+            chunks: list[list[list[Sample | None]]] = [[[samples[0], samples[2], samples[4]]], [[samples[1], samples[3]]]]
+            return await group.forward_per_rank([ForwardRequest("actor", c, with_entropy=True) for c in chunks])
         finally:
             group.shutdown()
 
     res = anyio.run(run)
-    got = {0: res[0][0][0], 2: res[0][0][1], 4: res[0][0][2], 1: res[1][0][0], 3: res[1][0][1]}
+    order = {0: (0, 0), 2: (0, 1), 4: (0, 2), 1: (1, 0), 3: (1, 1)}  # sample -> (rank, position)
     lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     for i, s in enumerate(samples):
         with torch.no_grad():
             logits = lm(torch.from_numpy(s.input_ids)[None]).logits[0].float() / 0.7
         logp = torch.log_softmax(logits[s.prompt_len - 1:-1], -1)
         want = logp.gather(1, torch.from_numpy(s.input_ids[s.prompt_len:])[:, None])[:, 0]
-        np.testing.assert_allclose(got[i]["logprobs"], want.numpy(), atol=1e-5)
+        rank, pos = order[i]
+        np.testing.assert_allclose(res[rank].outputs[pos], want.numpy(), atol=1e-5)
         ent = -(logp.exp() * logp).sum(-1)
-        np.testing.assert_allclose(got[i]["entropy"], ent.numpy(), atol=1e-4)
+        entropy = res[rank].entropy
+        assert entropy is not None
+        np.testing.assert_allclose(entropy[pos], ent.numpy(), atol=1e-4)
 
 
 def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Path, ray_cluster: Any,
@@ -143,17 +147,17 @@ def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Pa
 
     async def step(group: WorkerGroup, samples: list[Sample]) -> None:
         plans = split_for_ranks(samples, mini_batches=2, ranks=2, micro_size=2)
-        await group.all("update_actor", [(p, 1) for p in plans])
+        await group.update([UpdateRequest("actor", p) for p in plans])
 
     async def first() -> dict[str, np.ndarray]:
         group = WorkerGroup(settings(tiny_model, **kw), 2)
         try:
             await group.start()
             await step(group, a)
-            await group.all("save_checkpoint", [(str(tmp_path / "ckpt"),)] * 2)
-            await group.all("export_hf", [(str(tmp_path / "hf"), str(tiny_model))] * 2)
+            await group.save_checkpoint(str(tmp_path / "ckpt"))
+            await group.export_hf(str(tmp_path / "hf"), str(tiny_model))
             await step(group, b)
-            return {n: x for n, _, _, x in (await group.all("full_weights", [(names,)] * 2))[0]}
+            return {n: x for n, _, _, x in await group.full_weights(WeightsRequest(names))}
         finally:
             group.shutdown()
 
@@ -161,9 +165,9 @@ def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Pa
         group = WorkerGroup(settings(tiny_model, **kw), 2)
         try:
             await group.start()
-            await group.all("load_checkpoint", [(str(tmp_path / "ckpt"),)] * 2)
+            await group.load_checkpoint(str(tmp_path / "ckpt"))
             await step(group, b)
-            return {n: x for n, _, _, x in (await group.all("full_weights", [(names,)] * 2))[0]}
+            return {n: x for n, _, _, x in await group.full_weights(WeightsRequest(names))}
         finally:
             group.shutdown()
 
@@ -188,7 +192,7 @@ def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) 
 
     samples = make_samples(6, seed=9)
     for s in samples:
-        s.tokens["returns"] = np.full(s.response_len, 0.5, np.float32)
+        s.returns = np.full(s.response_len, 0.5, np.float32)
 
     async def run() -> list[float]:
         group = WorkerGroup(settings(tiny_model, critic_model_path=str(tiny_model), critic_lr=3e-4,
@@ -197,15 +201,15 @@ def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) 
         try:
             await group.start()
             for _ in range(6):
-                chunks = [[samples[r::2]] for r in range(2)]
-                res = await group.all("forward", [("critic", chunks[r]) for r in range(2)])
+                chunks: list[list[list[Sample | None]]] = [[list(samples[r::2])] for r in range(2)]
+                res = await group.forward_per_rank([ForwardRequest("critic", chunks[r]) for r in range(2)])
                 for r in range(2):
-                    for s, out in zip(samples[r::2], res[r][0], strict=True):
-                        assert out["values"].shape == (s.response_len,)
-                        s.tokens["values"] = out["values"]
+                    for s, out in zip(samples[r::2], res[r].outputs, strict=True):
+                        assert out.shape == (s.response_len,)
+                        s.values = out
                 plans = split_for_ranks(samples, mini_batches=1, ranks=2, micro_size=2)
-                metrics = await group.all("update_critic", [(p, 1) for p in plans])
-                losses.append(sum(m["value_loss"] for m in metrics))
+                metrics = await group.update([UpdateRequest("critic", p) for p in plans])
+                losses.append(sum(m.sums["value_loss"] for m in metrics))
             return losses
         finally:
             group.shutdown()
@@ -214,21 +218,21 @@ def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) 
     assert losses[-1] < losses[0] * 0.5, losses
 
 
-async def _weights_file_vs_gather(model: Path, folder: Path) -> tuple[dict, dict, list[dict]]:
+async def _weights_file_vs_gather(model: Path, folder: Path) -> tuple[dict, dict, list[Any]]:
     from learner.workers import WorkerGroup
 
     group = WorkerGroup(settings(model), 2)
     try:
         await group.start()
-        await group.all("update_actor", [(p, 1) for p in split_for_ranks(make_samples(6), mini_batches=1, ranks=2, micro_size=3)])
+        await group.update([UpdateRequest("actor", p) for p in split_for_ranks(make_samples(6), mini_batches=1, ranks=2, micro_size=3)])
         names = [n for n, _ in _hf_names(model)]
         dtypes = {n: "bfloat16" for n in names}  # cast on the way, as for a bf16 serving engine
-        gathered = {n: a for n, _, _, a in (await group.all("full_weights", [(names, dtypes)] * 2))[0]}
+        gathered = {n: a for n, _, _, a in await group.full_weights(WeightsRequest(names, dtypes))}
         infos = []
         for slot_dir in ("v1", "v2"):  # the second write reuses the same slot file in place
             path = folder / "slot" / "model.safetensors"
             path.parent.mkdir(exist_ok=True)
-            infos.append((await group.all("write_weights_file", [(names, dtypes, 1, str(path))] * 2))[0])
+            infos.append(await group.write_weights_file(WeightsFileRequest(WeightsRequest(names, dtypes), 1, str(path))))
             (folder / slot_dir).write_text("")
         from common.safetensors_buffers import load_file
 
@@ -245,7 +249,7 @@ def test_weights_file_matches_the_gathered_weights(tiny_model: Path, ray_cluster
     assert set(written) == set(gathered)
     for n, a in gathered.items():
         np.testing.assert_array_equal(written[n], a.view(np.uint16).reshape(a.shape), err_msg=n)
-    assert all(i["bytes"] == sum(a.nbytes for a in gathered.values()) for i in infos)
+    assert all(i.bytes == sum(a.nbytes for a in gathered.values()) for i in infos)
     from safetensors.torch import load_file as st_load  # the reader vLLM and transformers use
 
     loaded = st_load(str(tmp_path / "slot" / "model.safetensors"))

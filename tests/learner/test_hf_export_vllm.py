@@ -14,6 +14,7 @@ import torch
 
 from learner.samples import split_for_ranks
 from learner.worker import WorkerSettings
+from learner.worker_api import UpdateRequest
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +40,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for _ in range(4):
         ids = rng.integers(0, 500, 24).astype(np.int64)
         s = Sample(ids, 8, np.ones(16, np.float32))
-        s.tokens["old_logprobs"] = np.full(16, -6.0, np.float32)
-        s.tokens["advantages"] = np.ones(16, np.float32)
+        s.old_logprobs = np.full(16, -6.0, np.float32)
+        s.advantages = np.ones(16, np.float32)
         samples.append(s)
 
     async def run() -> None:
@@ -48,8 +49,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         try:
             await group.start()
             plans = split_for_ranks(samples, mini_batches=1, ranks=1, micro_size=4)
-            await group.all("update_actor", [(plans[0], 1)])
-            await group.all("export_hf", [(str(out), str(base))])
+            await group.update([UpdateRequest("actor", plans[0])])
+            await group.export_hf(str(out), str(base))
         finally:
             group.shutdown()
 

@@ -37,9 +37,9 @@ def mixed_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
         ids = rng.integers(0, vocab, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.2).astype(np.float32)
         s = Sample(ids, p, mask)
-        s.tokens["old_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
-        s.tokens["advantages"] = rng.normal(size=r).astype(np.float32) * mask
-        s.tokens["rollout_logprobs"] = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.old_logprobs = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.advantages = rng.normal(size=r).astype(np.float32) * mask
+        s.rollout_logprobs = (-rng.random(r) * 3).astype(np.float32) * mask
         out.append(s)
     return out
 

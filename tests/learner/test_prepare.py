@@ -42,7 +42,7 @@ def test_samples_and_reward_on_last_trained_token() -> None:
     assert scores[1].tolist() == [0.5, 0, 0, 0, 0, 0]
     assert scores[2].abs().sum() == 0  # nothing trained: no reward anywhere
     set_tokens(samples, "advantages", torch.arange(18, dtype=torch.float32).reshape(3, 6))
-    assert samples[1].tokens["advantages"].tolist() == [6.0, 7.0]
+    assert samples[1].get("advantages").tolist() == [6.0, 7.0]
 
 
 def test_remax_needs_the_baseline_from_the_rollout_side() -> None:
@@ -107,10 +107,12 @@ def test_batch_metrics_per_source_counts_lengths_turns_terminations() -> None:
 
 
 def test_worker_metrics_reduce_to_means() -> None:
-    ranks = [{"pg_loss": 0.25, "tokens": 10.0, "clipfrac_tok": 2.0, "grad_norm_sum": 4.0, "optimizer_steps": 2.0,
-              "lr": 1e-3, "skipped_steps": 0.0},
-             {"pg_loss": 0.75, "tokens": 30.0, "clipfrac_tok": 6.0, "grad_norm_sum": 4.0, "optimizer_steps": 2.0,
-              "lr": 1e-3, "skipped_steps": 0.0}]
+    from learner.worker_api import UpdateResult
+
+    ranks = [UpdateResult("actor", optimizer_steps=2, skipped_steps=0, grad_norm_sum=4.0, lr=1e-3,
+                          sums={"pg_loss": 0.25, "tokens": 10.0, "clipfrac_tok": 2.0}),
+             UpdateResult("actor", optimizer_steps=2, skipped_steps=0, grad_norm_sum=4.0, lr=1e-3,
+                          sums={"pg_loss": 0.75, "tokens": 30.0, "clipfrac_tok": 6.0})]
     out = reduce_worker_metrics(ranks, "actor")
     assert out["actor/pg_loss"] == 0.5  # (0.25 + 0.75) over 2 optimizer steps
     assert out["actor/clipfrac"] == 0.2  # token-weighted

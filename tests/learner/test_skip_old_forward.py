@@ -52,6 +52,7 @@ async def one_step(model: Path, run_dir: Path, overrides: list[str]) -> tuple[di
     from common.safetensors_buffers import load_dir
     from learner.prepare import to_samples
     from learner.trainer import Trainer
+    from learner.worker_api import WeightsRequest
     from learner.workers import WorkerGroup
 
     config = load_config(None, [
@@ -68,9 +69,9 @@ async def one_step(model: Path, run_dir: Path, overrides: list[str]) -> tuple[di
         trajs = trajectories()
         samples = to_samples(trajs)
         metrics = await trainer._prepare(trajs, samples)
-        metrics |= await trainer._update(samples)
+        metrics |= (await trainer._update(samples)).metrics
         names = [t.name for t in load_dir(model)]
-        weights = (await trainer.workers.all("full_weights", [(names,)] * 2))[0]
+        weights = await trainer.workers.full_weights(WeightsRequest(names))
         return metrics, {n: a for n, _, _, a in weights}
     finally:
         trainer.workers.shutdown()
