@@ -311,7 +311,7 @@ def write_model(out: Path, shape: str, vocab: str, dtype: str) -> Path:
     progress(f"model: writing {shape} ({vocab} vocabulary, {dtype}) to {out}")
     t0 = time.monotonic()
     if "dtype" in inspect.signature(make_tiny_model).parameters:  # tools/make_tiny_model.py's --dtype, if there
-        make_tiny_model(out, spec, dtype=dtype)
+        make_tiny_model(out, spec, dtype=dtype)  # pyright: ignore[reportCallIssue]  (checked just above)
     else:
         make_tiny_model(out, spec)
     if dtype != "float32":

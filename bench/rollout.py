@@ -211,7 +211,7 @@ def bfloat16_arrays() -> tuple[Any, str]:
     on the GPU image, and the engine's writer accepts them: a one-tensor probe), else None and
     why not."""
     try:
-        import ml_dtypes
+        import ml_dtypes  # pyright: ignore[reportMissingImports]  (optional: comes with vLLM's GPU builds)
         import numpy as np
     except ImportError:
         return None, "no ml_dtypes"
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _nvml_gpu_name() -> str:
     """The GPU's name without initialising CUDA in this process (vLLM forks after this)."""
-    import pynvml
+    import pynvml  # pyright: ignore[reportMissingImports]  (GPU machines only)
 
     pynvml.nvmlInit()
     try:

@@ -150,7 +150,7 @@ class ValidationAbandoned:
 
 
 Event = (
-    Connected | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
+    Connected | GroupsAdmitted | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
     | PeerError | ProtocolViolation | PeerClosed | PeerTimedOut | PeerJoined | BatchReceived
     | PeerWeightsApplied | BatchRefused | ValidationRequested | ValidationReceived | ValidationAbandoned
 )

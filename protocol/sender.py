@@ -274,9 +274,7 @@ class RolloutConnection:
                     raise ProtocolError(ErrorCode.UNEXPECTED, "ADMIT to a rollout server whose HELLO did not offer "
                                         f"the {ADMISSION_CAPABILITY!r} capability")
                 # Outside a session it is stale: the grants of a new session start from zero.
-                if self.state is not SenderState.READY:
-                    return []
-                return [GroupsAdmitted(msg.groups, msg.min_version)]
+                return [GroupsAdmitted(msg.groups, msg.min_version)] if self.state is SenderState.READY else []
             case Bye():
                 # The learner is going away, perhaps to restart: keep everything and reconnect.
                 self._requeue_unacked()

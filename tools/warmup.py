@@ -417,7 +417,7 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     if device == "cuda":
-        model.to(device)
+        model.to(device)  # pyright: ignore[reportArgumentType]  (transformers' stub of .to is narrower than torch's)
         data = data.to(device)
         probe_data = probe_data.to(device) if probe_data is not None else None
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext

@@ -34,7 +34,7 @@ def _error(text: str) -> ToolResult:
 class _Tool:
     """Schema from class attributes; ``run`` does the work once the arguments are checked."""
 
-    name: ClassVar[str] = ""
+    name: str = ""  # set by each tool class
     description: ClassVar[str] = ""
     properties: ClassVar[dict[str, Any]] = {}
     required: ClassVar[list[str]] = []

@@ -179,6 +179,8 @@ def _report(rec: locate.Recording, batches: int, recorded: list[Any], groups: di
                                      "turns": ep.segments[-1].num_turns, "tool_calls": None}
             if ep.episode_id in skipped:
                 entry |= {"status": "not rerun", "reason": skipped[ep.episode_id]}
+            elif result is None:  # its group was never run
+                entry |= {"status": "not rerun", "reason": f"no rerun result for group {uid!r}"}
             elif isinstance(result, Exception):
                 entry |= {"status": "diverged", "divergences": [Divergence(
                     ep.episode_id, ep.episode_id, "error", f"the rerun raised {type(result).__name__}: {result}"
