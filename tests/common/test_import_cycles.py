@@ -156,7 +156,19 @@ def test_the_graph_sees_the_packages() -> None:
     assert "protocol.messages" in graph["protocol.codec"] or graph["rollout_service.server"]
 
 
+# Circles known when this test was written, to be removed (issue 17); each entry is the sorted
+# modules of one circle. The test fails on any other circle, and on an entry that is gone.
+KNOWN: set[tuple[str, ...]] = {
+    # learner/sinks.py imports learner/prometheus_sink.py at its end so that it registers itself,
+    # and prometheus_sink imports SINKS from sinks: issue 17, the learner's typed seams.
+    ("learner.prometheus_sink", "learner.sinks"),
+}
+
+
 def test_no_import_cycles() -> None:
     graph = _graph()
-    circles = [" -> ".join(_path_in(c, graph)) for c in _cycles(graph)]
+    found = _cycles(graph)
+    circles = [" -> ".join(_path_in(c, graph)) for c in found if tuple(c) not in KNOWN]
     assert not circles, "import circles between modules:\n" + "\n".join(circles)
+    gone = KNOWN - {tuple(c) for c in found}
+    assert not gone, f"known circles now gone: remove them from KNOWN: {sorted(gone)}"
