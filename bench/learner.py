@@ -51,7 +51,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # TinyModelSpec fields per --shape; vocab_size 512 is the tiny tokenizer's.
-SHAPES: dict[str, dict[str, int]] = {
+def _full(t: Any) -> Any:
+    """A gradient norm as one tensor (FSDP2 returns a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
     "small": {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 4, "num_heads": 8,
               "num_kv_heads": 2},
@@ -68,7 +75,7 @@ def progress(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/learner.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench/learner.py", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (default %(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="worker device (cuda: bf16 compute)")
     p.add_argument("--world", type=int, default=1, help="training ranks (default %(default)s)")
@@ -260,7 +267,7 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
                     loss.backward()
                     clock.lap("backward (incl. FSDP re-unshard, reduce-scatter)")
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                norm = float(_full(norm))
                 clock.lap("clip_grad_norm")
                 if math.isfinite(norm):
                     opt.step()
@@ -359,7 +366,7 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
                     opt.step()
                     continue
                 norm = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), worker.s.grad_clip)
-                if math.isfinite(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)):
+                if math.isfinite(float(_full(norm))):
                     opt.step()
         opt.zero_grad(set_to_none=True)
     if worker.device.type == "cuda":
