@@ -1,6 +1,7 @@
 """The learner's Prometheus endpoint: every metric of the latest step as a gauge.
 
-Design: a metric sink like the others (``trainer.logger: [..., prometheus]``), serving
+Design: a metric sink like the others (``trainer.logger: [..., prometheus]``; learner.sinks
+registers it), serving
 ``/metrics`` on ``learner.metrics_port`` (0: any free port, logged) from prometheus_client's
 daemon thread. Names are the step metrics with every character Prometheus does not allow turned
 into ``_`` and the prefix ``agentrl_learner_``: ``rollout/waste_frac`` is
@@ -14,13 +15,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from common.logging import get_logger
-from learner.sinks import SINKS, SinkContext
+
+if TYPE_CHECKING:  # learner.sinks registers this class: a runtime import back would be a circle
+    from learner.sinks import SinkContext
 
 PREFIX = "agentrl_learner_"
 
@@ -39,7 +42,6 @@ class _Latest:
             yield GaugeMetricFamily(name, "the learner's latest step metric", value=value)
 
 
-@SINKS.register("prometheus")
 class PrometheusSink:
     def __init__(self, ctx: SinkContext) -> None:
         learner: Mapping[str, Any] = ctx.config.get("learner", {}) if ctx.config else {}

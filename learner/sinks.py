@@ -39,6 +39,7 @@ from rich.progress import (
 from rich.text import Text
 
 from common.registry import Registry
+from learner.prometheus_sink import PrometheusSink
 
 if TYPE_CHECKING:
     from common.config.root import Config
@@ -102,6 +103,7 @@ class Sink(Protocol):
 
 
 SINKS: Registry[type[Sink]] = Registry("metric sink")
+SINKS.register("prometheus")(PrometheusSink)
 
 
 def short(value: float) -> str:
@@ -465,4 +467,3 @@ class MetricSinks:
         self.close()
 
 
-import learner.prometheus_sink  # noqa: E402, F401  (registers "prometheus"; it needs SINKS above)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from common.safetensors_buffers import CODES
 from rollout_service.engine.base import (
     FinishReason,
     Generation,
@@ -612,14 +613,11 @@ def _read_checkpoint(model_dir: Path) -> _Checkpoint:
     return ckpt
 
 
-# numpy dtype name -> safetensors dtype code (bfloat16/fp8 names are ml_dtypes').
+# The floating dtypes weights may arrive in: numpy dtype name -> safetensors code, taken from the
+# one safetensors table (bfloat16/fp8 names are ml_dtypes').
 SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
+    name: CODES[name]
+    for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 }
 
 
