@@ -86,6 +86,8 @@ from protocol.weights import NamedBuffer
 from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel, exposure_warning
 
 STATE_FORMAT = 1
+PROBE_RECORD = -1
+"""The record id a probe's batch gets instead of a journal record: it is never stored nor trained."""
 
 
 class IntakeClosed(Exception):
@@ -186,7 +188,8 @@ class Intake:
         self._buffer = GroupBuffer()
         self._position = 0  # highest journal record id whose groups reached the buffer
         self._counts = dict.fromkeys(("batches", "trajectories", "tokens", "violations", "persisted_bytes",
-                                      "persist_failures", "replayed_records", "replayed_groups"), 0)
+                                      "persist_failures", "replayed_records", "replayed_groups",
+                                      "probe_batches"), 0)
         self._peer_versions: dict[str, int] = {}
         self._published_at: dict[int, float] = {}  # version -> when publishing began (monotonic)
         self._applied: dict[int, dict[str, float]] = {}  # version -> weights/* metrics once all applied
@@ -436,7 +439,10 @@ class Intake:
 
     # -- internals -------------------------------------------------------------------------------
     def _persist(self, ev: BatchReceived) -> tuple[int, int]:
-        """The driver's persist hook (a worker thread): (record id, bytes) once the batch is durable."""
+        """The driver's persist hook (a worker thread): (record id, bytes) once the batch is durable.
+        A probe's batch (the conformance suite's) is never journaled: it must not be trained."""
+        if ev.probe:
+            return PROBE_RECORD, 0
         return self._journal.append(ev.peer_id, ev.epoch, ev.seq, ev.trajectories)
 
     def _restore(self, state: dict[str, Any] | None) -> None:
@@ -473,6 +479,11 @@ class Intake:
 
     def _handle(self, ev: Event) -> None:
         match ev:
+            case BatchReceived() if ev.probe:
+                # Acknowledged like any batch (the wire behaviour under test), then let go: probing a
+                # live learner must not change what it trains.
+                self._counts["probe_batches"] += 1
+                self._free([PROBE_RECORD])
             case BatchReceived():
                 rid, nbytes = ev.persisted
                 c = self._counts

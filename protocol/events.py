@@ -105,6 +105,7 @@ class BatchReceived:
     duplicate_trajectories: int
     epoch: str = ""  # the sender's epoch (HELLO.epoch): (peer_id, epoch, seq) names the batch
     persisted: Any = None  # what the learner's persist hook returned for it (e.g. a journal record id)
+    probe: bool = False  # from a peer with the "conformance" capability (the conformance suite): never trained
 
 
 @dataclass(frozen=True)

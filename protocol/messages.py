@@ -51,6 +51,10 @@ ADMISSION_CAPABILITY = "admission"
 """HELLO capability of a rollout server that starts prompt groups only as ADMIT grants allow, and
 WELCOME capability of a learner that grants them (protocol 1.3)."""
 
+PROBE_CAPABILITY = "conformance"
+"""HELLO capability of a peer whose batches only test the learner (the conformance suite): they are
+acknowledged like any other and never trained, so probing a live learner leaves its run as it was."""
+
 OMIT_DEFAULT = {"omit_default": True}
 """Field metadata: not encoded while equal to its default (fields added since 1.2)."""
 

@@ -57,6 +57,7 @@ from protocol.events import (
 )
 from protocol.messages import (
     ADMISSION_CAPABILITY,
+    PROBE_CAPABILITY,
     TYPE_OF,
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
@@ -559,7 +560,8 @@ class LearnerProtocol:
             return []
         self.buffered += 1  # its credit's room is buffered now, also while held (never granted twice)
         self._held = _Held(peer.identity, batch.ids,
-                           BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups, peer.hello.epoch))
+                           BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups, peer.hello.epoch,
+                                         probe=PROBE_CAPABILITY in peer.hello.capabilities))
         return [] if self.hold_batches else self.accept_batch()
 
     def _take_held(self) -> _Held:

@@ -1,7 +1,9 @@
-"""bin/learner (intake) as a real child process on the tiny model passes bin/conformance."""
+"""bin/learner (intake) as a real child process on the tiny model passes bin/conformance, and
+trains nothing of the suite's synthetic batches (they are acknowledged, never journaled)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -40,7 +42,12 @@ def test_learner_intake_passes_conformance(tmp_path: Path) -> None:
         assert "0 failed" in res.stdout
         learner.send_signal(signal.SIGINT)
         assert learner.wait(timeout=20) == 0, log.read_text()
-        assert (tmp_path / "run" / "intake_stats.json").is_file()
+        stats = json.loads((tmp_path / "run" / "intake_stats.json").read_text())
+        # Probing a live learner changes nothing it trains: every batch was a probe, none stored.
+        assert stats["probe_batches"] > 0, stats
+        assert stats["batches"] == 0 and stats["trajectories"] == 0 and stats["journal_records"] == 0, stats
+        assert stats["buffered_groups"] == 0 and stats["buffered_batches"] == 0, stats
+        assert not (tmp_path / "run" / "trained.jsonl").exists()
         assert (tmp_path / "run" / "config.resolved.yaml").is_file()
     finally:
         if learner.poll() is None:

@@ -23,6 +23,7 @@ import numpy as np
 from protocol import codec
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
+    PROBE_CAPABILITY,
     Ack,
     Error,
     Hello,
@@ -168,9 +169,10 @@ def mentions_version(text: str, major: int) -> bool:
 def hello(peer_id: str, epoch: str, *, model: Identity = DEFAULT_MODEL, tokenizer: Identity = DEFAULT_TOKENIZER,
           policy_version: int = 0, version: Sequence[int] = PROTOCOL_VERSION,
           capabilities: Sequence[str] = ()) -> Hello:
+    # PROBE_CAPABILITY: the learner acknowledges these batches and never trains them (a live run stays as it was)
     return Hello(protocol_version=list(version), peer_id=peer_id, role="rollout-server", epoch=epoch,
                  model=model, tokenizer=tokenizer, policy_version=policy_version,
-                 capabilities=["conformance", *capabilities])
+                 capabilities=[PROBE_CAPABILITY, *capabilities])
 
 
 def tiny_trajectory(tid: str, *, vocab: int = 100, prompt_len: int = 4, response_len: int = 6) -> Trajectory:
