@@ -21,7 +21,7 @@ from rollout_service.recording import read_recording
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # ~2-3 min alone; a busy 2-core machine takes longer
 
 
 def mean(xs: list[float]) -> float:

@@ -95,9 +95,11 @@ def learner_config(tmp: Path, model: Path, data: Path, port: int) -> Path:
             "model": {"path": str(model)},
             "actor": {"ppo_mini_batch_size": BATCH * N, "ppo_micro_batch_size_per_gpu": 2, "optim": {"lr": 1e-4}},
             # The recorded tokens are version 0; the learner moves on, so staleness must not drop them.
-            "rollout": {"n": N, "max_staleness": 1000},
+            # The recording's lengths (configs/rollout_tiny.yaml): the learner refuses longer ones.
+            "rollout": {"n": N, "max_staleness": 1000, "max_model_len": 768},
         },
-        "data": {"train_files": [str(data)], "train_batch_size": BATCH},
+        "data": {"train_files": [str(data)], "train_batch_size": BATCH, "max_prompt_length": 384,
+                 "max_response_length": 256},
         "trainer": {"total_training_steps": STEPS, "n_gpus_per_node": 1, "device": "cpu", "logger": ["jsonl"],
                     "run_dir": str(tmp / "learner-run"), "experiment_name": "replay"},
         "learner": {"bind_address": f"tcp://127.0.0.1:{port}", "buffer_batches": 4},
