@@ -89,10 +89,24 @@ sys.path.insert(0, str(ROOT))
 
 MARKER_ENV = "AGENTRL_E2E_BENCH_ID"
 """Set in bin/train's environment; every process of a run inherits it (the final sweep's key)."""
-TIMINGS = ("timing/wait_s", "timing/prepare_s", "timing/update_s", "timing/broadcast_s", "timing/step_s",
-           "perf/tokens_per_s")
-EXTRA_MEANS = ("staleness/mean", "staleness/max", "intake/dropped_stale", "response/length_mean",
-               "perf/update_tokens_per_s", "actor/entropy", "episode/turns_max", "rollout/waste_frac")
+TIMINGS = (
+    "timing/wait_s",
+    "timing/prepare_s",
+    "timing/update_s",
+    "timing/broadcast_s",
+    "timing/step_s",
+    "perf/tokens_per_s",
+)
+EXTRA_MEANS = (
+    "staleness/mean",
+    "staleness/max",
+    "intake/dropped_stale",
+    "response/length_mean",
+    "perf/update_tokens_per_s",
+    "actor/entropy",
+    "episode/turns_max",
+    "rollout/waste_frac",
+)
 WASTE = "rollout/waste_frac"
 """The learner's share of generated tokens never trained (cumulative), where it logs it."""
 REWARD_WINDOW = 5
@@ -100,27 +114,44 @@ REWARD_WINDOW = 5
 # TinyModelSpec fields per --shape (vocab_size 512 is the tiny tokenizer's).
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_layers": 24, "num_heads": 14, "num_kv_heads": 2,
-             "max_position_embeddings": 4096},
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "max_position_embeddings": 4096,
+    },
 }
 QWEN2_VOCAB = 151936
 """Qwen2-0.5B's embedding rows (--vocab qwen2). The tokenizer has 512 ids: a random model samples the
 ids above them, which the learner refuses (token ids are checked against the tokenizer's vocabulary)."""
 # Overrides on the CPU: the GPU configs' settings that only a GPU runs, and a small batch.
 CPU_OVERRIDES = [
-    "trainer.device=cpu", "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=true",
-    "actor_rollout_ref.rollout.compilation_config=null", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=false", "actor_rollout_ref.rollout.max_num_seqs=32",
-    "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=3.0e-4",
-    "rollout_server.max_concurrent_episodes=32", "ray.num_cpus=2",
+    "trainer.device=cpu",
+    "actor_rollout_ref.rollout.dtype=float32",
+    "actor_rollout_ref.rollout.enforce_eager=true",
+    "actor_rollout_ref.rollout.compilation_config=null",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "actor_rollout_ref.rollout.max_num_seqs=32",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.actor.optim.lr=3.0e-4",
+    "rollout_server.max_concurrent_episodes=32",
+    "ray.num_cpus=2",
 ]
 DEADLINE_CUDA_S = 570.0
 """longtail on a GPU: the four runs fit a 10-minute command (after a --prepare-only one)."""
 RUN_FLOOR_S = 100.0
 """With a deadline, what each later run keeps at least."""
-TWO_GPUS = ["launch.learner_gpus=[0]", "launch.rollout_gpus=[[1]]",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.8"]
+TWO_GPUS = [
+    "launch.learner_gpus=[0]",
+    "launch.rollout_gpus=[[1]]",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.8",
+]
 """--gpus 2: the learner on GPU 0, the rollout server on GPU 1 (vLLM then takes most of it)."""
 
 
@@ -133,12 +164,16 @@ class Workload:
     staleness: str
     steps: dict[str, int]
     timeout_s: dict[str, float]
-    warmup_args: dict[str, list[str]]  # tools/warmup.py's arguments besides model, data, out, steps, seconds, device
+    warmup_args: dict[
+        str, list[str]
+    ]  # tools/warmup.py's arguments besides model, data, out, steps, seconds, device
     warmup_steps: dict[str, int]
     warmup_seconds: dict[str, float]
     warm_suffix: str  # the warmed model is <model>-warm<suffix>
     warmup_data: str = "train.jsonl"  # the warm-up's rows, in the data folder
-    deadline_s: dict[str, float] = field(default_factory=dict)  # of the whole bench; a device not named: none
+    deadline_s: dict[str, float] = field(
+        default_factory=dict
+    )  # of the whole bench; a device not named: none
     cpu_overrides: list[str] = field(default_factory=list)
 
 
@@ -149,21 +184,36 @@ WORKLOADS = {
     # batches, until the held-out probe reaches 0.7: the warmed model must follow long chains to
     # their end, the tail comes from its own sampling.
     "longtail": Workload(
-        config=ROOT / "configs" / "longtail_e2e.yaml", data="data-longtail", staleness="0,1,2,4",
-        steps={"cuda": 10, "cpu": 4}, timeout_s={"cuda": 240.0, "cpu": 420.0},
-        warmup_args={d: ["--tools", "calculator", "--target", "0.7", "--bucket", "--drill-weight", "1.0"]
-                     for d in ("cuda", "cpu")},
-        warmup_steps={"cuda": 1000, "cpu": 3000}, warmup_seconds={"cuda": 150.0, "cpu": 2700.0}, warm_suffix="-longtail",
-        deadline_s={"cuda": DEADLINE_CUDA_S}, warmup_data="warmup.jsonl",
-        cpu_overrides=["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]),
+        config=ROOT / "configs" / "longtail_e2e.yaml",
+        data="data-longtail",
+        staleness="0,1,2,4",
+        steps={"cuda": 10, "cpu": 4},
+        timeout_s={"cuda": 240.0, "cpu": 420.0},
+        warmup_args={
+            d: ["--tools", "calculator", "--target", "0.7", "--bucket", "--drill-weight", "1.0"]
+            for d in ("cuda", "cpu")
+        },
+        warmup_steps={"cuda": 1000, "cpu": 3000},
+        warmup_seconds={"cuda": 150.0, "cpu": 2700.0},
+        warm_suffix="-longtail",
+        deadline_s={"cuda": DEADLINE_CUDA_S},
+        warmup_data="warmup.jsonl",
+        cpu_overrides=["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+    ),
     # bin/demo's first stage: half the demonstrations call the calculator, half box a guess; stop at
     # a 0.15 chance of a whole right episode.
     "calc": Workload(
-        config=ROOT / "configs" / "gpu_e2e.yaml", data="data", staleness="0,2",
-        steps={"cuda": 6, "cpu": 3}, timeout_s={"cuda": 420.0, "cpu": 420.0},
+        config=ROOT / "configs" / "gpu_e2e.yaml",
+        data="data",
+        staleness="0,2",
+        steps={"cuda": 6, "cpu": 3},
+        timeout_s={"cuda": 420.0, "cpu": 420.0},
         warmup_args={d: ["--guess-fraction", "0.5", "--target", "0.15"] for d in ("cuda", "cpu")},
-        warmup_steps={"cuda": 300, "cpu": 500}, warmup_seconds={"cuda": 60.0, "cpu": 60.0}, warm_suffix="",
-        cpu_overrides=["actor_rollout_ref.rollout.max_model_len=768"]),
+        warmup_steps={"cuda": 300, "cpu": 500},
+        warmup_seconds={"cuda": 60.0, "cpu": 60.0},
+        warm_suffix="",
+        cpu_overrides=["actor_rollout_ref.rollout.max_model_len=768"],
+    ),
 }
 STOP_GRACE_S = 60.0
 T0 = time.monotonic()
@@ -174,46 +224,116 @@ def progress(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="e2e", description=(__doc__ or "").split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail",
-                   help="longtail: long-tailed multi-turn calculator chains; calc: the demo's task (default %(default)s)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="training steps per run (default: longtail 10 on cuda, 4 on the CPU; calc 6 / 3)")
-    p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "e2e",
-                   help="model, data and runs; kept and reused (default %(default)s)")
-    p.add_argument("--staleness", default=None, help="comma-separated max_staleness values, one run each; 0 is "
-                   "the sync baseline (default: longtail 0,1,2,4; calc 0,2)")
-    p.add_argument("--timeout-s", type=float, default=None,
-                   help="wall-clock limit of each run (default: longtail 240 on cuda, 420 on the CPU; calc 420)")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="wall-clock limit of the whole bench: each run's limit shrinks so that every later run "
-                        f"keeps {RUN_FLOOR_S:g} s; 0: none (default: longtail {DEADLINE_CUDA_S:g} on cuda, to fit a "
-                        "10-minute command after a --prepare-only one; otherwise none)")
-    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
-                   help="1: learner and rollout server share GPU 0; 2: learner on GPU 0, rollout server on GPU 1 "
-                        "(default %(default)s)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: cuda when torch sees a GPU (default %(default)s)")
-    p.add_argument("--shape", choices=("auto", *SHAPES), default="auto",
-                   help="model shape; auto: 0.5b on cuda, tiny on the CPU (default %(default)s)")
-    p.add_argument("--vocab", choices=("tokenizer", "qwen2"), default="tokenizer",
-                   help="model vocabulary: the tokenizer's 512 ids, or Qwen2's 151936 rows (the full 494M "
-                        "parameters; only once the learner accepts ids the tokenizer lacks) (default %(default)s)")
-    p.add_argument("--no-warmup", action="store_true", help="train the random model (episodes stay one turn)")
-    p.add_argument("--warmup-seconds", type=float, default=None,
-                   help="cap of the warm-up's training loop (default: longtail 150 on cuda, 2700 on the CPU; calc 60)")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="cap of the warm-up's steps (default: longtail 1000 on cuda, 3000 on the CPU; calc 300 / 500)")
-    p.add_argument("--config", type=Path, default=None,
-                   help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)")
-    p.add_argument("--results", type=Path, default=None,
-                   help="also write the JSON result here, after every run, and the reward plot beside it "
-                        "(.png) (default WORK/e2e-results-<workload>.json)")
-    p.add_argument("--save-logs", type=Path, default=None,
-                   help="copy each run's metrics.jsonl, resolved config and log tails here (e.g. $OUT/e2e)")
-    p.add_argument("--prepare-only", action="store_true", help="write model, data and warm-up, then stop")
-    p.add_argument("overrides", nargs="*", help="more key=value overrides for bin/train (every run)")
+    p = argparse.ArgumentParser(
+        prog="e2e",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="longtail",
+        help="longtail: long-tailed multi-turn calculator chains; calc: the demo's task (default %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per run (default: longtail 10 on cuda, 4 on the CPU; calc 6 / 3)",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=ROOT / "runs" / "e2e",
+        help="model, data and runs; kept and reused (default %(default)s)",
+    )
+    p.add_argument(
+        "--staleness",
+        default=None,
+        help="comma-separated max_staleness values, one run each; 0 is "
+        "the sync baseline (default: longtail 0,1,2,4; calc 0,2)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="wall-clock limit of each run (default: longtail 240 on cuda, 420 on the CPU; calc 420)",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="wall-clock limit of the whole bench: each run's limit shrinks so that every later run "
+        f"keeps {RUN_FLOOR_S:g} s; 0: none (default: longtail {DEADLINE_CUDA_S:g} on cuda, to fit a "
+        "10-minute command after a --prepare-only one; otherwise none)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: learner and rollout server share GPU 0; 2: learner on GPU 0, rollout server on GPU 1 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: cuda when torch sees a GPU (default %(default)s)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("auto", *SHAPES),
+        default="auto",
+        help="model shape; auto: 0.5b on cuda, tiny on the CPU (default %(default)s)",
+    )
+    p.add_argument(
+        "--vocab",
+        choices=("tokenizer", "qwen2"),
+        default="tokenizer",
+        help="model vocabulary: the tokenizer's 512 ids, or Qwen2's 151936 rows (the full 494M "
+        "parameters; only once the learner accepts ids the tokenizer lacks) (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="train the random model (episodes stay one turn)"
+    )
+    p.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help="cap of the warm-up's training loop (default: longtail 150 on cuda, 2700 on the CPU; calc 60)",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="cap of the warm-up's steps (default: longtail 1000 on cuda, 3000 on the CPU; calc 300 / 500)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="bin/train config (default: the workload's, configs/longtail_e2e.yaml or gpu_e2e.yaml)",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="also write the JSON result here, after every run, and the reward plot beside it "
+        "(.png) (default WORK/e2e-results-<workload>.json)",
+    )
+    p.add_argument(
+        "--save-logs",
+        type=Path,
+        default=None,
+        help="copy each run's metrics.jsonl, resolved config and log tails here (e.g. $OUT/e2e)",
+    )
+    p.add_argument(
+        "--prepare-only", action="store_true", help="write model, data and warm-up, then stop"
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="more key=value overrides for bin/train (every run)"
+    )
     a = p.parse_args(argv)
     w = WORKLOADS[a.workload]
     a.config = a.config or w.config
@@ -241,7 +361,9 @@ def apply_device_defaults(a: argparse.Namespace, device: str) -> None:
     a.timeout_s = a.timeout_s or w.timeout_s[device]
     a.warmup_steps = a.warmup_steps or w.warmup_steps[device]
     a.warmup_seconds = a.warmup_seconds or w.warmup_seconds[device]
-    a.deadline_s = (a.deadline_s if a.deadline_s is not None else w.deadline_s.get(device)) or None  # 0: none
+    a.deadline_s = (
+        a.deadline_s if a.deadline_s is not None else w.deadline_s.get(device)
+    ) or None  # 0: none
 
 
 def run_limit(a: argparse.Namespace, runs_after: int) -> float:
@@ -269,8 +391,12 @@ def gpu_names() -> list[str]:
     """The GPUs nvidia-smi lists (not through torch: a CUDA context here would hold GPU memory for
     the whole bench)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.TimeoutExpired) as e:
         return [f"nvidia-smi failed: {e}"]
@@ -296,7 +422,9 @@ def write_model(out: Path, shape: str, vocab: str, dtype: str) -> Path:
     from tools.make_tiny_model import make_tiny_model
 
     spec = model_spec(shape, vocab)
-    stamp = out.parent / f"{out.name}.json"  # outside the model directory: make_tiny_model refuses stray files
+    stamp = (
+        out.parent / f"{out.name}.json"
+    )  # outside the model directory: make_tiny_model refuses stray files
     want = {"spec": asdict(spec), "dtype": dtype}
     if stamp.is_file() and (out / "model.safetensors").is_file():
         try:
@@ -310,14 +438,18 @@ def write_model(out: Path, shape: str, vocab: str, dtype: str) -> Path:
         shutil.rmtree(out)
     progress(f"model: writing {shape} ({vocab} vocabulary, {dtype}) to {out}")
     t0 = time.monotonic()
-    if "dtype" in inspect.signature(make_tiny_model).parameters:  # tools/make_tiny_model.py's --dtype, if there
+    if (
+        "dtype" in inspect.signature(make_tiny_model).parameters
+    ):  # tools/make_tiny_model.py's --dtype, if there
         make_tiny_model(out, spec, dtype=dtype)  # pyright: ignore[reportCallIssue]  (checked just above)
     else:
         make_tiny_model(out, spec)
     if dtype != "float32":
         convert_dtype(out, dtype)
     stamp.write_text(json.dumps(want, sort_keys=True))
-    progress(f"model: written in {time.monotonic() - t0:.1f} s ({params_of(out) / 1e6:.0f}M parameters)")
+    progress(
+        f"model: written in {time.monotonic() - t0:.1f} s ({params_of(out) / 1e6:.0f}M parameters)"
+    )
     return out
 
 
@@ -332,8 +464,14 @@ def convert_dtype(model_dir: Path, dtype: str) -> None:
     tensors = load_file(str(path))
     if all(t.dtype == target for t in tensors.values() if t.is_floating_point()):
         return
-    save_file({k: (t.to(target) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
-              str(path), metadata={"format": "pt"})
+    save_file(
+        {
+            k: (t.to(target) if t.is_floating_point() else t).contiguous()
+            for k, t in tensors.items()
+        },
+        str(path),
+        metadata={"format": "pt"},
+    )
     cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["dtype"] = dtype
@@ -377,34 +515,60 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seconds: float,
-               extra: list[str]) -> dict[str, Any]:
+def run_warmup(
+    model: Path, data: Path, out: Path, device: str, steps: int, seconds: float, extra: list[str]
+) -> dict[str, Any]:
     """tools/warmup.py on the rows in ``data`` in a child process (its own session, bounded); reused
     when an earlier call warmed the same model on the same rows with the same settings. Returns its
     summary."""
-    want = {"source_model": str(model), "device": device, "max_steps": steps, "cap_seconds": seconds,
-            "args": extra, "data": file_digest(data)}
+    want = {
+        "source_model": str(model),
+        "device": device,
+        "max_steps": steps,
+        "cap_seconds": seconds,
+        "args": extra,
+        "data": file_digest(data),
+    }
     stamp = out.parent / f"{out.name}.json"
     if stamp.is_file() and (out / "warmup.json").is_file():
         try:
             kept = json.loads(stamp.read_text())
             if kept.get("want") == want:
-                progress(f"warm-up: reusing {out} ({kept['summary'].get('steps')} steps, "
-                         f"probe {kept['summary'].get('probe')})")
+                progress(
+                    f"warm-up: reusing {out} ({kept['summary'].get('steps')} steps, "
+                    f"probe {kept['summary'].get('probe')})"
+                )
                 return dict(kept["summary"])
         except (ValueError, KeyError):
             pass
     stamp.unlink(missing_ok=True)
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, str(ROOT / "bin" / "warmup"), "--model", str(model), "--data", str(data),
-           "--out", str(out), *extra, "--steps", str(steps), "--max-seconds", str(seconds), "--device", device]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bin" / "warmup"),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        *extra,
+        "--steps",
+        str(steps),
+        "--max-seconds",
+        str(seconds),
+        "--device",
+        device,
+    ]
     if device == "cuda":  # a 0.5B model from random weights: smaller steps, clipped
         cmd += ["--lr", "5e-4", "--grad-clip", "1.0"]
     progress(f"warm-up: at most {steps} steps / {seconds:g} s on {device} -> {out}")
     t0 = time.monotonic()
     limit = seconds + 180.0  # loading the model and building the demonstrations come on top
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, start_new_session=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=None, start_new_session=True, cwd=ROOT
+    )
     try:
         stdout, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -415,8 +579,10 @@ def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seco
         raise RuntimeError(f"warm-up failed (exit status {proc.returncode}); its errors are above")
     summary = json.loads(stdout.decode().strip().splitlines()[-1])
     stamp.write_text(json.dumps({"want": want, "summary": summary}, sort_keys=True))
-    progress(f"warm-up: {summary['steps']} steps in {time.monotonic() - t0:.1f} s (stopped: {summary['stopped']}, "
-             f"probe {summary['probe']})")
+    progress(
+        f"warm-up: {summary['steps']} steps in {time.monotonic() - t0:.1f} s (stopped: {summary['stopped']}, "
+        f"probe {summary['probe']})"
+    )
     return summary
 
 
@@ -426,16 +592,26 @@ def run_warmup(model: Path, data: Path, out: Path, device: str, steps: int, seco
 def preflight(args: argparse.Namespace, overrides: list[str]) -> None:
     """``bin/train --check`` with every override the runs will get (the model path pointed at an
     existing directory): a config mistake fails here, in seconds, not after the warm-up."""
-    cmd = [sys.executable, str(ROOT / "bin" / "train"), "--config", str(args.config), *overrides,
-           f"trainer.total_training_steps={args.steps}",
-           f"actor_rollout_ref.rollout.max_staleness={max(args.staleness_values)}", *args.overrides, "--check"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bin" / "train"),
+        "--config",
+        str(args.config),
+        *overrides,
+        f"trainer.total_training_steps={args.steps}",
+        f"actor_rollout_ref.rollout.max_staleness={max(args.staleness_values)}",
+        *args.overrides,
+        "--check",
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     except subprocess.TimeoutExpired:
         raise RuntimeError("bin/train --check did not answer within 120 s") from None
     if out.returncode != 0:
-        raise RuntimeError(f"bin/train --check refuses the config (exit status {out.returncode}):\n"
-                           f"{out.stderr.strip()[-3000:]}")
+        raise RuntimeError(
+            f"bin/train --check refuses the config (exit status {out.returncode}):\n"
+            f"{out.stderr.strip()[-3000:]}"
+        )
     progress("config: bin/train --check passes")
 
 
@@ -490,8 +666,9 @@ def tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], work: Path,
-              limit_s: float) -> dict[str, Any]:
+def run_train(
+    args: argparse.Namespace, staleness: int, overrides: list[str], work: Path, limit_s: float
+) -> dict[str, Any]:
     name = f"run-{args.workload}-s{staleness}"
     run_dir = work / name
     if run_dir.exists():
@@ -499,22 +676,43 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
     run_dir.mkdir(parents=True)
     log = work / f"{name}.train.log"
     marker = uuid.uuid4().hex
-    cmd = [sys.executable, str(ROOT / "bin" / "train"), "--config", str(args.config), *overrides,
-           f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={args.steps}",
-           f"actor_rollout_ref.rollout.max_staleness={staleness}", *args.overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bin" / "train"),
+        "--config",
+        str(args.config),
+        *overrides,
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_training_steps={args.steps}",
+        f"actor_rollout_ref.rollout.max_staleness={staleness}",
+        *args.overrides,
+    ]
     env = dict(os.environ, **{MARKER_ENV: marker})
-    progress(f"run {label(staleness)} (max_staleness={staleness}): bin/train, {args.steps} steps, limit "
-             f"{limit_s:.0f} s, logs {run_dir / 'logs'}")
+    progress(
+        f"run {label(staleness)} (max_staleness={staleness}): bin/train, {args.steps} steps, limit "
+        f"{limit_s:.0f} s, logs {run_dir / 'logs'}"
+    )
     t0 = time.monotonic()
-    result: dict[str, Any] = {"label": label(staleness), "max_staleness": staleness, "run_dir": str(run_dir),
-                              "steps_asked": args.steps}
+    result: dict[str, Any] = {
+        "label": label(staleness),
+        "max_staleness": staleness,
+        "run_dir": str(run_dir),
+        "steps_asked": args.steps,
+    }
     seen = 0
     first_step_at = None
     timed_out = False
     refused = RefusalWatch(run_dir / "logs" / "learner.log")
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         try:
             deadline = t0 + limit_s
             while proc.poll() is None:
@@ -523,22 +721,28 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
                     break
                 if refused.poll() and seen == 0:
                     result["refused"] = refused.first
-                    progress(f"  {label(staleness)}: the learner refuses the rollout server's batches "
-                             f"({refused.count} times; no step done), giving up: {refused.first}")
+                    progress(
+                        f"  {label(staleness)}: the learner refuses the rollout server's batches "
+                        f"({refused.count} times; no step done), giving up: {refused.first}"
+                    )
                     break
                 records = read_metrics(run_dir / "metrics.jsonl")
                 for r in records[seen:]:
                     if first_step_at is None:
                         first_step_at = time.monotonic() - t0
-                    progress(f"  {label(staleness)} step {r['step']}/{args.steps}: reward {r.get('reward/mean', float('nan')):.3f} "
-                             f"turns {r.get('episode/turns_mean', float('nan')):.2f}  step {r['timing/step_s']:.2f} s "
-                             f"(wait {r.get('timing/wait_s', 0):.2f} prep {r.get('timing/prepare_s', 0):.2f} "
-                             f"upd {r.get('timing/update_s', 0):.2f} bcast {r.get('timing/broadcast_s', 0):.2f})")
+                    progress(
+                        f"  {label(staleness)} step {r['step']}/{args.steps}: reward {r.get('reward/mean', float('nan')):.3f} "
+                        f"turns {r.get('episode/turns_mean', float('nan')):.2f}  step {r['timing/step_s']:.2f} s "
+                        f"(wait {r.get('timing/wait_s', 0):.2f} prep {r.get('timing/prepare_s', 0):.2f} "
+                        f"upd {r.get('timing/update_s', 0):.2f} bcast {r.get('timing/broadcast_s', 0):.2f})"
+                    )
                 seen = max(seen, len(records))
                 time.sleep(1.0)
         finally:
             if proc.poll() is None:  # timed out, or this bench was interrupted
-                progress(f"  {label(staleness)}: stopping bin/train (SIGTERM, {STOP_GRACE_S:g} s grace)")
+                progress(
+                    f"  {label(staleness)}: stopping bin/train (SIGTERM, {STOP_GRACE_S:g} s grace)"
+                )
                 kill_group(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(timeout=STOP_GRACE_S)
@@ -550,8 +754,12 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
                 progress(f"  {label(staleness)}: killed {len(stray)} stray processes of the run")
     wall = time.monotonic() - t0
     records = read_metrics(run_dir / "metrics.jsonl")
-    result |= {"exit_status": proc.returncode, "timed_out": timed_out, "wall_s": round(wall, 1),
-               "first_step_after_s": round(first_step_at, 1) if first_step_at is not None else None}
+    result |= {
+        "exit_status": proc.returncode,
+        "timed_out": timed_out,
+        "wall_s": round(wall, 1),
+        "first_step_after_s": round(first_step_at, 1) if first_step_at is not None else None,
+    }
     result |= summarize(records)
     result["weight_updates"] = weight_updates(records, run_dir / "logs")
     try:
@@ -561,12 +769,18 @@ def run_train(args: argparse.Namespace, staleness: int, overrides: list[str], wo
         result["lengths"] = {"error": f"{type(e).__name__}: {e}"}
     result["ok"] = not timed_out and proc.returncode == 0 and result["steps_done"] >= args.steps
     if not result["ok"]:
-        why = f"timed out after {limit_s:.0f} s" if timed_out else f"bin/train exit status {proc.returncode}"
+        why = (
+            f"timed out after {limit_s:.0f} s"
+            if timed_out
+            else f"bin/train exit status {proc.returncode}"
+        )
         if "refused" in result:
             why = f"the learner refused every batch ({result['refused']})"
         result["error"] = f"{why}, {result['steps_done']}/{args.steps} steps"
         result["log_tail"] = tail(log)
-        progress(f"  {label(staleness)}: FAILED ({result['error']}); bin/train's output ends:\n{result['log_tail']}")
+        progress(
+            f"  {label(staleness)}: FAILED ({result['error']}); bin/train's output ends:\n{result['log_tail']}"
+        )
     else:
         progress(f"  {label(staleness)}: done in {wall:.1f} s")
     if args.save_logs is not None:
@@ -616,18 +830,28 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["means"] = {k: mean(k) for k in (*TIMINGS, *EXTRA_MEANS)}
     weight_keys = sorted({k for r in records for k in r if k.startswith("weights/")})
     out["weights"] = {k: mean(k) for k in weight_keys}
-    out["step1"] = {k: (round(float(records[0][k]), 4) if k in records[0] else None) for k in TIMINGS}
+    out["step1"] = {
+        k: (round(float(records[0][k]), 4) if k in records[0] else None) for k in TIMINGS
+    }
     out["reward_curve"] = [round(float(r.get("reward/mean", float("nan"))), 4) for r in records]
-    out["turns_curve"] = [round(float(r.get("episode/turns_mean", float("nan"))), 3) for r in records]
+    out["turns_curve"] = [
+        round(float(r.get("episode/turns_mean", float("nan"))), 3) for r in records
+    ]
     turns = [float(r["episode/turns_mean"]) for r in records if "episode/turns_mean" in r]
     out["turns_mean"] = round(sum(turns) / len(turns), 3) if turns else None
-    maxima = [float(r["staleness/max"]) for r in records if isinstance(r.get("staleness/max"), (int, float))]
+    maxima = [
+        float(r["staleness/max"])
+        for r in records
+        if isinstance(r.get("staleness/max"), (int, float))
+    ]
     out["staleness_max"] = max(maxima) if maxima else None
     out["waste"] = waste(records)
     if all(isinstance(r.get("time"), (int, float)) for r in records):
         # Wall-clock from the end of step 1: start-up and the first batch (on the first weights,
         # nothing ahead of it) cost every mode the same; what differs is what follows.
-        out["clock_curve"] = [round(float(r["time"]) - float(records[0]["time"]), 2) for r in records]
+        out["clock_curve"] = [
+            round(float(r["time"]) - float(records[0]["time"]), 2) for r in records
+        ]
         out["train_s"] = out["clock_curve"][-1]
     return out
 
@@ -640,18 +864,28 @@ def waste(records: list[dict[str, Any]]) -> dict[str, Any]:
     if not records:
         return {}
     last = records[-1]
-    logged = {k: round(float(v), 4) for k, v in last.items() if k.startswith("rollout/waste") and
-              isinstance(v, (int, float))}
+    logged = {
+        k: round(float(v), 4)
+        for k, v in last.items()
+        if k.startswith("rollout/waste") and isinstance(v, (int, float))
+    }
     if WASTE in logged:
         return {"frac": logged[WASTE], "source": WASTE, "last_step": logged}
-    trained = sum(float(r.get("batch/trajectories", 0.0)) / max(float(r.get("rollout/n", 1.0)), 1.0) for r in records)
+    trained = sum(
+        float(r.get("batch/trajectories", 0.0)) / max(float(r.get("rollout/n", 1.0)), 1.0)
+        for r in records
+    )
     if isinstance(last.get("intake/dropped_stale_total"), (int, float)):
         dropped = float(last["intake/dropped_stale_total"])
     else:
         dropped = sum(float(r.get("intake/dropped_stale", 0.0)) for r in records)
     total = dropped + trained
-    return {"frac": round(dropped / total, 4) if total else None, "source": "intake/dropped_stale_total (groups)",
-            "dropped_groups": dropped, "trained_groups": round(trained, 1)}
+    return {
+        "frac": round(dropped / total, 4) if total else None,
+        "source": "intake/dropped_stale_total (groups)",
+        "dropped_groups": dropped,
+        "trained_groups": round(trained, 1),
+    }
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
@@ -664,8 +898,13 @@ def quantiles(values: list[float]) -> dict[str, float | None]:
         return v[max(0, min(len(v) - 1, math.ceil(p * len(v)) - 1))]
 
     med = statistics.median(v)
-    return {"median": med, "p90": q(0.9), "p99": q(0.99), "max": v[-1],
-            "p99_over_median": round(q(0.99) / med, 2) if med else None}
+    return {
+        "median": med,
+        "p90": q(0.9),
+        "p99": q(0.99),
+        "max": v[-1],
+        "p99_over_median": round(q(0.99) / med, 2) if med else None,
+    }
 
 
 def length_summary(episodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -675,11 +914,14 @@ def length_summary(episodes: list[dict[str, Any]]) -> dict[str, Any]:
     terms: dict[str, int] = {}
     for e in episodes:
         terms[e["termination"]] = terms.get(e["termination"], 0) + 1
-    return {"episodes": len(episodes), "response_tokens": quantiles([e["response_tokens"] for e in episodes]),
-            "model_tokens": quantiles([e["model_tokens"] for e in episodes]),
-            "turns": quantiles([e["turns"] for e in episodes]),
-            "reward_mean": round(statistics.fmean(e["reward"] for e in episodes), 4),
-            "terminations": dict(sorted(terms.items()))}
+    return {
+        "episodes": len(episodes),
+        "response_tokens": quantiles([e["response_tokens"] for e in episodes]),
+        "model_tokens": quantiles([e["model_tokens"] for e in episodes]),
+        "turns": quantiles([e["turns"] for e in episodes]),
+        "reward_mean": round(statistics.fmean(e["reward"] for e in episodes), 4),
+        "terminations": dict(sorted(terms.items())),
+    }
 
 
 def read_episodes(recordings: Path) -> list[dict[str, Any]]:
@@ -692,15 +934,25 @@ def read_episodes(recordings: Path) -> list[dict[str, Any]]:
     for server in sorted(p for p in recordings.iterdir() if p.is_dir()):
         for _, trajectories in read_recording(server):
             for t in trajectories:
-                out.append({"response_tokens": len(t.response_ids), "model_tokens": int(t.response_mask.sum()),
-                            "turns": int(t.num_turns), "version": int(t.versions.max()) if len(t.versions) else 0,
-                            "termination": t.termination, "reward": float(t.reward)})
+                out.append(
+                    {
+                        "response_tokens": len(t.response_ids),
+                        "model_tokens": int(t.response_mask.sum()),
+                        "turns": int(t.num_turns),
+                        "version": int(t.versions.max()) if len(t.versions) else 0,
+                        "termination": t.termination,
+                        "reward": float(t.reward),
+                    }
+                )
     return out
 
 
 def episode_lengths(episodes: list[dict[str, Any]]) -> dict[str, Any]:
     """Lengths of all shipped episodes and of those the warmed model sampled alone (version 0)."""
-    return {"all": length_summary(episodes), "warmed_model": length_summary([e for e in episodes if e["version"] == 0])}
+    return {
+        "all": length_summary(episodes),
+        "warmed_model": length_summary([e for e in episodes if e["version"] == 0]),
+    }
 
 
 APPLIED = re.compile(r"weights applied.*?reload_s=([0-9.]+).*?version=(\d+)")
@@ -727,22 +979,36 @@ def weight_updates(records: list[dict[str, Any]], logs: Path) -> dict[str, Any]:
         v = int(r["weights/version"])
         if v in reload and copy:
             bound = reload[v] + min(copy.values())
-            rows.append({"version": v, "applied_s": round(float(r["weights/applied_s"]), 4),
-                         "reload_s": reload[v], "d2h_s": round(min(copy.values()), 4), "bound_s": round(bound, 4),
-                         "ratio": round(float(r["weights/applied_s"]) / bound, 3)})
+            rows.append(
+                {
+                    "version": v,
+                    "applied_s": round(float(r["weights/applied_s"]), 4),
+                    "reload_s": reload[v],
+                    "d2h_s": round(min(copy.values()), 4),
+                    "bound_s": round(bound, 4),
+                    "ratio": round(float(r["weights/applied_s"]) / bound, 3),
+                }
+            )
     if not rows:
         return {"versions": []}
-    return {"versions": rows, "median_applied_s": statistics.median(x["applied_s"] for x in rows),
-            "median_bound_s": statistics.median(x["bound_s"] for x in rows),
-            "median_ratio": statistics.median(x["ratio"] for x in rows)}
+    return {
+        "versions": rows,
+        "median_applied_s": statistics.median(x["applied_s"] for x in rows),
+        "median_bound_s": statistics.median(x["bound_s"] for x in rows),
+        "median_ratio": statistics.median(x["ratio"] for x in rows),
+    }
 
 
 def save_logs(dest: Path, run_dir: Path, train_log: Path, max_bytes: int = 2 * 1024 * 1024) -> None:
     """Copy what explains a run (metrics, resolved config, the tail of every log) to `dest`."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        files = [run_dir / "metrics.jsonl", run_dir / "config.resolved.yaml", train_log,
-                 *sorted((run_dir / "logs").glob("*"))]
+        files = [
+            run_dir / "metrics.jsonl",
+            run_dir / "config.resolved.yaml",
+            train_log,
+            *sorted((run_dir / "logs").glob("*")),
+        ]
         for f in files:
             if not f.is_file():
                 continue
@@ -765,40 +1031,67 @@ def fmt(v: Any, width: int = 9) -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    cols = [("wait", "timing/wait_s"), ("prepare", "timing/prepare_s"), ("update", "timing/update_s"),
-            ("bcast", "timing/broadcast_s"), ("step", "timing/step_s"), ("tok/s", "perf/tokens_per_s"),
-            ("stale", "staleness/mean"), ("dropped", "intake/dropped_stale")]
-    head = "run         steps " + "".join(n.rjust(9) for n, _ in cols) + "stale max    waste    turns"
+    cols = [
+        ("wait", "timing/wait_s"),
+        ("prepare", "timing/prepare_s"),
+        ("update", "timing/update_s"),
+        ("bcast", "timing/broadcast_s"),
+        ("step", "timing/step_s"),
+        ("tok/s", "perf/tokens_per_s"),
+        ("stale", "staleness/mean"),
+        ("dropped", "intake/dropped_stale"),
+    ]
+    head = (
+        "run         steps " + "".join(n.rjust(9) for n, _ in cols) + "stale max    waste    turns"
+    )
     lines = ["mean over steps 2.. (seconds unless named):", head]
     for r in runs:
         means = r.get("means", {})
         row = f"{r.get('label', r['max_staleness']):<10}  {r.get('steps_done', 0):>5} "
         row += "".join(fmt(means.get(k)) for _, k in cols)
-        row += fmt(r.get("staleness_max")) + fmt((r.get("waste") or {}).get("frac")) + fmt(r.get("turns_mean"))
+        row += (
+            fmt(r.get("staleness_max"))
+            + fmt((r.get("waste") or {}).get("frac"))
+            + fmt(r.get("turns_mean"))
+        )
         if not r.get("ok"):
             row += f"   FAILED: {r.get('error')}"
         lines.append(row)
     for r in runs:
         name = r.get("label", f"s={r['max_staleness']}")
-        lines.append(f"{name}: reward {r.get('reward_curve')}  turns {r.get('turns_curve')}  "
-                     f"step 1 {fmt((r.get('step1') or {}).get('timing/step_s')).strip()} s, first step after "
-                     f"{r.get('first_step_after_s')} s, wall {r.get('wall_s')} s")
+        lines.append(
+            f"{name}: reward {r.get('reward_curve')}  turns {r.get('turns_curve')}  "
+            f"step 1 {fmt((r.get('step1') or {}).get('timing/step_s')).strip()} s, first step after "
+            f"{r.get('first_step_after_s')} s, wall {r.get('wall_s')} s"
+        )
         if r.get("clock_curve"):
             lines.append(f"{name}: seconds since the end of step 1 {r['clock_curve']}")
         for which, d in (r.get("lengths") or {}).items():
             if isinstance(d, dict) and d.get("episodes"):
                 rt, tu = d["response_tokens"], d["turns"]
-                lines.append(f"{name}: {which} episodes {d['episodes']}: response tokens median {rt['median']:g} "
-                             f"p90 {rt['p90']:g} p99 {rt['p99']:g} (p99/median {rt['p99_over_median']}), turns "
-                             f"median {tu['median']:g} p90 {tu['p90']:g} p99 {tu['p99']:g}, reward {d['reward_mean']}")
+                lines.append(
+                    f"{name}: {which} episodes {d['episodes']}: response tokens median {rt['median']:g} "
+                    f"p90 {rt['p90']:g} p99 {rt['p99']:g} (p99/median {rt['p99_over_median']}), turns "
+                    f"median {tu['median']:g} p90 {tu['p90']:g} p99 {tu['p99']:g}, reward {d['reward_mean']}"
+                )
         if (wu := r.get("weight_updates") or {}).get("versions"):
-            lines.append(f"{name}: weight update end to end vs bound (reload_weights + D2H, same "
-                         f"run): median {wu['median_applied_s']:.3f} s vs {wu['median_bound_s']:.3f} s, ratio "
-                         f"{wu['median_ratio']:.2f}; per version " + ", ".join(
-                             f"v{x['version']} {x['applied_s']:.3f}/{x['bound_s']:.3f}" for x in wu["versions"]))
+            lines.append(
+                f"{name}: weight update end to end vs bound (reload_weights + D2H, same "
+                f"run): median {wu['median_applied_s']:.3f} s vs {wu['median_bound_s']:.3f} s, ratio "
+                f"{wu['median_ratio']:.2f}; per version "
+                + ", ".join(
+                    f"v{x['version']} {x['applied_s']:.3f}/{x['bound_s']:.3f}"
+                    for x in wu["versions"]
+                )
+            )
         if r.get("weights"):
-            lines.append(f"{name}: " + "  ".join(
-                f"{k.removeprefix('weights/')} {fmt(v).strip()}" for k, v in r["weights"].items()))
+            lines.append(
+                f"{name}: "
+                + "  ".join(
+                    f"{k.removeprefix('weights/')} {fmt(v).strip()}"
+                    for k, v in r["weights"].items()
+                )
+            )
     return "\n".join(lines)
 
 
@@ -818,14 +1111,20 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
         m = r.get("means", {})
         out["throughput_vs_sync"][r["label"]] = {
             "step_time_ratio": ratio(sm.get("timing/step_s"), m.get("timing/step_s")),
-            "tokens_per_s_ratio": ratio(m.get("perf/tokens_per_s"), sm.get("perf/tokens_per_s"))}
+            "tokens_per_s_ratio": ratio(m.get("perf/tokens_per_s"), sm.get("perf/tokens_per_s")),
+        }
     rewards, clock = sync.get("reward_curve") or [], sync.get("clock_curve") or []
     finite = [x for x in rewards if not math.isnan(x)]
     if not finite or not clock:
         return out
     w = min(REWARD_WINDOW, len(finite))
     target = round(statistics.fmean(finite[-w:]), 4)
-    crit: dict[str, Any] = {"window": w, "sync_final_reward": target, "sync_total_s": clock[-1], "runs": {}}
+    crit: dict[str, Any] = {
+        "window": w,
+        "sync_final_reward": target,
+        "sync_total_s": clock[-1],
+        "runs": {},
+    }
     for r in runs:
         if r is sync or not r.get("clock_curve"):
             continue
@@ -835,7 +1134,9 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def first_reach(rewards: list[float], clock: list[float], window: int, target: float) -> dict[str, Any]:
+def first_reach(
+    rewards: list[float], clock: list[float], window: int, target: float
+) -> dict[str, Any]:
     """The first step whose trailing mean reward over ``window`` steps is >= ``target``."""
     for i in range(window - 1, len(rewards)):
         vals = [x for x in rewards[i - window + 1 : i + 1] if not math.isnan(x)]
@@ -845,7 +1146,11 @@ def first_reach(rewards: list[float], clock: list[float], window: int, target: f
 
 
 def ratio(a: Any, b: Any) -> float | None:
-    return round(float(a) / float(b), 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+    return (
+        round(float(a) / float(b), 3)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
+        else None
+    )
 
 
 def trailing(values: list[float], window: int) -> list[float]:
@@ -870,16 +1175,28 @@ def plot(path: Path, result: dict[str, Any]) -> None:
             xs, ys = r.get("clock_curve"), r.get("reward_curve")
             if not xs or not ys:
                 continue
-            (line,) = ax.plot(xs, trailing(ys, REWARD_WINDOW), lw=2, label=f"{r['label']} (mean of {REWARD_WINDOW})")
+            (line,) = ax.plot(
+                xs,
+                trailing(ys, REWARD_WINDOW),
+                lw=2,
+                label=f"{r['label']} (mean of {REWARD_WINDOW})",
+            )
             ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
         crit = (result.get("comparison") or {}).get("reward_vs_sync")
         if crit:
-            ax.axhline(crit["sync_final_reward"], ls="--", lw=1, color="grey",
-                       label=f"sync final reward {crit['sync_final_reward']:.3f}")
+            ax.axhline(
+                crit["sync_final_reward"],
+                ls="--",
+                lw=1,
+                color="grey",
+                label=f"sync final reward {crit['sync_final_reward']:.3f}",
+            )
         ax.set_xlabel("wall-clock since the end of step 1 (s)")
         ax.set_ylabel("mean reward per step")
-        ax.set_title(f"bench/e2e.py --workload {result.get('workload')}: {result.get('device')}, "
-                     f"{result.get('shape')}, {result.get('gpus_used', '')}".rstrip(", "))
+        ax.set_title(
+            f"bench/e2e.py --workload {result.get('workload')}: {result.get('device')}, "
+            f"{result.get('shape')}, {result.get('gpus_used', '')}".rstrip(", ")
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -913,30 +1230,58 @@ def main(argv: list[str] | None = None) -> int:
         apply_device_defaults(args, device)
         shape = args.shape if args.shape != "auto" else ("0.5b" if device == "cuda" else "tiny")
         dtype = "bfloat16" if device == "cuda" else "float32"
-        result |= {"device": device, "shape": shape, "vocab": args.vocab, "dtype": dtype, "steps": args.steps,
-                   "config": str(args.config), "overrides": args.overrides, "staleness": args.staleness_values}
+        result |= {
+            "device": device,
+            "shape": shape,
+            "vocab": args.vocab,
+            "dtype": dtype,
+            "steps": args.steps,
+            "config": str(args.config),
+            "overrides": args.overrides,
+            "staleness": args.staleness_values,
+        }
         workload = WORKLOADS[args.workload]
         placement: list[str] = []
         if device == "cuda":
             result["gpus"] = gpu_names()
-            result["gpus_used"] = "learner GPU 0, rollout GPU 1" if args.gpus == 2 else "one shared GPU"
+            result["gpus_used"] = (
+                "learner GPU 0, rollout GPU 1" if args.gpus == 2 else "one shared GPU"
+            )
             placement = TWO_GPUS if args.gpus == 2 else []
         elif args.gpus != 1:
             progress("--gpus 2 ignored on the CPU")
-        progress(f"workload {args.workload}, device {device}, shape {shape}, dtype {dtype}, staleness "
-                 f"{args.staleness_values}, {args.steps} steps per run, work dir {work}")
+        progress(
+            f"workload {args.workload}, device {device}, shape {shape}, dtype {dtype}, staleness "
+            f"{args.staleness_values}, {args.steps} steps per run, work dir {work}"
+        )
         data_dir = work / workload.data
-        data_overrides = [f"data.train_files={data_dir / 'train.jsonl'}", f"data.val_files={data_dir / 'val.jsonl'}"]
-        device_overrides = [*CPU_OVERRIDES, *workload.cpu_overrides] if device == "cpu" else placement
-        preflight(args, [f"actor_rollout_ref.model.path={work}", *data_overrides, *device_overrides])
+        data_overrides = [
+            f"data.train_files={data_dir / 'train.jsonl'}",
+            f"data.val_files={data_dir / 'val.jsonl'}",
+        ]
+        device_overrides = (
+            [*CPU_OVERRIDES, *workload.cpu_overrides] if device == "cpu" else placement
+        )
+        preflight(
+            args, [f"actor_rollout_ref.model.path={work}", *data_overrides, *device_overrides]
+        )
         model = write_model(work / f"model-{shape}-{args.vocab}-{dtype}", shape, args.vocab, dtype)
         result["parameters"] = params_of(model)
         data = write_data(data_dir, args.workload)
         if not args.no_warmup:
             warm = work / f"{model.name}-warm{workload.warm_suffix}"
-            summary = run_warmup(model, data / workload.warmup_data, warm, device, args.warmup_steps,
-                                 args.warmup_seconds, workload.warmup_args[device])
-            result["warmup"] = {k: summary.get(k) for k in ("steps", "stopped", "probe", "seconds", "final_loss")}
+            summary = run_warmup(
+                model,
+                data / workload.warmup_data,
+                warm,
+                device,
+                args.warmup_steps,
+                args.warmup_seconds,
+                workload.warmup_args[device],
+            )
+            result["warmup"] = {
+                k: summary.get(k) for k in ("steps", "stopped", "probe", "seconds", "final_loss")
+            }
             model = warm
         result["model"] = str(model)
         if args.prepare_only:
@@ -944,12 +1289,16 @@ def main(argv: list[str] | None = None) -> int:
             return finish(result, results_path)
         overrides = [f"actor_rollout_ref.model.path={model}", *data_overrides, *device_overrides]
         for i, s in enumerate(args.staleness_values):
-            run = run_train(args, s, overrides, work, run_limit(args, len(args.staleness_values) - i - 1))
+            run = run_train(
+                args, s, overrides, work, run_limit(args, len(args.staleness_values) - i - 1)
+            )
             episodes += run.pop("_episodes", [])
             result["runs"].append(run)
             result["comparison"] = compare(result["runs"])
             # every run starts from the warmed model: its version-0 episodes, pooled, are its lengths
-            result["lengths_warmed_model"] = length_summary([e for e in episodes if e["version"] == 0])
+            result["lengths_warmed_model"] = length_summary(
+                [e for e in episodes if e["version"] == 0]
+            )
             result["lengths_all"] = length_summary(episodes)
             write_results(results_path, result)
             if i + 1 < len(args.staleness_values):  # the last table comes with the result
@@ -983,13 +1332,20 @@ def finish(result: dict[str, Any], results_path: Path) -> int:
 def comparison_text(c: dict[str, Any]) -> str:
     lines = []
     for name, t in c.get("throughput_vs_sync", {}).items():
-        lines.append(f"{name} vs sync: step time x{t['step_time_ratio']} shorter, tokens/s x{t['tokens_per_s_ratio']}")
+        lines.append(
+            f"{name} vs sync: step time x{t['step_time_ratio']} shorter, tokens/s x{t['tokens_per_s_ratio']}"
+        )
     if crit := c.get("reward_vs_sync"):
-        lines.append(f"sync: final mean reward {crit['sync_final_reward']} (last {crit['window']} steps), "
-                     f"{crit['sync_total_s']} s after step 1")
+        lines.append(
+            f"sync: final mean reward {crit['sync_final_reward']} (last {crit['window']} steps), "
+            f"{crit['sync_total_s']} s after step 1"
+        )
         for name, x in crit["runs"].items():
-            when = f"at step {x['reach_step']}, {x['reach_s']} s ({x['vs_sync_total']} of sync's time)" \
-                if x.get("reach_s") is not None else "never"
+            when = (
+                f"at step {x['reach_step']}, {x['reach_s']} s ({x['vs_sync_total']} of sync's time)"
+                if x.get("reach_s") is not None
+                else "never"
+            )
             lines.append(f"{name}: reaches it {when}")
     return "\n".join(lines)
 

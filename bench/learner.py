@@ -50,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+
 # TinyModelSpec fields per --shape; vocab_size 512 is the tiny tokenizer's.
 def _full(t: Any) -> Any:
     """A gradient norm as one tensor (FSDP2 returns a DTensor)."""
@@ -60,14 +61,27 @@ def _full(t: Any) -> Any:
 
 SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
-    "small": {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 4, "num_heads": 8,
-              "num_kv_heads": 2},
-    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_layers": 24, "num_heads": 14,
-             "num_kv_heads": 2, "vocab_multiple": 151936},  # Qwen2.5-0.5B's shape, as bench/rollout.py
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_layers": 4,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+    },
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "vocab_multiple": 151936,
+    },  # Qwen2.5-0.5B's shape, as bench/rollout.py
 }
 
 
-LONGTAIL_SIGMA = 1.2  # lognormal sigma of --lengths longtail: p99 / median = exp(2.33 sigma) ~ 16 in theory
+LONGTAIL_SIGMA = (
+    1.2  # lognormal sigma of --lengths longtail: p99 / median = exp(2.33 sigma) ~ 16 in theory
+)
 
 
 def progress(msg: str) -> None:
@@ -76,40 +90,93 @@ def progress(msg: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/learner.py", description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="model shape (default %(default)s)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="worker device (cuda: bf16 compute)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="small", help="model shape (default %(default)s)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="worker device (cuda: bf16 compute)",
+    )
     p.add_argument("--world", type=int, default=1, help="training ranks (default %(default)s)")
-    p.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs of the local Ray cluster")
+    p.add_argument(
+        "--cpus", type=int, default=os.cpu_count() or 1, help="CPUs of the local Ray cluster"
+    )
     p.add_argument("--samples", type=int, default=32, help="samples per update call")
-    p.add_argument("--prompt-len", type=int, default=64, help="mean prompt tokens (uniform in [L/2, 3L/2])")
-    p.add_argument("--response-len", type=int, default=192, help="mean response tokens (uniform in [L/2, 3L/2])")
-    p.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
-                   help="response lengths: uniform in [L/2, 3L/2], or longtail: lognormal (sigma 1.2, mean "
-                        "L, p99/median ~8, clipped to [8, 16L]) like agentic and reasoning batches")
+    p.add_argument(
+        "--prompt-len", type=int, default=64, help="mean prompt tokens (uniform in [L/2, 3L/2])"
+    )
+    p.add_argument(
+        "--response-len",
+        type=int,
+        default=192,
+        help="mean response tokens (uniform in [L/2, 3L/2])",
+    )
+    p.add_argument(
+        "--lengths",
+        choices=("uniform", "longtail"),
+        default="uniform",
+        help="response lengths: uniform in [L/2, 3L/2], or longtail: lognormal (sigma 1.2, mean "
+        "L, p99/median ~8, clipped to [8, 16L]) like agentic and reasoning batches",
+    )
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per epoch")
-    p.add_argument("--micro-size", type=int, default=4, help="samples per micro-batch (without --max-tokens)")
-    p.add_argument("--max-tokens", type=int, default=0,
-                   help="token-capped micro-batches of at most this many tokens (actor.use_dynamic_bsz with "
-                        "ppo_max_token_len_per_gpu); 0: --micro-size samples each")
-    p.add_argument("--layout", choices=("packed", "padded"), default="packed",
-                   help="micro-batch layout (model.use_remove_padding true / false)")
-    p.add_argument("--bound", choices=("same", "padded"), default="same",
-                   help="the bound's micro-batches: laid out as the update's, or padded (a plain padded "
-                        "training step: the ratio then includes what packing saves)")
-    p.add_argument("--old-logprobs", choices=("none", "forward", "from-update"), default="none",
-                   help="also time the old logprobs as a training step gets them: none (the update only), "
-                        "forward (a separate forward pass first, the recompute path), from-update (taken "
-                        "from the update's own forward; needs --mini-batches 1 --epochs 1)")
+    p.add_argument(
+        "--micro-size", type=int, default=4, help="samples per micro-batch (without --max-tokens)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="token-capped micro-batches of at most this many tokens (actor.use_dynamic_bsz with "
+        "ppo_max_token_len_per_gpu); 0: --micro-size samples each",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("packed", "padded"),
+        default="packed",
+        help="micro-batch layout (model.use_remove_padding true / false)",
+    )
+    p.add_argument(
+        "--bound",
+        choices=("same", "padded"),
+        default="same",
+        help="the bound's micro-batches: laid out as the update's, or padded (a plain padded "
+        "training step: the ratio then includes what packing saves)",
+    )
+    p.add_argument(
+        "--old-logprobs",
+        choices=("none", "forward", "from-update"),
+        default="none",
+        help="also time the old logprobs as a training step gets them: none (the update only), "
+        "forward (a separate forward pass first, the recompute path), from-update (taken "
+        "from the update's own forward; needs --mini-batches 1 --epochs 1)",
+    )
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per update call")
-    p.add_argument("--repeat", type=int, default=5, help="timed update rounds per side (median taken)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass, on both sides (as the GPU bound was measured)")
-    p.add_argument("--profile", action="store_true", help="time the phases of one update inside the worker")
+    p.add_argument(
+        "--repeat", type=int, default=5, help="timed update rounds per side (median taken)"
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass, on both sides (as the GPU bound was measured)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="time the phases of one update inside the worker"
+    )
     p.add_argument("--receivers", default="1,2,4", help="receiver counts for the publish phase")
-    p.add_argument("--publish-mb", type=float, default=0.0,
-                   help="publish this many MB of synthetic float32 instead of the model's weights")
-    p.add_argument("--chunk-mb", type=float, default=64.0, help="publish_weights chunk_bytes, in MiB")
-    p.add_argument("--publish-repeat", type=int, default=5, help="timed publishes per receiver count")
+    p.add_argument(
+        "--publish-mb",
+        type=float,
+        default=0.0,
+        help="publish this many MB of synthetic float32 instead of the model's weights",
+    )
+    p.add_argument(
+        "--chunk-mb", type=float, default=64.0, help="publish_weights chunk_bytes, in MiB"
+    )
+    p.add_argument(
+        "--publish-repeat", type=int, default=5, help="timed publishes per receiver count"
+    )
     p.add_argument("--skip-update", action="store_true", help="skip phase 1")
     p.add_argument("--skip-publish", action="store_true", help="skip phase 2")
     args = p.parse_args(argv)
@@ -127,8 +194,14 @@ def make_model(workdir: Path, shape: str) -> tuple[Path, dict[str, Any]]:
     path = make_tiny_model(workdir / shape, spec)
     meta = json.loads((path / "tiny_model.json").read_text())
     cfg = json.loads((path / "config.json").read_text())
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
     return path, {"name": shape, "parameters": meta["num_parameters"], **{k: cfg[k] for k in keys}}
 
 
@@ -145,8 +218,15 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
     for _ in range(args.samples):
         p = int(rng.integers(max(1, args.prompt_len // 2), args.prompt_len * 3 // 2 + 1))
         if args.lengths == "longtail":
-            r = int(np.clip(rng.lognormal(np.log(args.response_len) - LONGTAIL_SIGMA ** 2 / 2, LONGTAIL_SIGMA),
-                            8, 16 * args.response_len))
+            r = int(
+                np.clip(
+                    rng.lognormal(
+                        np.log(args.response_len) - LONGTAIL_SIGMA**2 / 2, LONGTAIL_SIGMA
+                    ),
+                    8,
+                    16 * args.response_len,
+                )
+            )
         else:
             r = int(rng.integers(max(1, args.response_len // 2), args.response_len * 3 // 2 + 1))
         ids = rng.integers(0, 500, p + r).astype(np.int64)
@@ -175,7 +255,9 @@ def bare_setup(worker: Any) -> dict[str, Any]:
     s = worker.s
     # The learner's loader: the same checkpoint, dtype and attention function (plain SDPA on padded
     # micro-batches, one SDPA call per sequence on packed ones), no FSDP.
-    lm = load_causal_lm(s.model_path, trust_remote_code=False, gradient_checkpointing=s.gradient_checkpointing)
+    lm = load_causal_lm(
+        s.model_path, trust_remote_code=False, gradient_checkpointing=s.gradient_checkpointing
+    )
     lm = lm.to(worker.device).train()
     opt = torch.optim.AdamW(lm.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     worker.bench_bare = (lm, opt)
@@ -190,8 +272,9 @@ def bare_micro_loss(lm: Any, b: Any, num_tokens: int, bf16: bool) -> Any:
     from learner.model import hidden_states
 
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        hidden = hidden_states(lm.get_decoder(), b.input_ids, b.attention_mask, b.position_ids, b.cu_seqlens,
-                               b.bounds)
+        hidden = hidden_states(
+            lm.get_decoder(), b.input_ids, b.attention_mask, b.position_ids, b.cu_seqlens, b.bounds
+        )
         logits = lm.get_output_embeddings()(hidden[b.hidden_idx]).float()
     ce = torch.nn.functional.cross_entropy(logits, b.labels, reduction="none")
     return (ce * b.response_mask[b.response_valid]).sum() / max(num_tokens, 1)
@@ -249,9 +332,15 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
     model, opt, s = worker.models["actor"], worker.optims["actor"], worker.s
     clock = Clock()
     decoder, head = model.lm.get_decoder(), model.lm.get_output_embeddings()
-    hooks = [decoder.register_forward_pre_hook(lambda m, a: clock.lap("fwd: to the decoder (FSDP root pre-forward)")),
-             decoder.register_forward_hook(lambda m, a, o: clock.lap("fwd: decoder layers (incl. FSDP unshard)")),
-             head.register_forward_hook(lambda m, a, o: clock.lap("fwd: gather + LM head"))]
+    hooks = [
+        decoder.register_forward_pre_hook(
+            lambda m, a: clock.lap("fwd: to the decoder (FSDP root pre-forward)")
+        ),
+        decoder.register_forward_hook(
+            lambda m, a, o: clock.lap("fwd: decoder layers (incl. FSDP unshard)")
+        ),
+        head.register_forward_hook(lambda m, a, o: clock.lap("fwd: gather + LM head")),
+    ]
     try:
         model.train()
         for _ in range(epochs):
@@ -298,8 +387,10 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
             clock.lap("optimizer step")
     bare_opt.zero_grad(set_to_none=True)
     clock.lap("zero_grad")
-    return {"update": {k: round(v, 4) for k, v in ours.items()},
-            "bare": {k: round(v, 4) for k, v in clock.parts.items()}}
+    return {
+        "update": {k: round(v, 4) for k, v in ours.items()},
+        "bare": {k: round(v, 4) for k, v in clock.parts.items()},
+    }
 
 
 def ablation_setup(worker: Any) -> bool:
@@ -311,11 +402,20 @@ def ablation_setup(worker: Any) -> bool:
     from learner.model import PolicyHead, load_causal_lm, shard
 
     s = worker.s
-    lm = load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
-                        gradient_checkpointing=s.gradient_checkpointing).to(worker.device)
-    head = shard(PolicyHead(lm, s.temperature), lm, device=worker.device, param_offload=False,
-                 bf16=worker.device.type == "cuda", world_size=worker.world,
-                 keep_gathered=not worker.models["actor"].keep_gathered)
+    lm = load_causal_lm(
+        s.model_path,
+        trust_remote_code=s.trust_remote_code,
+        gradient_checkpointing=s.gradient_checkpointing,
+    ).to(worker.device)
+    head = shard(
+        PolicyHead(lm, s.temperature),
+        lm,
+        device=worker.device,
+        param_offload=False,
+        bf16=worker.device.type == "cuda",
+        world_size=worker.world,
+        keep_gathered=not worker.models["actor"].keep_gathered,
+    )
     opt = torch.optim.AdamW(head.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     worker.bench_other_reshard = (head, opt)
     return bool(head.keep_gathered)
@@ -324,9 +424,9 @@ def ablation_setup(worker: Any) -> bool:
 ABLATION = {
     "update": "TrainWorker.update (actor), as timed above",
     "fsdp_ce": "the worker's FSDP PolicyHead, loss = the bound's cross-entropy (no entropy, PPO loss, "
-               "metric syncs or grad clipping)",
+    "metric syncs or grad clipping)",
     "other_reshard_update": "the update loop (PPO loss, entropy, metrics, clipping) on an FSDP copy "
-                            "with the other resharding choice (learner.model.keep_unsharded)",
+    "with the other resharding choice (learner.model.keep_unsharded)",
     "other_reshard_ce": "that copy with the bound's cross-entropy",
     "bare": "the bound",
 }
@@ -347,8 +447,11 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
     elif variant == "bare":
         bare_update(worker, plans, epochs)
     else:  # a copy of TrainWorker._update's loop (actor role)
-        fsdp, opt = worker.bench_other_reshard if variant.startswith("other_reshard") else (
-            worker.models["actor"], worker.optims["actor"])
+        fsdp, opt = (
+            worker.bench_other_reshard
+            if variant.startswith("other_reshard")
+            else (worker.models["actor"], worker.optims["actor"])
+        )
         fsdp.train()
         for _ in range(epochs):
             for plan in plans:
@@ -387,10 +490,17 @@ async def ablation(group: Any, plan_refs: list[Any], epochs: int, rounds: int) -
     out = {}
     for v in names:
         wall, cpu = statistics.median(w for w, _ in got[v]), statistics.median(c for _, c in got[v])
-        out[v] = {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                  "vs_bare": round(statistics.median(b[0] / x[0] for x, b in zip(got[v], got["bare"], strict=True)), 3)}
-        progress(f"ablation {v:18s} {wall:7.3f} s wall, {cpu:7.3f} s CPU, bare/this {out[v]['vs_bare']:.3f}: "
-                 f"{ABLATION[v]}")
+        out[v] = {
+            "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3),
+            "vs_bare": round(
+                statistics.median(b[0] / x[0] for x, b in zip(got[v], got["bare"], strict=True)), 3
+            ),
+        }
+        progress(
+            f"ablation {v:18s} {wall:7.3f} s wall, {cpu:7.3f} s CPU, bare/this {out[v]['vs_bare']:.3f}: "
+            f"{ABLATION[v]}"
+        )
     return out
 
 
@@ -409,7 +519,9 @@ def torch_profile(worker: Any, plans: list[Any], epochs: int, bare: bool) -> str
     from torch.profiler import ProfilerActivity, profile
 
     cuda = worker.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    ) as prof:
         if bare:
             bare_update(worker, plans, epochs)
         else:
@@ -427,16 +539,30 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
     init_ray(None, args.cpus, log_to_driver=False)
     samples = make_samples(args)
-    batching = Batching(micro_size=args.micro_size, max_tokens=args.max_tokens, packed=args.layout == "packed")
-    plans = split_for_ranks(samples, mini_batches=args.mini_batches, ranks=args.world, batching=batching)
+    batching = Batching(
+        micro_size=args.micro_size, max_tokens=args.max_tokens, packed=args.layout == "packed"
+    )
+    plans = split_for_ranks(
+        samples, mini_batches=args.mini_batches, ranks=args.world, batching=batching
+    )
     tokens = sum(len(s.input_ids) for s in samples) * args.epochs
     # what these micro-batches would hold padded (dummies included): the cost without packing
-    padded = args.epochs * sum(len(micro) * max(len(s.input_ids) for s in micro)
-                               for rank in plans for plan in rank for micro in plan.micro_batches)
-    old_from_forward = OldFromForward(is_level="token", is_cap=2.0) if args.old_logprobs == "from-update" else None
+    padded = args.epochs * sum(
+        len(micro) * max(len(s.input_ids) for s in micro)
+        for rank in plans
+        for plan in rank
+        for micro in plan.micro_batches
+    )
+    old_from_forward = (
+        OldFromForward(is_level="token", is_cap=2.0) if args.old_logprobs == "from-update" else None
+    )
     bound_packed = False if args.bound == "padded" else None
-    settings = WorkerSettings(model_path=str(model), device=args.device, seed=1,
-                              gradient_checkpointing=args.gradient_checkpointing)
+    settings = WorkerSettings(
+        model_path=str(model),
+        device=args.device,
+        seed=1,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
     progress(f"starting {args.world} worker(s) on {args.device}")
     t0 = time.perf_counter()
     group = WorkerGroup(settings, args.world)
@@ -446,8 +572,10 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         keep_gathered = bool((await ray_all(group, lambda w: w.models["actor"].keep_gathered))[0])
         start_s = time.perf_counter() - t0
         threads = [i["threads"] for i in bare_info]
-        progress(f"workers ready in {start_s:.1f} s (torch threads per rank {threads}); "
-                 f"{tokens:,} tokens per update call ({padded:,} with padding)")
+        progress(
+            f"workers ready in {start_s:.1f} s (torch threads per rank {threads}); "
+            f"{tokens:,} tokens per update call ({padded:,} with padding)"
+        )
         # Ship the plans once: both sides then read them from Ray's object store.
         plan_refs = [ray.put(p) for p in plans]
 
@@ -462,15 +590,23 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             return time.perf_counter() - t, max(b - a for a, b in zip(c0, c1, strict=True))
 
         async def ours() -> Any:
-            if args.old_logprobs == "forward":  # as Trainer._prepare runs it (samples shipped each time)
+            if (
+                args.old_logprobs == "forward"
+            ):  # as Trainer._prepare runs it (samples shipped each time)
                 await group.forward("actor", samples, "old_logprobs", batching)
-            return await ray_all(group, update_step, [(ref, args.epochs, old_from_forward) for ref in plan_refs])
+            return await ray_all(
+                group, update_step, [(ref, args.epochs, old_from_forward) for ref in plan_refs]
+            )
 
         def bare() -> Any:
-            return ray_all(group, bare_update, [(ref, args.epochs, bound_packed) for ref in plan_refs])
+            return ray_all(
+                group, bare_update, [(ref, args.epochs, bound_packed) for ref in plan_refs]
+            )
 
         warm = (await timed(ours), await timed(bare))
-        progress(f"warm-up: update {tokens / warm[0][0]:,.0f} tok/s, bare {tokens / warm[1][0]:,.0f} tok/s")
+        progress(
+            f"warm-up: update {tokens / warm[0][0]:,.0f} tok/s, bare {tokens / warm[1][0]:,.0f} tok/s"
+        )
         upd: list[tuple[float, float]] = []
         bnd: list[tuple[float, float]] = []
         for r in range(args.repeat):
@@ -481,17 +617,26 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             else:
                 bnd.append(await timed(bare))
                 upd.append(await timed(ours))
-            progress(f"round {r}: update {tokens / upd[-1][0]:,.0f} tok/s ({upd[-1][1]:.2f} CPU s/rank), "
-                     f"bare {tokens / bnd[-1][0]:,.0f} tok/s ({bnd[-1][1]:.2f} CPU s/rank), "
-                     f"ratio {bnd[-1][0] / upd[-1][0]:.3f}")
+            progress(
+                f"round {r}: update {tokens / upd[-1][0]:,.0f} tok/s ({upd[-1][1]:.2f} CPU s/rank), "
+                f"bare {tokens / bnd[-1][0]:,.0f} tok/s ({bnd[-1][1]:.2f} CPU s/rank), "
+                f"ratio {bnd[-1][0] / upd[-1][0]:.3f}"
+            )
         result: dict[str, Any] = {
             "tokens_per_call": tokens,
             "padded_tokens_per_call": padded,
-            "samples": args.samples, "prompt_len_mean": args.prompt_len,
-            "response_len_mean": args.response_len, "mini_batches": args.mini_batches,
-            "micro_size": args.micro_size, "epochs": args.epochs, "lengths": args.lengths,
-            "layout": args.layout, "max_tokens": args.max_tokens, "bound": args.bound,
-            "old_logprobs": args.old_logprobs, "keep_gathered": keep_gathered,
+            "samples": args.samples,
+            "prompt_len_mean": args.prompt_len,
+            "response_len_mean": args.response_len,
+            "mini_batches": args.mini_batches,
+            "micro_size": args.micro_size,
+            "epochs": args.epochs,
+            "lengths": args.lengths,
+            "layout": args.layout,
+            "max_tokens": args.max_tokens,
+            "bound": args.bound,
+            "old_logprobs": args.old_logprobs,
+            "keep_gathered": keep_gathered,
             # False on a GPU without a varlen attention kernel: packed micro-batches then run one
             # SDPA call per sequence (the trainer would fall back to padded ones)
             "can_pack": group.can_pack,
@@ -501,7 +646,9 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "update_tok_s": round(tokens / statistics.median(w for w, _ in upd), 1),
             "bare_tok_s": round(tokens / statistics.median(w for w, _ in bnd), 1),
             # median of per-round ratios: adjacent runs share the machine's state
-            "update_ratio": round(statistics.median(b[0] / u[0] for u, b in zip(upd, bnd, strict=True)), 4),
+            "update_ratio": round(
+                statistics.median(b[0] / u[0] for u, b in zip(upd, bnd, strict=True)), 4
+            ),
             "update_s_rounds": [round(w, 3) for w, _ in upd],
             "bare_s_rounds": [round(w, 3) for w, _ in bnd],
             "update_cpu_s_rounds": [round(c, 3) for _, c in upd],
@@ -513,13 +660,24 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             result["profile_s"] = parts[0]
             for side in ("update", "bare"):
                 total = sum(parts[0][side].values())
-                progress(f"phases, {side} (rank 0, {total:.2f} s): " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in sorted(parts[0][side].items(), key=lambda kv: -kv[1])))
+                progress(
+                    f"phases, {side} (rank 0, {total:.2f} s): "
+                    + ", ".join(
+                        f"{k} {v:.3f}"
+                        for k, v in sorted(parts[0][side].items(), key=lambda kv: -kv[1])
+                    )
+                )
             for bare_side in (False, True):
-                table = (await ray_all(group, torch_profile, [(ref, args.epochs, bare_side)
-                                                              for ref in plan_refs]))[0]
-                print(f"torch.profiler, {'bare' if bare_side else 'update'} (rank 0):\n{table}",
-                      file=sys.stderr, flush=True)
+                table = (
+                    await ray_all(
+                        group, torch_profile, [(ref, args.epochs, bare_side) for ref in plan_refs]
+                    )
+                )[0]
+                print(
+                    f"torch.profiler, {'bare' if bare_side else 'update'} (rank 0):\n{table}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return result
     finally:
         group.shutdown()
@@ -539,8 +697,11 @@ async def ray_all(group: Any, fn: Any, args: list[tuple[Any, ...]] | None = None
     import asyncio
 
     args = args or [()] * len(group.actors)
-    return list(await asyncio.gather(*(a.__ray_call__.remote(fn, *args[r])
-                                       for r, a in enumerate(group.actors))))
+    return list(
+        await asyncio.gather(
+            *(a.__ray_call__.remote(fn, *args[r]) for r, a in enumerate(group.actors))
+        )
+    )
 
 
 # -- phase 2: weight publish vs memcpy ------------------------------------------------------------
@@ -561,7 +722,10 @@ def publish_arrays(model: Path | None, mb: float) -> list[tuple[str, Any]]:
     """The weights to publish as numpy arrays in memory (as the workers' ``full_weights`` hands
     them over): the model's, or ``mb`` MB of deterministic synthetic float32."""
     if mb > 0:
-        return [(f"synthetic.{i:05d}", synthetic_tensor(i, n)) for i, n in enumerate(synthetic_sizes(mb))]
+        return [
+            (f"synthetic.{i:05d}", synthetic_tensor(i, n))
+            for i, n in enumerate(synthetic_sizes(mb))
+        ]
     from safetensors.numpy import load_file
 
     assert model is not None
@@ -582,7 +746,9 @@ def expected_bytes(model: Path | None, mb: float) -> Any:
         yield t.name, t.data
 
 
-def publish_learner(model: Path | None, mb: float, n: int, rounds: int, chunk: int, pipe: Any) -> None:
+def publish_learner(
+    model: Path | None, mb: float, n: int, rounds: int, chunk: int, pipe: Any
+) -> None:
     import anyio
     import numpy as np
 
@@ -606,7 +772,7 @@ def publish_learner(model: Path | None, mb: float, n: int, rounds: int, chunk: i
             off = 0
             for _, a in arrays:
                 flat = a.reshape(-1).view(np.uint8)
-                np.copyto(d[off:off + flat.size], flat)
+                np.copyto(d[off : off + flat.size], flat)
                 off += flat.size
         return time.perf_counter() - t
 
@@ -654,7 +820,9 @@ def publish_learner(model: Path | None, mb: float, n: int, rounds: int, chunk: i
                         bound.append(memcpy())
                     starts[v] = time.monotonic()
                     server.publish_weights(v, buffers, chunk_bytes=chunk)
-                    calls[v] = time.monotonic() - starts[v]  # checksums + encoding, on the event loop
+                    calls[v] = (
+                        time.monotonic() - starts[v]
+                    )  # checksums + encoding, on the event loop
                     await done[v].wait()
                     if not v % 2:
                         bound.append(memcpy())
@@ -663,13 +831,23 @@ def publish_learner(model: Path | None, mb: float, n: int, rounds: int, chunk: i
                 tg.cancel_scope.cancel()
         finally:
             await channel.aclose()
-        pipe.send({"starts": starts, "calls": calls, "acked": acked, "bound_s": bound, "bytes": nbytes,
-                   "tensors": len(buffers)})
+        pipe.send(
+            {
+                "starts": starts,
+                "calls": calls,
+                "acked": acked,
+                "bound_s": bound,
+                "bytes": nbytes,
+                "tensors": len(buffers),
+            }
+        )
 
     anyio.run(main)
 
 
-def publish_receiver(model: Path | None, mb: float, address: str, idx: int, rounds: int, pipe: Any) -> None:
+def publish_receiver(
+    model: Path | None, mb: float, address: str, idx: int, rounds: int, pipe: Any
+) -> None:
     import anyio
 
     from protocol.driver import RolloutClient
@@ -679,9 +857,13 @@ def publish_receiver(model: Path | None, mb: float, address: str, idx: int, roun
     from protocol.zmq_transport import client_factory
 
     async def main() -> None:
-        conn = RolloutConnection(peer_id=f"bench-receiver-{idx}", epoch=uuid.uuid4().hex,
-                                 model=Identity("bench", "0" * 64, 512), tokenizer=Identity("bench", "", 512),
-                                 heartbeat_timeout_s=120.0)
+        conn = RolloutConnection(
+            peer_id=f"bench-receiver-{idx}",
+            epoch=uuid.uuid4().hex,
+            model=Identity("bench", "0" * 64, 512),
+            tokenizer=Identity("bench", "", 512),
+            heartbeat_timeout_s=120.0,
+        )
         client = RolloutClient(conn, client_factory(address))
         received: dict[int, float] = {}
         async with anyio.create_task_group() as tg:
@@ -709,15 +891,20 @@ def publish_receiver(model: Path | None, mb: float, address: str, idx: int, roun
 def publish_round(model: Path | None, mb: float, n: int, rounds: int, chunk: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     lp, lc = ctx.Pipe()
-    learner = ctx.Process(target=publish_learner, args=(model, mb, n, rounds, chunk, lc), daemon=True)
+    learner = ctx.Process(
+        target=publish_learner, args=(model, mb, n, rounds, chunk, lc), daemon=True
+    )
     learner.start()
     procs, pipes = [], []
     try:
         address = lp.recv()
         for i in range(n):
             rp, rc = ctx.Pipe()
-            procs.append(ctx.Process(target=publish_receiver, args=(model, mb, address, i, rounds, rc),
-                                     daemon=True))
+            procs.append(
+                ctx.Process(
+                    target=publish_receiver, args=(model, mb, address, i, rounds, rc), daemon=True
+                )
+            )
             procs[-1].start()
             pipes.append(rp)
         got = [p.recv() for p in pipes]
@@ -735,11 +922,18 @@ def publish_round(model: Path | None, mb: float, n: int, rounds: int, chunk: int
     b = res["bytes"]
     pub_s, bound_s = statistics.median(publish), statistics.median(bound)
     return {
-        "bytes": b, "tensors": res["tensors"],
+        "bytes": b,
+        "tensors": res["tensors"],
         "publish_s": round(pub_s, 6),
-        "publish_gb_s": round(b / pub_s / 1e9, 3),  # bytes of one copy / time to reach every receiver
-        "acked_s": round(statistics.median(acked), 6),  # until the learner has every WEIGHTS_APPLIED
-        "publish_call_s": round(statistics.median(res["calls"][v] for v in versions), 6),  # plan + checksums
+        "publish_gb_s": round(
+            b / pub_s / 1e9, 3
+        ),  # bytes of one copy / time to reach every receiver
+        "acked_s": round(
+            statistics.median(acked), 6
+        ),  # until the learner has every WEIGHTS_APPLIED
+        "publish_call_s": round(
+            statistics.median(res["calls"][v] for v in versions), 6
+        ),  # plan + checksums
         "delivered_gb_s": round(n * b / pub_s / 1e9, 3),  # all N copies
         "bound_s": round(bound_s, 6),
         "bound_gb_s": round(n * b / bound_s / 1e9, 3),  # memcpy bandwidth (all N copies)
@@ -755,9 +949,11 @@ def publish_phase(args: argparse.Namespace, model: Path | None) -> dict[str, Any
     for n in [int(x) for x in args.receivers.split(",") if x.strip()]:
         r = publish_round(model, args.publish_mb, n, args.publish_repeat + 1, chunk)
         out[str(n)] = r
-        progress(f"publish to {n} receiver(s): {r['bytes'] / 1e6:,.1f} MB in {r['publish_s'] * 1e3:,.1f} ms "
-                 f"({r['publish_gb_s']:.2f} GB/s per receiver), all acked {r['acked_s'] * 1e3:,.1f} ms; "
-                 f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms ({r['bound_gb_s']:.2f} GB/s); ratio {r['ratio']:.3f}")
+        progress(
+            f"publish to {n} receiver(s): {r['bytes'] / 1e6:,.1f} MB in {r['publish_s'] * 1e3:,.1f} ms "
+            f"({r['publish_gb_s']:.2f} GB/s per receiver), all acked {r['acked_s'] * 1e3:,.1f} ms; "
+            f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms ({r['bound_gb_s']:.2f} GB/s); ratio {r['ratio']:.3f}"
+        )
     return out
 
 
@@ -771,20 +967,33 @@ def versions() -> dict[str, str]:
     import transformers
     import zmq
 
-    return {"torch": torch.__version__, "ray": ray.__version__, "transformers": transformers.__version__,
-            "numpy": numpy.__version__, "pyzmq": zmq.__version__, "python": sys.version.split()[0]}
+    return {
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+        "pyzmq": zmq.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     import asyncio
 
     args = parse_args(argv)
-    result: dict[str, Any] = {"bench": "learner", "device": args.device, "world": args.world,
-                              "cpus": os.cpu_count(), "ray_cpus": args.cpus}
+    result: dict[str, Any] = {
+        "bench": "learner",
+        "device": args.device,
+        "world": args.world,
+        "cpus": os.cpu_count(),
+        "ray_cpus": args.cpus,
+    }
     load = os.getloadavg()[0]
     if load > 0.5 * (os.cpu_count() or 1):
-        progress(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before the start: other "
-                 "processes share the cores, figures will be noisy")
+        progress(
+            f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before the start: other "
+            "processes share the cores, figures will be noisy"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as tmp:
         progress(f"writing the {args.shape} model")
         model, shape = make_model(Path(tmp), args.shape)
@@ -794,17 +1003,23 @@ def main(argv: list[str] | None = None) -> int:
             result.update(asyncio.run(update_phase(args, model)))
         if not args.skip_publish:
             result["publish"] = publish_phase(args, model)
-            result["publish_source"] = f"synthetic {args.publish_mb} MB" if args.publish_mb > 0 else "model"
+            result["publish_source"] = (
+                f"synthetic {args.publish_mb} MB" if args.publish_mb > 0 else "model"
+            )
             result["chunk_bytes"] = int(args.chunk_mb * (1 << 20))
     result["versions"] = versions()
     result["loadavg_1m"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}
     if "update_ratio" in result:
-        print(f"PPO update {result['update_tok_s']:,.0f} tok/s vs bare step {result['bare_tok_s']:,.0f} tok/s "
-              f"(ratio {result['update_ratio']:.3f}, world {args.world}, {args.device}, {args.shape}, "
-              f"{args.lengths} lengths, {args.layout}, bound {args.bound}, old logprobs {args.old_logprobs})")
+        print(
+            f"PPO update {result['update_tok_s']:,.0f} tok/s vs bare step {result['bare_tok_s']:,.0f} tok/s "
+            f"(ratio {result['update_ratio']:.3f}, world {args.world}, {args.device}, {args.shape}, "
+            f"{args.lengths} lengths, {args.layout}, bound {args.bound}, old logprobs {args.old_logprobs})"
+        )
     for n, r in result.get("publish", {}).items():
-        print(f"publish to {n}: {r['publish_s'] * 1e3:,.1f} ms ({r['publish_gb_s']:.2f} GB/s), "
-              f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms, ratio {r['ratio']:.3f}")
+        print(
+            f"publish to {n}: {r['publish_s'] * 1e3:,.1f} ms ({r['publish_gb_s']:.2f} GB/s), "
+            f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms, ratio {r['ratio']:.3f}"
+        )
     print(json.dumps(result))
     return 0
 

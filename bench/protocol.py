@@ -48,7 +48,9 @@ class Config:
     window: int = 16
     templates: int = 4
     malloc_tuning: bool = True
-    input: str = "columns"  # what producers hand to submit(): "columns" (TrajectoryBuilder) or "objects"
+    input: str = (
+        "columns"  # what producers hand to submit(): "columns" (TrajectoryBuilder) or "objects"
+    )
 
 
 # -- process set-up -------------------------------------------------------------------------------------
@@ -69,8 +71,14 @@ def tune_malloc() -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-        return all(libc.mallopt(opt, val) == 1 for opt, val in (
-            (m_mmap_threshold, 512 << 20), (m_trim_threshold, 2 << 30), (m_top_pad, 64 << 20)))
+        return all(
+            libc.mallopt(opt, val) == 1
+            for opt, val in (
+                (m_mmap_threshold, 512 << 20),
+                (m_trim_threshold, 2 << 30),
+                (m_top_pad, 64 << 20),
+            )
+        )
     except (OSError, AttributeError):  # not glibc
         return False
 
@@ -101,7 +109,9 @@ def thread_cpu() -> dict[str, float]:
 
 
 def cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    return {
+        k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0
+    }
 
 
 def _child_setup(cfg: Config) -> None:
@@ -128,14 +138,25 @@ def make_templates(cfg: Config) -> list[list[Any]]:
             lp = np.where(mask == 1, -rng.exponential(0.5, cfg.response), 0.0).astype(np.float32)
             versions = np.full(cfg.response, 7, np.int32)
             versions[: cfg.response // 3] = 6  # generation straddled a weight update
-            batch.append(Trajectory(
-                trajectory_id=f"template-{b}-{i}", group_uid=f"g{b}-{i // 8}",
-                prompt_ids=rng.integers(0, VOCAB, cfg.prompt, dtype=np.int32),
-                response_ids=rng.integers(0, VOCAB, cfg.response, dtype=np.int32),
-                response_mask=mask, rollout_logprobs=lp, versions=versions, reward=float(rng.random()),
-                source_server="bench-rollout", data_source="gsm8k", agent_type="tool", termination="answered",
-                num_turns=4, reward_extras={"acc": 1.0, "format": True}, timings={"generate_s": 1.25},
-            ))
+            batch.append(
+                Trajectory(
+                    trajectory_id=f"template-{b}-{i}",
+                    group_uid=f"g{b}-{i // 8}",
+                    prompt_ids=rng.integers(0, VOCAB, cfg.prompt, dtype=np.int32),
+                    response_ids=rng.integers(0, VOCAB, cfg.response, dtype=np.int32),
+                    response_mask=mask,
+                    rollout_logprobs=lp,
+                    versions=versions,
+                    reward=float(rng.random()),
+                    source_server="bench-rollout",
+                    data_source="gsm8k",
+                    agent_type="tool",
+                    termination="answered",
+                    num_turns=4,
+                    reward_extras={"acc": 1.0, "format": True},
+                    timings={"generate_s": 1.25},
+                )
+            )
         out.append(batch)
     return out
 
@@ -186,8 +207,12 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
 
     async def main() -> None:
         channel = ZmqServerChannel("tcp://127.0.0.1:0")
-        proto = LearnerProtocol(tokenizer=Identity("bench", "", VOCAB), capacity=2 * cfg.credits,
-                                max_credits_per_peer=cfg.credits, limits=CodecLimits(vocab_size=VOCAB))
+        proto = LearnerProtocol(
+            tokenizer=Identity("bench", "", VOCAB),
+            capacity=2 * cfg.credits,
+            max_credits_per_peer=cfg.credits,
+            limits=CodecLimits(vocab_size=VOCAB),
+        )
         server = LearnerServer(proto, channel)
         pipe.send(channel.address)
         got = tokens = 0
@@ -211,7 +236,15 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
                 server.close("bench done")
         finally:
             await channel.aclose()
-        pipe.send({"batches": got, "tokens": tokens, "stats": proto.stats, "cpu_s": cpu, "threads": threads})
+        pipe.send(
+            {
+                "batches": got,
+                "tokens": tokens,
+                "stats": proto.stats,
+                "cpu_s": cpu,
+                "threads": threads,
+            }
+        )
 
     anyio.run(main)
 
@@ -230,8 +263,12 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
     templates = make_templates(cfg)
 
     async def main() -> None:
-        conn = RolloutConnection(peer_id="bench-rollout", epoch=f"bench-{os.getpid()}",
-                                 model=Identity("bench", "0" * 64, VOCAB), tokenizer=Identity("bench", "", VOCAB))
+        conn = RolloutConnection(
+            peer_id="bench-rollout",
+            epoch=f"bench-{os.getpid()}",
+            model=Identity("bench", "0" * 64, VOCAB),
+            tokenizer=Identity("bench", "", VOCAB),
+        )
         client = RolloutClient(conn, client_factory(address))
         acked = 0
         connected = anyio.Event()
@@ -255,9 +292,13 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
             while True:
                 await anyio.sleep(0.5)
                 dt = time.perf_counter() - t0
-                print(f"  protocol: {acked}/{cfg.batches} batches acked, "
-                      f"{acked * cfg.trajectories / dt:,.0f} traj/s, "
-                      f"{nbytes * acked / dt / 1e6:,.0f} MB/s", file=sys.stderr, flush=True)
+                print(
+                    f"  protocol: {acked}/{cfg.batches} batches acked, "
+                    f"{acked * cfg.trajectories / dt:,.0f} traj/s, "
+                    f"{nbytes * acked / dt / 1e6:,.0f} MB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         submitted = 0
         async with anyio.create_task_group() as tg:
@@ -276,11 +317,22 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
                 submitted += 1
             while acked < cfg.batches:
                 await progress.wait()
-            elapsed, cpu, threads = time.perf_counter() - t0, time.process_time() - c0, cpu_diff(th0, thread_cpu())
+            elapsed, cpu, threads = (
+                time.perf_counter() - t0,
+                time.process_time() - c0,
+                cpu_diff(th0, thread_cpu()),
+            )
             await client.close("bench done")
             tg.cancel_scope.cancel()
-            pipe.send({"elapsed_s": elapsed, "cpu_s": cpu, "threads": threads, "message_bytes": nbytes,
-                       "connections": client.connections})
+            pipe.send(
+                {
+                    "elapsed_s": elapsed,
+                    "cpu_s": cpu,
+                    "threads": threads,
+                    "message_bytes": nbytes,
+                    "connections": client.connections,
+                }
+            )
 
     anyio.run(main)
 
@@ -296,8 +348,10 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     # The protocol phase's batches (the first DISTINCT of them, cycled): distinct buffers, so the
     # bound does not gain from sending one cache-hot buffer over and over. Views, not copies.
     templates = make_templates(cfg)
-    distinct = [[view(f) for f in encode_batch(i + 1, fresh(b, f"b{i}"))]
-                for i, b in enumerate(distinct_batches(cfg, templates, "columns"))]
+    distinct = [
+        [view(f) for f in encode_batch(i + 1, fresh(b, f"b{i}"))]
+        for i, b in enumerate(distinct_batches(cfg, templates, "columns"))
+    ]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -308,7 +362,11 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     for i in range(cfg.batches):
         sock.send_multipart(distinct[i % len(distinct)], copy=False)
     sock.recv_multipart()
-    elapsed, cpu, threads = time.perf_counter() - t0, time.process_time() - c0, cpu_diff(th0, thread_cpu())
+    elapsed, cpu, threads = (
+        time.perf_counter() - t0,
+        time.process_time() - c0,
+        cpu_diff(th0, thread_cpu()),
+    )
     sock.close(linger=0)
     ctx.term()
     pipe.send({"elapsed_s": elapsed, "cpu_s": cpu, "threads": threads})
@@ -367,29 +425,59 @@ def run_pair(receiver: Any, sender: Any, cfg: Config) -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     d = Config()
-    ap.add_argument("--trajectories", type=int, default=d.trajectories, help="trajectories per batch")
+    ap.add_argument(
+        "--trajectories", type=int, default=d.trajectories, help="trajectories per batch"
+    )
     ap.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per trajectory")
-    ap.add_argument("--response", type=int, default=d.response, help="response tokens per trajectory")
+    ap.add_argument(
+        "--response", type=int, default=d.response, help="response tokens per trajectory"
+    )
     ap.add_argument("--batches", type=int, default=d.batches, help="batches per phase")
-    ap.add_argument("--credits", type=int, default=d.credits, help="learner credits per peer (capacity 2x)")
-    ap.add_argument("--window", type=int, default=d.window, help="max submitted, unacknowledged batches")
-    ap.add_argument("--repeat", type=int, default=1, help="run both phases this many times; report medians")
-    ap.add_argument("--input", choices=("columns", "objects"), default=d.input,
-                    help="producer hands column-wise batches (TrajectoryBuilder, no copy at submit) or a "
-                         "list of Trajectory objects (concatenated at submit, in a worker thread)")
-    ap.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
-                    help="leave glibc's malloc thresholds alone in all four processes (see tune_malloc)")
+    ap.add_argument(
+        "--credits", type=int, default=d.credits, help="learner credits per peer (capacity 2x)"
+    )
+    ap.add_argument(
+        "--window", type=int, default=d.window, help="max submitted, unacknowledged batches"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run both phases this many times; report medians"
+    )
+    ap.add_argument(
+        "--input",
+        choices=("columns", "objects"),
+        default=d.input,
+        help="producer hands column-wise batches (TrajectoryBuilder, no copy at submit) or a "
+        "list of Trajectory objects (concatenated at submit, in a worker thread)",
+    )
+    ap.add_argument(
+        "--no-malloc-tuning",
+        dest="malloc_tuning",
+        action="store_false",
+        help="leave glibc's malloc thresholds alone in all four processes (see tune_malloc)",
+    )
     args = ap.parse_args(argv)
-    cfg = Config(args.trajectories, args.prompt, args.response, args.batches, args.credits, args.window,
-                 malloc_tuning=args.malloc_tuning, input=args.input)
+    cfg = Config(
+        args.trajectories,
+        args.prompt,
+        args.response,
+        args.batches,
+        args.credits,
+        args.window,
+        malloc_tuning=args.malloc_tuning,
+        input=args.input,
+    )
 
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     runs = []
     sent: dict[str, Any] = {}
     for r in range(args.repeat):
-        print(f"run {r + 1}/{args.repeat}: {cfg.batches} batches of {cfg.trajectories} x "
-              f"{cfg.prompt + cfg.response} tokens", file=sys.stderr, flush=True)
+        print(
+            f"run {r + 1}/{args.repeat}: {cfg.batches} batches of {cfg.trajectories} x "
+            f"{cfg.prompt + cfg.response} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
         sent, received = run_pair(protocol_receiver, protocol_sender, cfg)
         assert received["batches"] == cfg.batches, received
         assert received["stats"]["duplicate_batches"] == 0, received
@@ -399,24 +487,53 @@ def main(argv: list[str] | None = None) -> int:
         assert abs(raw_received["bytes"] - total) < total * 1e-3, (raw_received, total)
         proto_mbs = total / sent["elapsed_s"] / 1e6
         bound_mbs = raw_received["bytes"] / raw_sent["elapsed_s"] / 1e6
-        runs.append({"traj_per_s": cfg.batches * cfg.trajectories / sent["elapsed_s"], "mb_per_s": proto_mbs,
-                     "bound_mb_per_s": bound_mbs, "ratio": proto_mbs / bound_mbs,
-                     "protocol_s": sent["elapsed_s"], "bound_s": raw_sent["elapsed_s"],
-                     # CPU seconds (all threads) per process while timed: who is the bottleneck
-                     "protocol_cpu_s": {"sender": sent["cpu_s"], "receiver": received["cpu_s"]},
-                     "bound_cpu_s": {"sender": raw_sent["cpu_s"], "receiver": raw_received["cpu_s"]},
-                     "thread_cpu_s": {"protocol_sender": sent["threads"], "protocol_receiver": received["threads"],
-                                      "bound_sender": raw_sent["threads"], "bound_receiver": raw_received["threads"]}})
-        print(f"  protocol {proto_mbs:,.0f} MB/s ({runs[-1]['traj_per_s']:,.0f} traj/s), raw ZeroMQ "
-              f"{bound_mbs:,.0f} MB/s, ratio {runs[-1]['ratio']:.2f}; CPU s sender/receiver: protocol "
-              f"{sent['cpu_s']:.2f}/{received['cpu_s']:.2f}, raw {raw_sent['cpu_s']:.2f}/{raw_received['cpu_s']:.2f}",
-              file=sys.stderr, flush=True)
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if not isinstance(runs[0][k], dict)}
-    print(f"trajectories/s {med['traj_per_s']:,.0f}   MB/s {med['mb_per_s']:,.0f}   "
-          f"bound MB/s {med['bound_mb_per_s']:,.0f}   ratio {med['ratio']:.2f}   "
-          f"(median of {len(runs)}; batch {sent['message_bytes'] / 1e6:.2f} MB)")
-    print(json.dumps({"config": asdict(cfg), "message_bytes": sent["message_bytes"], "runs": runs,
-                      "median": med, "cpus": os.cpu_count()}))
+        runs.append(
+            {
+                "traj_per_s": cfg.batches * cfg.trajectories / sent["elapsed_s"],
+                "mb_per_s": proto_mbs,
+                "bound_mb_per_s": bound_mbs,
+                "ratio": proto_mbs / bound_mbs,
+                "protocol_s": sent["elapsed_s"],
+                "bound_s": raw_sent["elapsed_s"],
+                # CPU seconds (all threads) per process while timed: who is the bottleneck
+                "protocol_cpu_s": {"sender": sent["cpu_s"], "receiver": received["cpu_s"]},
+                "bound_cpu_s": {"sender": raw_sent["cpu_s"], "receiver": raw_received["cpu_s"]},
+                "thread_cpu_s": {
+                    "protocol_sender": sent["threads"],
+                    "protocol_receiver": received["threads"],
+                    "bound_sender": raw_sent["threads"],
+                    "bound_receiver": raw_received["threads"],
+                },
+            }
+        )
+        print(
+            f"  protocol {proto_mbs:,.0f} MB/s ({runs[-1]['traj_per_s']:,.0f} traj/s), raw ZeroMQ "
+            f"{bound_mbs:,.0f} MB/s, ratio {runs[-1]['ratio']:.2f}; CPU s sender/receiver: protocol "
+            f"{sent['cpu_s']:.2f}/{received['cpu_s']:.2f}, raw {raw_sent['cpu_s']:.2f}/{raw_received['cpu_s']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    med = {
+        k: statistics.median(r[k] for r in runs)
+        for k in runs[0]
+        if not isinstance(runs[0][k], dict)
+    }
+    print(
+        f"trajectories/s {med['traj_per_s']:,.0f}   MB/s {med['mb_per_s']:,.0f}   "
+        f"bound MB/s {med['bound_mb_per_s']:,.0f}   ratio {med['ratio']:.2f}   "
+        f"(median of {len(runs)}; batch {sent['message_bytes'] / 1e6:.2f} MB)"
+    )
+    print(
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "message_bytes": sent["message_bytes"],
+                "runs": runs,
+                "median": med,
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
     return 0
 
 

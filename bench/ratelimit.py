@@ -46,11 +46,25 @@ def progress(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/ratelimit.py", description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--seconds", type=float, default=3.0, help="duration of one measurement (default %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="bench/ratelimit.py", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=3.0,
+        help="duration of one measurement (default %(default)s)",
+    )
     p.add_argument("--procs", default="1,4,8", help="process counts (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=1, help="rounds per figure, median taken (default %(default)s)")
-    p.add_argument("--write-ops", type=int, default=20000, help="state updates per write variant (phase 2)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds per figure, median taken (default %(default)s)",
+    )
+    p.add_argument(
+        "--write-ops", type=int, default=20000, help="state updates per write variant (phase 2)"
+    )
     return p.parse_args(argv)
 
 
@@ -124,8 +138,10 @@ def _child(loop: str, state_dir: str, seconds: float, barrier: Any, results: Any
 def measure(loop: str, procs: int, seconds: float, state_dir: Path) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(procs), ctx.Queue()
-    children = [ctx.Process(target=_child, args=(loop, str(state_dir), seconds, barrier, results))
-                for _ in range(procs)]
+    children = [
+        ctx.Process(target=_child, args=(loop, str(state_dir), seconds, barrier, results))
+        for _ in range(procs)
+    ]
     for c in children:
         c.start()
     out = [results.get(timeout=seconds + 120) for _ in children]
@@ -146,10 +162,14 @@ def throughput_phase(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 state_dir = root / f"p{procs}-{loop}-{r}"
                 state_dir.mkdir()
                 rounds[loop].append(measure(loop, procs, args.seconds, state_dir))
-                progress(f"{procs} procs, {loop:8s}: {rounds[loop][-1]['per_s']:,.0f} acquisitions/s")
+                progress(
+                    f"{procs} procs, {loop:8s}: {rounds[loop][-1]['per_s']:,.0f} acquisitions/s"
+                )
         med = {loop: statistics.median(x["per_s"] for x in rounds[loop]) for loop in LOOPS}
         # Per CPU second too: on a shared machine a loop may get less CPU than the others.
-        cpu = {loop: statistics.median(x["ops"] / x["cpu_s"] for x in rounds[loop]) for loop in LOOPS}
+        cpu = {
+            loop: statistics.median(x["ops"] / x["cpu_s"] for x in rounds[loop]) for loop in LOOPS
+        }
         figures[str(procs)] = {
             **{f"{loop}_per_s": round(med[loop], 1) for loop in LOOPS},
             "blocking_ratio": round(med["blocking"] / med["bare"], 3),
@@ -203,27 +223,40 @@ def main(argv: list[str] | None = None) -> int:
     import filelock
 
     args = parse_args(argv)
-    result: dict[str, Any] = {"bench": "ratelimit", "seconds": args.seconds, "repeat": args.repeat,
-                              "cpus": os.cpu_count(), "filelock": filelock.__version__,
-                              "python": sys.version.split()[0]}
+    result: dict[str, Any] = {
+        "bench": "ratelimit",
+        "seconds": args.seconds,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "filelock": filelock.__version__,
+        "python": sys.version.split()[0],
+    }
     load = os.getloadavg()[0]
     if load > 0.5 * (os.cpu_count() or 1):
-        progress(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before the start: other "
-                 "processes share the cores, figures will be noisy")
+        progress(
+            f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before the start: other "
+            "processes share the cores, figures will be noisy"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-ratelimit-") as tmp:
         result["throughput"] = throughput_phase(args, Path(tmp))
         result["state_write"] = write_phase(args.write_ops, Path(tmp))
     result["loadavg_1m"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2)}
 
-    print(f"{'procs':>5} {'bare FileLock/s':>16} {'acquire_blocking/s':>19} {'ratio':>6} "
-          f"{'async acquire/s':>16} {'ratio':>6} {'ratios per CPU s':>17}")
+    print(
+        f"{'procs':>5} {'bare FileLock/s':>16} {'acquire_blocking/s':>19} {'ratio':>6} "
+        f"{'async acquire/s':>16} {'ratio':>6} {'ratios per CPU s':>17}"
+    )
     for procs, f in result["throughput"].items():
-        print(f"{procs:>5} {f['bare_per_s']:>16,.0f} {f['blocking_per_s']:>19,.0f} {f['blocking_ratio']:>6.2f} "
-              f"{f['async_per_s']:>16,.0f} {f['async_ratio']:>6.2f} "
-              f"{f['blocking_ratio_per_cpu_s']:>8.2f} {f['async_ratio_per_cpu_s']:>8.2f}")
+        print(
+            f"{procs:>5} {f['bare_per_s']:>16,.0f} {f['blocking_per_s']:>19,.0f} {f['blocking_ratio']:>6.2f} "
+            f"{f['async_per_s']:>16,.0f} {f['async_ratio']:>6.2f} "
+            f"{f['blocking_ratio_per_cpu_s']:>8.2f} {f['async_ratio_per_cpu_s']:>8.2f}"
+        )
     w = result["state_write"]
-    print(f"state write: pwrite {w['pwrite_us']:.1f} us, tmp + rename {w['rename_us']:.1f} us "
-          f"({w['rename_us'] / w['pwrite_us']:.1f}x)")
+    print(
+        f"state write: pwrite {w['pwrite_us']:.1f} us, tmp + rename {w['rename_us']:.1f} us "
+        f"({w['rename_us'] / w['pwrite_us']:.1f}x)"
+    )
     print(json.dumps(result))
     return 0
 

@@ -35,7 +35,9 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
 
 def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     """Rows as JSON lines, written atomically (not fsynced: generated data can be made again)."""
-    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False)
+    atomic_write_bytes(
+        path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), durable=False
+    )
 
 
 def fsync_dir(directory: Path) -> None:

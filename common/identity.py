@@ -43,9 +43,9 @@ SAMPLE_CHUNK_BYTES = 64 * 1024
 SAMPLE_BUDGET = SAMPLE_CHUNKS * SAMPLE_CHUNK_BYTES
 
 
-
 if TYPE_CHECKING:
     from protocol.messages import Identity
+
 
 class ModelIdentity(TypedDict):
     name: str
@@ -169,4 +169,6 @@ def wire_identities(model_dir: str | Path) -> tuple[Identity, Identity]:
     from protocol.messages import Identity as WireIdentity  # lazy: this module stays stdlib-only
 
     m, t = model_identity(model_dir), tokenizer_identity(model_dir)
-    return WireIdentity(m["name"], m["sha256"]), WireIdentity(t["name"], t["sha256"], t["vocab_size"] or 0)
+    return WireIdentity(m["name"], m["sha256"]), WireIdentity(
+        t["name"], t["sha256"], t["vocab_size"] or 0
+    )

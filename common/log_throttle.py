@@ -30,9 +30,22 @@ class PeerErrorLog:
     """``log(peer, code, now, **fields)``: at most ``burst`` lines per (peer, code) per ``window_s``,
     then a summary line per window that suppressed any. ``emit(message, **fields)`` writes a line."""
 
-    def __init__(self, emit: Callable[..., Any], *, what: str = "invalid messages", burst: int = 5,
-                 window_s: float = 60.0, max_keys: int = 1024) -> None:
-        self.emit, self.what, self.burst, self.window_s, self.max_keys = emit, what, burst, window_s, max_keys
+    def __init__(
+        self,
+        emit: Callable[..., Any],
+        *,
+        what: str = "invalid messages",
+        burst: int = 5,
+        window_s: float = 60.0,
+        max_keys: int = 1024,
+    ) -> None:
+        self.emit, self.what, self.burst, self.window_s, self.max_keys = (
+            emit,
+            what,
+            burst,
+            window_s,
+            max_keys,
+        )
         self._windows: dict[tuple[str, str], _Window] = {}
         self.counts: Counter[str] = Counter()  # code -> events, logged or not
         self.suppressed_total = 0
@@ -67,5 +80,11 @@ class PeerErrorLog:
 
     def _summary(self, key: tuple[str, str], w: _Window) -> None:
         if w.suppressed:
-            self.emit(f"suppressed {w.suppressed} {self.what}", peer=key[0], code=key[1], suppressed=w.suppressed,
-                      logged=w.logged, window_s=self.window_s)
+            self.emit(
+                f"suppressed {w.suppressed} {self.what}",
+                peer=key[0],
+                code=key[1],
+                suppressed=w.suppressed,
+                logged=w.logged,
+                window_s=self.window_s,
+            )

@@ -65,7 +65,9 @@ _MAGIC = b"RLB1"
 RECORD_SIZE = _BODY.size + 4  # + CRC32 of the body
 _POLL_MIN_S = 0.0005  # first wait when another process holds the lock (its sections last ~80 us)
 _POLL_MAX_S = 0.02
-_JITTER_MAX_S = 0.05  # widest random delay added to a waiter's wake-up: >> an event loop's wake-up lag
+_JITTER_MAX_S = (
+    0.05  # widest random delay added to a waiter's wake-up: >> an event loop's wake-up lag
+)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -83,8 +85,11 @@ class Bucket:
     """Bucket capacity, >= 1."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.per_minute, int | float) and math.isfinite(self.per_minute)
-                and self.per_minute > 0):
+        if not (
+            isinstance(self.per_minute, int | float)
+            and math.isfinite(self.per_minute)
+            and self.per_minute > 0
+        ):
             raise ValueError(f"per_minute must be a finite number > 0 (got {self.per_minute!r})")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             raise ValueError(f"burst must be an integer >= 1 (got {self.burst!r})")
@@ -156,7 +161,11 @@ def _try_take(slot: _Slot) -> _Outcome:
                 tokens, stamp = state
                 # A clock that lags the stored time (stepped back, or another host's clock is ahead)
                 # refills nothing, and the stored time is kept, so no interval is counted twice.
-                tokens = min(burst, tokens + (now - stamp) * slot.rate) if now > stamp else min(burst, tokens)
+                tokens = (
+                    min(burst, tokens + (now - stamp) * slot.rate)
+                    if now > stamp
+                    else min(burst, tokens)
+                )
                 stamp = max(stamp, now)
             if tokens < 1.0:
                 return _Outcome(None, (1.0 - tokens) / slot.rate)
@@ -173,8 +182,13 @@ def _try_take(slot: _Slot) -> _Outcome:
 class GlobalRateLimiter:
     """Token buckets per key whose state lives in ``state_dir``; see the module docstring."""
 
-    def __init__(self, state_dir: str | os.PathLike[str], limits: Mapping[str, Bucket], *,
-                 acquire_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        limits: Mapping[str, Bucket],
+        *,
+        acquire_timeout_s: float = 300.0,
+    ) -> None:
         if not acquire_timeout_s > 0:
             raise ValueError(f"acquire_timeout_s must be > 0 (got {acquire_timeout_s!r})")
         self.state_dir = Path(state_dir)
@@ -186,8 +200,10 @@ class GlobalRateLimiter:
     def from_config(cls, cfg: RateLimitsConfig, run_dir: Path) -> GlobalRateLimiter:
         """The limiter of a `tools.rate_limits` section; state in ``cfg.state_dir`` or ``<run_dir>/ratelimit``."""
         state_dir = Path(cfg.state_dir) if cfg.state_dir else Path(run_dir) / "ratelimit"
-        limits = {key: Bucket(per_minute=float(lim.per_minute), burst=lim.burst)
-                  for key, lim in cfg.limits.items()}
+        limits = {
+            key: Bucket(per_minute=float(lim.per_minute), burst=lim.burst)
+            for key, lim in cfg.limits.items()
+        }
         return cls(state_dir, limits, acquire_timeout_s=cfg.acquire_timeout_s)
 
     @property
@@ -257,7 +273,9 @@ class GlobalRateLimiter:
                 continue
             # No token: none can be due before wait_s, so fail now if that is past the deadline.
             if outcome.wait_s > remaining:
-                raise self._timeout(slot, timeout, f"the next token is due in {outcome.wait_s:.3g} s")
+                raise self._timeout(
+                    slot, timeout, f"the next token is due in {outcome.wait_s:.3g} s"
+                )
             # Every waiter computed the same due time; whoever wakes first wins, and without jitter
             # that is always the caller with the least wake-up latency (time.sleep beats an event
             # loop's millisecond timers), so others would starve. A random delay makes the winner
@@ -271,7 +289,8 @@ class GlobalRateLimiter:
         return RateLimitTimeout(
             f"rate limit {slot.key!r} ({slot.bucket.per_minute:g}/min, burst {slot.bucket.burst}): no "
             f"token within the timeout of {timeout:g} s ({why}); state dir {self.state_dir}, shared by "
-            f"every process using this limit (raise tools.rate_limits.acquire_timeout_s or the limit)")
+            f"every process using this limit (raise tools.rate_limits.acquire_timeout_s or the limit)"
+        )
 
     def __repr__(self) -> str:
         return f"GlobalRateLimiter({str(self.state_dir)!r}, {self.limits!r})"

@@ -38,7 +38,9 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownEntry(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}") from None
+            raise UnknownEntry(
+                f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
+            ) from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

@@ -52,7 +52,9 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"event": self.kind.value, "source": self.source, "time": self.time, **self.data})
+        return json.dumps(
+            {"event": self.kind.value, "source": self.source, "time": self.time, **self.data}
+        )
 
     @classmethod
     def parse(cls, record: Mapping[str, Any]) -> Event | None:

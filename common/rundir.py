@@ -40,5 +40,7 @@ def prepare_run_dir(config: Config, run_dir: Path | None = None) -> Path:
     """
     run_dir = run_dir if run_dir is not None else resolve_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / RESOLVED_CONFIG_NAME, dump_config(config).encode("utf-8"), durable=False)
+    atomic_write_bytes(
+        run_dir / RESOLVED_CONFIG_NAME, dump_config(config).encode("utf-8"), durable=False
+    )
     return run_dir

@@ -17,9 +17,20 @@ from pathlib import Path
 
 from protocol.weights import ModelManifest, NamedBuffer
 
-DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 CODES = {name: code for code, name in DTYPES.items()}
@@ -31,7 +42,11 @@ def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
     it. Raises KeyError for a dtype the format lacks."""
     header, offset = {}, 0
     for name, dtype, shape, nbytes in tensors:
-        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header so that the data starts aligned
@@ -50,11 +65,16 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         head = f.read(8)
         (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
         if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
-            raise ValueError(f"{path}: not a safetensors file (header length {n}, file {size} bytes, "
-                             f"limit {MAX_HEADER_BYTES})")
+            raise ValueError(
+                f"{path}: not a safetensors file (header length {n}, file {size} bytes, "
+                f"limit {MAX_HEADER_BYTES})"
+            )
         header = json.loads(f.read(n))
-    return {name: (_dtype_name(meta["dtype"]), tuple(meta["shape"]))
-            for name, meta in header.items() if name != "__metadata__"}
+    return {
+        name: (_dtype_name(meta["dtype"]), tuple(meta["shape"]))
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
 
 
 def _dtype_name(code: str) -> str:
@@ -71,7 +91,9 @@ def model_manifest(model_dir: str | Path) -> ModelManifest:
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files: cannot tell which weights this model takes")
+        raise FileNotFoundError(
+            f"{root}: no *.safetensors files: cannot tell which weights this model takes"
+        )
     tensors = {name: spec for path in files for name, spec in read_header(path).items()}
     optional = {}
     try:
@@ -94,8 +116,10 @@ def load_file(path: Path) -> list[NamedBuffer]:
     for name in sorted(k for k in header if k != "__metadata__"):
         meta = header[name]
         if meta["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {meta['dtype']}, which cannot be sent "
-                             f"(known: {sorted(DTYPES)})")
+            raise ValueError(
+                f"{path}: tensor {name} has dtype {meta['dtype']}, which cannot be sent "
+                f"(known: {sorted(DTYPES)})"
+            )
         start, end = meta["data_offsets"]
         out.append(NamedBuffer(name, DTYPES[meta["dtype"]], tuple(meta["shape"]), data[start:end]))
     return out

@@ -42,7 +42,9 @@ def use_project_venv(script: str | os.PathLike[str]) -> None:
         if importlib.util.find_spec("structlog") is not None:  # the project's deps are here already
             return
         name = Path(script).name
-        sys.stderr.write(f"bin/{name}: no virtualenv at {venv} and this Python ({sys.executable}) lacks the "
-                         f"project's packages: run bin/setup first (it creates .venv), then bin/{name} again\n")
+        sys.stderr.write(
+            f"bin/{name}: no virtualenv at {venv} and this Python ({sys.executable}) lacks the "
+            f"project's packages: run bin/setup first (it creates .venv), then bin/{name} again\n"
+        )
         sys.exit(1)
     os.execv(python, [str(python), str(script), *sys.argv[1:]])

@@ -46,12 +46,20 @@ class Child:
     def start(self, note: str) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
-            out.write(f"----- bin/train: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} -----\n".encode())
+            out.write(
+                f"----- bin/train: {note} at {time.strftime('%Y-%m-%d %H:%M:%S')} -----\n".encode()
+            )
             out.flush()
             # start_new_session: its own group (stopped as one) and no terminal signals (Ctrl-C
             # reaches bin/train only, which then stops the children in order).
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         self.pids.append(self.proc.pid)
 
     @property
@@ -84,13 +92,22 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 """Set in every child unless already set: NVLink multicast (NVLS) off for NCCL, torch's symmetric
 memory and NVSHMEM. The multi-GPU machines the project runs on fail collectives with it on."""
 
 
-def child_env(launch_id: str, gpus: Sequence[int] | None = None,
-              base: Mapping[str, str] | None = None, *, events_file: Path | None = None) -> dict[str, str]:
+def child_env(
+    launch_id: str,
+    gpus: Sequence[int] | None = None,
+    base: Mapping[str, str] | None = None,
+    *,
+    events_file: Path | None = None,
+) -> dict[str, str]:
     """A child's environment: `base` (default: ours) plus the launch id, unbuffered output, the
     multicast switches of `MULTICAST_OFF` (unless `base` sets them), the event channel's file
     (`common.run_events.EVENTS_ENV`) when given and, when `gpus` is not None,
@@ -154,8 +171,9 @@ def kill_tree(child: Child, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def stop_all(children: Sequence[Child], grace: float, *,
-             hurry: Callable[[], bool] | None = None) -> dict[str, list[int]]:
+def stop_all(
+    children: Sequence[Child], grace: float, *, hurry: Callable[[], bool] | None = None
+) -> dict[str, list[int]]:
     """Stop every child: SIGTERM to the leaders, up to `grace` seconds for them to exit, then
     SIGKILL to every group with a live member. `hurry()` true (a second Ctrl-C) skips the grace.
     Returns, per child name, the pids that had to be SIGKILLed."""

@@ -112,8 +112,11 @@ class Connections:
 
 def metric_values(record: Mapping[str, Any]) -> dict[str, float]:
     """A metrics.jsonl record as the step line wants it: numbers only, null read as NaN."""
-    return {k: (math.nan if v is None else float(v)) for k, v in record.items()
-            if k not in ("step", "time") and (v is None or isinstance(v, int | float))}
+    return {
+        k: (math.nan if v is None else float(v))
+        for k, v in record.items()
+        if k not in ("step", "time") and (v is None or isinstance(v, int | float))
+    }
 
 
 class Display:
@@ -144,12 +147,23 @@ class Display:
             self.live = False
 
 
-def summary_lines(run_dir: Path, records: list[dict[str, Any]], total: int, wall_s: float,
-                  restarts: Mapping[str, int], plot: Path | None, checkpoints: Path) -> list[str]:
+def summary_lines(
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    total: int,
+    wall_s: float,
+    restarts: Mapping[str, int],
+    plot: Path | None,
+    checkpoints: Path,
+) -> list[str]:
     """The final summary: steps, wall time, reward from first to last step, where things are."""
     steps = records[-1]["step"] if records else 0
     lines = [f"done: {steps}/{total} steps in {time.strftime('%H:%M:%S', time.gmtime(wall_s))}"]
-    rewards = [(r["step"], r["reward/mean"]) for r in records if isinstance(r.get("reward/mean"), int | float)]
+    rewards = [
+        (r["step"], r["reward/mean"])
+        for r in records
+        if isinstance(r.get("reward/mean"), int | float)
+    ]
     if rewards:
         (s0, r0), (s1, r1) = rewards[0], rewards[-1]
         lines.append(f"reward mean: {short(r0)} at step {s0} -> {short(r1)} at step {s1}")
@@ -157,9 +171,15 @@ def summary_lines(run_dir: Path, records: list[dict[str, Any]], total: int, wall
     if restarted:
         lines.append("restarted: " + ", ".join(f"{name} x{n}" for name, n in restarted.items()))
     lines.append(f"run directory: {run_dir}")
-    where = [("config", run_dir / "config.resolved.yaml"), ("metrics", run_dir / "metrics.jsonl"),
-             ("plot", plot), ("logs", run_dir / "logs"), ("checkpoints", checkpoints),
-             ("model", run_dir / "final-hf"), ("tensorboard", run_dir / "tensorboard"),
-             ("recordings", run_dir / "recordings")]
+    where = [
+        ("config", run_dir / "config.resolved.yaml"),
+        ("metrics", run_dir / "metrics.jsonl"),
+        ("plot", plot),
+        ("logs", run_dir / "logs"),
+        ("checkpoints", checkpoints),
+        ("model", run_dir / "final-hf"),
+        ("tensorboard", run_dir / "tensorboard"),
+        ("recordings", run_dir / "recordings"),
+    ]
     lines += [f"  {label:<12}{path}" for label, path in where if path is not None and path.exists()]
     return lines

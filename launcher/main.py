@@ -40,13 +40,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides, check_paths=True)
         check_launch(config, args.config, args.overrides)
-        from common.cli import LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT, TOOL_SERVER_PREFLIGHT, check_preflight
+        from common.cli import (
+            LEARNER_PREFLIGHT,
+            ROLLOUT_PREFLIGHT,
+            TOOL_SERVER_PREFLIGHT,
+            check_preflight,
+        )
 
         if args.check:
             # What the learner (its metric sinks), the rollout servers (names, data) and the tool
             # server would refuse at start.
-            preflights = [LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT,
-                          *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else [])]
+            preflights = [
+                LEARNER_PREFLIGHT,
+                ROLLOUT_PREFLIGHT,
+                *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else []),
+            ]
             if status := max(check_preflight(p, config) for p in preflights):
                 return status
             sys.stdout.write(dump_config(config))
@@ -60,9 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"the model this config needs is made by: {hint}", file=sys.stderr)
         return 2
     prepare_run_dir(plan.config, plan.run_dir)
-    configure_logging(args.log_format or format_from_env(plan.config.logging.format),
-                      plan.config.logging.level, component="train",
-                      file=plan.run_dir / "logs" / "train.jsonl")
+    configure_logging(
+        args.log_format or format_from_env(plan.config.logging.format),
+        plan.config.logging.level,
+        component="train",
+        file=plan.run_dir / "logs" / "train.jsonl",
+    )
     from launcher.supervisor import Supervisor
 
     try:
@@ -85,5 +96,5 @@ def model_hint(config_file: str | None) -> str | None:
         return None
     for line in lines:
         if line.startswith(MODEL_HINT):
-            return line[len(MODEL_HINT):].strip()
+            return line[len(MODEL_HINT) :].strip()
     return None

@@ -69,7 +69,7 @@ class Plan:
 
 
 def _split_endpoint(address: str) -> tuple[str, str, str]:
-    """"tcp://host:port" -> ("tcp", host, port); host keeps IPv6 brackets."""
+    """ "tcp://host:port" -> ("tcp", host, port); host keeps IPv6 brackets."""
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
     return scheme, host, port
@@ -124,7 +124,9 @@ def launch_overrides(config: Config, run_dir: Path) -> LaunchOverrides:
     from urllib.parse import urlsplit
 
     launch = config.launch
-    escaped = str(run_dir).replace("{", "{{").replace("}", "}}")  # trainer.run_dir is a format string
+    escaped = (
+        str(run_dir).replace("{", "{{").replace("}", "}}")
+    )  # trainer.run_dir is a format string
     out = LaunchOverrides([f"trainer.run_dir={_yaml(escaped)}"])
     if "jsonl" not in config.trainer.logger:  # bin/train follows the run through metrics.jsonl
         out.overrides.append(f"trainer.logger={_yaml([*config.trainer.logger, 'jsonl'])}")
@@ -147,7 +149,9 @@ def launch_overrides(config: Config, run_dir: Path) -> LaunchOverrides:
     return out
 
 
-def rollout_overrides(plan: Plan, learner_address: str | None, tool_health_url: str | None) -> list[str]:
+def rollout_overrides(
+    plan: Plan, learner_address: str | None, tool_health_url: str | None
+) -> list[str]:
     """What the rollout servers get once the ports bound at 0 are known."""
     out = []
     if plan.learner_auto_port and learner_address is not None:
@@ -157,8 +161,9 @@ def rollout_overrides(plan: Plan, learner_address: str | None, tool_health_url: 
     return out
 
 
-def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Config,
-             log_format: str | None) -> Plan:
+def plan_run(
+    config_file: str | None, user_overrides: Sequence[str], config: Config, log_format: str | None
+) -> Plan:
     from common.config import load_config
     from common.config.launch import rollout_gpus_of
     from common.epochs import total_steps
@@ -179,20 +184,46 @@ def plan_run(config_file: str | None, user_overrides: Sequence[str], config: Con
 
     events = run_dir / EVENTS_FILE
 
-    def child(name: str, title: str, script: str, *args: str, gpus: list[int] | None = None) -> Child:
-        return Child(name, title, python_argv(ROOT / "bin" / script, [*base, *args]), logs / f"{name}.log",
-                     child_env(launch_id, gpus, events_file=events))
+    def child(
+        name: str, title: str, script: str, *args: str, gpus: list[int] | None = None
+    ) -> Child:
+        return Child(
+            name,
+            title,
+            python_argv(ROOT / "bin" / script, [*base, *args]),
+            logs / f"{name}.log",
+            child_env(launch_id, gpus, events_file=events),
+        )
 
     n = final.launch.rollout_servers
-    rollouts = [child(f"rollout-{i}", f"rollout server rs{i}", "rollout-server", f"rollout_server.shard_index={i}",
-                      f"rollout_server.shard_count={n}", f"rollout_server.server_id=rs{i}",
-                      gpus=rollout_gpus_of(final.launch, i)) for i in range(n)]
-    return Plan(config=final, run_dir=run_dir, total_steps=total_steps(final), launch_id=launch_id,
-                learner=child("learner", "learner", "learner", gpus=final.launch.learner_gpus), rollouts=rollouts,
-                tool_server=child("tool-server", "tool server", "tool-server") if final.launch.tool_server else None,
-                tool_health_url=decided.tool_health_url, overrides=extra,
-                learner_auto_port=decided.learner_auto_port, tool_auto_port=decided.tool_auto_port,
-                tool_remote=decided.tool_remote)
+    rollouts = [
+        child(
+            f"rollout-{i}",
+            f"rollout server rs{i}",
+            "rollout-server",
+            f"rollout_server.shard_index={i}",
+            f"rollout_server.shard_count={n}",
+            f"rollout_server.server_id=rs{i}",
+            gpus=rollout_gpus_of(final.launch, i),
+        )
+        for i in range(n)
+    ]
+    return Plan(
+        config=final,
+        run_dir=run_dir,
+        total_steps=total_steps(final),
+        launch_id=launch_id,
+        learner=child("learner", "learner", "learner", gpus=final.launch.learner_gpus),
+        rollouts=rollouts,
+        tool_server=child("tool-server", "tool server", "tool-server")
+        if final.launch.tool_server
+        else None,
+        tool_health_url=decided.tool_health_url,
+        overrides=extra,
+        learner_auto_port=decided.learner_auto_port,
+        tool_auto_port=decided.tool_auto_port,
+        tool_remote=decided.tool_remote,
+    )
 
 
 def check_launch(config: Config, config_file: str | None, overrides: Sequence[str]) -> None:
@@ -215,8 +246,11 @@ def check_launch(config: Config, config_file: str | None, overrides: Sequence[st
 
     def blame(issue: Any) -> str | None:
         keys = (issue.key, *issue.related)
-        hits = [label for key, label in labels
-                if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)]
+        hits = [
+            label
+            for key, label in labels
+            if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)
+        ]
         return hits[-1] if hits else config_file
 
     raise ConfigError(issues).with_sources(blame)

@@ -39,7 +39,9 @@ class Supervisor:
         """(message, the child it names, children whose log tails to show)."""
         self.records: list[dict[str, Any]] = []
         self.metrics = JsonlTail(plan.run_dir / "metrics.jsonl")
-        self.connections = Connections(plan.events_file, [f"rs{i}" for i in range(len(plan.rollouts))])
+        self.connections = Connections(
+            plan.events_file, [f"rs{i}" for i in range(len(plan.rollouts))]
+        )
         self.rollouts_started = False
         self.finished: set[str] = set()
         self.exited: set[str] = set()
@@ -52,9 +54,14 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         status = EXIT_FAILED
         try:
-            self.log.info("starting", run_dir=str(plan.run_dir), logs=str(plan.run_dir / "logs"),
-                          rollout_servers=len(plan.rollouts), tool_server=plan.tool_server is not None,
-                          steps=plan.total_steps)
+            self.log.info(
+                "starting",
+                run_dir=str(plan.run_dir),
+                logs=str(plan.run_dir / "logs"),
+                rollout_servers=len(plan.rollouts),
+                tool_server=plan.tool_server is not None,
+                steps=plan.total_steps,
+            )
             if plan.tool_server is not None:
                 self._start(plan.tool_server, "start")
             self._start(plan.learner, "start")
@@ -66,13 +73,19 @@ class Supervisor:
             elif status == EXIT_OK:
                 self.log.info("training done: stopping the other processes")
             t0 = time.monotonic()
-            killed = stop_all(plan.children, plan.config.launch.stop_timeout_s,
-                              hurry=lambda: len(self.signals) > 1)
+            killed = stop_all(
+                plan.children,
+                plan.config.launch.stop_timeout_s,
+                hurry=lambda: len(self.signals) > 1,
+            )
             self._record_exits()
             if stray := sweep(plan.launch_id):
                 self.log.warning("killed processes that had left their group", pids=stray)
-            self.log.info("every process stopped", seconds=round(time.monotonic() - t0, 1),
-                          sigkilled={name: len(pids) for name, pids in killed.items()})
+            self.log.info(
+                "every process stopped",
+                seconds=round(time.monotonic() - t0, 1),
+                sigkilled={name: len(pids) for name, pids in killed.items()},
+            )
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self._write_processes()
@@ -97,20 +110,31 @@ class Supervisor:
             if ts is not None and ts.returncode() is not None:
                 return self._fail(f"{ts.title} died ({ts.describe_exit()})", ts)
             if not self.rollouts_started:
-                learner_known = not plan.learner_auto_port or self.connections.learner_address is not None
+                learner_known = (
+                    not plan.learner_auto_port or self.connections.learner_address is not None
+                )
                 if learner_known and self._tool_server_ready():
-                    extra = rollout_overrides(plan, self.connections.learner_address, plan.tool_health_url)
+                    extra = rollout_overrides(
+                        plan, self.connections.learner_address, plan.tool_health_url
+                    )
                     for child in plan.rollouts:
-                        child.argv += extra  # restarts keep them: the learner's address does not change
+                        child.argv += (
+                            extra  # restarts keep them: the learner's address does not change
+                        )
                         self._start(child, "start")
                     self.rollouts_started = True
                 elif time.monotonic() > connect_deadline:
                     if not learner_known:
-                        return self._fail(f"the learner did not bind its address within "
-                                          f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
-                                          plan.learner)
-                    return self._fail(f"tool server did not answer {plan.tool_health_url}/health within "
-                                      f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)", ts)
+                        return self._fail(
+                            f"the learner did not bind its address within "
+                            f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
+                            plan.learner,
+                        )
+                    return self._fail(
+                        f"tool server did not answer {plan.tool_health_url}/health within "
+                        f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
+                        ts,
+                    )
             for child in plan.rollouts:
                 if (status := self._check_rollout(child)) is not None:
                     return status
@@ -118,9 +142,12 @@ class Supervisor:
             if waiting and time.monotonic() > connect_deadline:
                 missing = [c for i, c in enumerate(plan.rollouts) if f"rs{i}" in waiting]
                 names = ", ".join(c.title for c in missing)
-                return self._fail(f"{names} did not connect to the learner within "
-                                  f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
-                                  None, missing or [plan.learner])
+                return self._fail(
+                    f"{names} did not connect to the learner within "
+                    f"{launch.connect_timeout_s:g} s (launch.connect_timeout_s)",
+                    None,
+                    missing or [plan.learner],
+                )
             time.sleep(POLL_S)
 
     # -- events ----------------------------------------------------------------------------------
@@ -146,7 +173,9 @@ class Supervisor:
             code = child.returncode()
             if code is not None and child.name not in self.exited:
                 self.exited.add(child.name)
-                self._event(Kind.EXITED, child.name, pid=child.pid, code=code, exit=child.describe_exit())
+                self._event(
+                    Kind.EXITED, child.name, pid=child.pid, code=code, exit=child.describe_exit()
+                )
 
     def _poll_files(self) -> None:
         self._record_exits()
@@ -159,8 +188,10 @@ class Supervisor:
                 self.plan.tool_health_url = tool_url(self.plan.config.tool_server.host, int(peer))
             elif event in ("joined", "rejoined"):
                 n, total = len(self.connections.ever), len(self.connections.expected)
-                self.log.info(f"rollout server {peer} {'re' if event == 'rejoined' else ''}connected",
-                              connected=f"{len(self.connections.connected)}/{total}")
+                self.log.info(
+                    f"rollout server {peer} {'re' if event == 'rejoined' else ''}connected",
+                    connected=f"{len(self.connections.connected)}/{total}",
+                )
                 if event == "joined":
                     self.display.status(f"{n}/{total} rollout servers connected")
         for record in self.metrics.read():
@@ -214,10 +245,16 @@ class Supervisor:
             return None
         limit = self.plan.config.launch.max_restarts
         if child.restarts >= limit:
-            return self._fail(f"{child.title} died ({child.describe_exit()}) and was restarted "
-                              f"{child.restarts} time(s) already (launch.max_restarts={limit})", child)
-        self.log.warning(f"{child.title} died ({child.describe_exit()}): restarting "
-                         f"({child.restarts + 1}/{limit})", log=str(child.log))
+            return self._fail(
+                f"{child.title} died ({child.describe_exit()}) and was restarted "
+                f"{child.restarts} time(s) already (launch.max_restarts={limit})",
+                child,
+            )
+        self.log.warning(
+            f"{child.title} died ({child.describe_exit()}): restarting "
+            f"({child.restarts + 1}/{limit})",
+            log=str(child.log),
+        )
         self._record_exits()  # its death, before the restart starts a new incarnation
         kill_tree(child)  # its vLLM engine process too, before a new one loads the model
         child.restarts += 1
@@ -226,7 +263,11 @@ class Supervisor:
 
     def _fail(self, message: str, child: Child | None, tails: list[Child] | None = None) -> int:
         if self.failure is None:
-            self.failure = (message, child, tails if tails is not None else [child] if child else [])
+            self.failure = (
+                message,
+                child,
+                tails if tails is not None else [child] if child else [],
+            )
         self.log.error(message + ": stopping")
         return EXIT_FAILED
 
@@ -238,8 +279,11 @@ class Supervisor:
         message, child, tails = self.failure
         self.log.error(message, log=str(child.log) if child else None)
         for c in tails:
-            print(f"----- last {TAIL_LINES} lines of {c.log} ({c.title}) -----\n{c.tail(TAIL_LINES)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"----- last {TAIL_LINES} lines of {c.log} ({c.title}) -----\n{c.tail(TAIL_LINES)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _finish(self, wall_s: float) -> int:
         from common.rundir import checkpoint_dir
@@ -259,8 +303,15 @@ class Supervisor:
         except (OSError, ValueError):
             records = self.records
         restarts = {c.title: c.restarts for c in self.plan.rollouts}
-        for line in summary_lines(run_dir, records, self.plan.total_steps, wall_s, restarts, plot,
-                                  checkpoint_dir(self.plan.config, run_dir)):
+        for line in summary_lines(
+            run_dir,
+            records,
+            self.plan.total_steps,
+            wall_s,
+            restarts,
+            plot,
+            checkpoint_dir(self.plan.config, run_dir),
+        ):
             self.display.print(line)
         return EXIT_OK
 
@@ -269,7 +320,22 @@ class Supervisor:
         import os
 
         plan = self.plan
-        doc = {"launch_id": plan.launch_id, "pid": os.getpid(), "run_dir": str(plan.run_dir),
-               "children": {c.name: {"title": c.title, "pid": c.pid, "pids": c.pids, "restarts": c.restarts,
-                                     "log": str(c.log), "exit": c.returncode()} for c in plan.children}}
-        atomic_write_bytes(plan.run_dir / PROCESSES_FILE, json.dumps(doc, indent=1).encode(), durable=False)
+        doc = {
+            "launch_id": plan.launch_id,
+            "pid": os.getpid(),
+            "run_dir": str(plan.run_dir),
+            "children": {
+                c.name: {
+                    "title": c.title,
+                    "pid": c.pid,
+                    "pids": c.pids,
+                    "restarts": c.restarts,
+                    "log": str(c.log),
+                    "exit": c.returncode(),
+                }
+                for c in plan.children
+            },
+        }
+        atomic_write_bytes(
+            plan.run_dir / PROCESSES_FILE, json.dumps(doc, indent=1).encode(), durable=False
+        )

@@ -52,8 +52,12 @@ def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
 class Admission:
     batch_groups: int  # B: groups per training step
     max_staleness: int  # k
-    _granted: dict[str, Counter[int]] = field(default_factory=dict)  # peer -> min_version -> groups generating
-    _slots: dict[str, int] = field(default_factory=dict)  # peer -> groups it generates at once (0: unstated)
+    _granted: dict[str, Counter[int]] = field(
+        default_factory=dict
+    )  # peer -> min_version -> groups generating
+    _slots: dict[str, int] = field(
+        default_factory=dict
+    )  # peer -> groups it generates at once (0: unstated)
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -98,12 +102,19 @@ class Admission:
 
     def deadlines(self) -> list[int]:
         """The deadline of every group still generating (at the earliest: ``min_version + k``)."""
-        return [m + self.max_staleness for c in self._granted.values() for m, n in c.items() for _ in range(n)]
+        return [
+            m + self.max_staleness
+            for c in self._granted.values()
+            for m, n in c.items()
+            for _ in range(n)
+        ]
 
     def can_take(self, left: Iterable[int], version: int) -> bool:
         """Whether a step of ``version`` may go ahead, leaving received groups with deadlines
         ``left`` (and those still generating) behind. Nothing generating: yes, a wait could not help."""
-        return not self.generating or feasible([*left, *self.deadlines()], version, self.batch_groups)
+        return not self.generating or feasible(
+            [*left, *self.deadlines()], version, self.batch_groups
+        )
 
     def grants(self, *, held: int, remaining: int, min_version: int) -> list[tuple[str, int]]:
         """New grants: ``held`` groups are received and not yet trained or dropped, the run can still

@@ -84,7 +84,9 @@ def split_groups(record_id: int, trajectories: Sequence[Trajectory]) -> list[Gro
 class Taken:
     groups: list[Group] = field(default_factory=list)  # fresh groups, now in flight
     dropped: list[Group] = field(default_factory=list)  # stale groups dropped by this call
-    done_records: list[int] = field(default_factory=list)  # records whose last group was dropped here
+    done_records: list[int] = field(
+        default_factory=list
+    )  # records whose last group was dropped here
 
 
 class GroupBuffer:
@@ -112,8 +114,13 @@ class GroupBuffer:
     def trajectories(self) -> int:
         return sum(len(g.trajectories) for g in self._queue.values())
 
-    def add(self, record_id: int, trajectories: Sequence[Trajectory], *,
-            only: Collection[str] | None = None) -> list[Group]:
+    def add(
+        self,
+        record_id: int,
+        trajectories: Sequence[Trajectory],
+        *,
+        only: Collection[str] | None = None,
+    ) -> list[Group]:
         """Queue the groups of record ``record_id`` (only the group uids in ``only``, if given: a
         record replayed after a restart that was partly trained); returns them. A record that
         yields no group holds no room: the caller frees it at once."""
@@ -134,7 +141,9 @@ class GroupBuffer:
     def drop_stale(self, policy_version: int, max_staleness: int) -> Taken:
         """Drop every queued group whose staleness exceeds ``max_staleness``."""
         out = Taken()
-        for key in [k for k, g in self._queue.items() if g.staleness(policy_version) > max_staleness]:
+        for key in [
+            k for k, g in self._queue.items() if g.staleness(policy_version) > max_staleness
+        ]:
             g = self._queue.pop(key)
             out.dropped.append(g)
             out.done_records += self._finish_one(g.record_id)
@@ -152,14 +161,18 @@ class GroupBuffer:
 
     def by_deadline(self) -> list[Group]:
         """The queued groups in the order ``take`` takes them."""
-        return sorted(self._queue.values(), key=lambda g: g.deadline_key)  # stable: arrival order among equals
+        return sorted(
+            self._queue.values(), key=lambda g: g.deadline_key
+        )  # stable: arrival order among equals
 
     def finish(self, keys: Iterable[GroupKey]) -> list[int]:
         """Taken groups were trained; returns the records that have no group left (free their room)."""
         keys = list(keys)
         unknown = [k for k in keys if k not in self._inflight]
         if unknown or len(set(keys)) != len(keys):
-            raise ValueError(f"groups not in flight (finished twice?): {unknown[:3] or 'repeated keys'}")
+            raise ValueError(
+                f"groups not in flight (finished twice?): {unknown[:3] or 'repeated keys'}"
+            )
         done = []
         for k in keys:
             del self._inflight[k]

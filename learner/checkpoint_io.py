@@ -18,8 +18,14 @@ import torch
 
 from learner.worker_api import WeightArray
 
-TORCH_TO_WIRE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                 torch.float64: "float64", torch.int64: "int64", torch.int32: "int32"}
+TORCH_TO_WIRE = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+}
 WIRE_TO_TORCH = {v: k for k, v in TORCH_TO_WIRE.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
@@ -27,7 +33,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return tensors_only(get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    return tensors_only(
+        get_model_state_dict(
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    )
 
 
 def tensors_only(sd: Mapping[str, object]) -> dict[str, torch.Tensor]:
@@ -40,8 +50,9 @@ def tensors_only(sd: Mapping[str, object]) -> dict[str, torch.Tensor]:
     return out
 
 
-def select(sd: Mapping[str, torch.Tensor], names: Sequence[str],
-           dtypes: Mapping[str, str] | None) -> list[tuple[str, torch.Tensor]]:
+def select(
+    sd: Mapping[str, torch.Tensor], names: Sequence[str], dtypes: Mapping[str, str] | None
+) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every name in ``names``, cast to ``dtypes[name]`` when given (where the
     tensor lies: a cast on the GPU happens there)."""
     missing = [n for n in names if n not in sd]
@@ -54,8 +65,9 @@ def select(sd: Mapping[str, torch.Tensor], names: Sequence[str],
     return out
 
 
-def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
-                 dtypes: Mapping[str, str] | None = None) -> list[WeightArray] | None:
+def full_weights(
+    lm: torch.nn.Module, names: Sequence[str], rank: int, dtypes: Mapping[str, str] | None = None
+) -> list[WeightArray] | None:
     """Collective. On rank 0: (name, wire dtype, shape, raw array) for every name in ``names``, cast
     to ``dtypes[name]`` when given (bf16 travels as its raw 16-bit pattern)."""
     sd = _full_state_dict(lm)
@@ -69,8 +81,13 @@ def full_weights(lm: torch.nn.Module, names: Sequence[str], rank: int,
     return out
 
 
-def save(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
-         scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
+def save(
+    directory: Path,
+    models: Mapping[str, torch.nn.Module],
+    optims: Mapping[str, torch.optim.Optimizer],
+    scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler],
+    rank: int,
+) -> None:
     """Collective: DCP shards of every trainable model and its optimizer, plus this rank's extras."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -85,8 +102,13 @@ def save(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping
     torch.save(extras, directory / f"extras-rank{rank}.pt")
 
 
-def load(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping[str, torch.optim.Optimizer],
-         scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler], rank: int) -> None:
+def load(
+    directory: Path,
+    models: Mapping[str, torch.nn.Module],
+    optims: Mapping[str, torch.optim.Optimizer],
+    scheds: Mapping[str, torch.optim.lr_scheduler.LRScheduler],
+    rank: int,
+) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -96,10 +118,16 @@ def load(directory: Path, models: Mapping[str, torch.nn.Module], optims: Mapping
         state[f"{role}.model"], state[f"{role}.optim"] = msd, osd
     dcp_load(state, checkpoint_id=str(directory / "dcp"))
     for role, opt in optims.items():
-        set_state_dict(models[role], opt, model_state_dict=state[f"{role}.model"],
-                       optim_state_dict=state[f"{role}.optim"])
+        set_state_dict(
+            models[role],
+            opt,
+            model_state_dict=state[f"{role}.model"],
+            optim_state_dict=state[f"{role}.optim"],
+        )
     extras_file = directory / f"extras-rank{rank}.pt"
-    if not extras_file.exists():  # resumed on more ranks than saved: rank 0's schedule is everyone's
+    if (
+        not extras_file.exists()
+    ):  # resumed on more ranks than saved: rank 0's schedule is everyone's
         extras_file = directory / "extras-rank0.pt"
     extras = torch.load(extras_file, weights_only=True)
     for role, sd in extras["sched"].items():
@@ -130,7 +158,9 @@ def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int)
     from common.safetensors_buffers import load_dir
 
     names = {t.name for t in load_dir(source_dir)}
-    sd = {k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items() if k in names}
+    sd = {
+        k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items() if k in names
+    }
     lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)

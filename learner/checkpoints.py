@@ -32,7 +32,9 @@ def staging_dir(root: Path, step: int) -> Path:
     return path
 
 
-def finalize(root: Path, staging: Path, step: int, state: dict[str, Any], *, keep: int | None = None) -> Path:
+def finalize(
+    root: Path, staging: Path, step: int, state: dict[str, Any], *, keep: int | None = None
+) -> Path:
     """Write the trainer state, publish the staged directory as step ``step`` and mark it latest."""
     # cast: msgpack's stub allows None (a Packer with autoreset off), packb always gives bytes
     atomic_write_bytes(staging / STATE, cast(bytes, msgpack.packb(state, use_bin_type=True)))
@@ -46,8 +48,11 @@ def finalize(root: Path, staging: Path, step: int, state: dict[str, Any], *, kee
 
 
 def _prune(root: Path, keep: int) -> None:
-    steps = sorted(int(p.name.removeprefix("global_step_")) for p in root.glob("global_step_*")
-                   if p.name.removeprefix("global_step_").isdigit())
+    steps = sorted(
+        int(p.name.removeprefix("global_step_"))
+        for p in root.glob("global_step_*")
+        if p.name.removeprefix("global_step_").isdigit()
+    )
     for s in steps[:-keep]:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
 

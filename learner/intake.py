@@ -98,8 +98,12 @@ class IntakeStarved(RuntimeError):
     """The buffer is full and still holds fewer groups than a training batch needs."""
 
 
-def build_server(config: Config, *, persist: Callable[[BatchReceived], Any] | None = None,
-                 publish_initial: bool = True) -> tuple[LearnerServer, ZmqServerChannel]:
+def build_server(
+    config: Config,
+    *,
+    persist: Callable[[BatchReceived], Any] | None = None,
+    publish_initial: bool = True,
+) -> tuple[LearnerServer, ZmqServerChannel]:
     """The protocol server of the run config, bound. ``publish_initial`` serves the model directory's
     weights as version 0 to rollout servers that ask."""
     t = config.transport
@@ -115,8 +119,10 @@ def build_server(config: Config, *, persist: Callable[[BatchReceived], Any] | No
     # Filled in from data.* when the config is loaded (common.config.root): never None here.
     assert rollout.prompt_length is not None and rollout.response_length is not None
     limits = CodecLimits(
-        max_message_bytes=t.max_message_bytes, max_trajectories_per_batch=t.max_trajectories_per_batch,
-        max_tokens_per_trajectory=t.max_tokens_per_trajectory, vocab_size=vocab,
+        max_message_bytes=t.max_message_bytes,
+        max_trajectories_per_batch=t.max_trajectories_per_batch,
+        max_tokens_per_trajectory=t.max_tokens_per_trajectory,
+        vocab_size=vocab,
         max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
         max_response_tokens=rollout.response_length,
     )
@@ -124,25 +130,40 @@ def build_server(config: Config, *, persist: Callable[[BatchReceived], Any] | No
     # frame above it is ever buffered (libzmq's MAXMSGSIZE, SPEC §13).
     limits = dataclasses.replace(limits, max_message_bytes=run_message_bytes(limits))
     proto = LearnerProtocol(
-        tokenizer=tok, host=host_key(),
-        capacity=config.learner.buffer_batches, max_credits_per_peer=t.initial_credits, limits=limits,
-        heartbeat_interval_s=t.heartbeat_interval_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
+        tokenizer=tok,
+        host=host_key(),
+        capacity=config.learner.buffer_batches,
+        max_credits_per_peer=t.initial_credits,
+        limits=limits,
+        heartbeat_interval_s=t.heartbeat_interval_s,
+        heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
     curve = None
     if t.curve.enabled:
         # Both are required with curve on when the config is loaded (common.config.root).
         assert t.curve.secret_key_file is not None and t.curve.allowed_keys_dir is not None
         curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
-    if (warning := exposure_warning(config.learner.bind_address, curve=curve is not None)) is not None:
-        get_logger("learner.intake").warning(warning, address=config.learner.bind_address,
-                                             fix="learner.bind_address: tcp://127.0.0.1:PORT, or transport.curve")
-    channel = ZmqServerChannel(config.learner.bind_address, curve=curve, max_message_bytes=limits.max_message_bytes,
-                               budget=proto.message_budget)
+    if (
+        warning := exposure_warning(config.learner.bind_address, curve=curve is not None)
+    ) is not None:
+        get_logger("learner.intake").warning(
+            warning,
+            address=config.learner.bind_address,
+            fix="learner.bind_address: tcp://127.0.0.1:PORT, or transport.curve",
+        )
+    channel = ZmqServerChannel(
+        config.learner.bind_address,
+        curve=curve,
+        max_message_bytes=limits.max_message_bytes,
+        budget=proto.message_budget,
+    )
     server = LearnerServer(proto, channel, persist=persist)
     if publish_initial:
         from common.safetensors_buffers import load_dir
 
-        server.publish_weights(0, load_dir(config.actor_rollout_ref.model.path), chunk_bytes=t.weight_chunk_bytes)
+        server.publish_weights(
+            0, load_dir(config.actor_rollout_ref.model.path), chunk_bytes=t.weight_chunk_bytes
+        )
     return server, channel
 
 
@@ -166,8 +187,15 @@ class Intake:
     ``run_dir/intake-journal``); ``fresh``: without a state, delete the journal instead of replaying
     it (a new run). Binds the socket at once; ``run`` serves it."""
 
-    def __init__(self, config: Config, run_dir: Path, *, state: dict[str, Any] | None = None,
-                 journal_dir: Path | None = None, fresh: bool = False) -> None:
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        *,
+        state: dict[str, Any] | None = None,
+        journal_dir: Path | None = None,
+        fresh: bool = False,
+    ) -> None:
         self.config, self.run_dir = config, Path(run_dir)
         self._log = get_logger("learner.intake")
         # One window per (peer, code): a flood of bad frames costs a few lines and a summary.
@@ -175,11 +203,16 @@ class Intake:
         self._peer_errors = PeerErrorLog(self._log.warning, what="errors reported by peers")
         self._journal = Journal(journal_dir or Path(run_dir) / "intake-journal")
         if fresh and state is None and len(self._journal):
-            self._log.info("fresh run: deleting the intake journal", records=len(self._journal),
-                           directory=str(self._journal.directory))
+            self._log.info(
+                "fresh run: deleting the intake journal",
+                records=len(self._journal),
+                directory=str(self._journal.directory),
+            )
             self._journal.clear()
         try:
-            self._server, self._channel = build_server(config, persist=self._persist, publish_initial=False)
+            self._server, self._channel = build_server(
+                config, persist=self._persist, publish_initial=False
+            )
         except BaseException:
             self._journal.close()
             raise
@@ -187,21 +220,39 @@ class Intake:
         self._proto = self._server.proto
         self._buffer = GroupBuffer()
         self._position = 0  # highest journal record id whose groups reached the buffer
-        self._counts = dict.fromkeys(("batches", "trajectories", "tokens", "violations", "persisted_bytes",
-                                      "persist_failures", "replayed_records", "replayed_groups",
-                                      "probe_batches"), 0)
+        self._counts = dict.fromkeys(
+            (
+                "batches",
+                "trajectories",
+                "tokens",
+                "violations",
+                "persisted_bytes",
+                "persist_failures",
+                "replayed_records",
+                "replayed_groups",
+                "probe_batches",
+            ),
+            0,
+        )
         self._peer_versions: dict[str, int] = {}
         self._published_at: dict[int, float] = {}  # version -> when publishing began (monotonic)
-        self._applied: dict[int, dict[str, float]] = {}  # version -> weights/* metrics once all applied
+        self._applied: dict[
+            int, dict[str, float]
+        ] = {}  # version -> weights/* metrics once all applied
         self._apply_times: dict[int, list[float]] = {}  # version -> each server's apply_time_s
         self._arrived: anyio.Event | None = None
         self._joined: anyio.Event | None = None  # set when a rollout server joins
         self._rounds: dict[str, ValidationRound] = {}  # validation requests being waited for
-        self._rule: tuple[int, int] | None = None  # (policy version, max staleness) of the last request
+        self._rule: tuple[int, int] | None = (
+            None  # (policy version, max staleness) of the last request
+        )
         self._dropped_reported = 0
         self._admission: Admission | None = None
         self._remaining = 0  # groups the run can still train (admission grants no more)
-        self._tokens = {"generated": 0, "dropped": 0}  # sampled response tokens received / dropped as stale
+        self._tokens = {
+            "generated": 0,
+            "dropped": 0,
+        }  # sampled response tokens received / dropped as stale
         self._waste_reported = (0, 0)  # (generated, wasted) at the last waste_metrics call
         self._closed = self._started = False
         self._born = time.monotonic()
@@ -225,8 +276,13 @@ class Intake:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._server.run)
-                self._log.info("listening", address=self.address, tokenizer=self._proto.tokenizer.name,
-                               buffer_batches=self._proto.capacity, buffered_groups=len(self._buffer))
+                self._log.info(
+                    "listening",
+                    address=self.address,
+                    tokenizer=self._proto.tokenizer.name,
+                    buffer_batches=self._proto.capacity,
+                    buffered_groups=len(self._buffer),
+                )
                 task_status.started(self.address)
                 tg.start_soon(self._flush_peer_logs)
                 async for ev in self._server.events:
@@ -244,9 +300,13 @@ class Intake:
             summary = self.summary()
             self._log.info("intake stopped", **summary)
             with contextlib.suppress(OSError):  # a report: never worth failing the shutdown for
-                (self.run_dir / "intake_stats.json").write_text(json.dumps(summary, indent=2) + "\n")
+                (self.run_dir / "intake_stats.json").write_text(
+                    json.dumps(summary, indent=2) + "\n"
+                )
 
-    def configure_admission(self, batch_groups: int, max_staleness: int, remaining_groups: int) -> None:
+    def configure_admission(
+        self, batch_groups: int, max_staleness: int, remaining_groups: int
+    ) -> None:
         """Grant rollout servers that offer admission the groups a run of ``remaining_groups`` more
         groups, ``batch_groups`` per step, needs at ``max_staleness`` (``learner.admission``).
         Call before ``run``."""
@@ -256,10 +316,17 @@ class Intake:
         # Room for every admitted group (one batch each at worst) and the credits promised, so a
         # group the learner waits for can always be delivered.
         self._proto.capacity = max(self._proto.capacity, 2 * self._admission.window)
-        self._log.info("admission", window=self._admission.window, groups_per_step=batch_groups,
-                       max_staleness=max_staleness, groups_left=remaining_groups)
+        self._log.info(
+            "admission",
+            window=self._admission.window,
+            groups_per_step=batch_groups,
+            max_staleness=max_staleness,
+            groups_left=remaining_groups,
+        )
 
-    async def next_batch(self, n_groups: int, policy_version: int, max_staleness: int) -> TakenBatch:
+    async def next_batch(
+        self, n_groups: int, policy_version: int, max_staleness: int
+    ) -> TakenBatch:
         """Wait until ``n_groups`` fresh groups are buffered and take them, earliest deadline first.
         Groups staler than ``max_staleness`` are dropped whenever they are seen. With admission, also
         wait for every group still generating that this step must train (it is too stale after)."""
@@ -267,9 +334,14 @@ class Intake:
             raise ValueError(f"n_groups must be >= 1 (got {n_groups})")
         t0 = time.monotonic()
         while True:
-            self._rule = (policy_version, max_staleness)  # also applied to arrivals until the next call
+            self._rule = (
+                policy_version,
+                max_staleness,
+            )  # also applied to arrivals until the next call
             self._drop_stale(policy_version, max_staleness)
-            if len(self._buffer) >= n_groups and self._can_take(n_groups, policy_version, max_staleness):
+            if len(self._buffer) >= n_groups and self._can_take(
+                n_groups, policy_version, max_staleness
+            ):
                 break
             if self._closed:
                 raise IntakeClosed("the intake was closed")
@@ -279,12 +351,18 @@ class Intake:
         out = self._buffer.take(n_groups, policy_version, max_staleness)
         self._free(out.done_records)  # (nothing is stale here: dropped just above)
         groups = out.groups
-        dropped, self._dropped_reported = self._buffer.dropped_stale - self._dropped_reported, self._buffer.dropped_stale
+        dropped, self._dropped_reported = (
+            self._buffer.dropped_stale - self._dropped_reported,
+            self._buffer.dropped_stale,
+        )
         return TakenBatch(
-            trajectories=[t for g in groups for t in g.trajectories], group_uids=[g.uid for g in groups],
+            trajectories=[t for g in groups for t in g.trajectories],
+            group_uids=[g.uid for g in groups],
             group_sizes=[len(g.trajectories) for g in groups],
-            staleness=[g.staleness(policy_version) for g in groups], dropped_stale=dropped,
-            wait_s=time.monotonic() - t0, keys=[g.key for g in groups],
+            staleness=[g.staleness(policy_version) for g in groups],
+            dropped_stale=dropped,
+            wait_s=time.monotonic() - t0,
+            keys=[g.key for g in groups],
         )
 
     def mark_trained(self, taken: TakenBatch) -> None:
@@ -303,19 +381,25 @@ class Intake:
         wasted = self._tokens["dropped"] + dropped_there
         g0, w0 = self._waste_reported
         self._waste_reported = (generated, wasted)
-        return {"rollout/waste_frac": wasted / generated if generated else 0.0,
-                "rollout/waste_frac_step": (wasted - w0) / (generated - g0) if generated > g0 else 0.0,
-                "rollout/generated_tokens": float(generated), "rollout/wasted_tokens": float(wasted)}
+        return {
+            "rollout/waste_frac": wasted / generated if generated else 0.0,
+            "rollout/waste_frac_step": (wasted - w0) / (generated - g0) if generated > g0 else 0.0,
+            "rollout/generated_tokens": float(generated),
+            "rollout/wasted_tokens": float(wasted),
+        }
 
-    async def validate(self, policy_version: int, *, timeout_s: float, request_id: str | None = None
-                       ) -> ValidationRound:
+    async def validate(
+        self, policy_version: int, *, timeout_s: float, request_id: str | None = None
+    ) -> ValidationRound:
         """Ask every connected rollout server that offers validation to validate ``policy_version``
         (or newer) and wait until each answered or left, at most ``timeout_s`` in all. With no rollout
         server connected at all (before the first step), first wait within the same budget for one to
         join; servers that do not offer validation (protocol 1.0) are not asked. The round is
         returned with whatever arrived; answers after it returned are ignored."""
         deadline = time.monotonic() + timeout_s
-        rnd = ValidationRound(request_id or f"v{policy_version}-{uuid.uuid4().hex[:8]}", policy_version)
+        rnd = ValidationRound(
+            request_id or f"v{policy_version}-{uuid.uuid4().hex[:8]}", policy_version
+        )
         with anyio.move_on_after(timeout_s):
             while not self._proto.ready_peers() and not self._closed:
                 self._joined = self._joined or anyio.Event()
@@ -323,11 +407,20 @@ class Intake:
         left = deadline - time.monotonic()
         if left > 0 and not self._closed:
             self._rounds[rnd.request_id] = rnd
-            rnd.started = time.monotonic()  # the duration is the run's, not the wait for a server to join
+            rnd.started = (
+                time.monotonic()
+            )  # the duration is the run's, not the wait for a server to join
             try:
-                rnd.asked = self._server.request_validation(rnd.request_id, policy_version, timeout_s=left)
-                self._log.info("validation requested", request=rnd.request_id, policy_version=policy_version,
-                               servers=rnd.asked, timeout_s=round(left, 1))
+                rnd.asked = self._server.request_validation(
+                    rnd.request_id, policy_version, timeout_s=left
+                )
+                self._log.info(
+                    "validation requested",
+                    request=rnd.request_id,
+                    policy_version=policy_version,
+                    servers=rnd.asked,
+                    timeout_s=round(left, 1),
+                )
                 with anyio.move_on_after(left):
                     await rnd.wait()
             finally:
@@ -335,8 +428,14 @@ class Intake:
         rnd.duration_s = time.monotonic() - rnd.started
         return rnd
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, file: str = "",
-                        started: float | None = None) -> bool:
+    def publish_weights(
+        self,
+        version: int,
+        tensors: list[NamedBuffer],
+        *,
+        file: str = "",
+        started: float | None = None,
+    ) -> bool:
         """Send policy ``version`` to every rollout server (and to joiners that ask). The buffers must
         stay unchanged until the next publish. With ``file`` (a safetensors file holding exactly
         ``tensors``), servers on this machine load that file instead of receiving chunks.
@@ -347,8 +446,9 @@ class Intake:
         later planning is missed; `learner.publisher` retires such a slot file)."""
         replaced_chunked = self._proto.chunks_planned
         self._published_at[version] = time.monotonic() if started is None else started
-        self._server.publish_weights(version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes,
-                                     file=file)
+        self._server.publish_weights(
+            version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes, file=file
+        )
         if self._rule is not None:
             self._rule = (max(version, self._rule[0]), self._rule[1])
         return replaced_chunked
@@ -360,8 +460,11 @@ class Intake:
         if started is None or any(v < version for v in self._peer_versions.values()):
             return
         times = self._apply_times.pop(version)
-        self._applied[version] = {"weights/applied_s": time.monotonic() - started,
-                                  "weights/apply_s": max(times), "weights/version": version}
+        self._applied[version] = {
+            "weights/applied_s": time.monotonic() - started,
+            "weights/apply_s": max(times),
+            "weights/version": version,
+        }
         for old in [v for v in self._published_at if v <= version]:
             self._published_at.pop(old)
             self._apply_times.pop(old, None)
@@ -384,8 +487,12 @@ class Intake:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume without losing or re-training accepted data (plain
         msgpack/JSON types). Take it after ``mark_trained`` of the checkpointed step."""
-        return {"format": STATE_FORMAT, "protocol": self._proto.export_state(),
-                "pending": [[rid, uid] for rid, uid in self._buffer.pending_keys()], "position": self._position}
+        return {
+            "format": STATE_FORMAT,
+            "protocol": self._proto.export_state(),
+            "pending": [[rid, uid] for rid, uid in self._buffer.pending_keys()],
+            "position": self._position,
+        }
 
     def checkpoint_saved(self, state: dict[str, Any]) -> None:
         """``state`` (from ``state_dict``) is now the oldest one a restart may resume from: delete the
@@ -393,7 +500,9 @@ class Intake:
         needed = [int(rid) for rid, _ in state["pending"]] + [int(state["position"]) + 1]
         removed = self._journal.truncate_before(min(needed))
         if removed:
-            self._log.debug("journal compacted", records_removed=removed, records_left=len(self._journal))
+            self._log.debug(
+                "journal compacted", records_removed=removed, records_left=len(self._journal)
+            )
 
     def close(self) -> None:
         """Say BYE to every rollout server and stop; ``run`` returns once that is sent. Waiting
@@ -411,19 +520,31 @@ class Intake:
     @property
     def stats(self) -> dict[str, int | float]:
         p = self._proto.stats
-        return {"peers": len(self._proto.ready_peers()), **self._counts,
-                **{f"violations_{code.lower()}": n for code, n in sorted(self._peer_log.counts.items())},
-                "violations_log_suppressed": self._peer_log.suppressed_total,
-                "duplicate_batches": p["duplicate_batches"], "duplicate_trajectories": p["duplicate_trajectories"],
-                "dropped_stale_groups": self._buffer.dropped_stale, "buffered_groups": len(self._buffer),
-                "in_flight_groups": self._buffer.in_flight, "buffered_batches": self._proto.buffered,
-                "journal_records": len(self._journal)}
+        return {
+            "peers": len(self._proto.ready_peers()),
+            **self._counts,
+            **{
+                f"violations_{code.lower()}": n for code, n in sorted(self._peer_log.counts.items())
+            },
+            "violations_log_suppressed": self._peer_log.suppressed_total,
+            "duplicate_batches": p["duplicate_batches"],
+            "duplicate_trajectories": p["duplicate_trajectories"],
+            "dropped_stale_groups": self._buffer.dropped_stale,
+            "buffered_groups": len(self._buffer),
+            "in_flight_groups": self._buffer.in_flight,
+            "buffered_batches": self._proto.buffered,
+            "journal_records": len(self._journal),
+        }
 
     def summary(self) -> dict[str, int | float]:
         """``stats`` plus rates since the intake was made (the periodic log line)."""
         s = self.stats
         dt = max(time.monotonic() - self._born, 1e-9)
-        return {**s, "traj_per_s": round(s["trajectories"] / dt, 1), "tokens_per_s": round(s["tokens"] / dt)}
+        return {
+            **s,
+            "traj_per_s": round(s["trajectories"] / dt, 1),
+            "tokens_per_s": round(s["tokens"] / dt),
+        }
 
     @property
     def peer_versions(self) -> dict[str, int]:
@@ -451,20 +572,27 @@ class Intake:
         position = 0
         if state is not None:
             if state.get("format") != STATE_FORMAT:
-                raise ValueError(f"intake state of format {state.get('format')!r}, expected {STATE_FORMAT}")
+                raise ValueError(
+                    f"intake state of format {state.get('format')!r}, expected {STATE_FORMAT}"
+                )
             self._proto.restore_state(state["protocol"])
             position = int(state["position"])
             for rid, uid in state["pending"]:
                 pending.setdefault(int(rid), set()).add(uid)
-            journal.advance_to(position + 1)  # records appended from now on are replayed after a crash
-        wanted: dict[int, set[str] | None] = {**pending}  # record id -> group uids to replay (None: all)
+            journal.advance_to(
+                position + 1
+            )  # records appended from now on are replayed after a crash
+        wanted: dict[int, set[str] | None] = {
+            **pending
+        }  # record id -> group uids to replay (None: all)
         wanted.update((rid, None) for rid in journal.record_ids if rid > position)
         missing = sorted(rid for rid in wanted if rid not in journal)
         if missing:
             raise ValueError(
                 f"the intake journal {journal.directory} lacks {len(missing)} records the checkpoint needs "
                 f"(ids {missing[:5]}...): it belongs to another run, or it was compacted for a later "
-                "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run.")
+                "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run."
+            )
         for rec in journal.records(wanted):
             n = len(self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id]))
             self._proto.replay_batch(rec.peer_id, rec.epoch, rec.seq, rec.trajectories.ids)
@@ -474,8 +602,13 @@ class Intake:
             self._counts["replayed_groups"] += n
         self._position = max([position, *wanted])
         if wanted:
-            self._log.info("replayed the intake journal", records=len(wanted), groups=len(self._buffer),
-                           position=position, from_state=state is not None)
+            self._log.info(
+                "replayed the intake journal",
+                records=len(wanted),
+                groups=len(self._buffer),
+                position=position,
+                from_state=state is not None,
+            )
 
     def _handle(self, ev: Event) -> None:
         match ev:
@@ -501,8 +634,12 @@ class Intake:
                 self._wake()
             case BatchRefused():
                 self._counts["persist_failures"] += 1
-                self._log.error("could not store a batch; its rollout server will resend it", peer=ev.peer_id,
-                                seq=ev.seq, error=ev.reason)
+                self._log.error(
+                    "could not store a batch; its rollout server will resend it",
+                    peer=ev.peer_id,
+                    seq=ev.seq,
+                    error=ev.reason,
+                )
             case PeerJoined():
                 if self._joined is not None:
                     self._joined.set()
@@ -511,11 +648,17 @@ class Intake:
                     self._peer_versions[ev.peer_id] = ev.hello.policy_version
                 else:
                     self._peer_versions.pop(ev.peer_id, None)
-                self._log.info("rollout server joined", peer=ev.peer_id, epoch=ev.hello.epoch,
-                               policy_version=ev.hello.policy_version)
+                self._log.info(
+                    "rollout server joined",
+                    peer=ev.peer_id,
+                    epoch=ev.hello.epoch,
+                    policy_version=ev.hello.policy_version,
+                )
                 if self._admission is not None:
                     if ev.peer_id in self._proto.admission_peers():
-                        self._admission.joined(ev.peer_id, ev.hello.slots)  # a new session: earlier grants are void
+                        self._admission.joined(
+                            ev.peer_id, ev.hello.slots
+                        )  # a new session: earlier grants are void
                     else:
                         self._admission.left(ev.peer_id)
                     self._admit()
@@ -530,26 +673,55 @@ class Intake:
                 if a.ok:
                     self._peer_versions[ev.peer_id] = a.version
                     self._note_applied(a.version, a.apply_time_s)
-                self._log.debug("weights applied", peer=ev.peer_id, version=a.version, ok=a.ok, error=a.error,
-                                apply_time_s=a.apply_time_s)
+                self._log.debug(
+                    "weights applied",
+                    peer=ev.peer_id,
+                    version=a.version,
+                    ok=a.ok,
+                    error=a.error,
+                    apply_time_s=a.apply_time_s,
+                )
             case ValidationReceived():
                 r = ev.result
                 if (rnd := self._rounds.get(r.request_id)) is not None:
                     rnd.answered(ev.peer_id, r)
-                self._log.info("validation result", peer=ev.peer_id, request=r.request_id, ok=r.ok, episodes=r.count,
-                               policy_version=r.policy_version, error=r.error or None, late=rnd is None)
+                self._log.info(
+                    "validation result",
+                    peer=ev.peer_id,
+                    request=r.request_id,
+                    ok=r.ok,
+                    episodes=r.count,
+                    policy_version=r.policy_version,
+                    error=r.error or None,
+                    late=rnd is None,
+                )
             case ValidationAbandoned():
                 if (rnd := self._rounds.get(ev.request_id)) is not None:
                     rnd.left(ev.peer_id, ev.reason)
-                    self._log.warning("a rollout server left before its validation result", peer=ev.peer_id,
-                                      request=ev.request_id, why=ev.reason)
+                    self._log.warning(
+                        "a rollout server left before its validation result",
+                        peer=ev.peer_id,
+                        request=ev.request_id,
+                        why=ev.reason,
+                    )
             case ProtocolViolation():
                 self._counts["violations"] += 1
-                self._peer_log.log(ev.peer_id, ev.error.code.name, time.monotonic(), "invalid message",
-                                   error=ev.error.message[:300], field=ev.error.field)
+                self._peer_log.log(
+                    ev.peer_id,
+                    ev.error.code.name,
+                    time.monotonic(),
+                    "invalid message",
+                    error=ev.error.message[:300],
+                    field=ev.error.field,
+                )
             case PeerError():
-                self._peer_errors.log(ev.peer_id, str(ev.error.code), time.monotonic(), "peer reported an error",
-                                      error=ev.error.message[:300])
+                self._peer_errors.log(
+                    ev.peer_id,
+                    str(ev.error.code),
+                    time.monotonic(),
+                    "peer reported an error",
+                    error=ev.error.message[:300],
+                )
 
     async def _flush_peer_logs(self, every_s: float = 10.0) -> None:
         """Summaries of suppressed peer errors come out within ``every_s`` of their window's end."""
@@ -561,7 +733,10 @@ class Intake:
     def peer_error_metrics(self) -> dict[str, float]:
         """``intake/violations/<CODE>``: invalid messages refused so far, per error code (every one,
         logged or not); ``intake/violations_log_suppressed``: those not logged in full."""
-        out = {f"intake/violations/{code}": float(n) for code, n in sorted(self._peer_log.counts.items())}
+        out = {
+            f"intake/violations/{code}": float(n)
+            for code, n in sorted(self._peer_log.counts.items())
+        }
         out["intake/violations"] = float(self._counts["violations"])
         out["intake/violations_log_suppressed"] = float(self._peer_log.suppressed_total)
         return out
@@ -570,8 +745,12 @@ class Intake:
         out = self._buffer.drop_stale(policy_version, max_staleness)
         if out.dropped:
             self._tokens["dropped"] += sum(g.sampled_tokens for g in out.dropped)
-            self._log.debug("stale groups dropped", groups=len(out.dropped), policy_version=policy_version,
-                            max_staleness=max_staleness)
+            self._log.debug(
+                "stale groups dropped",
+                groups=len(out.dropped),
+                policy_version=policy_version,
+                max_staleness=max_staleness,
+            )
             self._admit()
         self._free(out.done_records)
 
@@ -581,8 +760,11 @@ class Intake:
         wait could not help)."""
         if self._admission is None:
             return True
-        left = [g.oldest_version + max_staleness for g in self._buffer.by_deadline()[n_groups:]
-                if g.oldest_version is not None]
+        left = [
+            g.oldest_version + max_staleness
+            for g in self._buffer.by_deadline()[n_groups:]
+            if g.oldest_version is not None
+        ]
         return self._admission.can_take(left, policy_version)
 
     def _received(self, peer_id: str, groups: list[Group]) -> None:
@@ -597,10 +779,13 @@ class Intake:
         if self._admission is None or self._closed:
             return
         held = len(self._buffer) + self._buffer.in_flight
-        for peer, n in self._admission.grants(held=held, remaining=self._remaining,
-                                              min_version=self._proto.policy_version):
+        for peer, n in self._admission.grants(
+            held=held, remaining=self._remaining, min_version=self._proto.policy_version
+        ):
             self._server.admit(peer, n, self._proto.policy_version)
-            self._log.debug("groups admitted", peer=peer, groups=n, min_version=self._proto.policy_version)
+            self._log.debug(
+                "groups admitted", peer=peer, groups=n, min_version=self._proto.policy_version
+            )
 
     def _free(self, records: list[int]) -> None:
         if records:
@@ -627,11 +812,17 @@ class Intake:
             raise IntakeStarved(
                 f"the intake buffer is full ({buf.records} batches, learner.buffer_batches={proto.capacity}) "
                 f"but holds only {len(buf)} fresh groups and a training batch needs {n_groups}: raise "
-                "learner.buffer_batches (or ship more groups per batch)")
+                "learner.buffer_batches (or ship more groups per batch)"
+            )
 
 
-async def serve(config: Config, run_dir: Path, *, stats_interval_s: float = 10.0,
-                task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
+async def serve(
+    config: Config,
+    run_dir: Path,
+    *,
+    stats_interval_s: float = 10.0,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> int:
     """The intake alone (no trainer): batches count as trained as soon as they arrive. Stops on
     SIGINT/SIGTERM; a stats line is logged every ``stats_interval_s`` and written to
     ``RUN_DIR/intake_stats.json`` on exit."""
@@ -641,11 +832,21 @@ async def serve(config: Config, run_dir: Path, *, stats_interval_s: float = 10.0
     intake = Intake(config, run_dir, fresh=True)
     # Version 0 is the checkpoint the run starts from: served to rollout servers that ask for it.
     intake.publish_weights(0, load_dir(config.actor_rollout_ref.model.path))
-    keys = ("peers", "batches", "trajectories", "traj_per_s", "tokens_per_s", "violations", "duplicate_batches",
-            "duplicate_trajectories")
+    keys = (
+        "peers",
+        "batches",
+        "trajectories",
+        "traj_per_s",
+        "tokens_per_s",
+        "violations",
+        "duplicate_batches",
+        "duplicate_trajectories",
+    )
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(intake.run)  # the group then waits for it to return (BYE sent to every peer)
+            await tg.start(
+                intake.run
+            )  # the group then waits for it to return (BYE sent to every peer)
             task_status.started(intake.address)
 
             async def on_signal() -> None:
@@ -665,7 +866,9 @@ async def serve(config: Config, run_dir: Path, *, stats_interval_s: float = 10.0
                 helpers.start_soon(report)
                 try:
                     while True:
-                        taken = await intake.next_batch(max(1, int(intake.stats["buffered_groups"])), 0, sys.maxsize)
+                        taken = await intake.next_batch(
+                            max(1, int(intake.stats["buffered_groups"])), 0, sys.maxsize
+                        )
                         intake.mark_trained(taken)
                 except IntakeClosed:
                     pass

@@ -56,8 +56,9 @@ _ID_LEN = struct.Struct("<QQ")  # what the crc covers before the body
 _META_LEN = struct.Struct("<I")
 SUFFIX = ".seg"
 # Records were validated when they were received: reading back only has to trust the sizes.
-_READ_LIMITS = codec.CodecLimits(max_message_bytes=1 << 62, max_trajectories_per_batch=1 << 62,
-                                 max_tokens_per_trajectory=1 << 62)
+_READ_LIMITS = codec.CodecLimits(
+    max_message_bytes=1 << 62, max_trajectories_per_batch=1 << 62, max_tokens_per_trajectory=1 << 62
+)
 
 
 class JournalError(Exception):
@@ -99,14 +100,16 @@ def _write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
     for part in parts:
         view = memoryview(part)
         while view.nbytes:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
 
 
 class Journal:
     """Append-only journal in ``directory`` (created if needed). ``durable=False`` skips the fsyncs
     (tests, benchmarks); ``segment_bytes`` is the size after which a new segment starts."""
 
-    def __init__(self, directory: Path, *, segment_bytes: int = 64 << 20, durable: bool = True) -> None:
+    def __init__(
+        self, directory: Path, *, segment_bytes: int = 64 << 20, durable: bool = True
+    ) -> None:
         self.directory = Path(directory)
         self.segment_bytes, self.durable = segment_bytes, durable
         self._log = get_logger("learner.journal")
@@ -116,7 +119,9 @@ class Journal:
         self._fd: int | None = None
         self._failed: str | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stray in self.directory.glob(f".*{SUFFIX}.tmp"):  # a segment whose creation was cut short
+        for stray in self.directory.glob(
+            f".*{SUFFIX}.tmp"
+        ):  # a segment whose creation was cut short
             stray.unlink()
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             self._segments.append(self._scan(path))
@@ -165,12 +170,27 @@ class Journal:
             yield self.read(rid)
 
     # -- writing ---------------------------------------------------------------------------------
-    def append(self, peer_id: str, epoch: str, seq: int, trajectories: Sequence[Trajectory]) -> tuple[int, int]:
+    def append(
+        self, peer_id: str, epoch: str, seq: int, trajectories: Sequence[Trajectory]
+    ) -> tuple[int, int]:
         """Write one batch durably; returns (record id, bytes written). Thread-safe."""
-        frames = [_bytes_view(f) for f in codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))]
+        frames = [
+            _bytes_view(f)
+            for f in codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
+        ]
         # cast: msgpack's stub allows None (a Packer with autoreset off), packb always gives bytes
-        meta = cast(bytes, msgpack.packb({"peer_id": peer_id, "epoch": epoch, "seq": seq,
-                                          "frames": [f.nbytes for f in frames]}, use_bin_type=True))
+        meta = cast(
+            bytes,
+            msgpack.packb(
+                {
+                    "peer_id": peer_id,
+                    "epoch": epoch,
+                    "seq": seq,
+                    "frames": [f.nbytes for f in frames],
+                },
+                use_bin_type=True,
+            ),
+        )
         parts: list[memoryview | bytes] = [_META_LEN.pack(len(meta)), meta, *frames]
         body_len = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
@@ -248,7 +268,11 @@ class Journal:
     # -- internals -------------------------------------------------------------------------------
     def _writable(self, nbytes: int) -> tuple[_Segment, int]:
         seg = self._active
-        if seg is None or self._fd is None or (seg.records and seg.size + nbytes > self.segment_bytes):
+        if (
+            seg is None
+            or self._fd is None
+            or (seg.records and seg.size + nbytes > self.segment_bytes)
+        ):
             seg = self._start_segment()
         assert self._fd is not None
         return seg, self._fd
@@ -305,16 +329,27 @@ class Journal:
             if len(head) < _SEGMENT_HEAD.size:
                 raise JournalError(f"{path}: truncated segment header")
             magic, version, first = _SEGMENT_HEAD.unpack(head)
-            if magic != SEGMENT_MAGIC or version != FORMAT_VERSION or path.name != _segment_name(first):
-                raise JournalError(f"{path}: not an intake journal segment of format {FORMAT_VERSION}")
+            if (
+                magic != SEGMENT_MAGIC
+                or version != FORMAT_VERSION
+                or path.name != _segment_name(first)
+            ):
+                raise JournalError(
+                    f"{path}: not an intake journal segment of format {FORMAT_VERSION}"
+                )
             seg = _Segment(first, path, _SEGMENT_HEAD.size)
             prev = first - 1
             total = os.fstat(f.fileno()).st_size
             while seg.size < total:
                 reason = self._check_record(f, seg.size, total, prev)
                 if isinstance(reason, str):
-                    self._log.warning("torn record at the end of the journal ignored", segment=path.name,
-                                      offset=seg.size, bytes=total - seg.size, reason=reason)
+                    self._log.warning(
+                        "torn record at the end of the journal ignored",
+                        segment=path.name,
+                        offset=seg.size,
+                        bytes=total - seg.size,
+                        reason=reason,
+                    )
                     break
                 rid, length = reason
                 seg.records[rid] = (seg.size, length)
@@ -356,15 +391,17 @@ class Journal:
 
 def _decode(record_id: int, data: bytes) -> JournalRecord:
     _, crc, rid, body_len = _RECORD_HEAD.unpack_from(data)
-    body = memoryview(data)[_RECORD_HEAD.size:]
+    body = memoryview(data)[_RECORD_HEAD.size :]
     if rid != record_id or zlib.crc32(body, zlib.crc32(_ID_LEN.pack(rid, body_len))) != crc:
         raise JournalError(f"record {record_id} changed on disk since the journal was opened")
     (meta_len,) = _META_LEN.unpack_from(body)
-    meta = msgpack.unpackb(body[_META_LEN.size:_META_LEN.size + meta_len], raw=False)
+    meta = msgpack.unpackb(body[_META_LEN.size : _META_LEN.size + meta_len], raw=False)
     frames, pos = [], _META_LEN.size + meta_len
     for n in meta["frames"]:
-        frames.append(body[pos:pos + n])
+        frames.append(body[pos : pos + n])
         pos += n
     msg = codec.decode(frames, _READ_LIMITS)
     assert isinstance(msg, TrajectoryBatch) and isinstance(msg.trajectories, Trajectories)
-    return JournalRecord(record_id, meta["peer_id"], meta["epoch"], meta["seq"], msg.trajectories, len(data))
+    return JournalRecord(
+        record_id, meta["peer_id"], meta["epoch"], meta["seq"], msg.trajectories, len(data)
+    )

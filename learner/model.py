@@ -51,7 +51,9 @@ class MicroBatch:
     model's outputs for the real response tokens in row-major order of ``response_valid``."""
 
     input_ids: torch.Tensor  # [B, T] padded, or [1, N] packed
-    hidden_idx: torch.Tensor  # [Nr]: row of the flattened hidden states that predicts each response token
+    hidden_idx: (
+        torch.Tensor
+    )  # [Nr]: row of the flattened hidden states that predicts each response token
     labels: torch.Tensor  # [Nr]: the response tokens
     response_valid: torch.Tensor  # [B, R] bool: position j < sample i's response length
     response_mask: torch.Tensor  # [B, R] float: 1 = trained on
@@ -68,13 +70,20 @@ class MicroBatch:
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of `PolicyHead` / `ValueHead` (integer tensors and Python values only,
         so FSDP's mixed-precision input cast leaves them alone)."""
-        return {"input_ids": self.input_ids, "hidden_idx": self.hidden_idx, "attention_mask": self.attention_mask,
-                "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens, "bounds": self.bounds}
+        return {
+            "input_ids": self.input_ids,
+            "hidden_idx": self.hidden_idx,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "cu_seqlens": self.cu_seqlens,
+            "bounds": self.bounds,
+        }
 
     def to_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[Nr] per response token -> [B, R], zeros past each response (differentiable)."""
-        return torch.zeros(self.response_valid.shape, dtype=flat.dtype, device=flat.device).masked_scatter(
-            self.response_valid, flat)
+        return torch.zeros(
+            self.response_valid.shape, dtype=flat.dtype, device=flat.device
+        ).masked_scatter(self.response_valid, flat)
 
 
 def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = False) -> MicroBatch:
@@ -85,7 +94,9 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
     r = max(max(s.response_len for s in samples), 1)
     valid = np.zeros((b, r), bool)
     mask = np.zeros((b, r), np.float32)
-    extra: dict[TokenField, np.ndarray] = {k: np.zeros((b, r), np.float32) for k in samples[0].token_fields()}
+    extra: dict[TokenField, np.ndarray] = {
+        k: np.zeros((b, r), np.float32) for k in samples[0].token_fields()
+    }
     labels, hidden = [], []
     starts = np.concatenate([[0], np.cumsum(lens)]) if packed else np.arange(b) * max(lens)
     for i, s in enumerate(samples):
@@ -100,9 +111,14 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
     def put(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
-    out = MicroBatch(input_ids=put(np.zeros(0, np.int64)), hidden_idx=put(np.concatenate(hidden).astype(np.int64)),
-                     labels=put(np.concatenate(labels).astype(np.int64)), response_valid=put(valid),
-                     response_mask=put(mask), fields={k: put(v) for k, v in extra.items()})
+    out = MicroBatch(
+        input_ids=put(np.zeros(0, np.int64)),
+        hidden_idx=put(np.concatenate(hidden).astype(np.int64)),
+        labels=put(np.concatenate(labels).astype(np.int64)),
+        response_valid=put(valid),
+        response_mask=put(mask),
+        fields={k: put(v) for k, v in extra.items()},
+    )
     if packed:
         out.input_ids = put(np.concatenate([s.input_ids for s in samples]).astype(np.int64)[None])
         out.position_ids = put(np.concatenate([np.arange(n) for n in lens]).astype(np.int64)[None])
@@ -112,8 +128,8 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
         ids = np.zeros((b, max(lens)), np.int64)
         attn = np.zeros((b, max(lens)), np.int64)
         for i, s in enumerate(samples):
-            ids[i, :lens[i]] = s.input_ids
-            attn[i, :lens[i]] = 1
+            ids[i, : lens[i]] = s.input_ids
+            attn[i, : lens[i]] = 1
         out.input_ids, out.attention_mask = put(ids), put(attn)
     return out
 
@@ -121,36 +137,66 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
 # -- attention ------------------------------------------------------------------------------------
 
 
-def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     packed_bounds: tuple[int, ...] | None = None, packed_cu_seqlens: torch.Tensor | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_bounds: tuple[int, ...] | None = None,
+    packed_cu_seqlens: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """A transformers attention function ([B, heads, T, D] in, [B, T, heads, D] out). Packed
     (``packed_bounds``: sequence starts in the one row): causal attention within each sequence.
     Otherwise causal SDPA, with the 2-D padding mask (all the mask function below hands over)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_bounds is None:
-        if attention_mask is not None and attention_mask.dim() == 2:  # [B, T] keys: causal & not padding
+        if (
+            attention_mask is not None and attention_mask.dim() == 2
+        ):  # [B, T] keys: causal & not padding
             t = query.shape[2]
             causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
             attention_mask = causal[None, None] & attention_mask[:, None, None, -t:].bool()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling
+        )
     if kwargs.get("sliding_window"):
-        raise NotImplementedError("packed micro-batches with sliding-window attention: set "
-                                  "actor_rollout_ref.model.use_remove_padding=false")
+        raise NotImplementedError(
+            "packed micro-batches with sliding-window attention: set "
+            "actor_rollout_ref.model.use_remove_padding=false"
+        )
     kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
-    if kernel is not None and packed_cu_seqlens is not None and query.dtype in (torch.float16, torch.bfloat16):
+    if (
+        kernel is not None
+        and packed_cu_seqlens is not None
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
         longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
         return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
-    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                    dropout=dropout, scaling=scaling, is_causal=True)[0]
-             for a, b in itertools.pairwise(packed_bounds)]
+    parts = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )[0]
+        for a, b in itertools.pairwise(packed_bounds)
+    ]
     return torch.cat(parts, dim=1), None
 
 
-VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor]
+VarlenKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor
+]
 """(q [N, heads, D], k, v [N, kv heads, D], cu_seqlens int32 [B + 1], longest, scale) -> [N, heads, D],
 causal within each sequence."""
 
@@ -167,7 +213,8 @@ def varlen_kernel(device: torch.device) -> VarlenKernel | None:
         pass
     else:
         return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True
+        )
     kernel = torch_varlen_kernel()
     if kernel is None:
         return None
@@ -175,8 +222,11 @@ def varlen_kernel(device: torch.device) -> VarlenKernel | None:
     if problem:
         from common.logging import get_logger
 
-        get_logger("learner.model").warning("torch varlen_attn not used for packed micro-batches: one SDPA call "
-                                            "per sequence instead", problem=problem)
+        get_logger("learner.model").warning(
+            "torch varlen_attn not used for packed micro-batches: one SDPA call "
+            "per sequence instead",
+            problem=problem,
+        )
         return None
     return kernel
 
@@ -190,12 +240,20 @@ def torch_varlen_kernel() -> VarlenKernel | None:
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    causal: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    causal: dict[str, Any] = (
+        {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    )
     if "is_causal" not in params and "window_size" not in params:
         return None
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-            scale: float | None) -> torch.Tensor:
+    def run(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        scale: float | None,
+    ) -> torch.Tensor:
         extra = dict(causal)
         if k.size(1) != q.size(1):
             if "enable_gqa" in params:
@@ -213,17 +271,21 @@ def torch_varlen_kernel() -> VarlenKernel | None:
     return run
 
 
-def check_varlen_kernel(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype) -> str | None:
+def check_varlen_kernel(
+    kernel: VarlenKernel, device: torch.device, dtype: torch.dtype
+) -> str | None:
     """None when ``kernel`` gives per-sequence causal SDPA's output and gradients (to ``dtype``'s
     precision) on two sequences with grouped key/value heads; else what went wrong."""
     gen = torch.Generator().manual_seed(0)
     lens, heads, kv_heads, dim = (5, 11), 4, 2, 64
     n = sum(lens)
-    q, k, v = (torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
     cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
     try:
-        out = kernel(q, k, v, cu, max(lens), dim ** -0.5)
+        out = kernel(q, k, v, cu, max(lens), dim**-0.5)
         got = [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
     except Exception as exc:  # a prototype API: any failure means "do not use it"
         return f"{type(exc).__name__}: {exc}"
@@ -231,8 +293,11 @@ def check_varlen_kernel(kernel: VarlenKernel, device: torch.device, dtype: torch
     for a, b in itertools.pairwise((0, *itertools.accumulate(lens))):
         qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
         ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
-        parts.append(torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=dim ** -0.5)[0].transpose(0, 1))
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=dim**-0.5
+            )[0].transpose(0, 1)
+        )
     ref = torch.cat(parts)
     want = [ref, *torch.autograd.grad(ref.float().square().sum(), (q, k, v))]
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -256,21 +321,33 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, flash_attention_mask)
 
 
-def _decoder_kwargs(config: object, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None, bounds: tuple[int, ...]) -> dict[str, Any]:
+def _decoder_kwargs(
+    config: object,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    bounds: tuple[int, ...],
+) -> dict[str, Any]:
     if position_ids is None:
         return {"attention_mask": attention_mask}
     attn = getattr(config, "_attn_implementation", None)  # a transformers PretrainedConfig's
     if attn != ATTENTION:
         # Any other attention would let the packed sequences attend to each other.
-        raise ValueError(f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
-                         f"(learner.model.load_causal_lm), not {attn!r}")
+        raise ValueError(
+            f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
+            f"(learner.model.load_causal_lm), not {attn!r}"
+        )
     return {"position_ids": position_ids, "packed_bounds": bounds, "packed_cu_seqlens": cu_seqlens}
 
 
-def hidden_states(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                  bounds: tuple[int, ...] = ()) -> torch.Tensor:
+def hidden_states(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    bounds: tuple[int, ...] = (),
+) -> torch.Tensor:
     """The decoder's last hidden states, flattened to [B*T or N, H]."""
     kw = _decoder_kwargs(decoder.config, attention_mask, position_ids, cu_seqlens, bounds)
     hidden = decoder(input_ids=input_ids, use_cache=False, **kw).last_hidden_state
@@ -288,21 +365,32 @@ class PolicyHead(nn.Module):
         # The rollout's logprobs are of the temperature-scaled distribution it sampled from.
         self.temperature = temperature if temperature > 0 else 1.0
 
-    def forward(self, input_ids: torch.Tensor, hidden_idx: torch.Tensor, labels: torch.Tensor,
-                with_entropy: bool = False, *, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                bounds: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_idx: torch.Tensor,
+        labels: torch.Tensor,
+        with_entropy: bool = False,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        bounds: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.lm.get_output_embeddings()
         assert head is not None  # a causal LM has one
-        hidden = hidden_states(self.lm.get_decoder(), input_ids, attention_mask, position_ids, cu_seqlens, bounds)
+        hidden = hidden_states(
+            self.lm.get_decoder(), input_ids, attention_mask, position_ids, cu_seqlens, bounds
+        )
         logits = head(hidden[hidden_idx]).float() / self.temperature
         logp = logprobs_from_logits(logits, labels)
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
 
 
-def policy_outputs(model: nn.Module, mb: MicroBatch, with_entropy: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def policy_outputs(
+    model: nn.Module, mb: MicroBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, R] logprobs (and entropy) of ``mb``'s response tokens under the (sharded) PolicyHead."""
     logp, ent = model(labels=mb.labels, with_entropy=with_entropy, **mb.model_inputs())
     return mb.to_rows(logp), (mb.to_rows(ent) if ent is not None else None)
@@ -317,9 +405,16 @@ class ValueHead(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, hidden_idx: torch.Tensor, *,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, bounds: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_idx: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        bounds: tuple[int, ...] = (),
+    ) -> torch.Tensor:
         kw = _decoder_kwargs(self.model.config, attention_mask, position_ids, cu_seqlens, bounds)
         out = self.model(input_ids=input_ids, use_cache=False, **kw).logits
         return out.float().reshape(-1)[hidden_idx]
@@ -335,7 +430,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in classes]
     if not layers:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={classes})")
+        raise ValueError(
+            f"{type(model).__name__}: no decoder layers found (_no_split_modules={classes})"
+        )
     return layers
 
 
@@ -373,8 +470,16 @@ def _device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def shard(wrapper: PolicyHead | ValueHead, inner: nn.Module, *, device: torch.device, param_offload: bool,
-          bf16: bool, world_size: int = 2, keep_gathered: bool | None = None) -> nn.Module:
+def shard(
+    wrapper: PolicyHead | ValueHead,
+    inner: nn.Module,
+    *,
+    device: torch.device,
+    param_offload: bool,
+    bf16: bool,
+    world_size: int = 2,
+    keep_gathered: bool | None = None,
+) -> nn.Module:
     """FSDP2 over every decoder layer of ``inner``, then the wrapper as the root unit.
 
     ``keep_gathered`` (None: `keep_unsharded` decides) sets ``reshard_after_forward``; the worker
@@ -385,11 +490,14 @@ def shard(wrapper: PolicyHead | ValueHead, inner: nn.Module, *, device: torch.de
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if keep_gathered is None:
-        keep_gathered = keep_unsharded(world_size, sum(p.numel() for p in wrapper.parameters()), bf16=bf16,
-                                       device=device)
+        keep_gathered = keep_unsharded(
+            world_size, sum(p.numel() for p in wrapper.parameters()), bf16=bf16, device=device
+        )
     kwargs: dict[str, Any] = {"reshard_after_forward": not keep_gathered}
     if bf16:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     if param_offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = [fully_shard(layer, **kwargs) for layer in decoder_layers(inner)]
@@ -408,20 +516,28 @@ def set_micro_batch(model: nn.Module, index: int, count: int) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
-        raise TypeError(f"set_micro_batch needs a model sharded by `shard`, got {type(model).__name__}")
+        raise TypeError(
+            f"set_micro_batch needs a model sharded by `shard`, got {type(model).__name__}"
+        )
     last = index == count - 1
     model.set_requires_gradient_sync(last)
     if getattr(model, "keep_gathered", False):
         model.set_reshard_after_backward(last)
 
 
-def load_causal_lm(path: str, *, trust_remote_code: bool, gradient_checkpointing: bool) -> PreTrainedModel:
+def load_causal_lm(
+    path: str, *, trust_remote_code: bool, gradient_checkpointing: bool
+) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     register_attention()
     # float32 master weights: mixed precision (bf16 on GPU) is FSDP's job, not the checkpoint's.
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                              attn_implementation=ATTENTION)
+    lm = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=ATTENTION,
+    )
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.use_cache = False
@@ -433,5 +549,10 @@ def load_value_model(path: str, *, trust_remote_code: bool) -> PreTrainedModel:
 
     register_attention()
     model = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=ATTENTION)
+        path,
+        num_labels=1,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=ATTENTION,
+    )
     return model

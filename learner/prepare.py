@@ -23,15 +23,25 @@ from learner.samples import Batching, OldFromForward, Sample, TokenField
 from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
 
-REMAX_BASELINE = "remax_baseline"  # reward_extras key set by the rollout side (rollout_service.groups)
+REMAX_BASELINE = (
+    "remax_baseline"  # reward_extras key set by the rollout side (rollout_service.groups)
+)
 
 
 def to_samples(trajs: Sequence[Trajectory]) -> list[Sample]:
     out = []
     for t in trajs:
-        ids = np.concatenate([np.asarray(t.prompt_ids, np.int64), np.asarray(t.response_ids, np.int64)])
-        out.append(Sample(ids, len(t.prompt_ids), np.asarray(t.response_mask, np.float32),
-                          rollout_logprobs=np.asarray(t.rollout_logprobs, np.float32)))
+        ids = np.concatenate(
+            [np.asarray(t.prompt_ids, np.int64), np.asarray(t.response_ids, np.int64)]
+        )
+        out.append(
+            Sample(
+                ids,
+                len(t.prompt_ids),
+                np.asarray(t.response_mask, np.float32),
+                rollout_logprobs=np.asarray(t.rollout_logprobs, np.float32),
+            )
+        )
     return out
 
 
@@ -48,9 +58,11 @@ def batching(config: Config, micro_size: int | None = None, *, can_pack: bool = 
     a varlen attention kernel on their GPU, or CPU workers)."""
     arr = config.actor_rollout_ref
     actor = arr.actor
-    return Batching(micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
-                    max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
-                    packed=arr.model.use_remove_padding and can_pack)
+    return Batching(
+        micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
+        max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
+        packed=arr.model.use_remove_padding and can_pack,
+    )
 
 
 def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None:
@@ -73,8 +85,14 @@ def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None
     in training would see another function: set skip_old_logprob_forward to never for it."""
     actor, alg = config.actor_rollout_ref.actor, config.algorithm
     off = actor.off_policy
-    if (off.old_logprobs != "recompute" or off.skip_old_logprob_forward == "never" or alg.use_kl_in_reward
-            or step < config.trainer.critic_warmup or actor.ppo_epochs != 1 or mini_batch_count(config) != 1):
+    if (
+        off.old_logprobs != "recompute"
+        or off.skip_old_logprob_forward == "never"
+        or alg.use_kl_in_reward
+        or step < config.trainer.critic_warmup
+        or actor.ppo_epochs != 1
+        or mini_batch_count(config) != 1
+    ):
         return None
     return OldFromForward(is_level=off.is_level, is_cap=off.is_cap)
 
@@ -82,7 +100,9 @@ def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None
 def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.from_numpy(np.array(r, copy=True)).to(dtype)  # wire arrays are read-only
+        out[i, : len(r)] = torch.from_numpy(np.array(r, copy=True)).to(
+            dtype
+        )  # wire arrays are read-only
     return out
 
 
@@ -114,7 +134,8 @@ def remax_baselines(trajs: Sequence[Trajectory]) -> torch.Tensor:
         raise ValueError(
             f"algorithm.adv_estimator=remax needs the greedy baseline reward_extras[{REMAX_BASELINE!r}] "
             f"on every trajectory; {len(missing)} lack it (e.g. {missing[0]}): are the rollout servers "
-            "running with the same algorithm.adv_estimator?")
+            "running with the same algorithm.adv_estimator?"
+        )
     return torch.tensor([float(t.reward_extras[REMAX_BASELINE]) for t in trajs])
 
 
@@ -122,11 +143,17 @@ def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
     a = np.asarray(values, np.float64)
     if not len(a):
         return {}
-    return {f"{prefix}/mean": float(a.mean()), f"{prefix}/std": float(a.std()),
-            f"{prefix}/min": float(a.min()), f"{prefix}/max": float(a.max())}
+    return {
+        f"{prefix}/mean": float(a.mean()),
+        f"{prefix}/std": float(a.std()),
+        f"{prefix}/min": float(a.min()),
+        f"{prefix}/max": float(a.max()),
+    }
 
 
-def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version: int) -> dict[str, float]:
+def batch_metrics(
+    trajs: Sequence[Trajectory], staleness: Sequence[int], version: int
+) -> dict[str, float]:
     """Reward, lengths, turns and terminations of a batch, overall and per data source (keys end
     in ``/{source}``: ``reward/mean/math``, ``batch/count/math``...), and its staleness."""
     out: dict[str, float] = _stats("reward", [t.reward for t in trajs])
@@ -140,10 +167,16 @@ def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version
             out[f"response/length_mean/{src}"] = float(np.mean([len(t.response_ids) for t in ts]))
             out[f"episode/turns_mean/{src}"] = float(np.mean([t.num_turns for t in ts]))
             for term in sorted({t.termination for t in ts}):
-                out[f"episode/termination/{term}/{src}"] = sum(t.termination == term for t in ts) / len(ts)
-    out |= {k.replace("response/", "response/length_"): v
-            for k, v in _stats("response", [len(t.response_ids) for t in trajs]).items()}
-    out["response/trained_tokens_mean"] = float(np.mean([int(np.sum(t.response_mask)) for t in trajs]))
+                out[f"episode/termination/{term}/{src}"] = sum(
+                    t.termination == term for t in ts
+                ) / len(ts)
+    out |= {
+        k.replace("response/", "response/length_"): v
+        for k, v in _stats("response", [len(t.response_ids) for t in trajs]).items()
+    }
+    out["response/trained_tokens_mean"] = float(
+        np.mean([int(np.sum(t.response_mask)) for t in trajs])
+    )
     out["episode/turns_mean"] = float(np.mean([t.num_turns for t in trajs]))
     out["episode/turns_max"] = float(np.max([t.num_turns for t in trajs]))
     for term in sorted({t.termination for t in trajs}):
@@ -152,8 +185,11 @@ def batch_metrics(trajs: Sequence[Trajectory], staleness: Sequence[int], version
     out["batch/snapshots"] = float(sum(t.is_snapshot for t in trajs))
     if staleness:
         st = np.asarray(staleness)
-        out |= {"staleness/mean": float(st.mean()), "staleness/max": float(st.max()),
-                "staleness/min": float(st.min())}
+        out |= {
+            "staleness/mean": float(st.mean()),
+            "staleness/max": float(st.max()),
+            "staleness/min": float(st.min()),
+        }
         for k in sorted(set(st.tolist())):
             out[f"staleness/frac_{k}"] = float((st == k).mean())
     return out

@@ -54,8 +54,9 @@ class WeightPublisher:
     files: WeightFiles | None = None  # None: chunks only
 
     @classmethod
-    def open(cls, config: Config, intake: Intake, ledger: VersionLedger, model: list[NamedBuffer]
-             ) -> WeightPublisher:
+    def open(
+        cls, config: Config, intake: Intake, ledger: VersionLedger, model: list[NamedBuffer]
+    ) -> WeightPublisher:
         """A publisher of weights named and typed as ``model`` (the checkpoint the run starts from),
         with slot files when ``learner.weights_file_dir`` is set and has room for every slot (else
         weights go as chunks only, with a warning)."""
@@ -79,18 +80,28 @@ class WeightPublisher:
         if self.files is not None and take is not None:
             slot, path = take
             try:
-                info = await workers.write_weights_file(WeightsFileRequest(self.weights, slot, str(path)))
+                info = await workers.write_weights_file(
+                    WeightsFileRequest(self.weights, slot, str(path))
+                )
             except BaseException:
                 self.files.failed(slot)
                 raise
-            replaced_chunked = self.intake.publish_weights(version, load_file(path), file=str(path), started=started)
+            replaced_chunked = self.intake.publish_weights(
+                version, load_file(path), file=str(path), started=started
+            )
             self.files.published(version, replaced_chunked=replaced_chunked)
-            return {"weights/gather_s": info.gather_s, "weights/copy_s": info.copy_s,
-                    "weights/pinned": float(info.pinned), "weights/via_file": 1.0,
-                    "weights/publish_s": time.perf_counter() - t0}
+            return {
+                "weights/gather_s": info.gather_s,
+                "weights/copy_s": info.copy_s,
+                "weights/pinned": float(info.pinned),
+                "weights/via_file": 1.0,
+                "weights/publish_s": time.perf_counter() - t0,
+            }
         parts = await workers.full_weights(self.weights)
-        tensors = [NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
-                   for w in parts]
+        tensors = [
+            NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
+            for w in parts
+        ]
         replaced_chunked = self.intake.publish_weights(version, tensors, started=started)
         if self.files is not None:
             self.files.published(version, replaced_chunked=replaced_chunked)
@@ -112,10 +123,15 @@ def _open_files(config: Config, model_bytes: int) -> WeightFiles | None:
     try:
         free = shutil.disk_usage(c.weights_file_dir).free
         if free < 1.1 * c.weights_file_slots * model_bytes:
-            raise OSError(f"{free / 1e9:.2f} GB free, {c.weights_file_slots} slots need "
-                          f"{1.1 * c.weights_file_slots * model_bytes / 1e9:.2f} GB")
+            raise OSError(
+                f"{free / 1e9:.2f} GB free, {c.weights_file_slots} slots need "
+                f"{1.1 * c.weights_file_slots * model_bytes / 1e9:.2f} GB"
+            )
         return WeightFiles(c.weights_file_dir, c.weights_file_slots)
     except OSError as e:
-        log.warning("weights go to rollout servers as chunks only: learner.weights_file_dir is not usable",
-                    dir=c.weights_file_dir, error=str(e))
+        log.warning(
+            "weights go to rollout servers as chunks only: learner.weights_file_dir is not usable",
+            dir=c.weights_file_dir,
+            error=str(e),
+        )
         return None

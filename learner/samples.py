@@ -26,10 +26,24 @@ from typing import Literal
 
 import numpy as np
 
-TokenField = Literal["old_logprobs", "ref_logprobs", "advantages", "returns", "values", "is_weights",
-                     "rollout_logprobs"]
-TOKEN_FIELDS: tuple[TokenField, ...] = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values",
-                                        "is_weights", "rollout_logprobs")
+TokenField = Literal[
+    "old_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "values",
+    "is_weights",
+    "rollout_logprobs",
+]
+TOKEN_FIELDS: tuple[TokenField, ...] = (
+    "old_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "values",
+    "is_weights",
+    "rollout_logprobs",
+)
 
 
 @dataclass
@@ -135,7 +149,9 @@ def even_chunks(items: Sequence[Sample], n: int) -> list[list[Sample]]:
     return out
 
 
-def balance_indices(lengths: Sequence[int], ranks: int, *, equal_counts: bool = True) -> list[list[int]]:
+def balance_indices(
+    lengths: Sequence[int], ranks: int, *, equal_counts: bool = True
+) -> list[list[int]]:
     """Greedy longest-first assignment of item indices to ranks by token count. ``equal_counts``:
     every rank gets the same number of items (+-1), as fixed-size micro-batches need; without it
     only the tokens are balanced (token-capped micro-batches)."""
@@ -152,7 +168,10 @@ def balance_indices(lengths: Sequence[int], ranks: int, *, equal_counts: bool = 
 
 def balance(samples: Sequence[Sample], ranks: int) -> list[list[Sample]]:
     """Greedy longest-first assignment by token count: equal sample counts (+-1), similar tokens."""
-    return [[samples[i] for i in part] for part in balance_indices([len(s.input_ids) for s in samples], ranks)]
+    return [
+        [samples[i] for i in part]
+        for part in balance_indices([len(s.input_ids) for s in samples], ranks)
+    ]
 
 
 def micro_batches(lengths: Sequence[int], batching: Batching) -> list[list[int]]:
@@ -166,7 +185,7 @@ def micro_batches(lengths: Sequence[int], batching: Batching) -> list[list[int]]
         return []
     if batching.max_tokens <= 0:
         size = max(1, batching.micro_size)
-        return [idx[i:i + size] for i in range(0, len(idx), size)]
+        return [idx[i : i + size] for i in range(0, len(idx), size)]
     longest_first = idx[::-1]
     n = len(_fill(longest_first, lengths, batching, None))
     while True:
@@ -176,7 +195,9 @@ def micro_batches(lengths: Sequence[int], batching: Batching) -> list[list[int]]
         n += 1  # an item found no room in n balanced bins: one more
 
 
-def _fill(order: Sequence[int], lengths: Sequence[int], batching: Batching, n: int | None) -> list[list[int]]:
+def _fill(
+    order: Sequence[int], lengths: Sequence[int], batching: Batching, n: int | None
+) -> list[list[int]]:
     """n None: first fit (a bin opens when none has room). n set: the cheapest of n bins that has
     room; an item with no room anywhere opens a bin beyond n (the caller then retries with more).
     ``order`` is longest first, so a bin's first item is its longest (padded cost = count x it)."""
@@ -191,7 +212,9 @@ def _fill(order: Sequence[int], lengths: Sequence[int], batching: Batching, n: i
         return (len(bins[b]) + 1) * lengths[bins[b][0]]
 
     for i in order:
-        fits = [b for b in range(len(bins)) if not bins[b] or cost_with(b, i) <= batching.max_tokens]
+        fits = [
+            b for b in range(len(bins)) if not bins[b] or cost_with(b, i) <= batching.max_tokens
+        ]
         if not fits:
             bins.append([])
             costs.append(0)
@@ -202,8 +225,14 @@ def _fill(order: Sequence[int], lengths: Sequence[int], batching: Batching, n: i
     return [b for b in bins if b]
 
 
-def split_for_ranks(samples: Sequence[Sample], *, mini_batches: int, ranks: int, micro_size: int = 4,
-                    batching: Batching | None = None) -> list[list[MiniBatchPlan]]:
+def split_for_ranks(
+    samples: Sequence[Sample],
+    *,
+    mini_batches: int,
+    ranks: int,
+    micro_size: int = 4,
+    batching: Batching | None = None,
+) -> list[list[MiniBatchPlan]]:
     """Per rank, the plans of ``mini_batches`` optimizer steps over ``samples`` (in order), cut by
     ``batching`` (default: ``micro_size`` samples per padded micro-batch)."""
     batching = batching or Batching(micro_size=micro_size)
@@ -214,7 +243,9 @@ def split_for_ranks(samples: Sequence[Sample], *, mini_batches: int, ranks: int,
         max_len = max(s.response_len for s in mb)
         micro = _deal(mb, ranks, batching)
         for r in range(ranks):
-            per_rank[r].append(MiniBatchPlan(micro[r], num_tokens, num_seqs, max_len, batching.packed))
+            per_rank[r].append(
+                MiniBatchPlan(micro[r], num_tokens, num_seqs, max_len, batching.packed)
+            )
     return per_rank
 
 
@@ -229,8 +260,10 @@ def _deal(items: Sequence[Sample], ranks: int, batching: Batching) -> list[list[
 def _deal_indices(lengths: Sequence[int], ranks: int, batching: Batching) -> list[list[list[int]]]:
     """Per rank, micro-batches of item indices, the same number on every rank; -1 is a dummy."""
     parts = balance_indices(lengths, ranks, equal_counts=batching.max_tokens <= 0)
-    per_rank = [[[part[j] for j in m] for m in micro_batches([lengths[i] for i in part], batching)]
-                for part in parts]
+    per_rank = [
+        [[part[j] for j in m] for m in micro_batches([lengths[i] for i in part], batching)]
+        for part in parts
+    ]
     n_micro = max(1, max(len(m) for m in per_rank))
     for m in per_rank:
         while len(m) < n_micro:
@@ -238,7 +271,10 @@ def _deal_indices(lengths: Sequence[int], ranks: int, batching: Batching) -> lis
     return per_rank
 
 
-def split_forward(samples: Sequence[Sample], *, ranks: int, micro_size: int = 4,
-                  batching: Batching | None = None) -> list[list[list[int]]]:
+def split_forward(
+    samples: Sequence[Sample], *, ranks: int, micro_size: int = 4, batching: Batching | None = None
+) -> list[list[list[int]]]:
     """Per rank, micro-batches of sample indices for a forward-only pass; -1 marks a dummy."""
-    return _deal_indices([len(s.input_ids) for s in samples], ranks, batching or Batching(micro_size=micro_size))
+    return _deal_indices(
+        [len(s.input_ids) for s in samples], ranks, batching or Batching(micro_size=micro_size)
+    )

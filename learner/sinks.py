@@ -53,8 +53,11 @@ WANDB_MISSING = (
 )
 SINK_PACKAGES: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", WANDB_MISSING),
-    "tensorboard": ("tensorboardX", "trainer.logger includes tensorboard but the tensorboardX package is not "
-                    "installed: pip install tensorboardX, or drop tensorboard from trainer.logger"),
+    "tensorboard": (
+        "tensorboardX",
+        "trainer.logger includes tensorboard but the tensorboardX package is not "
+        "installed: pip install tensorboardX, or drop tensorboard from trainer.logger",
+    ),
 }
 """Sinks whose package is optional: the package and the message that says how to get it."""
 
@@ -70,8 +73,13 @@ def missing_sink_packages(loggers: Sequence[str]) -> list[str]:
             return sys.modules[package] is not None
         return importlib.util.find_spec(package) is not None
 
-    return [message for name in dict.fromkeys(loggers) if name in SINK_PACKAGES
-            for package, message in [SINK_PACKAGES[name]] if not installed(package)]
+    return [
+        message
+        for name in dict.fromkeys(loggers)
+        if name in SINK_PACKAGES
+        for package, message in [SINK_PACKAGES[name]]
+        if not installed(package)
+    ]
 
 
 def preflight_issues(config: Config) -> tuple[list[str], list[str]]:
@@ -465,5 +473,3 @@ class MetricSinks:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-

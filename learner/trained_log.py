@@ -53,13 +53,17 @@ def read(path: Path) -> TrainedLog:
             log.steps = {s: v for s, v in log.steps.items() if s <= to}
             log.rollbacks.append(line["rollback"])
         elif "step" in line:
-            log.steps[int(line["step"])] = line  # no rollback record (older runs): the later line counts
+            log.steps[int(line["step"])] = (
+                line  # no rollback record (older runs): the later line counts
+            )
             log.highest_version = max(log.highest_version, int(line.get("policy_version", -1)))
     return log
 
 
 def append_step(path: Path, step: int, policy_version: int, trajectory_ids: list[str]) -> None:
-    _append(path, {"step": step, "policy_version": policy_version, "trajectory_ids": trajectory_ids})
+    _append(
+        path, {"step": step, "policy_version": policy_version, "trajectory_ids": trajectory_ids}
+    )
 
 
 def append_rollback(path: Path, record: dict[str, Any]) -> None:
@@ -71,7 +75,9 @@ def _append(path: Path, line: dict[str, Any], *, durable: bool = False) -> None:
     with open(path, "ab+") as f:
         if f.tell():
             f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # a torn last line: keep it on its own line, where readers skip it
+            if (
+                f.read(1) != b"\n"
+            ):  # a torn last line: keep it on its own line, where readers skip it
                 f.write(b"\n")
         f.write((json.dumps(line) + "\n").encode())
         if durable:

@@ -64,24 +64,45 @@ TRAINED_IDS = trained_log.TRAINED_IDS
 def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
     arr, critic, trainer = config.actor_rollout_ref, config.critic, config.trainer
     actor, optim = arr.actor, arr.actor.optim
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    warmup = (
+        optim.lr_warmup_steps
+        if optim.lr_warmup_steps >= 0
+        else int(optim.lr_warmup_steps_ratio * total_steps)
+    )
     device = trainer.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return WorkerSettings(
-        model_path=arr.model.path, device=device, trust_remote_code=arr.model.trust_remote_code,
+        model_path=arr.model.path,
+        device=device,
+        trust_remote_code=arr.model.trust_remote_code,
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-        param_offload=actor.fsdp_config.param_offload, optimizer_offload=actor.fsdp_config.optimizer_offload,
-        lr=optim.lr, betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay,
-        warmup_steps=warmup, total_steps=total_steps, lr_scheduler=optim.lr_scheduler,
-        min_lr_ratio=optim.min_lr_ratio, grad_clip=actor.grad_clip, temperature=arr.rollout.temperature,
-        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
-        use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+        param_offload=actor.fsdp_config.param_offload,
+        optimizer_offload=actor.fsdp_config.optimizer_offload,
+        lr=optim.lr,
+        betas=(optim.betas[0], optim.betas[1]),
+        weight_decay=optim.weight_decay,
+        warmup_steps=warmup,
+        total_steps=total_steps,
+        lr_scheduler=optim.lr_scheduler,
+        min_lr_ratio=optim.min_lr_ratio,
+        grad_clip=actor.grad_clip,
+        temperature=arr.rollout.temperature,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
         need_ref=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
         critic_model_path=(critic.model_path or arr.model.path) if critic.enable else None,
-        critic_lr=critic.optim.lr, critic_weight_decay=critic.optim.weight_decay,
-        critic_grad_clip=critic.grad_clip, cliprange_value=critic.cliprange_value, seed=trainer.seed,
+        critic_lr=critic.optim.lr,
+        critic_weight_decay=critic.optim.weight_decay,
+        critic_grad_clip=critic.grad_clip,
+        cliprange_value=critic.cliprange_value,
+        seed=trainer.seed,
     )
 
 
@@ -106,7 +127,9 @@ class Timer:
 @dataclass(frozen=True)
 class StepUpdate:
     metrics: dict[str, float]
-    actor_updated: bool  # the policy changed: a new version to publish (false during critic warm-up)
+    actor_updated: (
+        bool  # the policy changed: a new version to publish (false during critic warm-up)
+    )
 
 
 class Trainer:
@@ -124,7 +147,9 @@ class Trainer:
         self._workers: WorkerGroup | None = None
         self._intake: Intake | None = None
         self.publisher: WeightPublisher | None = None  # made once the intake is bound
-        self.ledger = VersionLedger(run_dir)  # versions only go up across restarts (learner.versions)
+        self.ledger = VersionLedger(
+            run_dir
+        )  # versions only go up across restarts (learner.versions)
         self._resume_metrics: dict[str, float] = {}  # logged with the first step
 
     # The parts made at start-up (`run`), each checked once here rather than at every use.
@@ -161,22 +186,37 @@ class Trainer:
 
         self.workers = WorkerGroup(self.settings, self.world)
         info = await self.workers.start()
-        self.log.info("workers ready", world_size=self.world, backend=info[0].backend,
-                      device=info[0].device, params=info[0].params)
+        self.log.info(
+            "workers ready",
+            world_size=self.world,
+            backend=info[0].backend,
+            device=info[0].device,
+            params=info[0].params,
+        )
         if resume is not None:
             await self.workers.load_checkpoint(str(resume))
 
-    def _init_algorithm_state(self, state: dict[str, Any] | None, resume_path: Path | None = None) -> None:
+    def _init_algorithm_state(
+        self, state: dict[str, Any] | None, resume_path: Path | None = None
+    ) -> None:
         from learner.algorithms import make_kl_controller
 
         k = self.config.algorithm.kl_ctrl
-        self._kl_ctrl = make_kl_controller(k.type, kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
+        self._kl_ctrl = make_kl_controller(
+            k.type, kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon
+        )
         torch.manual_seed(self.config.trainer.seed)
         if state:
             self.step, self.version = state["step"], state["policy_version"]
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         # After a restart the restored weights may need a version above every one published.
-        r = versions.resume(self.run_dir, self.ledger, step=self.step, checkpoint_version=self.version, checkpoint=resume_path)
+        r = versions.resume(
+            self.run_dir,
+            self.ledger,
+            step=self.step,
+            checkpoint_version=self.version,
+            checkpoint=resume_path,
+        )
         self.version, self._resume_metrics = r.version, r.metrics()
 
     # -- one step --------------------------------------------------------------------------------
@@ -204,14 +244,23 @@ class Trainer:
         rewards = token_level_scores(trajs, mask)
         if alg.use_kl_in_reward:
             assert old is not None  # the rule keeps the separate forward with KL in the reward
-            rewards, km = apply_kl_in_reward(rewards, old, response_tensors(samples, "ref_logprobs"), mask,
-                                             controller=self.kl_ctrl, kl_penalty_kind=alg.kl_penalty)
+            rewards, km = apply_kl_in_reward(
+                rewards,
+                old,
+                response_tensors(samples, "ref_logprobs"),
+                mask,
+                controller=self.kl_ctrl,
+                kl_penalty_kind=alg.kl_penalty,
+            )
             self.kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
             metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
         kwargs: dict[str, Any] = {
-            "token_level_rewards": rewards, "response_mask": mask,
+            "token_level_rewards": rewards,
+            "response_mask": mask,
             "index": np.array([t.group_uid for t in trajs], dtype=object),
-            "gamma": alg.gamma, "lam": alg.lam, "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
+            "gamma": alg.gamma,
+            "lam": alg.lam,
+            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
         }
         if self.settings.critic_model_path:
             kwargs["values"] = response_tensors(samples, "values")
@@ -220,15 +269,28 @@ class Trainer:
         adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
         set_tokens(samples, "advantages", adv)
         set_tokens(samples, "returns", returns)
-        if old is not None and cfg.off_policy.old_logprobs == "recompute" and cfg.off_policy.is_level != "off":
-            w, wm = truncated_is_weights(old, response_tensors(samples, "rollout_logprobs"), mask,
-                                         cap=cfg.off_policy.is_cap, level=cfg.off_policy.is_level)
+        if (
+            old is not None
+            and cfg.off_policy.old_logprobs == "recompute"
+            and cfg.off_policy.is_level != "off"
+        ):
+            w, wm = truncated_is_weights(
+                old,
+                response_tensors(samples, "rollout_logprobs"),
+                mask,
+                cap=cfg.off_policy.is_cap,
+                level=cfg.off_policy.is_level,
+            )
             set_tokens(samples, "is_weights", w)
             metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
         m = mask.bool()
         metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
         if old is not None:
-            metrics["rollout/logprob_diff"] = float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean()) if m.any() else 0.0
+            metrics["rollout/logprob_diff"] = (
+                float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean())
+                if m.any()
+                else 0.0
+            )
         return metrics
 
     async def _update(self, samples: list[Sample]) -> StepUpdate:
@@ -244,16 +306,31 @@ class Trainer:
                 s.ref_logprobs = None
         metrics: dict[str, float] = {}
         if self.settings.critic_model_path:
-            plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
-                                    batching=batching(self.config, self.config.critic.ppo_micro_batch_size_per_gpu,
-                                                      can_pack=self.workers.can_pack))
-            res = await self.workers.update([UpdateRequest("critic", p, cfg.ppo_epochs) for p in plans])
+            plans = split_for_ranks(
+                samples,
+                mini_batches=n_mini,
+                ranks=self.world,
+                batching=batching(
+                    self.config,
+                    self.config.critic.ppo_micro_batch_size_per_gpu,
+                    can_pack=self.workers.can_pack,
+                ),
+            )
+            res = await self.workers.update(
+                [UpdateRequest("critic", p, cfg.ppo_epochs) for p in plans]
+            )
             metrics |= reduce_worker_metrics(res, "critic")
         if self.step < self.config.trainer.critic_warmup:
             return StepUpdate(metrics, actor_updated=False)
-        plans = split_for_ranks(samples, mini_batches=n_mini, ranks=self.world,
-                                batching=batching(self.config, can_pack=self.workers.can_pack))
-        res = await self.workers.update([UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans])
+        plans = split_for_ranks(
+            samples,
+            mini_batches=n_mini,
+            ranks=self.world,
+            batching=batching(self.config, can_pack=self.workers.can_pack),
+        )
+        res = await self.workers.update(
+            [UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans]
+        )
         metrics |= reduce_worker_metrics(res, "actor")
         self.version += 1
         return StepUpdate(metrics, actor_updated=True)
@@ -261,7 +338,9 @@ class Trainer:
     async def train_step(self) -> dict[str, float]:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
-        taken = await self.intake.next_batch(self.config.data.train_batch_size, self.version, self.max_staleness)
+        taken = await self.intake.next_batch(
+            self.config.data.train_batch_size, self.version, self.max_staleness
+        )
         timer.lap("wait")
         trajs = list(taken.trajectories)
         metrics = batch_metrics(trajs, taken.staleness, self.version)
@@ -279,18 +358,25 @@ class Trainer:
         metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
         metrics |= self.intake.waste_metrics()
-        metrics |= self.intake.peer_error_metrics()  # intake/violations/<CODE>: refused peer messages
+        metrics |= (
+            self.intake.peer_error_metrics()
+        )  # intake/violations/<CODE>: refused peer messages
         self.step += 1
         self._audit(trajs)
         metrics |= timer.metrics()
         stats = self.intake.stats
-        metrics |= {"perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
-                    "perf/update_tokens_per_s": tokens * self.config.actor_rollout_ref.actor.ppo_epochs
-                    / max(timer.marks.get("update", 0.0), 1e-9),
-                    "policy/version": float(self.version), "intake/dropped_stale": float(taken.dropped_stale),
-                    "intake/dropped_stale_total": float(stats.get("dropped_stale_groups", 0)),
-                    "intake/peers": float(stats.get("peers", 0)), "kl_ctrl/coef": float(self.kl_ctrl.value),
-                    "rollout/n": float(rollout.n)}
+        metrics |= {
+            "perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
+            "perf/update_tokens_per_s": tokens
+            * self.config.actor_rollout_ref.actor.ppo_epochs
+            / max(timer.marks.get("update", 0.0), 1e-9),
+            "policy/version": float(self.version),
+            "intake/dropped_stale": float(taken.dropped_stale),
+            "intake/dropped_stale_total": float(stats.get("dropped_stale_groups", 0)),
+            "intake/peers": float(stats.get("peers", 0)),
+            "kl_ctrl/coef": float(self.kl_ctrl.value),
+            "rollout/n": float(rollout.n),
+        }
         lag = [self.version - v for v in self.intake.peer_versions.values()]
         if lag:
             metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
@@ -300,8 +386,9 @@ class Trainer:
         """One line per step in RUN_DIR/trained.jsonl: which trajectories this step trained on (for
         replay checks and for proving exactly-once training across restarts). A resumed run appends,
         after a rollback record for the steps it undid (``learner.trained_log``)."""
-        trained_log.append_step(self.run_dir / TRAINED_IDS, self.step, self.version,
-                                [t.trajectory_id for t in trajs])
+        trained_log.append_step(
+            self.run_dir / TRAINED_IDS, self.step, self.version, [t.trajectory_id for t in trajs]
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
     async def save_checkpoint(self) -> Path:
@@ -309,8 +396,12 @@ class Trainer:
         await self.workers.save_checkpoint(str(staging))
         await self.workers.export_hf(str(staging / "hf"), self.config.actor_rollout_ref.model.path)
         intake_state = self.intake.state_dict()
-        state = {"step": self.step, "policy_version": self.version, "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "intake": intake_state}
+        state = {
+            "step": self.step,
+            "policy_version": self.version,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "intake": intake_state,
+        }
         path = checkpoints.finalize(self.ckpt_root, staging, self.step, state)
         self.intake.checkpoint_saved(intake_state)
         self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
@@ -329,8 +420,12 @@ class Trainer:
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
-        self._intake = Intake(self.config, self.run_dir, state=state["intake"] if state else None,
-                             fresh=resume is None and self.config.trainer.resume_mode == "disable")
+        self._intake = Intake(
+            self.config,
+            self.run_dir,
+            state=state["intake"] if state else None,
+            fresh=resume is None and self.config.trainer.resume_mode == "disable",
+        )
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
             self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
@@ -339,13 +434,21 @@ class Trainer:
         publisher = self.publisher = WeightPublisher.open(self.config, self.intake, self.ledger, v0)
         publisher.publish_initial(self.version, v0 if resume is None else load_dir(resume / "hf"))
         t = self.config.trainer
-        sinks = MetricSinks(t.logger, self.run_dir, total_steps=self.total, start_step=self.step,
-                            project=t.project_name, experiment=t.experiment_name,
-                            config=self.config.model_dump(mode="json"))
+        sinks = MetricSinks(
+            t.logger,
+            self.run_dir,
+            total_steps=self.total,
+            start_step=self.step,
+            project=t.project_name,
+            experiment=t.experiment_name,
+            config=self.config.model_dump(mode="json"),
+        )
         try:
             async with anyio.create_task_group() as tg:
                 address = await tg.start(self.intake.run)
-                emit(Kind.LISTENING, "learner", address=address)  # bin/train starts rollout servers on it
+                emit(
+                    Kind.LISTENING, "learner", address=address
+                )  # bin/train starts rollout servers on it
                 try:
                     async with anyio.create_task_group() as training:
                         training.start_soon(self._on_signal, training.cancel_scope)
@@ -361,12 +464,19 @@ class Trainer:
                 self._workers.shutdown()
         return 0
 
-    async def _train(self, resume: Path | None, address: str, sinks: MetricSinks,
-                     task_status: TaskStatus[str]) -> None:
+    async def _train(
+        self, resume: Path | None, address: str, sinks: MetricSinks, task_status: TaskStatus[str]
+    ) -> None:
         t = self.config.trainer
         await self._start_workers(resume)
-        self.log.info("training", address=address, from_step=self.step, to_step=self.total,
-                      policy_version=self.version, resumed_from=str(resume) if resume else None)
+        self.log.info(
+            "training",
+            address=address,
+            from_step=self.step,
+            to_step=self.total,
+            policy_version=self.version,
+            resumed_from=str(resume) if resume else None,
+        )
         task_status.started(address)
         if t.val_before_train:  # also when resuming, as verl does
             sinks.log(self.step, await self._validate())
@@ -391,18 +501,38 @@ class Trainer:
         trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
         from learner.validation import validation_metrics
 
-        rnd = await self.intake.validate(self.version, timeout_s=self.config.trainer.val_timeout_s,
-                                         request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}")
+        rnd = await self.intake.validate(
+            self.version,
+            timeout_s=self.config.trainer.val_timeout_s,
+            request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}",
+        )
         metrics = validation_metrics(rnd)
-        missing = {**rnd.lost, **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s")}
-        self.log.info("validation", step=self.step, policy_version=self.version, servers=len(rnd.asked),
-                      episodes=int(metrics["val/count"]), reward=metrics.get("val/reward/mean"),
-                      seconds=round(rnd.duration_s, 1), missing=missing or None, failed=rnd.failed or None)
+        missing = {
+            **rnd.lost,
+            **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s"),
+        }
+        self.log.info(
+            "validation",
+            step=self.step,
+            policy_version=self.version,
+            servers=len(rnd.asked),
+            episodes=int(metrics["val/count"]),
+            reward=metrics.get("val/reward/mean"),
+            seconds=round(rnd.duration_s, 1),
+            missing=missing or None,
+            failed=rnd.failed or None,
+        )
         if not rnd.asked:
-            self.log.warning("validation skipped: no rollout server connected within trainer.val_timeout_s, or "
-                             "none offers validation", step=self.step)
+            self.log.warning(
+                "validation skipped: no rollout server connected within trainer.val_timeout_s, or "
+                "none offers validation",
+                step=self.step,
+            )
         elif not metrics["val/count"] and not missing:
-            self.log.warning("validation ran no episode: do the rollout servers have data.val_files?", step=self.step)
+            self.log.warning(
+                "validation ran no episode: do the rollout servers have data.val_files?",
+                step=self.step,
+            )
         return metrics
 
     async def _on_signal(self, scope: anyio.CancelScope) -> None:

@@ -34,12 +34,17 @@ if TYPE_CHECKING:
 
 
 def loss_norm(plan: MiniBatchPlan, world: int) -> LossNorm:
-    return LossNorm(dp_size=world, batch_num_tokens=max(plan.num_tokens, 1),
-                    global_batch_size=max(plan.num_seqs, 1), loss_scale_factor=max(plan.max_response_len, 1))
+    return LossNorm(
+        dp_size=world,
+        batch_num_tokens=max(plan.num_tokens, 1),
+        global_batch_size=max(plan.num_seqs, 1),
+        loss_scale_factor=max(plan.max_response_len, 1),
+    )
 
 
-def off_policy_terms(old: torch.Tensor, b: MicroBatch, spec: OldFromForward
-                     ) -> tuple[torch.Tensor | None, dict[str, float]]:
+def off_policy_terms(
+    old: torch.Tensor, b: MicroBatch, spec: OldFromForward
+) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Importance weights and the old-vs-rollout metrics of one micro-batch, as the trainer computes
     them for the whole batch before the update when old logprobs come from a separate forward."""
     mask, rollout = b.response_mask, b.fields["rollout_logprobs"]
@@ -52,12 +57,20 @@ def off_policy_terms(old: torch.Tensor, b: MicroBatch, spec: OldFromForward
     if spec.is_level == "token":
         out["off_policy/is_truncated_frac_tok"] = float(m["is_truncated_frac"]) * float(mask.sum())
     else:
-        out["off_policy/is_truncated_frac_seq"] = float(m["is_truncated_frac"]) * float((mask.sum(-1) > 0).sum())
+        out["off_policy/is_truncated_frac_seq"] = float(m["is_truncated_frac"]) * float(
+            (mask.sum(-1) > 0).sum()
+        )
     return w, out
 
 
-def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: WorkerSettings, world: int,
-                     old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def actor_micro_loss(
+    model: torch.nn.Module,
+    b: MicroBatch,
+    plan: MiniBatchPlan,
+    s: WorkerSettings,
+    world: int,
+    old_from_forward: OldFromForward | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     mask = b.response_mask
     # entropy is always reported; the bonus only enters the loss when entropy_coeff > 0
     logp, ent = policy_outputs(model, b, with_entropy=True)
@@ -70,15 +83,28 @@ def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan,
         old = logp.detach()
         is_weights, out = off_policy_terms(old, b, old_from_forward)
     pg_loss, m = ppo_policy_loss(
-        old, logp, b.fields["advantages"], mask,
-        clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        loss_agg_mode=s.loss_agg_mode, norm=norm, is_weights=is_weights,
+        old,
+        logp,
+        b.fields["advantages"],
+        mask,
+        clip_ratio_low=s.clip_ratio_low,
+        clip_ratio_high=s.clip_ratio_high,
+        clip_ratio_c=s.clip_ratio_c,
+        loss_agg_mode=s.loss_agg_mode,
+        norm=norm,
+        is_weights=is_weights,
     )
     loss = pg_loss
     ntok = float(mask.sum())
-    out |= {"pg_loss": float(pg_loss.detach()) / world, "tokens": ntok, "seqs": float((mask.sum(-1) > 0).sum()),
-            "clipfrac_tok": float(m["clipfrac"]) * ntok, "clipfrac_lower_tok": float(m["clipfrac_lower"]) * ntok,
-            "ppo_kl_tok": float(m["ppo_kl"]) * ntok, "entropy_tok": float((ent.detach() * mask).sum())}
+    out |= {
+        "pg_loss": float(pg_loss.detach()) / world,
+        "tokens": ntok,
+        "seqs": float((mask.sum(-1) > 0).sum()),
+        "clipfrac_tok": float(m["clipfrac"]) * ntok,
+        "clipfrac_lower_tok": float(m["clipfrac_lower"]) * ntok,
+        "ppo_kl_tok": float(m["ppo_kl"]) * ntok,
+        "entropy_tok": float((ent.detach() * mask).sum()),
+    }
     if s.entropy_coeff > 0:
         loss = loss - s.entropy_coeff * agg_loss(ent, mask, s.loss_agg_mode, norm)
     if s.use_kl_loss:
@@ -89,14 +115,30 @@ def actor_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan,
     return loss, out
 
 
-def critic_micro_loss(model: torch.nn.Module, b: MicroBatch, plan: MiniBatchPlan, s: WorkerSettings, world: int,
-                      old_from_forward: OldFromForward | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def critic_micro_loss(
+    model: torch.nn.Module,
+    b: MicroBatch,
+    plan: MiniBatchPlan,
+    s: WorkerSettings,
+    world: int,
+    old_from_forward: OldFromForward | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     del old_from_forward  # the critic's old values always come from its own forward pass
     mask = b.response_mask
     vpreds = value_outputs(model, b)
-    loss, m = value_loss(vpreds, b.fields["returns"], b.fields["values"], mask, cliprange_value=s.cliprange_value,
-                         loss_agg_mode=s.loss_agg_mode, norm=loss_norm(plan, world))
+    loss, m = value_loss(
+        vpreds,
+        b.fields["returns"],
+        b.fields["values"],
+        mask,
+        cliprange_value=s.cliprange_value,
+        loss_agg_mode=s.loss_agg_mode,
+        norm=loss_norm(plan, world),
+    )
     ntok = float(mask.sum())
-    return loss, {"value_loss": float(loss.detach()) / world, "tokens": ntok,
-                  "vf_clipfrac_tok": float(m["vf_clipfrac"]) * ntok,
-                  "vpred_tok": float((vpreds.detach() * mask).sum())}
+    return loss, {
+        "value_loss": float(loss.detach()) / world,
+        "tokens": ntok,
+        "vf_clipfrac_tok": float(m["vf_clipfrac"]) * ntok,
+        "vpred_tok": float((vpreds.detach() * mask).sum()),
+    }

@@ -99,8 +99,11 @@ def _source_metrics(m: SourceMetrics, suffix: str) -> dict[str, float]:
     out = {f"val/count{suffix}": float(m.count)}
     if not m.count:
         return out
-    out |= {f"val/reward/mean{suffix}": m.reward_mean, f"val/response/length_mean{suffix}": m.response_length_mean,
-            f"val/episode/turns_mean{suffix}": m.turns_mean}
+    out |= {
+        f"val/reward/mean{suffix}": m.reward_mean,
+        f"val/response/length_mean{suffix}": m.response_length_mean,
+        f"val/episode/turns_mean{suffix}": m.turns_mean,
+    }
     for term, n in m.terminations.items():
         out[f"val/episode/termination/{term}{suffix}"] = n / m.count
     for key, mean in m.extras_mean.items():

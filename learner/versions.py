@@ -55,8 +55,11 @@ class VersionLedger:
     def record(self, version: int) -> None:
         """Call before publishing ``version``: from then on no restart reuses it."""
         if version > self.highest:
-            atomic_write_bytes(self.path, json.dumps({"highest_published": version}).encode() + b"\n",
-                               durable=self.durable)
+            atomic_write_bytes(
+                self.path,
+                json.dumps({"highest_published": version}).encode() + b"\n",
+                durable=self.durable,
+            )
             self.highest = version
 
 
@@ -75,12 +78,20 @@ class Resume:
         if self.rollback is None:
             return {}
         r = self.rollback
-        return {"checkpoint/rolled_back_steps": float(r["from_step"] - r["to_step"]),
-                "checkpoint/skipped_versions": float(r["resumed_version"] - r["checkpoint_version"])}
+        return {
+            "checkpoint/rolled_back_steps": float(r["from_step"] - r["to_step"]),
+            "checkpoint/skipped_versions": float(r["resumed_version"] - r["checkpoint_version"]),
+        }
 
 
-def resume(run_dir: Path, ledger: VersionLedger, *, step: int, checkpoint_version: int,
-           checkpoint: Path | None) -> Resume:
+def resume(
+    run_dir: Path,
+    ledger: VersionLedger,
+    *,
+    step: int,
+    checkpoint_version: int,
+    checkpoint: Path | None,
+) -> Resume:
     """Pick the version to publish the restored weights as (``step``/``checkpoint_version``: the
     checkpoint's, 0/0 without one) and mark the steps trained after it as rolled back."""
     path = Path(run_dir) / trained_log.TRAINED_IDS
@@ -90,14 +101,24 @@ def resume(run_dir: Path, ledger: VersionLedger, *, step: int, checkpoint_versio
     if log.last_step <= step:
         return Resume(version, None)
     undone = sorted(s for s in log.steps if s > step)
-    record = {"from_step": log.last_step, "to_step": step, "undone_steps": undone,
-              "undone_trajectories": sum(len(log.steps[s]["trajectory_ids"]) for s in undone),
-              "highest_published_version": highest, "checkpoint_version": checkpoint_version,
-              "resumed_version": version, "checkpoint": str(checkpoint) if checkpoint else None,
-              "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    record = {
+        "from_step": log.last_step,
+        "to_step": step,
+        "undone_steps": undone,
+        "undone_trajectories": sum(len(log.steps[s]["trajectory_ids"]) for s in undone),
+        "highest_published_version": highest,
+        "checkpoint_version": checkpoint_version,
+        "resumed_version": version,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     trained_log.append_rollback(path, record)
     get_logger("learner").warning(
         "rolled back: the steps trained after the checkpoint are undone",
-        from_step=record["from_step"], to_step=step, highest_published_version=highest,
-        resumed_version=version, checkpoint=record["checkpoint"])
+        from_step=record["from_step"],
+        to_step=step,
+        highest_published_version=highest,
+        resumed_version=version,
+        checkpoint=record["checkpoint"],
+    )
     return Resume(version, record)

@@ -55,8 +55,12 @@ def _cudart() -> Any:
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int], int]:
     """The file's header (length prefix included), each tensor's data offset, and the data size."""
     sizes = [t.numel() * t.element_size() for _, t in tensors]
-    head = header_bytes([(n, TORCH_TO_WIRE[t.dtype], tuple(t.shape), size)
-                         for (n, t), size in zip(tensors, sizes, strict=True)])
+    head = header_bytes(
+        [
+            (n, TORCH_TO_WIRE[t.dtype], tuple(t.shape), size)
+            for (n, t), size in zip(tensors, sizes, strict=True)
+        ]
+    )
     offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
     return head, offsets, sum(sizes)
 
@@ -67,14 +71,25 @@ class WeightsFileWriter:
     def __init__(self) -> None:
         self._slots: dict[int, _Mapped] = {}
 
-    def write(self, lm: torch.nn.Module, names: Sequence[str], rank: int, dtypes: Mapping[str, str] | None,
-              slot: int, path: str) -> WeightsFileResult | None:
+    def write(
+        self,
+        lm: torch.nn.Module,
+        names: Sequence[str],
+        rank: int,
+        dtypes: Mapping[str, str] | None,
+        slot: int,
+        path: str,
+    ) -> WeightsFileResult | None:
         """Collective. Rank 0 writes every tensor in ``names`` (cast to ``dtypes[name]``) into
         ``path`` and returns timings; other ranks return None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         t0 = time.perf_counter()
-        sd = tensors_only(get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False)))
+        sd = tensors_only(
+            get_model_state_dict(
+                lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+            )
+        )
         if rank != 0:
             return None
         tensors = [(n, t.contiguous()) for n, t in select(sd, names, dtypes)]
@@ -88,12 +103,16 @@ class WeightsFileWriter:
         base = len(header)
         for (_, t), off in zip(tensors, offsets, strict=True):
             n = t.numel() * t.element_size()
-            m.view[base + off : base + off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=m.registered)
+            m.view[base + off : base + off + n].view(t.dtype).view(t.shape).copy_(
+                t, non_blocking=m.registered
+            )
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
         del sd, tensors
-        return WeightsFileResult(gather_s=gathered - t0, copy_s=end - gathered, bytes=total, pinned=m.registered)
+        return WeightsFileResult(
+            gather_s=gathered - t0, copy_s=end - gathered, bytes=total, pinned=m.registered
+        )
 
     def _mapping(self, slot: int, path: str, header: bytes, total: int, cuda: bool) -> _Mapped:
         m = self._slots.get(slot)

@@ -94,7 +94,9 @@ class WeightFiles:
         """The slot id and file path to write ``version`` into, or None (publish as chunks).
         ``oldest_applied``: the lowest version applied by a connected server that takes files
         (None: no such server)."""
-        done = (lambda s: True) if oldest_applied is None else (lambda s: s.version < oldest_applied)
+        done = (
+            (lambda s: True) if oldest_applied is None else (lambda s: s.version < oldest_applied)
+        )
         old = [s for s in self._slots if s is not self._current and done(s)]
         for s in [s for s in old if not s.reusable]:  # retire: nobody reads it any more
             shutil.rmtree(s.folder, ignore_errors=True)

@@ -78,7 +78,9 @@ class WorkerSettings:
     cliprange_value: float = 0.5
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
-    keep_gathered: bool | None = None  # FSDP2 parameters gathered through a step; None: by model size
+    keep_gathered: bool | None = (
+        None  # FSDP2 parameters gathered through a step; None: by model size
+    )
 
 
 def lr_factor(step: int, s: WorkerSettings) -> float:
@@ -120,35 +122,76 @@ class TrainWorker:
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.world)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world,
+        )
         torch.manual_seed(self.s.seed)  # same initialisation everywhere (value head of the critic)
         self._build()
-        return WorkerInfo(rank=self.rank, backend=backend, device=str(self.device),
-                          params=sum(p.numel() for p in self.models["actor"].parameters()))  # DTensors: global sizes
+        return WorkerInfo(
+            rank=self.rank,
+            backend=backend,
+            device=str(self.device),
+            params=sum(p.numel() for p in self.models["actor"].parameters()),
+        )  # DTensors: global sizes
 
     def _build(self) -> None:
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
-        lm = _on(load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
-                                gradient_checkpointing=s.gradient_checkpointing), self.device)
-        self.models["actor"] = shard(PolicyHead(lm, s.temperature), lm, device=self.device,
-                                     param_offload=s.param_offload, bf16=bf16, world_size=self.world,
-                                     keep_gathered=s.keep_gathered)
+        lm = _on(
+            load_causal_lm(
+                s.model_path,
+                trust_remote_code=s.trust_remote_code,
+                gradient_checkpointing=s.gradient_checkpointing,
+            ),
+            self.device,
+        )
+        self.models["actor"] = shard(
+            PolicyHead(lm, s.temperature),
+            lm,
+            device=self.device,
+            param_offload=s.param_offload,
+            bf16=bf16,
+            world_size=self.world,
+            keep_gathered=s.keep_gathered,
+        )
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
-            ref = _on(load_causal_lm(s.model_path, trust_remote_code=s.trust_remote_code,
-                                     gradient_checkpointing=False), self.device).eval()
+            ref = _on(
+                load_causal_lm(
+                    s.model_path,
+                    trust_remote_code=s.trust_remote_code,
+                    gradient_checkpointing=False,
+                ),
+                self.device,
+            ).eval()
             ref.requires_grad_(False)
-            self.models["ref"] = shard(PolicyHead(ref, s.temperature), ref, device=self.device,
-                                       param_offload=s.param_offload, bf16=bf16, world_size=self.world,
-                                       keep_gathered=s.keep_gathered)
+            self.models["ref"] = shard(
+                PolicyHead(ref, s.temperature),
+                ref,
+                device=self.device,
+                param_offload=s.param_offload,
+                bf16=bf16,
+                world_size=self.world,
+                keep_gathered=s.keep_gathered,
+            )
         if s.critic_model_path:
-            vm = _on(load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code), self.device)
-            self.models["critic"] = shard(ValueHead(vm), vm, device=self.device,
-                                          param_offload=s.param_offload, bf16=bf16, world_size=self.world,
-                                          keep_gathered=s.keep_gathered)
+            vm = _on(
+                load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code),
+                self.device,
+            )
+            self.models["critic"] = shard(
+                ValueHead(vm),
+                vm,
+                device=self.device,
+                param_offload=s.param_offload,
+                bf16=bf16,
+                world_size=self.world,
+                keep_gathered=s.keep_gathered,
+            )
             self._add_optimizer("critic", s.critic_lr, s.critic_weight_decay)
 
     def can_pack(self) -> bool:
@@ -161,10 +204,13 @@ class TrainWorker:
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
     def _add_optimizer(self, role: TrainedRole, lr: float, weight_decay: float) -> None:
-        opt = torch.optim.AdamW(self.models[role].parameters(), lr=lr, betas=self.s.betas,
-                                weight_decay=weight_decay)
+        opt = torch.optim.AdamW(
+            self.models[role].parameters(), lr=lr, betas=self.s.betas, weight_decay=weight_decay
+        )
         self.optims[role] = opt
-        self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, self.s))
+        self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, self.s)
+        )
         self._offload_optimizer(role)
 
     # -- forward-only passes ----------------------------------------------------------------------
@@ -186,13 +232,14 @@ class TrainWorker:
             batch = collate(real or [_placeholder()], self.device, packed=req.packed)
             out, ent = self._run(req.role, model, batch, req.with_entropy)
             for i, s in enumerate(real):
-                outputs.append(out[i, :s.response_len].float().cpu().numpy())
+                outputs.append(out[i, : s.response_len].float().cpu().numpy())
                 if entropy is not None and ent is not None:
-                    entropy.append(ent[i, :s.response_len].float().cpu().numpy())
+                    entropy.append(ent[i, : s.response_len].float().cpu().numpy())
         return ForwardResult(outputs, entropy)
 
-    def _run(self, role: Role, model: torch.nn.Module, b: MicroBatch, with_entropy: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(
+        self, role: Role, model: torch.nn.Module, b: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from learner.model import policy_outputs, value_outputs
 
         if role == "critic":
@@ -208,12 +255,20 @@ class TrainWorker:
         if req.role == "critic":
             return self._update("critic", req.plans, req.epochs, critic_micro_loss)
         if req.old_from_forward is not None and (req.epochs != 1 or len(req.plans) != 1):
-            raise ValueError(f"old logprobs from the update's forward need one epoch and one mini-batch "
-                             f"(got {req.epochs} epochs, {len(req.plans)} mini-batches)")
+            raise ValueError(
+                f"old logprobs from the update's forward need one epoch and one mini-batch "
+                f"(got {req.epochs} epochs, {len(req.plans)} mini-batches)"
+            )
         return self._update("actor", req.plans, req.epochs, actor_micro_loss, req.old_from_forward)
 
-    def _update(self, role: TrainedRole, plans: Sequence[MiniBatchPlan], epochs: int, micro_loss: MicroLoss,
-                old_from_forward: OldFromForward | None = None) -> UpdateResult:
+    def _update(
+        self,
+        role: TrainedRole,
+        plans: Sequence[MiniBatchPlan],
+        epochs: int,
+        micro_loss: MicroLoss,
+        old_from_forward: OldFromForward | None = None,
+    ) -> UpdateResult:
         from learner.model import collate, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
@@ -228,11 +283,19 @@ class TrainWorker:
                 opt.zero_grad(set_to_none=True)
                 for i, micro in enumerate(plan.micro_batches):
                     set_micro_batch(model, i, len(plan.micro_batches))
-                    loss, metrics = micro_loss(model, collate(micro, self.device, packed=plan.packed), plan,
-                                               self.s, self.world, old_from_forward)
+                    loss, metrics = micro_loss(
+                        model,
+                        collate(micro, self.device, packed=plan.packed),
+                        plan,
+                        self.s,
+                        self.world,
+                        old_from_forward,
+                    )
                     loss.backward()
                     for k, v in metrics.items():
-                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+                        sums[k] = (
+                            max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+                        )
                 norm = _full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
                 if math.isfinite(norm):
                     opt.step()
@@ -242,9 +305,14 @@ class TrainWorker:
         self.scheds[role].step()
         self._offload_optimizer(role)
         opt.zero_grad(set_to_none=True)
-        return UpdateResult(role=role, optimizer_steps=len(grad_norms), skipped_steps=skipped,
-                            grad_norm_sum=float(np.nansum(grad_norms)),
-                            lr=float(self.scheds[role].get_last_lr()[0]), sums=sums)
+        return UpdateResult(
+            role=role,
+            optimizer_steps=len(grad_norms),
+            skipped_steps=skipped,
+            grad_norm_sum=float(np.nansum(grad_norms)),
+            lr=float(self.scheds[role].get_last_lr()[0]),
+            sums=sums,
+        )
 
     def _offload_optimizer(self, role: TrainedRole) -> None:
         if self.s.optimizer_offload and self.device.type == "cuda":
@@ -272,8 +340,9 @@ class TrainWorker:
 
         if self._weights_writer is None:
             self._weights_writer = WeightsFileWriter()
-        return self._weights_writer.write(self._policy_lm(), req.weights.names, self.rank, req.weights.dtypes,
-                                          req.slot, req.path)
+        return self._weights_writer.write(
+            self._policy_lm(), req.weights.names, self.rank, req.weights.dtypes, req.slot, req.path
+        )
 
     def save_checkpoint(self, directory: str) -> None:
         checkpoint_io.save(Path(directory), self.models, self.optims, self.scheds, self.rank)
@@ -293,8 +362,10 @@ class TrainWorker:
             dist.destroy_process_group()
 
 
-MicroLoss = Callable[[torch.nn.Module, "MicroBatch", MiniBatchPlan, WorkerSettings, int, "OldFromForward | None"],
-                     tuple[torch.Tensor, dict[str, float]]]
+MicroLoss = Callable[
+    [torch.nn.Module, "MicroBatch", MiniBatchPlan, WorkerSettings, int, "OldFromForward | None"],
+    tuple[torch.Tensor, dict[str, float]],
+]
 """`learner.update.actor_micro_loss` or ``critic_micro_loss``."""
 
 

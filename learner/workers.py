@@ -42,12 +42,20 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p),
-                        "TOKENIZERS_PARALLELISM": "false"}}
+    env = {
+        "env_vars": {
+            "PYTHONPATH": os.pathsep.join(
+                p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p
+            ),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    }
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=log_to_driver)
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=log_to_driver
+        )
 
 
 class WorkerGroup:
@@ -68,18 +76,24 @@ class WorkerGroup:
         # Ray's actor handles are built at run time (method.remote(...)): typed here as Any, and
         # used only by _call and shutdown.
         actor_cls: Any = ray.remote(**opts)(TrainWorker)
-        self.actors: list[Any] = [actor_cls.remote(r, world_size, settings) for r in range(world_size)]
+        self.actors: list[Any] = [
+            actor_cls.remote(r, world_size, settings) for r in range(world_size)
+        ]
 
     async def start(self) -> list[WorkerInfo]:
         addr, port = await self.actors[0].rendezvous.remote()
         infos = await self._call(TrainWorker.setup, [(addr, port)] * self.world)
         self.can_pack = all(await self._call(TrainWorker.can_pack))
         if not self.can_pack:
-            self.log.warning("no varlen attention kernel on the workers' GPUs (flash-attn, or torch's "
-                             "torch.nn.attention.varlen): model.use_remove_padding falls back to padded micro-batches")
+            self.log.warning(
+                "no varlen attention kernel on the workers' GPUs (flash-attn, or torch's "
+                "torch.nn.attention.varlen): model.use_remove_padding falls back to padded micro-batches"
+            )
         return infos
 
-    async def _call(self, method: Callable[..., R], args: Sequence[tuple[Any, ...]] | None = None) -> list[R]:
+    async def _call(
+        self, method: Callable[..., R], args: Sequence[tuple[Any, ...]] | None = None
+    ) -> list[R]:
         """Call ``method`` (a `TrainWorker` method) on every rank, rank r with ``args[r]``, and wait
         for all of them; any rank's error fails the call."""
         import asyncio
@@ -93,13 +107,27 @@ class WorkerGroup:
         """Rank r runs ``requests[r]``; every request must hold as many micro-batches."""
         return await self._call(TrainWorker.forward, [(r,) for r in requests])
 
-    async def forward(self, role: Role, samples: Sequence[Sample], key: TokenField, batching: Batching, *,
-                      with_entropy: bool = False) -> None:
+    async def forward(
+        self,
+        role: Role,
+        samples: Sequence[Sample],
+        key: TokenField,
+        batching: Batching,
+        *,
+        with_entropy: bool = False,
+    ) -> None:
         """Forward-only pass of ``role`` over ``samples`` on every rank; each sample's logprobs
         (values for the critic) land in its field ``key``."""
         plan = split_forward(samples, ranks=self.world, batching=batching)
-        requests = [ForwardRequest(role, [[samples[i] if i >= 0 else None for i in chunk] for chunk in rank],
-                                   with_entropy=with_entropy, packed=batching.packed) for rank in plan]
+        requests = [
+            ForwardRequest(
+                role,
+                [[samples[i] if i >= 0 else None for i in chunk] for chunk in rank],
+                with_entropy=with_entropy,
+                packed=batching.packed,
+            )
+            for rank in plan
+        ]
         results = await self.forward_per_rank(requests)
         for rank, res in zip(plan, results, strict=True):
             real = [i for chunk in rank for i in chunk if i >= 0]

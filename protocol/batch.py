@@ -55,8 +55,11 @@ class Trajectories(Sequence[Trajectory]):
         for name, attr, dtype, _ in COLUMNS:
             parts = [getattr(t, attr) for t in trajs]
             # One pass: concatenate casts while it copies.
-            columns[name] = (np.concatenate(parts, dtype=dtype, casting="unsafe") if parts
-                             else np.empty(0, dtype))
+            columns[name] = (
+                np.concatenate(parts, dtype=dtype, casting="unsafe")
+                if parts
+                else np.empty(0, dtype)
+            )
         return cls(meta, columns)
 
     # -- sequence --------------------------------------------------------------------------------------
@@ -93,7 +96,9 @@ class Trajectories(Sequence[Trajectory]):
 
     def canonical_arrays(self) -> list[np.ndarray]:
         """The token columns in wire order and canonical dtypes: no copy when they already are."""
-        return [np.ascontiguousarray(self.columns[name], dtype=dtype) for name, _, dtype, _ in COLUMNS]
+        return [
+            np.ascontiguousarray(self.columns[name], dtype=dtype) for name, _, dtype, _ in COLUMNS
+        ]
 
 
 def as_columns(trajs: Sequence[Trajectory]) -> Trajectories:
@@ -168,7 +173,9 @@ class TrajectoryBuilder:
     def build(self) -> Trajectories:
         """The batch so far (the builder starts empty again)."""
         p, r = self._used["prompt_ids"], self._used["response"]
-        columns = {name: self._bufs[name][: p if name == "prompt_ids" else r] for name, _, _, _ in COLUMNS}
+        columns = {
+            name: self._bufs[name][: p if name == "prompt_ids" else r] for name, _, _, _ in COLUMNS
+        }
         out = Trajectories(self._meta, columns)
         self._reset()
         return out

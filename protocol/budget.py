@@ -26,7 +26,9 @@ from typing import Any
 
 from protocol.errors import ErrorCode
 
-KEEP_HEADER_BYTES = 64 << 10  # a refused message's header is kept (to name its batch) up to this size
+KEEP_HEADER_BYTES = (
+    64 << 10
+)  # a refused message's header is kept (to name its batch) up to this size
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,9 @@ class Truncated(list):  # type: ignore[type-arg]
     """The frames kept of a message refused over its budget (type frame, small header), with what
     was seen of it. A list, so it travels wherever frames travel."""
 
-    def __init__(self, kept: Sequence[Any], *, nbytes: int, nframes: int, budget: MessageBudget) -> None:
+    def __init__(
+        self, kept: Sequence[Any], *, nbytes: int, nframes: int, budget: MessageBudget
+    ) -> None:
         super().__init__(kept)
         self.nbytes, self.nframes, self.budget = nbytes, nframes, budget
 
@@ -76,7 +80,9 @@ class MessageReader:
         n = memoryview(frame).nbytes
         self.nbytes += n
         self.nframes += 1
-        if not self.over and (self.nbytes > self.budget.max_bytes or self.nframes > self.budget.max_frames):
+        if not self.over and (
+            self.nbytes > self.budget.max_bytes or self.nframes > self.budget.max_frames
+        ):
             self.over = True
             self.frames = [f for f in self.frames[:2] if memoryview(f).nbytes <= KEEP_HEADER_BYTES]
         if not self.over:

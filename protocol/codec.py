@@ -65,7 +65,9 @@ _TIMESTAMP_MARKS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 def _no_timestamps(obj: Any) -> Any:
     values = obj.values() if isinstance(obj, dict) else obj
     if any(isinstance(v, msgpack.Timestamp) for v in values):
-        raise ProtocolError(ErrorCode.MALFORMED, "msgpack extension type -1 (timestamp) is not allowed")
+        raise ProtocolError(
+            ErrorCode.MALFORMED, "msgpack extension type -1 (timestamp) is not allowed"
+        )
     return obj
 
 
@@ -89,7 +91,9 @@ def _unpack(buf: Frame) -> Any:
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises a zoo of types for hostile input
-        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}") from e
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}: {e}"
+        ) from e
 
 
 def encode(msg: Message) -> list[Frame]:
@@ -98,10 +102,18 @@ def encode(msg: Message) -> list[Frame]:
     tb = bytes((t,))
     if isinstance(msg, TrajectoryBatch):
         batch = as_columns(msg.trajectories)  # no copy when the producer built columns
-        return [tb, _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": batch.meta}), *batch.canonical_arrays()]
+        return [
+            tb,
+            _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": batch.meta}),
+            *batch.canonical_arrays(),
+        ]
     if isinstance(msg, WeightsChunk):
-        header = {"transfer_id": msg.transfer_id, "version": msg.version, "index": msg.index,
-                  "parts": to_wire(msg.parts)}
+        header = {
+            "transfer_id": msg.transfer_id,
+            "version": msg.version,
+            "index": msg.index,
+            "parts": to_wire(msg.parts),
+        }
         return [tb, _pack(header), *msg.frames]
     return [tb, _pack(to_wire(msg))]
 
@@ -109,7 +121,9 @@ def encode(msg: Message) -> list[Frame]:
 _WIRE_COLUMNS = [[name, dtype] for name, _, dtype, _ in COLUMNS]
 
 
-HEADER_ROOM_BYTES = 16 << 20  # room for a batch header (its per-trajectory scalars) of any valid batch
+HEADER_ROOM_BYTES = (
+    16 << 20
+)  # room for a batch header (its per-trajectory scalars) of any valid batch
 # Bytes per token of a batch in the canonical dtypes (what ``encode`` writes): prompt tokens carry
 # fewer, so this bounds both.
 _TOKEN_BYTES = sum(np.dtype(dt).itemsize for _, _, dt, _ in COLUMNS)
@@ -120,8 +134,13 @@ def run_message_bytes(limits: CodecLimits) -> int:
     at the longest length ``limits`` allow, in the canonical dtypes, plus room for its header; at
     most ``max_message_bytes``. (A learner announces it in WELCOME and lets libzmq refuse any
     bigger frame before buffering it.)"""
-    tokens = min(limits.max_tokens_per_trajectory, limits.max_model_len or limits.max_tokens_per_trajectory)
-    return min(limits.max_message_bytes, limits.max_trajectories_per_batch * tokens * _TOKEN_BYTES + HEADER_ROOM_BYTES)
+    tokens = min(
+        limits.max_tokens_per_trajectory, limits.max_model_len or limits.max_tokens_per_trajectory
+    )
+    return min(
+        limits.max_message_bytes,
+        limits.max_trajectories_per_batch * tokens * _TOKEN_BYTES + HEADER_ROOM_BYTES,
+    )
 
 
 def frame_bytes(frames: Sequence[Frame]) -> int:
@@ -141,7 +160,9 @@ def peek_type(frames: Sequence[Frame]) -> MsgType:
     except ValueError:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {code}") from None
     if len(frames) < 2:
-        e = ProtocolError(ErrorCode.MALFORMED, f"a message has at least 2 frames, got {len(frames)}")
+        e = ProtocolError(
+            ErrorCode.MALFORMED, f"a message has at least 2 frames, got {len(frames)}"
+        )
         e.ref_type = int(t)  # known type: lets the receiver tell a broken ERROR from other junk
         raise e
     return t
@@ -159,7 +180,8 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
             if view(frames[1]).nbytes <= _PEEK_HEADER_BYTES:
                 header = _unpack(frames[1])  # only to name the refused batch (ref_seq) below
             raise ProtocolError(
-                ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}"
+                ErrorCode.TOO_LARGE,
+                f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}",
             )
         header = _unpack(frames[1])
         if not isinstance(header, dict):
@@ -170,7 +192,9 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
         if t is MsgType.WEIGHTS_CHUNK:
             return _decode_chunk(header, payload)
         if payload:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{t.name} carries no payload frames, got {len(payload)}")
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"{t.name} carries no payload frames, got {len(payload)}"
+            )
         return from_wire(MESSAGE_TYPES[t], header, t.name)
     except ProtocolError as e:
         e.ref_type = int(t)
@@ -184,7 +208,9 @@ def _over_budget(frames: Truncated) -> ProtocolError:
     code, naming what broke it and the limit, matched to its batch when the header was kept."""
     ref_type = ref_seq = 0
     try:
-        ref_type = int(peek_type([*frames[:1], b""]))  # the type frame alone (the header may be gone)
+        ref_type = int(
+            peek_type([*frames[:1], b""])
+        )  # the type frame alone (the header may be gone)
         if ref_type == MsgType.TRAJECTORY_BATCH and len(frames) >= 2:
             header = _unpack(frames[1])
             seq = header.get("seq") if isinstance(header, dict) else 0
@@ -202,7 +228,9 @@ def _check_lengths(meta: Any, limits: CodecLimits) -> None:
     if not (limits.max_model_len or limits.max_response_tokens) or not isinstance(meta, dict):
         return
     plens, rlens = meta.get("prompt_len"), meta.get("response_len")
-    if not (isinstance(plens, list) and isinstance(rlens, list) and len(plens) == len(rlens) and plens):
+    if not (
+        isinstance(plens, list) and isinstance(rlens, list) and len(plens) == len(rlens) and plens
+    ):
         return
     try:
         p, r = np.asarray(plens, dtype=np.int64), np.asarray(rlens, dtype=np.int64)
@@ -210,25 +238,34 @@ def _check_lengths(meta: Any, limits: CodecLimits) -> None:
         return
     if p.ndim != 1 or r.ndim != 1:
         return
-    checks = (("response_len", r, limits.max_response_tokens, "response token limit"),
-              ("prompt_len+response_len", p + r, limits.max_model_len, "max_model_len"))
+    checks = (
+        ("response_len", r, limits.max_response_tokens, "response token limit"),
+        ("prompt_len+response_len", p + r, limits.max_model_len, "max_model_len"),
+    )
     for name, values, limit, what in checks:
         if limit and values.max() > limit:
             i = int(np.argmax(values > limit))
             path = f"trajectories[{i}].{name}"
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{path} = {int(values[i])} exceeds the learner's {what} "
-                                f"of {limit}", field=path)
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"{path} = {int(values[i])} exceeds the learner's {what} of {limit}",
+                field=path,
+            )
 
 
 def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) -> TrajectoryBatch:
     seq = check(int, header.get("seq"), "TRAJECTORY_BATCH.seq")
     if seq < 1:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})",
-                            field="seq")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})", field="seq"
+        )
     _check_lengths(header.get("meta"), limits)
     meta, columns = decode_columns(
-        header.get("meta"), header.get("columns"), payload,
-        max_tokens=limits.max_tokens_per_trajectory, max_trajectories=limits.max_trajectories_per_batch,
+        header.get("meta"),
+        header.get("columns"),
+        payload,
+        max_tokens=limits.max_tokens_per_trajectory,
+        max_trajectories=limits.max_trajectories_per_batch,
         vocab_size=limits.vocab_size,
     )
     return TrajectoryBatch(seq=seq, trajectories=Trajectories(meta, columns))
@@ -241,15 +278,19 @@ def _decode_chunk(header: dict, payload: list[memoryview]) -> WeightsChunk:
     parts = check(list[ChunkPart], header.get("parts"), "WEIGHTS_CHUNK.parts")
     if len(parts) != len(payload):
         raise ProtocolError(
-            ErrorCode.MALFORMED, f"WEIGHTS_CHUNK: {len(parts)} parts but {len(payload)} payload frames"
+            ErrorCode.MALFORMED,
+            f"WEIGHTS_CHUNK: {len(parts)} parts but {len(payload)} payload frames",
         )
     for i, (p, f) in enumerate(zip(parts, payload, strict=True)):
         if p.nbytes != f.nbytes or p.offset < 0 or p.tensor < 0:
             raise ProtocolError(
-                ErrorCode.INVALID_FIELD, f"WEIGHTS_CHUNK.parts[{i}]: {f.nbytes} bytes, header says {p.nbytes}",
+                ErrorCode.INVALID_FIELD,
+                f"WEIGHTS_CHUNK.parts[{i}]: {f.nbytes} bytes, header says {p.nbytes}",
                 field=f"parts[{i}]",
             )
-    return WeightsChunk(transfer_id=transfer_id, version=version, index=index, parts=parts, frames=tuple(payload))
+    return WeightsChunk(
+        transfer_id=transfer_id, version=version, index=index, parts=parts, frames=tuple(payload)
+    )
 
 
 def should_answer(err: ProtocolError) -> bool:
@@ -260,6 +301,10 @@ def should_answer(err: ProtocolError) -> bool:
 def error_message(err: ProtocolError) -> Error:
     """The ERROR to send back for ``err``."""
     return Error(
-        code=int(err.code), message=err.message, fatal=err.code.fatal, field=err.field or "",
-        ref_type=err.ref_type, ref_seq=err.ref_seq,
+        code=int(err.code),
+        message=err.message,
+        fatal=err.code.fatal,
+        field=err.field or "",
+        ref_type=err.ref_type,
+        ref_seq=err.ref_seq,
     )

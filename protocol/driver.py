@@ -102,9 +102,18 @@ class RolloutClient:
         self._waker.poke()
         return seq
 
-    def weights_applied(self, version: int, transfer_id: str, *, ok: bool, error: str = "",
-                        apply_time_s: float = 0.0) -> None:
-        self.conn.weights_applied(version, transfer_id, ok=ok, error=error, apply_time_s=apply_time_s)
+    def weights_applied(
+        self,
+        version: int,
+        transfer_id: str,
+        *,
+        ok: bool,
+        error: str = "",
+        apply_time_s: float = 0.0,
+    ) -> None:
+        self.conn.weights_applied(
+            version, transfer_id, ok=ok, error=error, apply_time_s=apply_time_s
+        )
         self._waker.poke()
 
     def validation_result(self, result: ValidateResult) -> bool:
@@ -195,8 +204,14 @@ class LearnerServer:
         self.proto.batch_consumed(n)
         self._waker.poke()
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20,
-                        file: str = "") -> None:
+    def publish_weights(
+        self,
+        version: int,
+        tensors: list[NamedBuffer],
+        *,
+        chunk_bytes: int = 64 << 20,
+        file: str = "",
+    ) -> None:
         self.proto.publish_weights(version, tensors, chunk_bytes=chunk_bytes, file=file)
         self._waker.poke()
 
@@ -206,7 +221,9 @@ class LearnerServer:
         self._waker.poke()
         return sent
 
-    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+    def request_validation(
+        self, request_id: str, policy_version: int, *, timeout_s: float = 0.0
+    ) -> list[str]:
         """Ask every peer that offers validation; returns the peers asked (see ``LearnerProtocol``)."""
         asked = self.proto.request_validation(request_id, policy_version, timeout_s=timeout_s)
         self._waker.poke()

@@ -101,10 +101,14 @@ class BatchReceived:
 
     peer_id: str
     seq: int
-    trajectories: Sequence[Trajectory]  # column-wise ``protocol.batch.Trajectories`` unless deduplicated
+    trajectories: Sequence[
+        Trajectory
+    ]  # column-wise ``protocol.batch.Trajectories`` unless deduplicated
     duplicate_trajectories: int
     epoch: str = ""  # the sender's epoch (HELLO.epoch): (peer_id, epoch, seq) names the batch
-    persisted: Any = None  # what the learner's persist hook returned for it (e.g. a journal record id)
+    persisted: Any = (
+        None  # what the learner's persist hook returned for it (e.g. a journal record id)
+    )
     probe: bool = False  # from a peer with the "conformance" capability (the conformance suite): never trained
 
 
@@ -151,7 +155,22 @@ class ValidationAbandoned:
 
 
 Event = (
-    Connected | GroupsAdmitted | BatchAcked | BatchRejected | WeightsAnnounced | WeightsReceived | WeightsFailed
-    | PeerError | ProtocolViolation | PeerClosed | PeerTimedOut | PeerJoined | BatchReceived
-    | PeerWeightsApplied | BatchRefused | ValidationRequested | ValidationReceived | ValidationAbandoned
+    Connected
+    | GroupsAdmitted
+    | BatchAcked
+    | BatchRejected
+    | WeightsAnnounced
+    | WeightsReceived
+    | WeightsFailed
+    | PeerError
+    | ProtocolViolation
+    | PeerClosed
+    | PeerTimedOut
+    | PeerJoined
+    | BatchReceived
+    | PeerWeightsApplied
+    | BatchRefused
+    | ValidationRequested
+    | ValidationReceived
+    | ValidationAbandoned
 )

@@ -23,7 +23,9 @@ class MemoryHub:
     """Plays the network: one server inbox, one inbox per client channel, keyed by identity."""
 
     def __init__(self) -> None:
-        self._server_tx, self._server_rx = anyio.create_memory_object_stream[tuple[bytes, Frames]](1 << 16)
+        self._server_tx, self._server_rx = anyio.create_memory_object_stream[tuple[bytes, Frames]](
+            1 << 16
+        )
         self._clients: dict[bytes, MemoryObjectSendStream[Frames]] = {}
         self._ids = itertools.count(1)
         self.drop_to_clients = False  # simulate a one-way outage (learner -> rollout)
@@ -55,7 +57,9 @@ class MemoryServerChannel:
 
 
 class MemoryClientChannel:
-    def __init__(self, hub: MemoryHub, identity: bytes, rx: MemoryObjectReceiveStream[Frames]) -> None:
+    def __init__(
+        self, hub: MemoryHub, identity: bytes, rx: MemoryObjectReceiveStream[Frames]
+    ) -> None:
         self.hub, self.identity, self._rx = hub, identity, rx
 
     async def send(self, frames: Frames) -> None:

@@ -304,24 +304,33 @@ class SourceMetrics:
             raise FieldError("count", "count must be >= 0")
         expected = self.reward_sum / self.count if self.count else 0.0
         if abs(self.reward_mean - expected) > 1e-6 * max(1.0, abs(expected)):
-            raise FieldError("reward_mean", f"reward_mean {self.reward_mean} is not reward_sum / count "
-                             f"({self.reward_sum} / {self.count})")
+            raise FieldError(
+                "reward_mean",
+                f"reward_mean {self.reward_mean} is not reward_sum / count "
+                f"({self.reward_sum} / {self.count})",
+            )
         if self.count == 0 and self.reward_sum != 0:
             raise FieldError("reward_sum", "reward_sum must be 0 when count is 0")
         if self.response_length_mean < 0 or self.turns_mean < 0:
-            raise FieldError("response_length_mean" if self.response_length_mean < 0 else "turns_mean",
-                             "means of lengths and turns must be >= 0")
+            raise FieldError(
+                "response_length_mean" if self.response_length_mean < 0 else "turns_mean",
+                "means of lengths and turns must be >= 0",
+            )
         for k, v in self.terminations.items():
             if v < 0:
                 raise FieldError(f"terminations.{k}", "termination counts must be >= 0")
         if sum(self.terminations.values()) > self.count:
-            raise FieldError("terminations", f"termination counts add up to more than count ({self.count})")
+            raise FieldError(
+                "terminations", f"termination counts add up to more than count ({self.count})"
+            )
         for k, v in self.extras_count.items():
             if not 0 <= v <= self.count:
                 raise FieldError(f"extras_count.{k}", f"must be in [0, count={self.count}]")
         for k in self.extras_mean:
             if k not in self.extras_count:
-                raise FieldError(f"extras_count.{k}", "every extras_mean key needs its extras_count")
+                raise FieldError(
+                    f"extras_count.{k}", "every extras_mean key needs its extras_count"
+                )
 
 
 @dataclass(frozen=True)
@@ -347,14 +356,19 @@ class ValidateResult:
         if self.policy_version < 0:
             raise FieldError("policy_version", "policy_version must be >= 0")
         if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
-            raise FieldError("shard_index", f"shard {self.shard_index} of {self.shard_count} is not a shard "
-                             "(need 0 <= shard_index < shard_count)")
+            raise FieldError(
+                "shard_index",
+                f"shard {self.shard_index} of {self.shard_count} is not a shard "
+                "(need 0 <= shard_index < shard_count)",
+            )
         if self.prompts < 0 or self.duration_s < 0:
             raise FieldError("prompts" if self.prompts < 0 else "duration_s", "must be >= 0")
         seen: set[str] = set()
         for i, s in enumerate(self.sources):
             if s.data_source in seen:
-                raise FieldError(f"sources[{i}].data_source", f"data source {s.data_source!r} is listed twice")
+                raise FieldError(
+                    f"sources[{i}].data_source", f"data source {s.data_source!r} is listed twice"
+                )
             seen.add(s.data_source)
 
     @property
@@ -369,8 +383,19 @@ def _check_request_id(request_id: str) -> None:
 
 
 Message = (
-    Hello | Welcome | TrajectoryBatch | Ack | WeightsAnnounce | WeightsChunk | WeightsApplied
-    | Heartbeat | Error | Bye | ValidateRequest | ValidateResult | Admit
+    Hello
+    | Welcome
+    | TrajectoryBatch
+    | Ack
+    | WeightsAnnounce
+    | WeightsChunk
+    | WeightsApplied
+    | Heartbeat
+    | Error
+    | Bye
+    | ValidateRequest
+    | ValidateResult
+    | Admit
 )
 
 MESSAGE_TYPES: dict[MsgType, type] = {

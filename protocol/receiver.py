@@ -189,8 +189,8 @@ class RecentIds:
 
     def restore(self, ids: Sequence[str]) -> None:
         """Remember ``ids`` (as ``export`` lists them) instead of what this window held."""
-        ids = list(ids)[-2 * self.window:]
-        self._cur = set(ids[-self.window:])
+        ids = list(ids)[-2 * self.window :]
+        self._cur = set(ids[-self.window :])
         self._prev = set(ids[: -self.window]) if len(ids) > self.window else set()
 
     def add_new(self, ids: list[str]) -> list[int] | None:
@@ -230,12 +230,19 @@ class LearnerProtocol:
         admission: bool = False,
         small_message_bytes: int = SMALL_MESSAGE_BYTES,
     ) -> None:
-        self.admission = admission  # grant prompt groups to peers that offer "admission" (``admit``)
-        self.host = host  # this machine's key (``common.hostkey``): peers with the same may get files
+        self.admission = (
+            admission  # grant prompt groups to peers that offer "admission" (``admit``)
+        )
+        self.host = (
+            host  # this machine's key (``common.hostkey``): peers with the same may get files
+        )
         self.tokenizer, self.peer_id = tokenizer, peer_id
         self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
         self.limits = limits or codec.CodecLimits()
-        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = (
+            heartbeat_interval_s,
+            heartbeat_timeout_s,
+        )
         self.dedup_window, self.version = dedup_window, version
         self.session_id = uuid.uuid4().hex
         self.policy_version = 0
@@ -249,16 +256,31 @@ class LearnerProtocol:
         self.hold_batches = hold_batches
         self._held: _Held | None = None
         self._dropped: dict[tuple[str, str], int] = {}  # (peer_id, epoch) -> its dropped_tokens
-        self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_trajectories": 0, "errors_sent": 0,
-                      "refused_batches": 0}
+        self.stats = {
+            "batches": 0,
+            "duplicate_batches": 0,
+            "duplicate_trajectories": 0,
+            "errors_sent": 0,
+            "refused_batches": 0,
+        }
         # Per-message budgets (``message_budget``): only a TRAJECTORY_BATCH is big, and only a peer
         # in session holding a credit may send one.
         self.small_message_bytes = small_message_bytes
         self._budgets = (
-            MessageBudget(small_message_bytes, 2, "before HELLO", ErrorCode.HELLO_REQUIRED,
-                          ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),)),
-            MessageBudget(small_message_bytes, 2, "a peer without a credit", ErrorCode.TOO_LARGE,
-                          ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),)),
+            MessageBudget(
+                small_message_bytes,
+                2,
+                "before HELLO",
+                ErrorCode.HELLO_REQUIRED,
+                ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),),
+            ),
+            MessageBudget(
+                small_message_bytes,
+                2,
+                "a peer without a credit",
+                ErrorCode.TOO_LARGE,
+                ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),),
+            ),
             MessageBudget(self.limits.max_message_bytes, _BATCH_FRAMES, "max_message_bytes"),
         )
 
@@ -293,7 +315,9 @@ class LearnerProtocol:
         epochs seen (peers that left included)."""
         return sum(self._dropped.values())
 
-    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+    def request_validation(
+        self, request_id: str, policy_version: int, *, timeout_s: float = 0.0
+    ) -> list[str]:
         """Ask every peer in session that offers validation to validate ``policy_version`` (or newer);
         returns the names of the peers asked. Their answers come as ``ValidationReceived``, or as
         ``ValidationAbandoned`` for a peer that leaves first."""
@@ -311,8 +335,14 @@ class LearnerProtocol:
         self.buffered = max(0, self.buffered - n)
         self._grant()
 
-    def publish_weights(self, version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20,
-                        file: str = "") -> None:
+    def publish_weights(
+        self,
+        version: int,
+        tensors: list[NamedBuffer],
+        *,
+        chunk_bytes: int = 64 << 20,
+        file: str = "",
+    ) -> None:
         """Send policy ``version`` to every connected peer (and later to joiners that ask).
 
         With ``file`` (a safetensors file holding exactly ``tensors``, e.g. memory-mapped from it),
@@ -322,9 +352,15 @@ class LearnerProtocol:
         self._weights = []
         self._publication = _Publication(version, tensors, chunk_bytes, file)
         if file:
-            specs = [TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0) for t in tensors]
+            specs = [
+                TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0)
+                for t in tensors
+            ]
             announce = WeightsAnnounce(version, uuid.uuid4().hex, specs, 0, file=file)
-            self._publication.file_frames, self._publication.file_transfer_id = codec.encode(announce), announce.transfer_id
+            self._publication.file_frames, self._publication.file_transfer_id = (
+                codec.encode(announce),
+                announce.transfer_id,
+            )
         else:
             self._chunk_frames()
         for p in self.peers.values():
@@ -360,7 +396,9 @@ class LearnerProtocol:
         self.buffered -= 1
         if (peer := self.peers.get(held.identity)) is not None:
             peer.credits += 1  # its room is promised to the sender again
-            e = ProtocolError(ErrorCode.INTERNAL, f"batch {ev.seq} could not be stored ({reason}); send it again")
+            e = ProtocolError(
+                ErrorCode.INTERNAL, f"batch {ev.seq} could not be stored ({reason}); send it again"
+            )
             e.ref_type, e.ref_seq = int(MsgType.TRAJECTORY_BATCH), ev.seq
             self.stats["errors_sent"] += 1
             self._out.append((peer.identity, codec.encode(codec.error_message(e))))
@@ -371,7 +409,10 @@ class LearnerProtocol:
     def export_state(self) -> dict[str, Any]:
         """The dedup state and policy version as plain msgpack/JSON types, for a checkpoint."""
         return {
-            "streams": [[pid, epoch, s.next_seq, sorted(s.above)] for (pid, epoch), s in self._streams.items()],
+            "streams": [
+                [pid, epoch, s.next_seq, sorted(s.above)]
+                for (pid, epoch), s in self._streams.items()
+            ],
             "recent_ids": self._seen.export(),
             "policy_version": self.policy_version,
         }
@@ -379,8 +420,10 @@ class LearnerProtocol:
     def restore_state(self, state: dict[str, Any]) -> None:
         """Take over ``export_state``'s output (of an earlier lifetime): reconnecting senders are told
         the right ``next_seq`` and their resends are recognised as duplicates."""
-        self._streams = {(pid, epoch): _Stream(next_seq, set(above))
-                         for pid, epoch, next_seq, above in state["streams"]}
+        self._streams = {
+            (pid, epoch): _Stream(next_seq, set(above))
+            for pid, epoch, next_seq, above in state["streams"]
+        }
         self._seen.restore(state["recent_ids"])
         self.policy_version = int(state["policy_version"])
 
@@ -421,8 +464,10 @@ class LearnerProtocol:
         ready = [p for p in self.peers.values() if p.hello is not None]
         if not ready:
             return float("inf")
-        return min(min(p.last_sent + self.heartbeat_interval_s, p.last_recv + self.heartbeat_timeout_s)
-                   for p in ready)
+        return min(
+            min(p.last_sent + self.heartbeat_interval_s, p.last_recv + self.heartbeat_timeout_s)
+            for p in ready
+        )
 
     def tick(self, now: float) -> list[Event]:
         events: list[Event] = []
@@ -438,7 +483,9 @@ class LearnerProtocol:
 
     def receive(self, identity: bytes, frames: Frames, now: float) -> list[Event]:
         if self._held is not None:
-            raise RuntimeError("accept_batch() or refuse_batch() the held batch before receiving more")
+            raise RuntimeError(
+                "accept_batch() or refuse_batch() the held batch before receiving more"
+            )
         peer = self.peers.get(identity)
         msg = None
         try:
@@ -446,7 +493,9 @@ class LearnerProtocol:
             if isinstance(msg, Hello):
                 return self._on_hello(identity, msg, now)
             if peer is None or peer.hello is None:
-                e = ProtocolError(ErrorCode.HELLO_REQUIRED, f"send HELLO before {type(msg).__name__}")
+                e = ProtocolError(
+                    ErrorCode.HELLO_REQUIRED, f"send HELLO before {type(msg).__name__}"
+                )
                 e.ref_seq = msg.seq if isinstance(msg, TrajectoryBatch) else 0
                 raise e
             peer.last_recv = now
@@ -474,7 +523,9 @@ class LearnerProtocol:
             case WeightsApplied():
                 if msg.ok:
                     peer.policy_version = msg.version
-                elif (pub := self._publication) is not None and msg.transfer_id == pub.file_transfer_id:
+                elif (
+                    pub := self._publication
+                ) is not None and msg.transfer_id == pub.file_transfer_id:
                     # The peer could not use the file (another /dev/shm, say): chunks from now on.
                     peer.refused_file = True
                     self._send_weights(peer)
@@ -483,8 +534,11 @@ class LearnerProtocol:
                 return [PeerError(peer.name, msg)]
             case ValidateResult():
                 if msg.request_id not in peer.validations:
-                    raise ProtocolError(ErrorCode.UNEXPECTED, f"VALIDATE_RESULT for request {msg.request_id!r}, "
-                                        "which this peer was not asked or has answered already")
+                    raise ProtocolError(
+                        ErrorCode.UNEXPECTED,
+                        f"VALIDATE_RESULT for request {msg.request_id!r}, "
+                        "which this peer was not asked or has answered already",
+                    )
                 peer.validations.discard(msg.request_id)
                 return [ValidationReceived(peer.name, msg)]
             case Bye():
@@ -502,8 +556,11 @@ class LearnerProtocol:
                 "major versions must match",
             )
         if msg.role != "rollout-server":
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"role must be 'rollout-server', got {msg.role!r}",
-                                field="HELLO.role")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"role must be 'rollout-server', got {msg.role!r}",
+                field="HELLO.role",
+            )
         if self.tokenizer.sha256 and msg.tokenizer.sha256 != self.tokenizer.sha256:
             raise ProtocolError(
                 ErrorCode.INCOMPATIBLE_MODEL,
@@ -521,15 +578,25 @@ class LearnerProtocol:
         credits = self._take_room(self.max_credits_per_peer)
         peer.credits = credits
         welcome = Welcome(
-            protocol_version=list(self.version), peer_id=self.peer_id, session_id=self.session_id,
-            credits=credits, policy_version=self.policy_version, next_seq=stream.next_seq,
-            heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-            limits=Limits(self.limits.max_message_bytes, self.limits.max_trajectories_per_batch,
-                          self.limits.max_tokens_per_trajectory),
+            protocol_version=list(self.version),
+            peer_id=self.peer_id,
+            session_id=self.session_id,
+            credits=credits,
+            policy_version=self.policy_version,
+            next_seq=stream.next_seq,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            limits=Limits(
+                self.limits.max_message_bytes,
+                self.limits.max_trajectories_per_batch,
+                self.limits.max_tokens_per_trajectory,
+            ),
             capabilities=[ADMISSION_CAPABILITY] if self.admission and peer.admits else [],
         )
         self._out.append((identity, codec.encode(welcome)))
-        if self._publication and (msg.policy_version < 0 or msg.policy_version < self.policy_version):
+        if self._publication and (
+            msg.policy_version < 0 or msg.policy_version < self.policy_version
+        ):
             self._send_weights(peer)
         return [*replaced, PeerJoined(msg.peer_id, msg)]
 
@@ -544,7 +611,9 @@ class LearnerProtocol:
         if msg.seq in stream:
             self.stats["duplicate_batches"] += 1
             peer.credits += 1  # a duplicate occupies no room: give its credit straight back
-            self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq]))))
+            self._out.append(
+                (peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer), [msg.seq])))
+            )
             return []
         batch = as_columns(msg.trajectories)
         keep = self._seen.unseen(batch.ids)
@@ -558,10 +627,21 @@ class LearnerProtocol:
             peer.credits += 1
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer)))))
             return []
-        self.buffered += 1  # its credit's room is buffered now, also while held (never granted twice)
-        self._held = _Held(peer.identity, batch.ids,
-                           BatchReceived(peer.hello.peer_id, msg.seq, fresh, dups, peer.hello.epoch,
-                                         probe=PROBE_CAPABILITY in peer.hello.capabilities))
+        self.buffered += (
+            1  # its credit's room is buffered now, also while held (never granted twice)
+        )
+        self._held = _Held(
+            peer.identity,
+            batch.ids,
+            BatchReceived(
+                peer.hello.peer_id,
+                msg.seq,
+                fresh,
+                dups,
+                peer.hello.epoch,
+                probe=PROBE_CAPABILITY in peer.hello.capabilities,
+            ),
+        )
         return [] if self.hold_batches else self.accept_batch()
 
     def _take_held(self) -> _Held:
@@ -581,7 +661,9 @@ class LearnerProtocol:
 
     def _grant(self) -> None:
         """Hand free room to ready peers, fewest outstanding credits first."""
-        for p in sorted((p for p in self.peers.values() if p.hello is not None), key=lambda p: p.credits):
+        for p in sorted(
+            (p for p in self.peers.values() if p.hello is not None), key=lambda p: p.credits
+        ):
             n = self._top_up(p)
             if n:
                 self._out.append((p.identity, codec.encode(Ack([], n))))
@@ -608,8 +690,13 @@ class LearnerProtocol:
 
     def _takes_files(self, peer: _Peer) -> bool:
         h = peer.hello
-        return (h is not None and not peer.refused_file and bool(self.host) and h.host == self.host
-                and WEIGHTS_FILE_CAPABILITY in h.capabilities)
+        return (
+            h is not None
+            and not peer.refused_file
+            and bool(self.host)
+            and h.host == self.host
+            and WEIGHTS_FILE_CAPABILITY in h.capabilities
+        )
 
     def _chunk_frames(self) -> list[Frames]:
         """The chunked transfer of the current publication, planned on first use."""

@@ -28,7 +28,8 @@ def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
     hints = typing.get_type_hints(cls)
     return tuple(
         (f.name, hints[f.name], f.default is _MISSING and f.default_factory is _MISSING)
-        for f in dataclasses.fields(cls) if f.init
+        for f in dataclasses.fields(cls)
+        if f.init
     )
 
 
@@ -68,7 +69,9 @@ def check(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise _fail(path, "expected a map", value)
         kt, vt = typing.get_args(tp)
-        return {check(kt, k, f"{path}.<key>"): check(vt, v, f"{path}.{k}") for k, v in value.items()}
+        return {
+            check(kt, k, f"{path}.<key>"): check(vt, v, f"{path}.{k}") for k, v in value.items()
+        }
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             raise _fail(path, f"expected one of {list(typing.get_args(tp))}", value)
@@ -110,7 +113,9 @@ def from_wire(cls: type, obj: Any, path: str) -> Any:
             kwargs[name] = check(tp, obj[name], f"{path}.{name}")
         elif required:
             raise ProtocolError(
-                ErrorCode.INVALID_FIELD, f"{path}.{name}: missing required field", field=f"{path}.{name}"
+                ErrorCode.INVALID_FIELD,
+                f"{path}.{name}: missing required field",
+                field=f"{path}.{name}",
             )
     try:
         return cls(**kwargs)
@@ -125,8 +130,11 @@ def from_wire(cls: type, obj: Any, path: str) -> Any:
 @functools.cache
 def _omitted_defaults(cls: type) -> dict[str, Any]:
     """Fields marked ``omit_default`` (appended since 1.2) and the default they are omitted at."""
-    return {f.name: f.default for f in dataclasses.fields(cls)
-            if f.metadata.get("omit_default") and f.default is not _MISSING}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("omit_default") and f.default is not _MISSING
+    }
 
 
 def to_wire(obj: Any) -> Any:

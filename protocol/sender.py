@@ -112,11 +112,16 @@ class RolloutConnection:
         self.model, self.tokenizer = model, tokenizer
         self.capabilities = capabilities or []
         self.limits = limits or codec.CodecLimits()
-        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = (
+            heartbeat_interval_s,
+            heartbeat_timeout_s,
+        )
         self.version = version
         self.state = SenderState.IDLE
         self.policy_version = 0  # weights generation currently runs on; set by the application
-        self.dropped_tokens = 0  # response tokens generated and dropped here, ever; set by the application
+        self.dropped_tokens = (
+            0  # response tokens generated and dropped here, ever; set by the application
+        )
         self.welcome: Welcome | None = None
         self.peer_limits: Limits | None = None
         self.fatal_error: Error | None = None
@@ -145,10 +150,16 @@ class RolloutConnection:
         self.credits = 0
         self._validations.clear()  # asked by a session that is gone: its learner forgot them
         hello = Hello(
-            protocol_version=list(self.version), peer_id=self.peer_id, role="rollout-server",
-            epoch=self.epoch, model=self.model, tokenizer=self.tokenizer,
+            protocol_version=list(self.version),
+            peer_id=self.peer_id,
+            role="rollout-server",
+            epoch=self.epoch,
+            model=self.model,
+            tokenizer=self.tokenizer,
             policy_version=-1 if request_weights else self.policy_version,
-            capabilities=self.capabilities, host=self.host, slots=self.slots,
+            capabilities=self.capabilities,
+            host=self.host,
+            slots=self.slots,
         )
         self._out.append(codec.encode(hello))
         self.state = SenderState.HELLO_SENT
@@ -169,11 +180,20 @@ class RolloutConnection:
     def enqueue(self, seq: int, frames: Frames) -> None:
         self._queue.append((seq, frames))
 
-    def weights_applied(self, version: int, transfer_id: str, *, ok: bool, error: str = "",
-                        apply_time_s: float = 0.0) -> None:
+    def weights_applied(
+        self,
+        version: int,
+        transfer_id: str,
+        *,
+        ok: bool,
+        error: str = "",
+        apply_time_s: float = 0.0,
+    ) -> None:
         if ok:
             self.policy_version = version
-        self._out.append(codec.encode(WeightsApplied(version, transfer_id, ok, error, apply_time_s)))
+        self._out.append(
+            codec.encode(WeightsApplied(version, transfer_id, ok, error, apply_time_s))
+        )
 
     def validation_result(self, result: ValidateResult) -> bool:
         """Queue the answer to a ``ValidationRequested``. False (nothing sent) when the request is
@@ -205,8 +225,15 @@ class RolloutConnection:
                 self.credits -= 1
                 out.append(frames)
             if not out and now - self._last_sent >= self.heartbeat_interval_s:
-                out.append(codec.encode(Heartbeat(time=now, policy_version=self.policy_version,
-                                                  dropped_tokens=self.dropped_tokens)))
+                out.append(
+                    codec.encode(
+                        Heartbeat(
+                            time=now,
+                            policy_version=self.policy_version,
+                            dropped_tokens=self.dropped_tokens,
+                        )
+                    )
+                )
         if out:
             self._last_sent = now
         return out
@@ -214,8 +241,11 @@ class RolloutConnection:
     def next_deadline(self) -> float:
         """When ``tick`` must run next (heartbeat due, peer timeout, or a weight transfer's deadline)."""
         if self.state is SenderState.READY:
-            return min(self._last_sent + self.heartbeat_interval_s, self._last_recv + self.heartbeat_timeout_s,
-                       self.assembler.deadline)
+            return min(
+                self._last_sent + self.heartbeat_interval_s,
+                self._last_recv + self.heartbeat_timeout_s,
+                self.assembler.deadline,
+            )
         if self.state is SenderState.HELLO_SENT:
             return min(self._last_recv + self.heartbeat_timeout_s, self.assembler.deadline)
         return float("inf")
@@ -264,36 +294,54 @@ class RolloutConnection:
             case Heartbeat():
                 return []
             case WeightsAnnounce():
-                return self._weights(lambda: self._announce(msg, now), msg.version, msg.transfer_id, announce=True)
+                return self._weights(
+                    lambda: self._announce(msg, now), msg.version, msg.transfer_id, announce=True
+                )
             case WeightsChunk():
-                return self._weights(lambda: self.assembler.chunk(msg, now), msg.version, msg.transfer_id)
+                return self._weights(
+                    lambda: self.assembler.chunk(msg, now), msg.version, msg.transfer_id
+                )
             case ValidateRequest():
                 return self._on_validate_request(msg)
             case Admit():
                 if ADMISSION_CAPABILITY not in self.capabilities:
-                    raise ProtocolError(ErrorCode.UNEXPECTED, "ADMIT to a rollout server whose HELLO did not offer "
-                                        f"the {ADMISSION_CAPABILITY!r} capability")
+                    raise ProtocolError(
+                        ErrorCode.UNEXPECTED,
+                        "ADMIT to a rollout server whose HELLO did not offer "
+                        f"the {ADMISSION_CAPABILITY!r} capability",
+                    )
                 # Outside a session it is stale: the grants of a new session start from zero.
-                return [GroupsAdmitted(msg.groups, msg.min_version)] if self.state is SenderState.READY else []
+                return (
+                    [GroupsAdmitted(msg.groups, msg.min_version)]
+                    if self.state is SenderState.READY
+                    else []
+                )
             case Bye():
                 # The learner is going away, perhaps to restart: keep everything and reconnect.
                 self._requeue_unacked()
                 self.state = SenderState.IDLE
                 return [PeerClosed("learner", msg.reason)]
-        raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a rollout server")
+        raise ProtocolError(
+            ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a rollout server"
+        )
 
     def _on_welcome(self, msg: Welcome) -> list[Event]:
         if self.state is not SenderState.HELLO_SENT:
             raise ProtocolError(ErrorCode.UNEXPECTED, "WELCOME without a pending HELLO")
         theirs = ProtocolVersion(*msg.protocol_version)
         if not self.version.compatible_with(theirs):
-            err = ProtocolError(ErrorCode.VERSION_MISMATCH,
-                                f"learner speaks protocol {theirs}, this rollout server {self.version}")
+            err = ProtocolError(
+                ErrorCode.VERSION_MISMATCH,
+                f"learner speaks protocol {theirs}, this rollout server {self.version}",
+            )
             self.state = SenderState.FAILED
             self.fatal_error = codec.error_message(err)
             raise err
         self.welcome = msg
-        self.heartbeat_interval_s, self.heartbeat_timeout_s = msg.heartbeat_interval_s, msg.heartbeat_timeout_s
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = (
+            msg.heartbeat_interval_s,
+            msg.heartbeat_timeout_s,
+        )
         self.peer_limits = msg.limits  # what the learner accepts; our own limits stay for decoding
         # Batches below next_seq reached the learner before the reconnect: their ACK was lost.
         acked = [s for s, _ in self._queue if s < msg.next_seq]
@@ -307,8 +355,11 @@ class RolloutConnection:
 
     def _on_validate_request(self, msg: ValidateRequest) -> list[Event]:
         if VALIDATION_CAPABILITY not in self.capabilities:
-            raise ProtocolError(ErrorCode.UNEXPECTED, "VALIDATE_REQUEST to a rollout server whose HELLO did not "
-                                f"offer the {VALIDATION_CAPABILITY!r} capability")
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED,
+                "VALIDATE_REQUEST to a rollout server whose HELLO did not "
+                f"offer the {VALIDATION_CAPABILITY!r} capability",
+            )
         if self.state is not SenderState.READY or msg.request_id in self._validations:
             return []  # outside a session (stale), or a repeat of a request being worked on
         self._validations.add(msg.request_id)
@@ -319,7 +370,9 @@ class RolloutConnection:
             return []  # stale ACK from a previous session; its batches will be resent and deduped
         done = [s for s in msg.seqs if self._unacked.pop(s, None) is not None]
         self.credits += msg.credits
-        return [BatchAcked(done, [s for s in msg.duplicates if s in done])] if done or msg.seqs else []
+        return (
+            [BatchAcked(done, [s for s in msg.duplicates if s in done])] if done or msg.seqs else []
+        )
 
     def _on_error(self, msg: Error) -> list[Event]:
         events: list[Event] = [PeerError("learner", msg)]
@@ -343,12 +396,22 @@ class RolloutConnection:
 
     def _announce(self, msg: WeightsAnnounce, now: float) -> ReceivedWeights | None:
         if msg.file and WEIGHTS_FILE_CAPABILITY not in self.capabilities:
-            raise ProtocolError(ErrorCode.UNEXPECTED, "a weights file announced to a rollout server whose "
-                                f"HELLO did not offer the {WEIGHTS_FILE_CAPABILITY!r} capability", field="file")
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED,
+                "a weights file announced to a rollout server whose "
+                f"HELLO did not offer the {WEIGHTS_FILE_CAPABILITY!r} capability",
+                field="file",
+            )
         return self.assembler.announce(msg, now)
 
-    def _weights(self, step: Callable[[], ReceivedWeights | None], version: int, transfer_id: str, *,
-                 announce: bool = False) -> list[Event]:
+    def _weights(
+        self,
+        step: Callable[[], ReceivedWeights | None],
+        version: int,
+        transfer_id: str,
+        *,
+        announce: bool = False,
+    ) -> list[Event]:
         """Run one assembler step. Only an accepted announce is ``WeightsAnnounced`` (a refused one
         must not raise the version the application waits for)."""
         try:
@@ -360,7 +423,9 @@ class RolloutConnection:
         events: list[Event] = [WeightsAnnounced(version)] if announce else []
         return events + ([WeightsReceived(done)] if done is not None else [])
 
-    def _weights_failed(self, version: int, transfer_id: str, err: ProtocolError, *, report: bool) -> list[Event]:
+    def _weights_failed(
+        self, version: int, transfer_id: str, err: ProtocolError, *, report: bool
+    ) -> list[Event]:
         self._out.append(codec.encode(WeightsApplied(version, transfer_id, False, err.message)))
         if report:
             err.ref_type = err.ref_type or int(MsgType.WEIGHTS_ANNOUNCE)

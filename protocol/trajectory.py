@@ -43,7 +43,9 @@ class Trajectory:
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     response_mask: np.ndarray  # 1: model token (trained on), 0: tool/env token
-    rollout_logprobs: np.ndarray  # logprob of each sampled token under the rollout policy; 0 where mask 0
+    rollout_logprobs: (
+        np.ndarray
+    )  # logprob of each sampled token under the rollout policy; 0 where mask 0
     versions: np.ndarray  # policy version that produced each response token
     reward: float = 0.0
     snapshot_index: int = 0
@@ -81,11 +83,25 @@ META_FIELDS: tuple[tuple[str, str, bool, Any], ...] = (
     ("reward_extras", "scalars", False, None),
     ("timings", "floats", False, None),
 )
-SCALARS = ("trajectory_id", "group_uid", "reward", "snapshot_index", "is_snapshot", "source_server",
-           "data_source", "agent_type", "termination", "num_turns", "reward_extras", "timings")
+SCALARS = (
+    "trajectory_id",
+    "group_uid",
+    "reward",
+    "snapshot_index",
+    "is_snapshot",
+    "source_server",
+    "data_source",
+    "agent_type",
+    "termination",
+    "num_turns",
+    "reward_extras",
+    "timings",
+)
 # protocol.batch builds trajectories positionally (a kwargs dict per trajectory costs more than the rest).
 _POSITIONAL = ("trajectory_id", "group_uid", *(c[1] for c in COLUMNS), *SCALARS[2:])
-assert tuple(f.name for f in fields(Trajectory))[: len(_POSITIONAL)] == _POSITIONAL, "Trajectory fields moved"
+assert tuple(f.name for f in fields(Trajectory))[: len(_POSITIONAL)] == _POSITIONAL, (
+    "Trajectory fields moved"
+)
 
 
 def _is_float(x: Any) -> bool:
@@ -98,10 +114,17 @@ _KIND_CHECKS: dict[str, tuple[Any, str]] = {
     "float": (_is_float, "expected a finite number"),
     "bool": (lambda x: type(x) is bool, "expected a boolean"),
     "termination": (lambda x: x in TERMINATIONS, f"expected one of {list(TERMINATIONS)}"),
-    "scalars": (lambda d: type(d) is dict and all(type(k) is str and type(v) in (int, float, str, bool)
-                                                  for k, v in d.items()), "expected a map of scalars"),
-    "floats": (lambda d: type(d) is dict and all(type(k) is str and _is_float(v) for k, v in d.items()),
-               "expected a map of numbers"),
+    "scalars": (
+        lambda d: (
+            type(d) is dict
+            and all(type(k) is str and type(v) in (int, float, str, bool) for k, v in d.items())
+        ),
+        "expected a map of scalars",
+    ),
+    "floats": (
+        lambda d: type(d) is dict and all(type(k) is str and _is_float(v) for k, v in d.items()),
+        "expected a map of numbers",
+    ),
 }
 
 
@@ -140,44 +163,65 @@ _FAST_CHECKS: dict[str, Any] = {
     "float": lambda col: _types(col) <= {float, int} and _finite_sum(col),
     "bool": lambda col: _types(col) <= {bool},
     "termination": lambda col: _types(col) <= {str} and set(col) <= _TERMINATION_SET,
-    "scalars": lambda col: (_types(col) <= {dict} and _str_keys(col)
-                            and _types(_dict_values(col)) <= {int, float, str, bool}),
+    "scalars": lambda col: (
+        _types(col) <= {dict}
+        and _str_keys(col)
+        and _types(_dict_values(col)) <= {int, float, str, bool}
+    ),
     "floats": _floats_map,
 }
 
 
 def _decode_meta(raw: Any) -> tuple[int, dict[str, list[Any]]]:
     if not isinstance(raw, dict):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, "meta: expected a map of columns", field="meta")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, "meta: expected a map of columns", field="meta"
+        )
     n = -1
     out: dict[str, list[Any]] = {}
     for name, kind, required, default in META_FIELDS:
         col = raw.get(name)
         if col is None:
             if required:
-                raise ProtocolError(ErrorCode.INVALID_FIELD, f"meta.{name}: missing required field",
-                                    field=f"meta.{name}")
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    f"meta.{name}: missing required field",
+                    field=f"meta.{name}",
+                )
             out[name] = [default if default is not None else {} for _ in range(max(n, 0))]
             continue
         if not isinstance(col, list) or (n >= 0 and len(col) != n):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"meta.{name}: expected a list of {max(n, 0)} values",
-                                field=f"meta.{name}")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"meta.{name}: expected a list of {max(n, 0)} values",
+                field=f"meta.{name}",
+            )
         n = len(col)
         ok, what = _KIND_CHECKS[kind]
         if not _FAST_CHECKS[kind](col) and not all(map(ok, col)):
             i = next(i for i, x in enumerate(col) if not ok(x))
             path = f"trajectories[{i}].{name}"
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {what} (got {col[i]!r:.60})", field=path)
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, f"{path}: {what} (got {col[i]!r:.60})", field=path
+            )
         out[name] = col
     if n > 0 and min(out["prompt_len"]) < 1:
         i = next(i for i, x in enumerate(out["prompt_len"]) if x < 1)
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"trajectories[{i}].prompt_len: must be >= 1",
-                            field=f"trajectories[{i}].prompt_len")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"trajectories[{i}].prompt_len: must be >= 1",
+            field=f"trajectories[{i}].prompt_len",
+        )
     return n, out
 
 
 def decode_columns(
-    meta_raw: Any, cols_raw: Any, frames: list[memoryview], *, max_tokens: int, max_trajectories: int,
+    meta_raw: Any,
+    cols_raw: Any,
+    frames: list[memoryview],
+    *,
+    max_tokens: int,
+    max_trajectories: int,
     vocab_size: int = 0,
 ) -> tuple[dict[str, list[Any]], dict[str, np.ndarray]]:
     """Validate a batch's columns: (meta columns in wire order, token columns as read-only views
@@ -189,7 +233,11 @@ def decode_columns(
                 f"batch of {len(meta_raw['trajectory_id'])} trajectories exceeds the limit of {max_trajectories}",
             )
     n, meta = _decode_meta(meta_raw)
-    if not isinstance(cols_raw, list) or len(cols_raw) != len(COLUMNS) or len(frames) != len(COLUMNS):
+    if (
+        not isinstance(cols_raw, list)
+        or len(cols_raw) != len(COLUMNS)
+        or len(frames) != len(COLUMNS)
+    ):
         raise ProtocolError(
             ErrorCode.MALFORMED, f"batch must carry {len(COLUMNS)} column frames", field="columns"
         )
@@ -204,8 +252,13 @@ def decode_columns(
     n_prompt, n_resp = sum(plens), sum(rlens)
     cols = {}
     for (name, _attr, _dt, allowed), col, frame in zip(COLUMNS, cols_raw, frames, strict=True):
-        if not (isinstance(col, list) and len(col) == 2 and col[0] == name and type(col[1]) is str
-                and col[1] in allowed):
+        if not (
+            isinstance(col, list)
+            and len(col) == 2
+            and col[0] == name
+            and type(col[1]) is str
+            and col[1] in allowed
+        ):
             raise ProtocolError(
                 ErrorCode.INVALID_FIELD,
                 f"columns: expected [{name!r}, one of {sorted(allowed)}], got {col!r:.80}",
@@ -240,7 +293,9 @@ def _ids_in_range(ids: np.ndarray, vocab_size: int) -> bool:
     """One pass: seen as unsigned, a negative id is huge, so ``max < vocab`` checks both bounds."""
     if not len(ids):
         return True
-    if not vocab_size or vocab_size > 1 << (8 * ids.dtype.itemsize - 1):  # (the trick needs vocab <= 2**31)
+    if not vocab_size or vocab_size > 1 << (
+        8 * ids.dtype.itemsize - 1
+    ):  # (the trick needs vocab <= 2**31)
         return bool(ids.min() >= 0 and (not vocab_size or ids.max() < vocab_size))
     return bool(ids.view(np.dtype(f"<u{ids.dtype.itemsize}")).max() < vocab_size)
 
@@ -250,7 +305,9 @@ def _logprobs_ok(lp: np.ndarray) -> bool:
     return not len(lp) or bool(lp.max() <= 0 and np.isfinite(lp.min()))
 
 
-def _check_values(cols: dict[str, np.ndarray], plens: list[int], rlens: list[int], vocab_size: int) -> None:
+def _check_values(
+    cols: dict[str, np.ndarray], plens: list[int], rlens: list[int], vocab_size: int
+) -> None:
     for name in ("prompt_ids", "response_ids"):
         ids = cols[name]
         metas = plens if name == "prompt_ids" else rlens

@@ -65,8 +65,12 @@ class _Acc:
     def metrics(self, source: str) -> SourceMetrics:
         n = self.count
         return SourceMetrics(
-            data_source=source, count=n, reward_sum=self.reward, reward_mean=self.reward / n if n else 0.0,
-            response_length_mean=self.length / n if n else 0.0, turns_mean=self.turns / n if n else 0.0,
+            data_source=source,
+            count=n,
+            reward_sum=self.reward,
+            reward_mean=self.reward / n if n else 0.0,
+            response_length_mean=self.length / n if n else 0.0,
+            turns_mean=self.turns / n if n else 0.0,
             terminations=dict(sorted(self.terminations.items())),
             extras_mean={k: self.extras[k] / c for k, c in sorted(self.extras_n.items()) if c},
             extras_count={k: c for k, c in sorted(self.extras_n.items()) if c},

@@ -43,10 +43,22 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ChunkPart, MsgType, TensorSpec, WeightsAnnounce, WeightsChunk
 
 DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
-FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+FLOAT_DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+)
 # The learner's slot files lie in <weights_file_dir>/agentrl-weights-<pid>-<id>/ (learner.weights_files).
 WEIGHTS_DIR_PREFIX = "agentrl-weights-"
 DEFAULT_TIMEOUT_S = 60.0  # rollout_server.weights_timeout_s
@@ -75,7 +87,11 @@ def checksum(buf: memoryview) -> int:
 
 
 def plan_transfer(
-    version: int, tensors: list[NamedBuffer], *, chunk_bytes: int = 64 << 20, transfer_id: str | None = None
+    version: int,
+    tensors: list[NamedBuffer],
+    *,
+    chunk_bytes: int = 64 << 20,
+    transfer_id: str | None = None,
 ) -> tuple[WeightsAnnounce, list[WeightsChunk]]:
     """Manifest + chunks (zero-copy slices of ``tensors``) for one policy version."""
     if chunk_bytes < 1:
@@ -121,7 +137,9 @@ class ModelManifest:
     safetensors headers; ``common.safetensors_buffers.model_manifest`` builds it)."""
 
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape); all required
-    optional: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # tied lm_head
+    optional: Mapping[str, tuple[str, tuple[int, ...]]] = field(
+        default_factory=dict
+    )  # tied lm_head
     name: str = "the model"  # for messages
 
     def _spec(self, name: str) -> tuple[str, tuple[int, ...]] | None:
@@ -137,8 +155,10 @@ class ModelManifest:
     @property
     def max_bytes(self) -> int:
         """The most bytes an update of this model can take (optional tensors included)."""
-        return sum(math.prod(shape) * self._widest(dtype)
-                   for dtype, shape in (*self.tensors.values(), *self.optional.values()))
+        return sum(
+            math.prod(shape) * self._widest(dtype)
+            for dtype, shape in (*self.tensors.values(), *self.optional.values())
+        )
 
     def problems(self, specs: Sequence[TensorSpec]) -> list[tuple[str, str]]:
         """(field, what is wrong) for every tensor of ``specs`` the model does not have as announced."""
@@ -153,14 +173,28 @@ class ModelManifest:
             else:
                 dtype, shape = want
                 if tuple(s.shape) != shape:
-                    out.append((f"tensors[{i}].shape",
-                                _q(f"{name}: shape {list(s.shape)}, {self.name} has {list(shape)}")))
-                if s.dtype != dtype and not (dtype in FLOAT_DTYPES and s.dtype in FLOAT_DTYPES
-                                             and DTYPE_SIZES[s.dtype] <= self._widest(dtype)):
-                    out.append((f"tensors[{i}].dtype", f"{name}: dtype {s.dtype}, {self.name} stores {dtype}"))
+                    out.append(
+                        (
+                            f"tensors[{i}].shape",
+                            _q(f"{name}: shape {list(s.shape)}, {self.name} has {list(shape)}"),
+                        )
+                    )
+                if s.dtype != dtype and not (
+                    dtype in FLOAT_DTYPES
+                    and s.dtype in FLOAT_DTYPES
+                    and DTYPE_SIZES[s.dtype] <= self._widest(dtype)
+                ):
+                    out.append(
+                        (
+                            f"tensors[{i}].dtype",
+                            f"{name}: dtype {s.dtype}, {self.name} stores {dtype}",
+                        )
+                    )
             seen.add(s.name)
         if missing := [n for n in self.tensors if n not in seen]:
-            out.append(("tensors", f"{len(missing)} tensors of {self.name} missing, e.g. {missing[:3]}"))
+            out.append(
+                ("tensors", f"{len(missing)} tensors of {self.name} missing, e.g. {missing[:3]}")
+            )
         return out
 
 
@@ -170,29 +204,50 @@ def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> st
     (field ``file``). Symlinks are resolved first, so a link out of the directory is refused."""
     shown = repr(_q(path))
     if "\0" in path or not os.path.isabs(path):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} is not an absolute path", field="file")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, f"file {shown} is not an absolute path", field="file"
+        )
     real = os.path.realpath(path)
     inside = False
     for root in roots:
         base = os.path.realpath(root)
         rel = os.path.relpath(real, base)
         parts = rel.split(os.sep)
-        if rel != os.curdir and parts[0] != os.pardir and len(parts) >= 2 and parts[0].startswith(WEIGHTS_DIR_PREFIX):
+        if (
+            rel != os.curdir
+            and parts[0] != os.pardir
+            and len(parts) >= 2
+            and parts[0].startswith(WEIGHTS_DIR_PREFIX)
+        ):
             inside = True
             break
     if not inside:
-        dirs = ", ".join(os.path.join(r, WEIGHTS_DIR_PREFIX + "*") for r in roots) or "(none configured)"
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} (resolves to {_q(real)}) is not inside a learner "
-                            f"weights directory: {dirs}", field="file")
+        dirs = (
+            ", ".join(os.path.join(r, WEIGHTS_DIR_PREFIX + "*") for r in roots)
+            or "(none configured)"
+        )
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"file {shown} (resolves to {_q(real)}) is not inside a learner "
+            f"weights directory: {dirs}",
+            field="file",
+        )
     try:
         st = os.stat(real)
     except OSError as e:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown}: {e.strerror or e}", field="file") from None
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, f"file {shown}: {e.strerror or e}", field="file"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} is not a regular file", field="file")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD, f"file {shown} is not a regular file", field="file"
+        )
     if st.st_size < needed_bytes:
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"file {shown} holds {st.st_size} bytes, the announced "
-                            f"tensors need {needed_bytes}", field="file")
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"file {shown} holds {st.st_size} bytes, the announced tensors need {needed_bytes}",
+            field="file",
+        )
     return real
 
 
@@ -225,9 +280,15 @@ class WeightAssembler:
     only run for callers that pass ``now``.
     """
 
-    def __init__(self, *, max_total_bytes: int = 64 << 30, manifest: ModelManifest | None = None,
-                 file_roots: Sequence[str] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S) -> None:
+    def __init__(
+        self,
+        *,
+        max_total_bytes: int = 64 << 30,
+        manifest: ModelManifest | None = None,
+        file_roots: Sequence[str] | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S,
+    ) -> None:
         self.max_total_bytes = manifest.max_bytes if manifest is not None else max_total_bytes
         self.manifest = manifest
         self.file_roots = list(file_roots) if file_roots is not None else None
@@ -260,11 +321,16 @@ class WeightAssembler:
         if now - cur.last_progress >= (self.timeout_s or 0.0):
             why = f"no new chunk for {now - cur.last_progress:.1f} s (timeout {self.timeout_s:g} s)"
         else:
-            why = (f"not complete {cur.deadline - cur.started:.1f} s after its announce (timeout {self.timeout_s:g} s "
-                   f"+ {total} bytes at {self.min_bytes_per_s:g} bytes/s)")
-        err = ProtocolError(ErrorCode.TIMED_OUT, f"weights version {a.version} (transfer {_q(a.transfer_id)}) abandoned: "
-                            f"{len(cur.chunks_seen)} of {a.num_chunks} chunks, {sum(cur.filled)} of {total} bytes "
-                            f"received; {why}")
+            why = (
+                f"not complete {cur.deadline - cur.started:.1f} s after its announce (timeout {self.timeout_s:g} s "
+                f"+ {total} bytes at {self.min_bytes_per_s:g} bytes/s)"
+            )
+        err = ProtocolError(
+            ErrorCode.TIMED_OUT,
+            f"weights version {a.version} (transfer {_q(a.transfer_id)}) abandoned: "
+            f"{len(cur.chunks_seen)} of {a.num_chunks} chunks, {sum(cur.filled)} of {total} bytes "
+            f"received; {why}",
+        )
         err.ref_type = int(MsgType.WEIGHTS_ANNOUNCE)
         return a, err
 
@@ -274,16 +340,30 @@ class WeightAssembler:
         total = self._check(msg)
         if msg.file:
             if msg.num_chunks != 0:
-                raise ProtocolError(ErrorCode.INVALID_FIELD, "a file announce has no chunks", field="num_chunks")
-            path = msg.file if self.file_roots is None else check_weights_file(msg.file, self.file_roots, total)
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD, "a file announce has no chunks", field="num_chunks"
+                )
+            path = (
+                msg.file
+                if self.file_roots is None
+                else check_weights_file(msg.file, self.file_roots, total)
+            )
             self._supersede()
             self._finished.add(msg.transfer_id)
-            return ReceivedWeights(msg.version, msg.transfer_id, [], file=path, specs=list(msg.tensors))
+            return ReceivedWeights(
+                msg.version, msg.transfer_id, [], file=path, specs=list(msg.tensors)
+            )
         self._supersede()
         start = math.inf if now is None else now  # no clock: no deadline
         budget = (self.timeout_s or 0.0) + total / self.min_bytes_per_s
-        self._current = _Transfer(msg, [None] * len(msg.tensors), [0] * len(msg.tensors),
-                                  deadline=start + budget, last_progress=start, started=start)
+        self._current = _Transfer(
+            msg,
+            [None] * len(msg.tensors),
+            [0] * len(msg.tensors),
+            deadline=start + budget,
+            last_progress=start,
+            started=start,
+        )
         return self._finish_if_complete()
 
     def _supersede(self) -> None:
@@ -294,43 +374,77 @@ class WeightAssembler:
     def _check(self, msg: WeightsAnnounce) -> int:
         """Every check an announce must pass before anything is allocated; returns its total bytes."""
         if msg.checksum_algo != "xxh3_64":
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"unsupported checksum_algo {_q(msg.checksum_algo)!r}",
-                                field="checksum_algo")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"unsupported checksum_algo {_q(msg.checksum_algo)!r}",
+                field="checksum_algo",
+            )
         total = 0
         for i, s in enumerate(msg.tensors):
             size = DTYPE_SIZES.get(s.dtype)
             if size is None or any(d < 0 for d in s.shape) or math.prod(s.shape) * size != s.nbytes:
-                raise ProtocolError(ErrorCode.INVALID_FIELD,
-                                    f"tensors[{i}] ({_q(s.name)}): dtype/shape/nbytes inconsistent",
-                                    field=f"tensors[{i}]")
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    f"tensors[{i}] ({_q(s.name)}): dtype/shape/nbytes inconsistent",
+                    field=f"tensors[{i}]",
+                )
             total += s.nbytes
         if total > self.max_total_bytes:
-            of = f"{self.manifest.name} can hold" if self.manifest is not None else "max_total_bytes allows"
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"weights of {total} bytes in {len(msg.tensors)} tensors "
-                                f"exceed the {self.max_total_bytes} bytes {of}", field="tensors")
+            of = (
+                f"{self.manifest.name} can hold"
+                if self.manifest is not None
+                else "max_total_bytes allows"
+            )
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"weights of {total} bytes in {len(msg.tensors)} tensors "
+                f"exceed the {self.max_total_bytes} bytes {of}",
+                field="tensors",
+            )
         if self.manifest is not None and (problems := self.manifest.problems(msg.tensors)):
-            more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"version {msg.version} does not fit {self.manifest.name}: "
-                                + "; ".join(p for _, p in problems[:MAX_PROBLEMS]) + more, field=problems[0][0])
+            more = (
+                f" (and {len(problems) - MAX_PROBLEMS} more)"
+                if len(problems) > MAX_PROBLEMS
+                else ""
+            )
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"version {msg.version} does not fit {self.manifest.name}: "
+                + "; ".join(p for _, p in problems[:MAX_PROBLEMS])
+                + more,
+                field=problems[0][0],
+            )
         if not msg.file and (msg.num_chunks > total or (total > 0 and msg.num_chunks == 0)):
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"num_chunks {msg.num_chunks} for {total} bytes: every "
-                                "chunk carries at least one byte", field="num_chunks")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD,
+                f"num_chunks {msg.num_chunks} for {total} bytes: every "
+                "chunk carries at least one byte",
+                field="num_chunks",
+            )
         return total
 
     def chunk(self, msg: WeightsChunk, now: float | None = None) -> ReceivedWeights | None:
         cur = self._current
         if cur is None or msg.transfer_id != cur.announce.transfer_id:
             if msg.transfer_id in self._abandoned or msg.transfer_id in self._finished:
-                return None  # late or repeated chunks of a superseded or finished transfer: harmless
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"chunk of unannounced transfer {_q(msg.transfer_id)}")
+                return (
+                    None  # late or repeated chunks of a superseded or finished transfer: harmless
+                )
+            raise ProtocolError(
+                ErrorCode.UNEXPECTED, f"chunk of unannounced transfer {_q(msg.transfer_id)}"
+            )
         if not 0 <= msg.index < cur.announce.num_chunks:
-            raise ProtocolError(ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index")
+            raise ProtocolError(
+                ErrorCode.INVALID_FIELD, f"chunk index {msg.index} out of range", field="index"
+            )
         if msg.index in cur.chunks_seen:
             return None
         specs = cur.announce.tensors
         for i, p in enumerate(msg.parts):
             if p.tensor >= len(specs) or p.offset + p.nbytes > specs[p.tensor].nbytes:
-                raise ProtocolError(ErrorCode.INVALID_FIELD, f"parts[{i}] outside its tensor", field=f"parts[{i}]")
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD, f"parts[{i}] outside its tensor", field=f"parts[{i}]"
+                )
         for p, data in zip(msg.parts, msg.frames, strict=True):
             buf = cur.buffers[p.tensor]
             if buf is None:  # the first bytes of this tensor: only now is its room taken
@@ -351,12 +465,19 @@ class WeightAssembler:
         self._finished.add(cur.announce.transfer_id)
         buffers = [b if b is not None else bytearray() for b in cur.buffers]
         for spec, buf, filled in zip(cur.announce.tensors, buffers, cur.filled, strict=True):
-            if filled != spec.nbytes or len(buf) != spec.nbytes or checksum(memoryview(buf)) != spec.checksum:
+            if (
+                filled != spec.nbytes
+                or len(buf) != spec.nbytes
+                or checksum(memoryview(buf)) != spec.checksum
+            ):
                 raise ProtocolError(
                     ErrorCode.CHECKSUM_MISMATCH,
                     f"version {cur.announce.version}: tensor {_q(spec.name)} failed verification "
                     f"({filled}/{spec.nbytes} bytes)",
                     field=spec.name,
                 )
-        return ReceivedWeights(cur.announce.version, cur.announce.transfer_id,
-                               list(zip(cur.announce.tensors, buffers, strict=True)))
+        return ReceivedWeights(
+            cur.announce.version,
+            cur.announce.transfer_id,
+            list(zip(cur.announce.tensors, buffers, strict=True)),
+        )

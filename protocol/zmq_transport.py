@@ -38,7 +38,9 @@ from protocol.sender import Frames
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
 FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
-CLIENT_MAX_FRAMES = 1 << 16  # frames of one message to a rollout server (a weights chunk: one per part)
+CLIENT_MAX_FRAMES = (
+    1 << 16
+)  # frames of one message to a rollout server (a weights chunk: one per part)
 _DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
 
 
@@ -79,8 +81,10 @@ def _allow_list(ctx: zmq.Context, allowed_keys_dir: Path) -> str:
     except Exception as e:  # pyzmq's authenticator would only log this and then deny everyone
         raise ValueError(f"CURVE allowed keys directory {allowed_keys_dir}: {e}") from e
     if not keys:
-        raise ValueError(f"CURVE allowed keys directory {allowed_keys_dir} holds no public keys (*.key): "
-                         "no rollout server could connect")
+        raise ValueError(
+            f"CURVE allowed keys directory {allowed_keys_dir} holds no public keys (*.key): "
+            "no rollout server could connect"
+        )
     entry = _zap.get(id(ctx))
     if entry is None:
         auth = AsyncioAuthenticator(ctx)
@@ -145,7 +149,9 @@ def _bind(sock: zmq.Socket, address: str, *, wait_s: float = 0.5) -> None:
         except zmq.ZMQError as e:
             if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
                 if e.errno == zmq.EADDRINUSE:
-                    raise zmq.ZMQError(e.errno, f"{address} is in use (another learner running?)") from e
+                    raise zmq.ZMQError(
+                        e.errno, f"{address} is in use (another learner running?)"
+                    ) from e
                 raise
             time.sleep(0.01)  # bounded: at most wait_s, and only when the address is taken
 
@@ -192,17 +198,25 @@ def exposure_warning(address: str, *, curve: bool) -> str | None:
     """The warning to log when ``address`` is bound without CURVE and reachable from other hosts."""
     if curve or is_loopback(address):
         return None
-    return ("binding a non-loopback address without CURVE: any host that can reach it may connect "
-            "unauthenticated, and libzmq buffers a whole message before it can be refused (SPEC §13)")
+    return (
+        "binding a non-loopback address without CURVE: any host that can reach it may connect "
+        "unauthenticated, and libzmq buffers a whole message before it can be refused (SPEC §13)"
+    )
 
 
 class ZmqServerChannel:
     """ROUTER socket bound at ``address`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
 
-    def __init__(self, address: str, *, curve: CurveServerKeys | None = None,
-                 max_message_bytes: int | None = None, max_frame_bytes: int | None = None,
-                 budget: Callable[[bytes], MessageBudget] | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve: CurveServerKeys | None = None,
+        max_message_bytes: int | None = None,
+        max_frame_bytes: int | None = None,
+        budget: Callable[[bytes], MessageBudget] | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
         """``budget(identity)``: the budget of the next message from that peer (default: the same
         ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame bound
         (default ``max_message_bytes``)."""
@@ -213,7 +227,9 @@ class ZmqServerChannel:
         if curve is not None:  # check the key files before any socket or thread exists
             keys = _load(curve.secret_key_file, secret=True)
             if not Path(curve.allowed_keys_dir).is_dir():
-                raise FileNotFoundError(f"CURVE allowed keys directory not found: {curve.allowed_keys_dir}")
+                raise FileNotFoundError(
+                    f"CURVE allowed keys directory not found: {curve.allowed_keys_dir}"
+                )
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._zap_domain: str | None = None
@@ -237,7 +253,9 @@ class ZmqServerChannel:
 
     async def recv(self) -> tuple[bytes, Frames]:
         while True:
-            first = await self.sock.recv(copy=False)  # the routing id: the peer is known before its frames
+            first = await self.sock.recv(
+                copy=False
+            )  # the routing id: the peer is known before its frames
             identity = first.bytes
             frames = await _read_rest(self._sync, first.more, MessageReader(self.budget(identity)))
             if frames:
@@ -260,8 +278,14 @@ class ZmqServerChannel:
 class ZmqClientChannel:
     """DEALER socket connected to the learner; one per session (see driver)."""
 
-    def __init__(self, address: str, *, curve: CurveClientKeys | None = None,
-                 max_message_bytes: int | None = None, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        curve: CurveClientKeys | None = None,
+        max_message_bytes: int | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
         keys = None
         if curve is not None:  # check the key files before the socket exists
             public, secret = _load(curve.secret_key_file, secret=True)
@@ -297,7 +321,9 @@ class ZmqClientChannel:
         self.sock.close(linger=200)  # let a final BYE leave; a dead learner costs at most 0.2 s
 
 
-def client_factory(address: str, *, curve: CurveClientKeys | None = None, max_message_bytes: int | None = None):
+def client_factory(
+    address: str, *, curve: CurveClientKeys | None = None, max_message_bytes: int | None = None
+):
     """``connect`` callable for ``RolloutClient``: a fresh DEALER per session."""
 
     async def connect() -> ZmqClientChannel:

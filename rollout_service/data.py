@@ -49,7 +49,9 @@ from rollout_service.mixing import MixedSchedule, batch_counts, smallest_fitting
 
 STATE_FILE = "data_cursor.json"
 STATE_FORMAT = 1
-_GROUP_UID = re.compile(r"^e(\d+)-([im])(\d+)$")  # i: row index (plain), m: slot in the epoch (mixed)
+_GROUP_UID = re.compile(
+    r"^e(\d+)-([im])(\d+)$"
+)  # i: row index (plain), m: slot in the epoch (mixed)
 _MIX_KEYS = ("ratios", "batch_size", "source_rows")  # in the cursor's fingerprint when mixing
 
 
@@ -92,23 +94,33 @@ Reader = Callable[[Path, int, int | None], list[tuple[str, Any]]]
 """(file, max_row_bytes, first rows only or None) -> [(where in the file, row)]."""
 
 
-def load_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-              limit: int | None = None) -> list[dict[str, Any]]:
+def load_rows(
+    path: str | os.PathLike[str],
+    *,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
     """Every row of one file (the first ``limit`` only, when given), validated. Raises
     ``DataError`` naming the file, the line or row, and the field or limit."""
     return [row for _, row in located_rows(path, max_row_bytes=max_row_bytes, limit=limit)]
 
 
-def located_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-                 limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+def located_rows(
+    path: str | os.PathLike[str],
+    *,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    limit: int | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
     """``load_rows`` with where each row is in its file ("line 3", "row 2"), for messages."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such data file")
     reader = _READERS.get(p.suffix.lower())
     if reader is None:
-        raise DataError(f"{p}: unknown data file type {p.suffix.lower()!r} "
-                        f"(expected {', '.join(sorted(_READERS))})")
+        raise DataError(
+            f"{p}: unknown data file type {p.suffix.lower()!r} "
+            f"(expected {', '.join(sorted(_READERS))})"
+        )
     rows = reader(p, max_row_bytes, limit)
     for where, row in rows:
         _check_row(row, f"{p}: {where}")
@@ -118,16 +130,20 @@ def located_rows(path: str | os.PathLike[str], *, max_row_bytes: int = DEFAULT_M
 
 
 def _too_big(where: str, size: int, limit: int) -> DataError:
-    return DataError(f"{where}: row of {size} bytes is larger than data.max_row_bytes={limit}; "
-                     "shorten it or raise the limit")
+    return DataError(
+        f"{where}: row of {size} bytes is larger than data.max_row_bytes={limit}; "
+        "shorten it or raise the limit"
+    )
 
 
 def _not_utf8(where: str, e: UnicodeDecodeError, text: bytes) -> DataError:
     """``where``: the file, or the file and line; ``text`` holds ``e``'s bytes from its start."""
     line = text.count(b"\n", 0, e.start) + 1
     column = e.start - (text.rfind(b"\n", 0, e.start) + 1) + 1
-    return DataError(f"{where}: line {line} column {column} (byte): not UTF-8 text "
-                     f"({e.reason}: {e.object[e.start:e.end]!r}); data files must be UTF-8")
+    return DataError(
+        f"{where}: line {line} column {column} (byte): not UTF-8 text "
+        f"({e.reason}: {e.object[e.start : e.end]!r}); data files must be UTF-8"
+    )
 
 
 def _read_jsonl(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[str, Any]]:
@@ -145,14 +161,18 @@ def _read_jsonl(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[st
             content = raw.rstrip(b"\r\n")
             if len(content) > max_row_bytes:
                 size = len(content)
-                while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):  # measure, don't keep
+                while not raw.endswith(b"\n") and (
+                    raw := f.readline(1 << 20)
+                ):  # measure, don't keep
                     size += len(raw.rstrip(b"\r\n"))
                 raise _too_big(where, size, max_row_bytes)
             try:
                 line = content.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text at byte {e.start + 1} of the line "
-                                f"({e.reason}: {e.object[e.start:e.end]!r}); data files must be UTF-8") from None
+                raise DataError(
+                    f"{where}: not UTF-8 text at byte {e.start + 1} of the line "
+                    f"({e.reason}: {e.object[e.start : e.end]!r}); data files must be UTF-8"
+                ) from None
             if not line.strip():
                 continue  # a trailing newline or blank separator line is not a row
             try:
@@ -169,7 +189,9 @@ def _read_json_list(p: Path, max_row_bytes: int, limit: int | None) -> list[tupl
     except UnicodeDecodeError as e:
         raise _not_utf8(str(p), e, raw) from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise DataError(
+            f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
     if not isinstance(data, list):
         raise DataError(f"{p}: expected a JSON list of rows, got a {type(data).__name__}")
     rows = [(f"row {i}", row) for i, row in enumerate(data[:limit])]
@@ -187,12 +209,15 @@ def _read_parquet(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[
         if limit is None:
             table = parquet.read()
         else:
-            table = pa.Table.from_batches(list(_first(parquet.iter_batches(batch_size=limit))),
-                                          schema=parquet.schema_arrow)
+            table = pa.Table.from_batches(
+                list(_first(parquet.iter_batches(batch_size=limit))), schema=parquet.schema_arrow
+            )
         records = table.to_pylist()
     except UnicodeDecodeError as e:
-        raise DataError(f"{p}: a text column holds bytes that are not UTF-8 ({e.reason}); "
-                        "data files must be UTF-8") from None
+        raise DataError(
+            f"{p}: a text column holds bytes that are not UTF-8 ({e.reason}); "
+            "data files must be UTF-8"
+        ) from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{p}: not a readable parquet file ({e})") from None
     rows = [(f"row {i}", row) for i, row in enumerate(records)]
@@ -216,23 +241,35 @@ def _check_sizes(p: Path, rows: list[tuple[str, Any]], max_row_bytes: int) -> No
             raise _too_big(f"{p}: {where}", size, max_row_bytes)
 
 
-_READERS: dict[str, Reader] = {".jsonl": _read_jsonl, ".json": _read_json_list, ".parquet": _read_parquet}
+_READERS: dict[str, Reader] = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json_list,
+    ".parquet": _read_parquet,
+}
 """File suffix -> its reader."""
 
 
 def _check_row(row: Any, where: str) -> None:
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with 'question' and 'answer', got {type(row).__name__}")
+        raise DataError(
+            f"{where}: expected an object with 'question' and 'answer', got {type(row).__name__}"
+        )
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
-        raise DataError(f"{where}: field 'question': expected a non-empty string, got {_show(question)}")
+        raise DataError(
+            f"{where}: field 'question': expected a non-empty string, got {_show(question)}"
+        )
     answer = row.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, str | int | float | list):
-        raise DataError(f"{where}: field 'answer': expected a string, number or list, got {_show(answer)}")
+        raise DataError(
+            f"{where}: field 'answer': expected a string, number or list, got {_show(answer)}"
+        )
     for key in ("data_source", "agent"):
         value = row.get(key)
         if value is not None and (not isinstance(value, str) or not value):
-            raise DataError(f"{where}: field {key!r}: expected a non-empty string, got {_show(value)}")
+            raise DataError(
+                f"{where}: field {key!r}: expected a non-empty string, got {_show(value)}"
+            )
 
 
 def _show(value: Any) -> str:
@@ -286,20 +323,28 @@ class PromptSource:
             raise DataError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
         self.shard_index, self.shard_count = shard_index, shard_count
         self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
-        self.rows, self.source_rows = _load_sources(sources, default_agent_type, max_row_bytes=max_row_bytes)
+        self.rows, self.source_rows = _load_sources(
+            sources, default_agent_type, max_row_bytes=max_row_bytes
+        )
         self.ratios = [s.ratio for s in sources]
-        self.mix = _mixed_schedule(sources, self.source_rows, batch_size, seed=seed, shuffle=shuffle)
+        self.mix = _mixed_schedule(
+            sources, self.source_rows, batch_size, seed=seed, shuffle=shuffle
+        )
         if self.mix is None:
             self.shard_size = len(range(shard_index, len(self.rows), shard_count))
             if self.shard_size == 0:
-                raise DataError(f"shard {shard_index} of {shard_count} is empty: the data has only "
-                                f"{len(self.rows)} rows")
+                raise DataError(
+                    f"shard {shard_index} of {shard_count} is empty: the data has only "
+                    f"{len(self.rows)} rows"
+                )
         else:
             batches = len(range(shard_index, self.mix.batches_per_epoch, shard_count))
             if batches == 0:
-                raise DataError(f"shard {shard_index} of {shard_count} is empty: an epoch of the mixed "
-                                f"data has only {self.mix.batches_per_epoch} batches of "
-                                f"{self.mix.batch_size} (data.train_batch_size); use fewer rollout servers")
+                raise DataError(
+                    f"shard {shard_index} of {shard_count} is empty: an epoch of the mixed "
+                    f"data has only {self.mix.batches_per_epoch} batches of "
+                    f"{self.mix.batch_size} (data.train_batch_size); use fewer rollout servers"
+                )
             self.shard_size = batches * self.mix.batch_size
         self.state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
         self._next_undone = 0  # every position below this is done
@@ -309,13 +354,27 @@ class PromptSource:
         self._load_state()
 
     @classmethod
-    def from_config(cls, data: DataConfig, *, shard_index: int, shard_count: int,
-                    state_dir: str | os.PathLike[str] | None = None,
-                    max_epochs: int | None = None) -> PromptSource:
-        return cls(sources_from_config(data), shard_index=shard_index, shard_count=shard_count,
-                   seed=data.seed, shuffle=data.shuffle, default_agent_type=data.agent_type,
-                   state_dir=state_dir, max_epochs=max_epochs, batch_size=data.train_batch_size,
-                   max_row_bytes=data.max_row_bytes)
+    def from_config(
+        cls,
+        data: DataConfig,
+        *,
+        shard_index: int,
+        shard_count: int,
+        state_dir: str | os.PathLike[str] | None = None,
+        max_epochs: int | None = None,
+    ) -> PromptSource:
+        return cls(
+            sources_from_config(data),
+            shard_index=shard_index,
+            shard_count=shard_count,
+            seed=data.seed,
+            shuffle=data.shuffle,
+            default_agent_type=data.agent_type,
+            state_dir=state_dir,
+            max_epochs=max_epochs,
+            batch_size=data.train_batch_size,
+            max_row_bytes=data.max_row_bytes,
+        )
 
     # -- iteration ---------------------------------------------------------------------------------
 
@@ -336,8 +395,16 @@ class PromptSource:
             k, place = divmod(offset, self.mix.batch_size)
             batch = self.shard_index + k * self.shard_count
             uid = f"e{epoch}-m{batch * self.mix.batch_size + place}"
-        return PromptItem(index=index, epoch=epoch, row=r.row, data_source=r.data_source,
-                          agent_type=r.agent_type, group_uid=uid, position=position, batch=batch)
+        return PromptItem(
+            index=index,
+            epoch=epoch,
+            row=r.row,
+            data_source=r.data_source,
+            agent_type=r.agent_type,
+            group_uid=uid,
+            position=position,
+            batch=batch,
+        )
 
     def _order(self, epoch: int) -> np.ndarray:
         """This shard's global indices in epoch ``epoch``'s order (cached for the last two epochs,
@@ -346,14 +413,18 @@ class PromptSource:
         if order is None:
             if self.mix is not None:
                 # The epoch's whole schedule, dealt to the shards in whole batches.
-                batches = self.mix.epoch(epoch).reshape(self.mix.batches_per_epoch, self.mix.batch_size)
-                order = batches[self.shard_index::self.shard_count].reshape(-1)
+                batches = self.mix.epoch(epoch).reshape(
+                    self.mix.batches_per_epoch, self.mix.batch_size
+                )
+                order = batches[self.shard_index :: self.shard_count].reshape(-1)
             else:
                 everything = np.arange(len(self.rows))
                 if self.shuffle:
                     # One permutation of the whole data set per epoch, filtered to this shard: the
                     # order depends only on (seed, epoch), never on the shard layout.
-                    everything = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+                    everything = np.random.default_rng([self.seed, epoch]).permutation(
+                        len(self.rows)
+                    )
                 order = everything[everything % self.shard_count == self.shard_index]
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order
@@ -406,7 +477,11 @@ class PromptSource:
         held = 0
         for uid in group_uids:
             position = self.position_of_group(uid)
-            if position is not None and position >= self._next_undone and position not in self._done_ahead:
+            if (
+                position is not None
+                and position >= self._next_undone
+                and position not in self._done_ahead
+            ):
                 self._held.add(position)
                 held += 1
         return held
@@ -420,17 +495,30 @@ class PromptSource:
     def _fingerprint(self) -> dict[str, Any]:
         # A cursor is only meaningful for the same rows, shuffle, sharding and mix. The mixing keys
         # are left out without mixing, so cursors saved before mixing existed still load.
-        fp: dict[str, Any] = {"rows": len(self.rows), "seed": self.seed, "shuffle": int(self.shuffle),
-                              "shard_index": self.shard_index, "shard_count": self.shard_count}
+        fp: dict[str, Any] = {
+            "rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "shard_index": self.shard_index,
+            "shard_count": self.shard_count,
+        }
         if self.mix is not None:
-            fp |= {"ratios": self.ratios, "batch_size": self.mix.batch_size, "source_rows": self.source_rows}
+            fp |= {
+                "ratios": self.ratios,
+                "batch_size": self.mix.batch_size,
+                "source_rows": self.source_rows,
+            }
         return fp
 
     def _save_state(self) -> None:
         if self.state_path is None:
             return
-        state = {"format": STATE_FORMAT, **self._fingerprint(), "next_undone": self._next_undone,
-                 "done_ahead": sorted(self._done_ahead)}
+        state = {
+            "format": STATE_FORMAT,
+            **self._fingerprint(),
+            "next_undone": self._next_undone,
+            "done_ahead": sorted(self._done_ahead),
+        }
         atomic_write_bytes(self.state_path, json.dumps(state).encode())
 
     def _load_state(self) -> None:
@@ -443,20 +531,30 @@ class PromptSource:
             # A cursor saved with(out) mixing must not pass for one saved without (with) it.
             saved |= {k: state.get(k) for k in _MIX_KEYS if k in state or self.mix is not None}
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"{self.state_path}: unreadable data cursor ({type(e).__name__}: {e}); "
-                            "delete it to start the data from the beginning") from None
+            raise DataError(
+                f"{self.state_path}: unreadable data cursor ({type(e).__name__}: {e}); "
+                "delete it to start the data from the beginning"
+            ) from None
         if fmt != STATE_FORMAT:
-            raise DataError(f"{self.state_path}: cursor format {fmt}, this build reads {STATE_FORMAT}")
+            raise DataError(
+                f"{self.state_path}: cursor format {fmt}, this build reads {STATE_FORMAT}"
+            )
         if saved != self._fingerprint():
-            raise DataError(f"{self.state_path}: the cursor was saved for {saved}, but the data and "
-                            f"sharding now give {self._fingerprint()}; delete it to start over")
+            raise DataError(
+                f"{self.state_path}: the cursor was saved for {saved}, but the data and "
+                f"sharding now give {self._fingerprint()}; delete it to start over"
+            )
         if not isinstance(nxt, int) or not all(isinstance(p, int) and p > nxt for p in ahead):
             raise DataError(f"{self.state_path}: inconsistent cursor (next_undone={nxt!r})")
         self._next_undone, self._done_ahead = nxt, set(ahead)
 
 
-def _load_sources(sources: Sequence[Source], default_agent_type: str, *,
-                  max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> tuple[list[_Row], list[int]]:
+def _load_sources(
+    sources: Sequence[Source],
+    default_agent_type: str,
+    *,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+) -> tuple[list[_Row], list[int]]:
     """Every source's rows, concatenated, and how many rows each source has."""
     rows: list[_Row] = []
     sizes: list[int] = []
@@ -477,18 +575,28 @@ def _load_sources(sources: Sequence[Source], default_agent_type: str, *,
     return rows, sizes
 
 
-def _mixed_schedule(sources: Sequence[Source], sizes: Sequence[int], batch_size: int | None, *,
-                    seed: int, shuffle: bool) -> MixedSchedule | None:
+def _mixed_schedule(
+    sources: Sequence[Source],
+    sizes: Sequence[int],
+    batch_size: int | None,
+    *,
+    seed: int,
+    shuffle: bool,
+) -> MixedSchedule | None:
     """The mixed schedule when the sources carry ratios; None when none does."""
     ratios = [s.ratio for s in sources]
     if all(r is None for r in ratios):
         return None
     names = [_source_name(s) for s in sources]
     if any(r is None or r <= 0 for r in ratios):
-        bad = ", ".join(f"{n}={r}" for n, r in zip(names, ratios, strict=True) if r is None or r <= 0)
+        bad = ", ".join(
+            f"{n}={r}" for n, r in zip(names, ratios, strict=True) if r is None or r <= 0
+        )
         raise DataError(f"data.datasets: every source of a mix needs a ratio above 0 (got {bad})")
     if batch_size is None or batch_size < 1:
-        raise DataError(f"mixed sources need a batch size of at least 1 (data.train_batch_size), got {batch_size}")
+        raise DataError(
+            f"mixed sources need a batch size of at least 1 (data.train_batch_size), got {batch_size}"
+        )
     for name, size in zip(names, sizes, strict=True):
         if size == 0:
             raise DataError(f"data.datasets: source {name!r} has no rows")
@@ -500,7 +608,8 @@ def _mixed_schedule(sources: Sequence[Source], sizes: Sequence[int], batch_size:
             raise DataError(
                 f"data.datasets: source {name!r} (ratio {ratio:g}) gets 0 of the {batch_size} prompts "
                 f"of a batch (data.train_batch_size={batch_size}, counts {dict(zip(names, counts, strict=True))}); "
-                f"data.train_batch_size={fix} gives every source at least one, or raise its ratio")
+                f"data.train_batch_size={fix} gives every source at least one, or raise its ratio"
+            )
     return MixedSchedule(sizes, counts, seed=seed, shuffle=shuffle)
 
 

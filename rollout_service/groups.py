@@ -39,9 +39,15 @@ class RewardChoice:
 
 def episode_view(ep: Episode, renderer: Any) -> EpisodeView:
     text = renderer.decode([t for t, m in zip(ep.response_ids, ep.mask, strict=True) if m == 1])
-    return EpisodeView(response_text=text, final_answer=ep.final_answer, messages=list(ep.messages),
-                       termination=ep.termination or "aborted", num_turns=ep.turns, tool_calls=ep.tool_calls,
-                       tool_errors=ep.tool_errors)
+    return EpisodeView(
+        response_text=text,
+        final_answer=ep.final_answer,
+        messages=list(ep.messages),
+        termination=ep.termination or "aborted",
+        num_turns=ep.turns,
+        tool_calls=ep.tool_calls,
+        tool_errors=ep.tool_errors,
+    )
 
 
 async def score(ep: Episode, renderer: Any, rewards: RewardChoice) -> RewardResult:
@@ -50,7 +56,9 @@ async def score(ep: Episode, renderer: Any, rewards: RewardChoice) -> RewardResu
         fn = REWARDS.get(name)
         return await fn(episode_view(ep, renderer), ep.row)
     except Exception as e:  # a broken reward function or row must not lose the group
-        log.warning("reward failed", reward_fn=name, episode=ep.episode_id, error=f"{type(e).__name__}: {e}")
+        log.warning(
+            "reward failed", reward_fn=name, episode=ep.episode_id, error=f"{type(e).__name__}: {e}"
+        )
         return RewardResult(0.0, {"reward_error": f"{type(e).__name__}: {e}"[:200]})
 
 
@@ -64,25 +72,45 @@ REMAX_BASELINE = "remax_baseline"
 """reward_extras key of the greedy episode's reward (ReMax's baseline), on every trajectory of a group."""
 
 
-async def greedy_baseline(*, group_uid: str, row: dict[str, Any], agent_type: str, data_source: str,
-                          deps: AgentDeps, rewards: RewardChoice) -> float:
+async def greedy_baseline(
+    *,
+    group_uid: str,
+    row: dict[str, Any],
+    agent_type: str,
+    data_source: str,
+    deps: AgentDeps,
+    rewards: RewardChoice,
+) -> float:
     """Reward of one greedy episode of ``row``: ReMax's baseline. The episode itself is not shipped
     (it is not trained on)."""
     greedy = replace(deps, sampling=replace(deps.sampling, temperature=0.0))
-    ep = Episode(f"{group_uid}-greedy", group_uid, row, data_source=data_source, agent_type=agent_type)
+    ep = Episode(
+        f"{group_uid}-greedy", group_uid, row, data_source=data_source, agent_type=agent_type
+    )
     await AGENTS.get(agent_type)(greedy).run(ep)
     return (await score(ep, deps.renderer, rewards)).score
 
 
-async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: str, data_source: str,
-                    deps: AgentDeps, rewards: RewardChoice, server_id: str,
-                    remax: bool = False) -> GroupResult:
+async def run_group(
+    *,
+    group_uid: str,
+    row: dict[str, Any],
+    n: int,
+    agent_type: str,
+    data_source: str,
+    deps: AgentDeps,
+    rewards: RewardChoice,
+    server_id: str,
+    remax: bool = False,
+) -> GroupResult:
     """Run ``n`` episodes of ``row`` concurrently and score them; with ``remax``, also one greedy
     episode whose reward every trajectory carries as its baseline."""
     agent = AGENTS.get(agent_type)(deps)
     segmenting = getattr(agent, "trajectories", None)
-    episodes = [Episode(f"{group_uid}-{i}", group_uid, row, data_source=data_source, agent_type=agent_type)
-                for i in range(n)]
+    episodes = [
+        Episode(f"{group_uid}-{i}", group_uid, row, data_source=data_source, agent_type=agent_type)
+        for i in range(n)
+    ]
     trajectories: list[list[Trajectory]] = [[] for _ in episodes]
 
     async def one(i: int) -> None:
@@ -92,14 +120,23 @@ async def run_group(*, group_uid: str, row: dict[str, Any], n: int, agent_type: 
         if segmenting is not None:  # the agent shapes rewards and picks segments (StateLM)
             trajectories[i] = segmenting(ep, result, server_id)
         else:
-            trajectories[i] = ep.to_trajectories(reward=result.score, reward_extras=result.extras,
-                                                 source_server=server_id)
+            trajectories[i] = ep.to_trajectories(
+                reward=result.score, reward_extras=result.extras, source_server=server_id
+            )
 
     baseline: list[float] = []
 
     async def base() -> None:
-        baseline.append(await greedy_baseline(group_uid=group_uid, row=row, agent_type=agent_type,
-                                              data_source=data_source, deps=deps, rewards=rewards))
+        baseline.append(
+            await greedy_baseline(
+                group_uid=group_uid,
+                row=row,
+                agent_type=agent_type,
+                data_source=data_source,
+                deps=deps,
+                rewards=rewards,
+            )
+        )
 
     async with anyio.create_task_group() as tg:
         for i in range(n):

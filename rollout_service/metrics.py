@@ -83,8 +83,9 @@ class RolloutStats:
     def episode_started(self) -> None:
         self.gauges.episodes_in_flight += 1
 
-    def episode_finished(self, *, generated_tokens: int, turns: int, tool_calls: int = 0,
-                         tool_errors: int = 0) -> None:
+    def episode_finished(
+        self, *, generated_tokens: int, turns: int, tool_calls: int = 0, tool_errors: int = 0
+    ) -> None:
         c = self.counters
         c.episodes_finished += 1
         c.generated_tokens += generated_tokens

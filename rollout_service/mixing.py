@@ -53,7 +53,9 @@ def smallest_fitting_batch_size(ratios: Sequence[float], batch_size: int) -> int
 class MixedSchedule:
     """Which rows fill each slot of an epoch: ``epoch(e)[batch * B + place]`` is a global row index."""
 
-    def __init__(self, pool_sizes: Sequence[int], counts: Sequence[int], *, seed: int, shuffle: bool) -> None:
+    def __init__(
+        self, pool_sizes: Sequence[int], counts: Sequence[int], *, seed: int, shuffle: bool
+    ) -> None:
         assert len(pool_sizes) == len(counts) and min(counts) > 0 and min(pool_sizes) > 0
         self.pool_sizes, self.counts = list(pool_sizes), list(counts)
         self.batch_size = sum(counts)
@@ -64,8 +66,10 @@ class MixedSchedule:
     def epoch(self, epoch: int) -> np.ndarray:
         """Global row indices of the epoch's ``batches_per_epoch * B`` slots, batch after batch."""
         nb = self.batches_per_epoch
-        columns = [self._draws(s, epoch * c * nb, (epoch + 1) * c * nb).reshape(nb, c) + self._starts[s]
-                   for s, c in enumerate(self.counts)]
+        columns = [
+            self._draws(s, epoch * c * nb, (epoch + 1) * c * nb).reshape(nb, c) + self._starts[s]
+            for s, c in enumerate(self.counts)
+        ]
         batches = np.concatenate(columns, axis=1)
         if self.shuffle:
             batches = np.random.default_rng([self.seed, _BATCH, epoch]).permuted(batches, axis=1)
@@ -76,7 +80,7 @@ class MixedSchedule:
         n = self.pool_sizes[source]
         first, last = start // n, (stop - 1) // n
         passes = [self._pass(source, k) for k in range(first, last + 1)]
-        return np.concatenate(passes)[start - first * n: stop - first * n]
+        return np.concatenate(passes)[start - first * n : stop - first * n]
 
     def _pass(self, source: int, k: int) -> np.ndarray:
         n = self.pool_sizes[source]

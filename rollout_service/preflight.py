@@ -47,8 +47,13 @@ def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: boo
         file_key = f"{key}.{i}" if len(paths) > 1 else key
         if not Path(path).is_file():
             # Data may live only on the rollout hosts (like their checkouts of a shared config).
-            found.warnings.append(Issue(file_key, f"{path}: no such data file on this machine; its "
-                                        "rows and the names in them are not checked"))
+            found.warnings.append(
+                Issue(
+                    file_key,
+                    f"{path}: no such data file on this machine; its "
+                    "rows and the names in them are not checked",
+                )
+            )
             continue
         try:
             rows = located_rows(path, max_row_bytes=data.max_row_bytes, limit=PEEK_ROWS)
@@ -101,7 +106,10 @@ def check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
     rewards_pkg.load_builtin_rewards()
     for name, where in sorted(found.rewards.items()):
         if name not in REWARDS:
-            problem = Issue("", f"{where}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}")
+            problem = Issue(
+                "",
+                f"{where}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}",
+            )
             (found.issues if name in training_rewards else found.warnings).append(problem)
     return found.issues, found.warnings
 
@@ -114,8 +122,12 @@ def _tool_option_issues(config: Config, agents: set[str]) -> list[Issue]:
 
     if config.tools.remote.url is not None:
         return []
-    names = dict.fromkeys(n for a in sorted(agents | {"tool_agent"}) if a in AGENTS
-                          for n in agent_setup(config, a).tools)
+    names = dict.fromkeys(
+        n
+        for a in sorted(agents | {"tool_agent"})
+        if a in AGENTS
+        for n in agent_setup(config, a).tools
+    )
     return _option_issues(config, list(names))
 
 
@@ -139,6 +151,9 @@ def tool_server_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
 
     registry = load_builtin_tools()
     names = config.tool_server.tools
-    issues = [Issue("tool_server.tools", f"unknown tool {name!r}; known: {', '.join(registry.names())}")
-              for name in names if name not in registry]
+    issues = [
+        Issue("tool_server.tools", f"unknown tool {name!r}; known: {', '.join(registry.names())}")
+        for name in names
+        if name not in registry
+    ]
     return issues + _option_issues(config, [n for n in names if n in registry]), []

@@ -68,29 +68,40 @@ def remove_temporaries(directory: Path) -> int:
     return len(stale)
 
 
-def pack_batch_file(frames: Sequence[codec.Frame], *, server_id: str, seq: int,
-                    at: float | None = None) -> bytes:
-    doc = {"format": FORMAT_VERSION, "server_id": server_id, "seq": seq,
-           "time": time.time() if at is None else at,
-           "frames": [codec.view(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames]}
+def pack_batch_file(
+    frames: Sequence[codec.Frame], *, server_id: str, seq: int, at: float | None = None
+) -> bytes:
+    doc = {
+        "format": FORMAT_VERSION,
+        "server_id": server_id,
+        "seq": seq,
+        "time": time.time() if at is None else at,
+        "frames": [
+            codec.view(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames
+        ],
+    }
     return cast(bytes, msgpack.packb(doc, use_bin_type=True))  # None only when given a stream
 
 
-def write_batch_file(path: Path, frames: Sequence[codec.Frame], *, server_id: str, seq: int,
-                     durable: bool) -> None:
+def write_batch_file(
+    path: Path, frames: Sequence[codec.Frame], *, server_id: str, seq: int, durable: bool
+) -> None:
     """Blocking: call it from a worker thread. ``durable``: fsync before the rename."""
     atomic_write_bytes(path, pack_batch_file(frames, server_id=server_id, seq=seq), durable=durable)
 
 
-def read_batch_file(path: Path,
-                    limits: codec.CodecLimits = _DEFAULT_LIMITS) -> tuple[BatchMeta, TrajectoryBatch]:
+def read_batch_file(
+    path: Path, limits: codec.CodecLimits = _DEFAULT_LIMITS
+) -> tuple[BatchMeta, TrajectoryBatch]:
     """Blocking. The file's meta and its decoded, validated batch; ``BatchFileError`` otherwise."""
     try:
         doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=True, ext_hook=_no_ext)
     except BatchFileError:
         raise
     except Exception as e:  # msgpack raises many types on damaged input
-        raise BatchFileError(f"{path}: not a msgpack batch file ({type(e).__name__}: {e})") from None
+        raise BatchFileError(
+            f"{path}: not a msgpack batch file ({type(e).__name__}: {e})"
+        ) from None
     meta = _meta(doc, path)
     try:
         msg = codec.decode(doc["frames"], limits)
@@ -120,8 +131,9 @@ def _meta(doc: Any, path: Path) -> BatchMeta:
     return BatchMeta(fmt, doc["server_id"], doc["seq"], float(doc["time"]), path)
 
 
-def read_recording(path: str | os.PathLike[str],
-                   limits: codec.CodecLimits = _DEFAULT_LIMITS) -> Iterator[tuple[BatchMeta, list[Trajectory]]]:
+def read_recording(
+    path: str | os.PathLike[str], limits: codec.CodecLimits = _DEFAULT_LIMITS
+) -> Iterator[tuple[BatchMeta, list[Trajectory]]]:
     """Every batch of a recording (a directory of batch files, in order, or one file) as
     (meta, validated trajectories). Raises ``BatchFileError`` at the first bad file."""
     p = Path(path)
@@ -148,7 +160,8 @@ class Recorder:
         """Write one batch (``frames`` as sent under wire sequence number ``seq``) off the loop."""
         path = batch_path(self.directory, self._next)
         self._next += 1  # taken before the await: concurrent callers get distinct files
-        await anyio.to_thread.run_sync(lambda: write_batch_file(
-            path, frames, server_id=self.server_id, seq=seq, durable=False))
+        await anyio.to_thread.run_sync(
+            lambda: write_batch_file(path, frames, server_id=self.server_id, seq=seq, durable=False)
+        )
         self.written += 1
         return path

@@ -83,7 +83,9 @@ class SandboxResult:
     stderr: str
     exit_code: int | None  # negative: killed by that signal (subprocess convention)
     timed_out: bool
-    killed_reason: str | None  # timeout, output_limit, memory, cpu, file_size, signal:NAME, sandbox_error
+    killed_reason: (
+        str | None
+    )  # timeout, output_limit, memory, cpu, file_size, signal:NAME, sandbox_error
     wall_s: float
     network_isolated: bool
     uid: int | None = None  # the uid the code ran as, when it was dropped from root
@@ -238,7 +240,9 @@ def _allocate_uid() -> int | None:
 def _safe_relpath(name: str) -> Path:
     path = Path(name)
     if path.is_absolute() or ".." in path.parts or not path.parts:
-        raise ValueError(f"sandbox file name must be relative and stay inside the directory: {name!r}")
+        raise ValueError(
+            f"sandbox file name must be relative and stay inside the directory: {name!r}"
+        )
     return path
 
 
@@ -280,7 +284,12 @@ def _bootstrap_config(run: _Run, limits: SandboxLimits) -> str:
         "RLIMIT_CORE": (0, 0),
     }
     shared = _existing_dirs(_SHARED_TMP_DIRS)
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(run.work), "TMPDIR": str(run.work)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": str(run.work),
+        "TMPDIR": str(run.work),
+    }
     return json.dumps(
         {
             "exe": str(exe),
@@ -310,7 +319,9 @@ def _hidden_dirs(covered: list[str]) -> list[str]:
     """Directories hidden from the code by an empty tmpfs: homes, this checkout (and the venv, the
     server's working directory). A path holding a system directory is never hidden (a working
     directory of ``/``), and one under a directory already covered needs nothing more."""
-    wanted = _existing_dirs(["/root", "/home", str(Path.home()), str(_CHECKOUT), sys.prefix, os.getcwd()])
+    wanted = _existing_dirs(
+        ["/root", "/home", str(Path.home()), str(_CHECKOUT), sys.prefix, os.getcwd()]
+    )
     hidden: list[str] = []
     for path in sorted(wanted, key=len):  # parents first
         p = Path(path)
@@ -504,7 +515,9 @@ async def _execute(run: _Run, limits: SandboxLimits, stdin: str) -> SandboxResul
     return _result(run, sup, proc.returncode, timed_out, anyio.current_time() - start)
 
 
-def _result(run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall: float) -> SandboxResult:
+def _result(
+    run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall: float
+) -> SandboxResult:
     status = _read_status(run)
     stderr = sup.err.text()
     if timed_out:
@@ -547,4 +560,6 @@ def _warn_unisolated(notes: list[object]) -> None:
         "sandbox: no private filesystem view (needs root and mount namespaces); sandboxed code can "
         "read world-readable host files such as the checkout, and what it writes to shared temp "
         "dirs is only swept afterwards when it ran under its own uid",
-        euid=os.geteuid(), notes="; ".join(map(str, notes)) or None)
+        euid=os.geteuid(),
+        notes="; ".join(map(str, notes)) or None,
+    )

@@ -84,22 +84,34 @@ if TYPE_CHECKING:
 
 
 def agent_limits(config: Config) -> AgentLimits:
-    rollout, mt, server = config.actor_rollout_ref.rollout, config.actor_rollout_ref.rollout.multi_turn, config.rollout_server
+    rollout, mt, server = (
+        config.actor_rollout_ref.rollout,
+        config.actor_rollout_ref.rollout.multi_turn,
+        config.rollout_server,
+    )
     return AgentLimits(
         response_length=rollout.response_budget,
         max_model_len=rollout.max_model_len or rollout.prompt_budget + rollout.response_budget,
-        max_tokens_per_turn=mt.max_tokens_per_turn, max_assistant_turns=mt.max_assistant_turns,
-        max_user_turns=mt.max_user_turns, max_parallel_calls=mt.max_parallel_calls,
+        max_tokens_per_turn=mt.max_tokens_per_turn,
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_parallel_calls=mt.max_parallel_calls,
         max_tool_response_length=mt.max_tool_response_length,
         tool_response_truncate_side=mt.tool_response_truncate_side,
-        max_consecutive_tool_errors=mt.max_consecutive_tool_errors, tool_timeout_s=server.tool_timeout_s,
+        max_consecutive_tool_errors=mt.max_consecutive_tool_errors,
+        tool_timeout_s=server.tool_timeout_s,
     )
 
 
 def sampling_settings(config: Config) -> SamplingSettings:
     r = config.actor_rollout_ref.rollout
-    return SamplingSettings(max_tokens=r.response_budget, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, seed=None)
+    return SamplingSettings(
+        max_tokens=r.response_budget,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        seed=None,
+    )
 
 
 @dataclass(frozen=True)
@@ -118,10 +130,16 @@ AGENT_SETUPS: dict[str, Callable[[Any], AgentSetup]] = {
 
 def agent_setup(config: Config, agent_type: str) -> AgentSetup:
     make = AGENT_SETUPS.get(agent_type)
-    return make(config) if make else AgentSetup(list(config.actor_rollout_ref.rollout.multi_turn.tools))
+    return (
+        make(config)
+        if make
+        else AgentSetup(list(config.actor_rollout_ref.rollout.multi_turn.tools))
+    )
 
 
-def build_agent_deps(config: Config, base: AgentDeps, agent_types: set[str], limiter: Any) -> dict[str, AgentDeps]:
+def build_agent_deps(
+    config: Config, base: AgentDeps, agent_types: set[str], limiter: Any
+) -> dict[str, AgentDeps]:
     """Per agent type, its tools (local or remote, rate-limited where a bucket is configured; one
     build, so remote tools share one client) and options."""
     from rollout_service.tools.factory import build_tools
@@ -130,7 +148,10 @@ def build_agent_deps(config: Config, base: AgentDeps, agent_types: set[str], lim
     setups = {a: agent_setup(config, a) for a in sorted(agent_types)}
     names = list(dict.fromkeys(n for s in setups.values() for n in s.tools))
     tools = rate_limited(build_tools(config, names), limiter)
-    return {a: replace(base, tools={n: tools[n] for n in s.tools}, options=s.options) for a, s in setups.items()}
+    return {
+        a: replace(base, tools={n: tools[n] for n in s.tools}, options=s.options)
+        for a, s in setups.items()
+    }
 
 
 class StartupError(Exception):
@@ -145,23 +166,40 @@ def check_names(config: Config, agent_types: set[str]) -> None:
 
     rewards_pkg.load_builtin_rewards()
     load_builtin_agents()
-    problems = [f"agent type {a!r} (data rows / data.agent_type / data.datasets[].agent_type): "
-                f"known: {', '.join(AGENTS.names())}" for a in sorted(agent_types) if a not in AGENTS]
+    problems = [
+        f"agent type {a!r} (data rows / data.agent_type / data.datasets[].agent_type): "
+        f"known: {', '.join(AGENTS.names())}"
+        for a in sorted(agent_types)
+        if a not in AGENTS
+    ]
     server = config.rollout_server
-    for key, name in [("rollout_server.reward_fn", server.reward_fn),
-                      *((f"rollout_server.reward_by_data_source.{k}", v) for k, v in server.reward_by_data_source.items())]:
+    for key, name in [
+        ("rollout_server.reward_fn", server.reward_fn),
+        *(
+            (f"rollout_server.reward_by_data_source.{k}", v)
+            for k, v in server.reward_by_data_source.items()
+        ),
+    ]:
         if name not in REWARDS:
-            problems.append(f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}")
-    if config.tools.remote.url is None:  # else the tool factory checks, knowing what the server serves
+            problems.append(
+                f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}"
+            )
+    if (
+        config.tools.remote.url is None
+    ):  # else the tool factory checks, knowing what the server serves
         import rollout_service.tools as tools_pkg
 
         registry = tools_pkg.load_builtin_tools()
         keys = {"statelm": "agents.statelm.tools"}
-        for agent in sorted({a for a in agent_types if a in AGENTS} | {"tool_agent"}):  # multi_turn.tools always
+        for agent in sorted(
+            {a for a in agent_types if a in AGENTS} | {"tool_agent"}
+        ):  # multi_turn.tools always
             key = keys.get(agent, "actor_rollout_ref.rollout.multi_turn.tools")
             for name in agent_setup(config, agent).tools:
                 if name not in registry:
-                    problems.append(f"{key}: unknown tool {name!r}; known: {', '.join(registry.names())}")
+                    problems.append(
+                        f"{key}: unknown tool {name!r}; known: {', '.join(registry.names())}"
+                    )
     if problems:
         raise StartupError("; ".join(dict.fromkeys(problems)))
 
@@ -190,9 +228,11 @@ def shard_state_dir(config: Config, run_dir: Path) -> tuple[Path, Any]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        raise StartupError(f"shard {server.shard_index} of {server.shard_count} is in use by "
-                         f"another rollout server ({path / 'lock'}); give this one another "
-                         "rollout_server.shard_index") from None
+        raise StartupError(
+            f"shard {server.shard_index} of {server.shard_count} is in use by "
+            f"another rollout server ({path / 'lock'}); give this one another "
+            "rollout_server.shard_index"
+        ) from None
     return path, lock
 
 
@@ -210,23 +250,44 @@ class RolloutServer:
         self.server_id = server.resolved_server_id()
         self.log = get_logger("rollout_service.server", server_id=self.server_id)
         self.state_dir, self._state_lock = shard_state_dir(config, run_dir)
-        self.source = PromptSource.from_config(config.data, shard_index=server.shard_index,
-                                               shard_count=server.shard_count, state_dir=self.state_dir)
+        self.source = PromptSource.from_config(
+            config.data,
+            shard_index=server.shard_index,
+            shard_count=server.shard_count,
+            state_dir=self.state_dir,
+        )
         check_names(config, {r.agent_type for r in self.source.rows})
         self.validation = ValidationRunner.from_config(config, server_id=self.server_id)
-        self.validation.check_agents(lambda a: a in AGENTS)  # a bad validation set never stops training
+        self.validation.check_agents(
+            lambda a: a in AGENTS
+        )  # a bad validation set never stops training
         if self.validation.problem:
-            self.log.warning("validation unavailable: requests will be answered with this error",
-                             reason=self.validation.problem)
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path))
+            self.log.warning(
+                "validation unavailable: requests will be answered with this error",
+                reason=self.validation.problem,
+            )
+        self.renderer = ChatRenderer(
+            AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        )
         mt = config.actor_rollout_ref.rollout.multi_turn
-        self.limiter = GlobalRateLimiter.from_config(config.tools.rate_limits, resolve_run_dir(config))
+        self.limiter = GlobalRateLimiter.from_config(
+            config.tools.rate_limits, resolve_run_dir(config)
+        )
         set_shared(self.limiter)  # reward functions that call external APIs take tokens from it
-        base = AgentDeps(engine=self.engine, renderer=self.renderer, sampling=sampling_settings(config),
-                         limits=agent_limits(config), parser=PARSERS.get(mt.format)())
+        base = AgentDeps(
+            engine=self.engine,
+            renderer=self.renderer,
+            sampling=sampling_settings(config),
+            limits=agent_limits(config),
+            parser=PARSERS.get(mt.format)(),
+        )
         try:
-            self.deps = build_agent_deps(config, base, {r.agent_type for r in self.source.rows}
-                                         | self.validation.agent_types, self.limiter)
+            self.deps = build_agent_deps(
+                config,
+                base,
+                {r.agent_type for r in self.source.rows} | self.validation.agent_types,
+                self.limiter,
+            )
         except ValueError as e:
             self._state_lock.release()
             raise StartupError(str(e)) from None
@@ -235,7 +296,9 @@ class RolloutServer:
         self.newest_version = 0  # newest policy version the learner announced
         self._running = 0  # episodes in flight
         self._groups_running = 0
-        self._granted: Counter[int] | None = None  # min_version -> groups the learner granted; None: no grants
+        self._granted: Counter[int] | None = (
+            None  # min_version -> groups the learner granted; None: no grants
+        )
         self._connected = False  # a first session tells whether the learner grants groups
         self._drain_waiting = False
         self._changed = anyio.Event()
@@ -256,28 +319,47 @@ class RolloutServer:
 
         c, server = self.config, self.config.rollout_server
         model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
-        conn = RolloutConnection(peer_id=self.server_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
-                                 capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ADMISSION_CAPABILITY],
-                                 host=host_key(),
-                                 slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
-                                 heartbeat_interval_s=c.transport.heartbeat_interval_s,
-                                 heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
-                                 weights=self._weight_assembler())
+        conn = RolloutConnection(
+            peer_id=self.server_id,
+            epoch=uuid.uuid4().hex,
+            model=model,
+            tokenizer=tokenizer,
+            capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ADMISSION_CAPABILITY],
+            host=host_key(),
+            slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
+            heartbeat_interval_s=c.transport.heartbeat_interval_s,
+            heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
+            weights=self._weight_assembler(),
+        )
         curve, keys = None, c.transport.curve
         if keys.enabled:
             if keys.secret_key_file is None or keys.server_public_key_file is None:
-                raise StartupError("transport.curve.enabled needs secret_key_file and server_public_key_file")
+                raise StartupError(
+                    "transport.curve.enabled needs secret_key_file and server_public_key_file"
+                )
             curve = CurveClientKeys(Path(keys.secret_key_file), Path(keys.server_public_key_file))
-        client = RolloutClient(conn, client_factory(server.learner_address, curve=curve,
-                                                    max_message_bytes=c.transport.max_message_bytes))
-        recordings = resolve_run_dir(c) / "recordings" / self.server_id  # one place per run, for bin/replay
+        client = RolloutClient(
+            conn,
+            client_factory(
+                server.learner_address, curve=curve, max_message_bytes=c.transport.max_message_bytes
+            ),
+        )
+        recordings = (
+            resolve_run_dir(c) / "recordings" / self.server_id
+        )  # one place per run, for bin/replay
         recorder = Recorder(recordings, server_id=self.server_id) if server.record else None
         # A group found in the spool at start is resent, not rerun; its prompt is committed once
         # the learner acknowledges the resent batch.
-        return Shipper(client, spool_dir=self.state_dir / "spool", server_id=self.server_id,
-                       groups_per_batch=server.groups_per_batch, max_unacked_batches=server.max_unacked_batches,
-                       recorder=recorder, stats=self.stats,
-                       on_recovered_acked=self._commit_groups)
+        return Shipper(
+            client,
+            spool_dir=self.state_dir / "spool",
+            server_id=self.server_id,
+            groups_per_batch=server.groups_per_batch,
+            max_unacked_batches=server.max_unacked_batches,
+            recorder=recorder,
+            stats=self.stats,
+            on_recovered_acked=self._commit_groups,
+        )
 
     def _commit_groups(self, uids: list[str]) -> None:
         for uid in uids:
@@ -290,11 +372,19 @@ class RolloutServer:
         server = self.config.rollout_server
         manifest = self.engine.weight_manifest
         if manifest is None:
-            self.log.warning("weight announces are not checked against the model: the engine names no manifest",
-                             engine=type(self.engine).__name__)
-        roots = list(dict.fromkeys(r for r in ("/dev/shm", self.config.learner.weights_file_dir) if r))
-        return WeightAssembler(manifest=manifest, file_roots=roots, timeout_s=server.weights_timeout_s,
-                   min_bytes_per_s=server.weights_min_mb_per_s * 1e6)
+            self.log.warning(
+                "weight announces are not checked against the model: the engine names no manifest",
+                engine=type(self.engine).__name__,
+            )
+        roots = list(
+            dict.fromkeys(r for r in ("/dev/shm", self.config.learner.weights_file_dir) if r)
+        )
+        return WeightAssembler(
+            manifest=manifest,
+            file_roots=roots,
+            timeout_s=server.weights_timeout_s,
+            min_bytes_per_s=server.weights_min_mb_per_s * 1e6,
+        )
 
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
@@ -360,11 +450,15 @@ class RolloutServer:
         return self._running == 0 or self._running + n <= server.max_concurrent_episodes
 
     def _set_granted(self) -> None:
-        self.stats.gauges.granted_groups = -1 if self._granted is None else sum(self._granted.values())
+        self.stats.gauges.granted_groups = (
+            -1 if self._granted is None else sum(self._granted.values())
+        )
 
     def _grant(self) -> int | None:
         """The smallest ``min_version`` among the grants the engine's weights satisfy (None: none)."""
-        usable = [m for m, n in (self._granted or {}).items() if n > 0 and m <= self.engine.policy_version]
+        usable = [
+            m for m, n in (self._granted or {}).items() if n > 0 and m <= self.engine.policy_version
+        ]
         return min(usable) if usable else None
 
     async def _admit(self, tg: Any, max_groups: int | None) -> None:
@@ -408,38 +502,61 @@ class RolloutServer:
         for _ in range(rollout.n):
             self.stats.episode_started()
         try:
-            result = await run_group(group_uid=item.group_uid, row=item.row, n=rollout.n,
-                                     agent_type=item.agent_type, data_source=item.data_source,
-                                     deps=self.deps[item.agent_type],
-                                     rewards=self.rewards, server_id=self.server_id,
-                                     remax=self.config.algorithm.adv_estimator == "remax")
+            result = await run_group(
+                group_uid=item.group_uid,
+                row=item.row,
+                n=rollout.n,
+                agent_type=item.agent_type,
+                data_source=item.data_source,
+                deps=self.deps[item.agent_type],
+                rewards=self.rewards,
+                server_id=self.server_id,
+                remax=self.config.algorithm.adv_estimator == "remax",
+            )
         except BaseException:
             for _ in range(rollout.n):
                 self.stats.episode_abandoned()
             raise
         for ep in result.episodes:
-            self.stats.episode_finished(generated_tokens=int(sum(ep.mask)), turns=ep.turns,
-                                        tool_calls=ep.tool_calls, tool_errors=ep.tool_errors)
+            self.stats.episode_finished(
+                generated_tokens=int(sum(ep.mask)),
+                turns=ep.turns,
+                tool_calls=ep.tool_calls,
+                tool_errors=ep.tool_errors,
+            )
         if stale(result.trajectories, self.newest_version, rollout.max_staleness):
-            self.stats.staleness_dropped(len(result.trajectories),
-                                         sum(int(np.count_nonzero(t.response_mask)) for t in result.trajectories))
+            self.stats.staleness_dropped(
+                len(result.trajectories),
+                sum(int(np.count_nonzero(t.response_mask)) for t in result.trajectories),
+            )
             # The learner counts it as waste (HEARTBEAT dropped_tokens).
             self.shipper.client.conn.dropped_tokens = self.stats.counters.dropped_tokens
-            self.log.info("group dropped: too stale", group=item.group_uid, newest_version=self.newest_version)
+            self.log.info(
+                "group dropped: too stale", group=item.group_uid, newest_version=self.newest_version
+            )
             self.source.commit(item)  # dropped on purpose: not to be redone
             return
-        await self.shipper.ship_group(result.trajectories, on_acked=lambda: self.source.commit(item))
+        await self.shipper.ship_group(
+            result.trajectories, on_acked=lambda: self.source.commit(item)
+        )
         if self._groups_running <= 1:  # the last one running: nothing else will fill its batch soon
             await self.shipper.flush()
 
     # -- weights -----------------------------------------------------------------------------------
     async def _weights_loop(self) -> None:
         async for ev in self.shipper.events:
-            if isinstance(ev, Connected | PeerClosed | PeerTimedOut):  # for bin/train (common/run_events.py)
-                emit(Kind.CONNECTED if isinstance(ev, Connected) else Kind.DISCONNECTED, self.server_id)
+            if isinstance(
+                ev, Connected | PeerClosed | PeerTimedOut
+            ):  # for bin/train (common/run_events.py)
+                emit(
+                    Kind.CONNECTED if isinstance(ev, Connected) else Kind.DISCONNECTED,
+                    self.server_id,
+                )
             if isinstance(ev, Connected):
                 # A learner that grants groups says so; grants of an earlier session are void.
-                self._granted = Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
+                self._granted = (
+                    Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
+                )
                 self._connected = True
                 self._set_granted()
                 self._announce(ev.welcome.policy_version)
@@ -486,13 +603,20 @@ class RolloutServer:
             if w.file:  # the learner's file on this machine (protocol 1.2 file hand-over)
                 seconds = await self.engine.load_weights_file(w.version, w.file, mode=mode)
             else:
-                tensors = [(s.name, np.frombuffer(buf, dtype=_numpy_dtype(s.dtype)).reshape(s.shape))
-                           for s, buf in w.tensors]
+                tensors = [
+                    (s.name, np.frombuffer(buf, dtype=_numpy_dtype(s.dtype)).reshape(s.shape))
+                    for s, buf in w.tensors
+                ]
                 seconds = await self.engine.load_weights(w.version, tensors, mode=mode)
         except Exception as e:
-            self.log.error("weights not applied; generation continues on the old ones", version=w.version,
-                           error=f"{type(e).__name__}: {e}")
-            self.shipper.client.weights_applied(w.version, w.transfer_id, ok=False, error=str(e)[:500])
+            self.log.error(
+                "weights not applied; generation continues on the old ones",
+                version=w.version,
+                error=f"{type(e).__name__}: {e}",
+            )
+            self.shipper.client.weights_applied(
+                w.version, w.transfer_id, ok=False, error=str(e)[:500]
+            )
             return
         finally:
             self._drain_waiting = False
@@ -501,8 +625,14 @@ class RolloutServer:
         self.stats.set_weight_version(w.version)
         self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
         timings = self.engine.last_update_timings
-        self.log.info("weights applied", version=w.version, policy=policy, seconds=round(seconds, 4),
-                      via="file" if w.file else "chunks", reload_s=round(timings.get("reload_s", 0.0), 4))
+        self.log.info(
+            "weights applied",
+            version=w.version,
+            policy=policy,
+            seconds=round(seconds, 4),
+            via="file" if w.file else "chunks",
+            reload_s=round(timings.get("reload_s", 0.0), 4),
+        )
 
     # -- validation --------------------------------------------------------------------------------
     async def _validate(self, req: ValidateRequest) -> None:
@@ -511,26 +641,46 @@ class RolloutServer:
         ``req.timeout_s`` set, give up after that long (the learner stops waiting then) and answer
         ok=false."""
         v = self.validation
-        self.log.info("validation requested", request=req.request_id, policy_version=req.policy_version,
-                      engine_version=self.engine.policy_version, prompts=len(v.rows), episodes_per_prompt=v.n)
+        self.log.info(
+            "validation requested",
+            request=req.request_id,
+            policy_version=req.policy_version,
+            engine_version=self.engine.policy_version,
+            prompts=len(v.rows),
+            episodes_per_prompt=v.n,
+        )
         result: ValidateResult | None = None
         with anyio.move_on_after(req.timeout_s if req.timeout_s > 0 else math.inf):
             while self.engine.policy_version < req.policy_version:
                 await self._changed.wait()  # poked when weights are applied
-            result = await v.run(req.request_id, self.engine.policy_version, deps=self.deps, rewards=self.rewards)
+            result = await v.run(
+                req.request_id, self.engine.policy_version, deps=self.deps, rewards=self.rewards
+            )
         if result is None:
             version = self.engine.policy_version
             result = ValidateResult(
-                req.request_id, version, ok=False,
+                req.request_id,
+                version,
+                ok=False,
                 error=f"not done within the request's timeout of {req.timeout_s:g} s (weights version {version}, "
-                      f"{req.policy_version} requested)",
-                shard_index=v.shard_index, shard_count=v.shard_count, prompts=len(v.rows), duration_s=req.timeout_s)
+                f"{req.policy_version} requested)",
+                shard_index=v.shard_index,
+                shard_count=v.shard_count,
+                prompts=len(v.rows),
+                duration_s=req.timeout_s,
+            )
         sent = self.shipper.client.validation_result(result)
         reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
-        self.log.info("validation served" if result.ok else "validation failed", request=req.request_id,
-                      policy_version=result.policy_version, episodes=result.count, reward_mean=round(reward, 4),
-                      seconds=round(result.duration_s, 2), error=result.error or None,
-                      sent=sent or "no: the session that asked has ended")
+        self.log.info(
+            "validation served" if result.ok else "validation failed",
+            request=req.request_id,
+            policy_version=result.policy_version,
+            episodes=result.count,
+            reward_mean=round(reward, 4),
+            seconds=round(result.duration_s, 2),
+            error=result.error or None,
+            sent=sent or "no: the session that asked has ended",
+        )
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -543,4 +693,3 @@ def _numpy_dtype(name: str) -> np.dtype:
         except ImportError as e:
             raise RuntimeError(f"weights of dtype {name} need the ml_dtypes package") from e
         return np.dtype(getattr(ml_dtypes, name))
-

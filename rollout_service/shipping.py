@@ -140,8 +140,9 @@ class Shipper:
 
     # -- shipping ----------------------------------------------------------------------------------
 
-    async def ship_group(self, trajectories: Sequence[Trajectory], *,
-                         on_acked: Callback | None = None) -> None:
+    async def ship_group(
+        self, trajectories: Sequence[Trajectory], *, on_acked: Callback | None = None
+    ) -> None:
         """Add one whole group; ship a batch when ``groups_per_batch`` are collected. Waits while
         ``max_unacked_batches`` batches are unacknowledged. ``on_acked`` runs once the learner has
         acknowledged (or refused as invalid) the batch holding this group."""
@@ -192,8 +193,11 @@ class Shipper:
             try:
                 # The spool's own number goes in the file (wire seqs are per connection epoch and
                 # are reassigned when a later process resends it).
-                await anyio.to_thread.run_sync(lambda: write_batch_file(
-                    path, encode_batch(n, batch), server_id=self.server_id, seq=n, durable=True))
+                await anyio.to_thread.run_sync(
+                    lambda: write_batch_file(
+                        path, encode_batch(n, batch), server_id=self.server_id, seq=n, durable=True
+                    )
+                )
             except BaseException:
                 self._unacked -= 1  # not shipped: the caller gets the error, the prompts rerun
                 self._notify()
@@ -215,7 +219,9 @@ class Shipper:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         for _, path in files:
             try:
-                _, msg = await anyio.to_thread.run_sync(read_batch_file, path, self.client.conn.limits)
+                _, msg = await anyio.to_thread.run_sync(
+                    read_batch_file, path, self.client.conn.limits
+                )
             except BatchFileError as e:
                 # Renamed into place only when complete, so this is damage, not a torn write: keep
                 # it for inspection, out of the way of the next start.
@@ -231,8 +237,11 @@ class Shipper:
             self._in_flight[seq] = _InFlight(path, len(trajectories), recovered_groups=uids)
             self.recovered_group_uids.update(uids)
         if files:
-            self._log.info("resubmitted batches left in the spool", batches=self._unacked,
-                           groups=len(self.recovered_group_uids))
+            self._log.info(
+                "resubmitted batches left in the spool",
+                batches=self._unacked,
+                groups=len(self.recovered_group_uids),
+            )
         self._report()
 
     # -- acknowledgements ------------------------------------------------------------------------
@@ -243,8 +252,11 @@ class Shipper:
                 if isinstance(ev, BatchAcked):
                     await self._settle(ev.seqs)
                 elif isinstance(ev, BatchRejected):
-                    self._log.error("the learner refused a batch as invalid; it is kept under "
-                                    "spool/rejected", seq=ev.seq, error=ev.error.message)
+                    self._log.error(
+                        "the learner refused a batch as invalid; it is kept under spool/rejected",
+                        seq=ev.seq,
+                        error=ev.error.message,
+                    )
                     await self._settle([ev.seq], rejected=True)
                 else:
                     await self._send_events.send(ev)

@@ -66,17 +66,21 @@ GRACEFUL_SHUTDOWN_S = 5.0  # running calls get this long to finish after a stop 
 class ToolService:
     """The HTTP app serving ``tools`` (``.app``), and the calls it is running."""
 
-    def __init__(self, tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None) -> None:
+    def __init__(
+        self, tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None
+    ) -> None:
         self.tools = dict(tools)
         self._token = token.encode() if token else None
         self._schemas = [tool.schema for tool in self.tools.values()]
         self._limiter = anyio.CapacityLimiter(max_concurrent_calls)
         self._running: set[anyio.CancelScope] = set()
-        self.app = Starlette(routes=[
-            Route("/health", self._health, methods=["GET"]),
-            Route("/tools", self._list_tools, methods=["GET"]),
-            Route("/call/{name}", self._call, methods=["POST"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/health", self._health, methods=["GET"]),
+                Route("/tools", self._list_tools, methods=["GET"]),
+                Route("/call/{name}", self._call, methods=["POST"]),
+            ]
+        )
 
     def abandon_running_calls(self) -> int:
         """Cancel every call running or waiting; each answers 503 (a client retries elsewhere or
@@ -94,9 +98,14 @@ class ToolService:
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
             return None
         problem = "wrong token" if scheme else "no token"
-        return JSONResponse({"error": f"unauthorized: {problem}; this tool server requires "
-                             "'Authorization: Bearer <tool_server.token>'"}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        return JSONResponse(
+            {
+                "error": f"unauthorized: {problem}; this tool server requires "
+                "'Authorization: Bearer <tool_server.token>'"
+            },
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     async def _health(self, request: Request) -> Response:
         # Liveness for supervisors without the token; what is served only for clients with it.
@@ -122,9 +131,13 @@ class ToolService:
         arguments, episode_id = body.get("arguments"), body.get("episode_id", "")
         if not isinstance(arguments, dict):
             got = "nothing" if "arguments" not in body else type(arguments).__name__
-            return _error(400, f"field 'arguments' must be a JSON object (the tool's arguments), got {got}")
+            return _error(
+                400, f"field 'arguments' must be a JSON object (the tool's arguments), got {got}"
+            )
         if not isinstance(episode_id, str):
-            return _error(400, f"field 'episode_id' must be a string, got {type(episode_id).__name__}")
+            return _error(
+                400, f"field 'episode_id' must be a string, got {type(episode_id).__name__}"
+            )
         start = time.perf_counter()
         content = None
         with anyio.CancelScope() as scope:
@@ -136,20 +149,31 @@ class ToolService:
                 self._running.discard(scope)
         if content is None:  # abandoned at shutdown
             return _error(503, "tool server shutting down; the call was abandoned, retry it")
-        log.debug("tool call", tool=name, episode_id=episode_id, wall_s=round(time.perf_counter() - start, 4))
+        log.debug(
+            "tool call",
+            tool=name,
+            episode_id=episode_id,
+            wall_s=round(time.perf_counter() - start, 4),
+        )
         return Response(content, media_type="application/json")
 
     async def _run(self, tool: Tool, arguments: dict[str, Any], episode_id: str) -> str:
         try:
             result = await tool.call(arguments, ToolContext(episode_id=episode_id))
             return json.dumps(result_to_json(result), allow_nan=False)  # strict JSON, or the below
-        except Exception as exc:  # a tool bug: the model reads the error, the operator the traceback
+        except (
+            Exception
+        ) as exc:  # a tool bug: the model reads the error, the operator the traceback
             log.exception("tool call raised", tool=tool.name, episode_id=episode_id)
-            failed = ToolResult(text=f"Error: tool {tool.name!r} failed: {type(exc).__name__}: {exc}", ok=False)
+            failed = ToolResult(
+                text=f"Error: tool {tool.name!r} failed: {type(exc).__name__}: {exc}", ok=False
+            )
             return json.dumps(result_to_json(failed))
 
 
-def make_app(tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None) -> Starlette:
+def make_app(
+    tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None
+) -> Starlette:
     """The HTTP app serving ``tools`` (see ToolService)."""
     return ToolService(tools, max_concurrent_calls=max_concurrent_calls, token=token).app
 
@@ -175,10 +199,16 @@ async def _read_json_body(request: Request) -> dict[str, Any] | Response:
     try:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _error(400, f"request body is not valid JSON ({exc}); expected "
-                      '{"arguments": {...}, "episode_id": "..."}')
+        return _error(
+            400,
+            f"request body is not valid JSON ({exc}); expected "
+            '{"arguments": {...}, "episode_id": "..."}',
+        )
     if not isinstance(body, dict):
-        return _error(400, f"request body must be a JSON object with field 'arguments', got {type(body).__name__}")
+        return _error(
+            400,
+            f"request body must be a JSON object with field 'arguments', got {type(body).__name__}",
+        )
     return body
 
 
@@ -229,18 +259,34 @@ async def run(config: Config, run_dir: Path) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         tools = build_local_tools(config, settings.tools, key="tool_server.tools")
-        service = ToolService(tools, max_concurrent_calls=settings.max_concurrent_calls, token=settings.token)
+        service = ToolService(
+            tools, max_concurrent_calls=settings.max_concurrent_calls, token=settings.token
+        )
         if not is_loopback(settings.host) and settings.token is None:
-            log.warning("tool server reachable from other hosts without a token: anyone who reaches "
-                        "it can run code in its sandbox; set tool_server.token", host=settings.host)
-        server = uvicorn.Server(uvicorn.Config(
-            service.app, log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=math.ceil(GRACEFUL_SHUTDOWN_S) + 5))  # a backstop; see _abandon_after_grace
+            log.warning(
+                "tool server reachable from other hosts without a token: anyone who reaches "
+                "it can run code in its sandbox; set tool_server.token",
+                host=settings.host,
+            )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                service.app,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=math.ceil(GRACEFUL_SHUTDOWN_S) + 5,
+            )
+        )  # a backstop; see _abandon_after_grace
         with bind_socket(settings.host, settings.port) as sock:
             # The real port (port 0: the OS chose it) for bin/train, which waits for it.
             emit(Kind.LISTENING, "tool-server", url=server_url(sock), port=sock.getsockname()[1])
-            log.info("tool server listening", url=server_url(sock), tools=list(tools),
-                     max_concurrent_calls=settings.max_concurrent_calls, token=settings.token is not None)
+            log.info(
+                "tool server listening",
+                url=server_url(sock),
+                tools=list(tools),
+                max_concurrent_calls=settings.max_concurrent_calls,
+                token=settings.token is not None,
+            )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_abandon_after_grace, server, service)
                 await server.serve(sockets=[sock])
@@ -260,5 +306,8 @@ async def _abandon_after_grace(server: Any, service: ToolService) -> None:
         await anyio.sleep(0.1)
     await anyio.sleep(GRACEFUL_SHUTDOWN_S)
     if abandoned := service.abandon_running_calls():
-        log.warning("abandoned running calls after the grace period", calls=abandoned,
-                    grace_s=GRACEFUL_SHUTDOWN_S)
+        log.warning(
+            "abandoned running calls after the grace period",
+            calls=abandoned,
+            grace_s=GRACEFUL_SHUTDOWN_S,
+        )

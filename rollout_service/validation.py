@@ -54,9 +54,14 @@ def load_val_rows(data: Any, *, shard_index: int, shard_count: int) -> list[ValR
     rows (the row's own, else the file's stem / ``data.agent_type``). Raises ``DataError``."""
     if not data.val_files:
         return []
-    rows, _ = _load_sources([Source(tuple(data.val_files))], data.agent_type, max_row_bytes=data.max_row_bytes)
-    return [ValRow(i, r.row, r.data_source, r.agent_type) for i, r in enumerate(rows)
-            if i % shard_count == shard_index]
+    rows, _ = _load_sources(
+        [Source(tuple(data.val_files))], data.agent_type, max_row_bytes=data.max_row_bytes
+    )
+    return [
+        ValRow(i, r.row, r.data_source, r.agent_type)
+        for i, r in enumerate(rows)
+        if i % shard_count == shard_index
+    ]
 
 
 def val_sampling(config: Config) -> SamplingSettings:
@@ -64,9 +69,16 @@ def val_sampling(config: Config) -> SamplingSettings:
     r = config.actor_rollout_ref.rollout
     v = r.val_kwargs
     if not v.do_sample:
-        return SamplingSettings(max_tokens=r.response_budget, temperature=0.0, top_p=1.0, top_k=-1, seed=None)
-    return SamplingSettings(max_tokens=r.response_budget, temperature=v.temperature, top_p=v.top_p,
-                            top_k=v.top_k, seed=None)
+        return SamplingSettings(
+            max_tokens=r.response_budget, temperature=0.0, top_p=1.0, top_k=-1, seed=None
+        )
+    return SamplingSettings(
+        max_tokens=r.response_budget,
+        temperature=v.temperature,
+        top_p=v.top_p,
+        top_k=v.top_k,
+        seed=None,
+    )
 
 
 def outcomes(result: Any) -> list[EpisodeOutcome]:
@@ -79,12 +91,19 @@ def outcomes(result: Any) -> list[EpisodeOutcome]:
     out = []
     for ep in result.episodes:
         t = final.get(ep.episode_id) or next(
-            (t for tid, t in final.items() if tid.startswith(ep.episode_id + "-")), None)
+            (t for tid, t in final.items() if tid.startswith(ep.episode_id + "-")), None
+        )
         reward = float(t.reward) if t is not None else 0.0
-        out.append(EpisodeOutcome(
-            data_source=ep.data_source, reward=reward if math.isfinite(reward) else 0.0,
-            response_length=len(t.response_ids) if t is not None else len(ep.response_ids), turns=ep.turns,
-            termination=ep.termination or "aborted", extras=dict(t.reward_extras) if t is not None else {}))
+        out.append(
+            EpisodeOutcome(
+                data_source=ep.data_source,
+                reward=reward if math.isfinite(reward) else 0.0,
+                response_length=len(t.response_ids) if t is not None else len(ep.response_ids),
+                turns=ep.turns,
+                termination=ep.termination or "aborted",
+                extras=dict(t.reward_extras) if t is not None else {},
+            )
+        )
     return out
 
 
@@ -92,7 +111,9 @@ class ValidationRunner:
     """Runs validation requests on one server. ``problem``, when set, is why this server cannot
     validate: every request is then answered ok=false with it."""
 
-    def __init__(self, config: Config, rows: list[ValRow], *, server_id: str, problem: str = "") -> None:
+    def __init__(
+        self, config: Config, rows: list[ValRow], *, server_id: str, problem: str = ""
+    ) -> None:
         server = config.rollout_server
         self.rows, self.server_id, self.problem = rows, server_id, problem
         self.n = config.actor_rollout_ref.rollout.val_kwargs.n
@@ -105,7 +126,9 @@ class ValidationRunner:
         """Never raises for validation data problems: they become ``problem``."""
         server = config.rollout_server
         try:
-            rows = load_val_rows(config.data, shard_index=server.shard_index, shard_count=server.shard_count)
+            rows = load_val_rows(
+                config.data, shard_index=server.shard_index, shard_count=server.shard_count
+            )
         except DataError as e:
             return cls(config, [], server_id=server_id, problem=f"data.val_files unusable: {e}")
         return cls(config, rows, server_id=server_id)
@@ -121,34 +144,62 @@ class ValidationRunner:
         if unknown and not self.problem:
             self.problem = f"data.val_files: unknown agent type(s) {', '.join(unknown)}"
 
-    async def run(self, request_id: str, policy_version: int, *, deps: Mapping[str, AgentDeps],
-                  rewards: RewardChoice) -> ValidateResult:
+    async def run(
+        self,
+        request_id: str,
+        policy_version: int,
+        *,
+        deps: Mapping[str, AgentDeps],
+        rewards: RewardChoice,
+    ) -> ValidateResult:
         """Run the shard (every row ``n`` times) with the server's agents (``deps``, whose sampling is
         replaced by the validation sampling) and rewards, and summarise it. ``policy_version``: the
         engine's version at the start. Exceptions other than cancellation become an ok=false result."""
         t0 = time.monotonic()
-        result = partial(ValidateResult, request_id=request_id, policy_version=policy_version,
-                         shard_index=self.shard_index, shard_count=self.shard_count, prompts=len(self.rows))
+        result = partial(
+            ValidateResult,
+            request_id=request_id,
+            policy_version=policy_version,
+            shard_index=self.shard_index,
+            shard_count=self.shard_count,
+            prompts=len(self.rows),
+        )
         if self.problem:
             return result(ok=False, error=self.problem[:1000])
         episodes: list[EpisodeOutcome] = []
         v = self.sampling
-        val_deps = {a: replace(d, sampling=replace(d.sampling, temperature=v.temperature, top_p=v.top_p,
-                                                   top_k=v.top_k, seed=v.seed))
-                    for a, d in deps.items() if a in self.agent_types}
+        val_deps = {
+            a: replace(
+                d,
+                sampling=replace(
+                    d.sampling, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed
+                ),
+            )
+            for a, d in deps.items()
+            if a in self.agent_types
+        }
 
         async def one(r: ValRow) -> None:
             async with self._limit:
-                result = await run_group(group_uid=f"val-{request_id}-{r.index}", row=r.row, n=self.n,
-                                         agent_type=r.agent_type, data_source=r.data_source,
-                                         deps=val_deps[r.agent_type], rewards=rewards, server_id=self.server_id)
+                result = await run_group(
+                    group_uid=f"val-{request_id}-{r.index}",
+                    row=r.row,
+                    n=self.n,
+                    agent_type=r.agent_type,
+                    data_source=r.data_source,
+                    deps=val_deps[r.agent_type],
+                    rewards=rewards,
+                    server_id=self.server_id,
+                )
             episodes.extend(outcomes(result))
 
         try:
             async with anyio.create_task_group() as tg:
                 for r in self.rows:
                     tg.start_soon(one, r)
-        except Exception as e:  # an agent or engine failure: reported to the learner, not fatal here
+        except (
+            Exception
+        ) as e:  # an agent or engine failure: reported to the learner, not fatal here
             while isinstance(e, BaseExceptionGroup):
                 e = e.exceptions[0]
             error = f"{type(e).__name__}: {e}"

@@ -59,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="make-curve-keys",
         description="Make a ZeroMQ CURVE key pair: OUT/NAME.key (public) and OUT/NAME.key_secret (secret).",
         epilog="Learner: secret = learner.key_secret, allow-list = a directory of rollout servers' .key "
-               "files. Rollout server: its own .key_secret plus the learner's .key.",
+        "files. Rollout server: its own .key_secret plus the learner's .key.",
     )
     ap.add_argument("--out", required=True, type=Path, help="directory to write the key files to")
-    ap.add_argument("--name", required=True, help="base name of the files, e.g. learner or rollout-0")
+    ap.add_argument(
+        "--name", required=True, help="base name of the files, e.g. learner or rollout-0"
+    )
     ap.add_argument("--force", action="store_true", help="replace existing files of that name")
     args = ap.parse_args(argv)
     try:

@@ -19,16 +19,58 @@ from typing import Any
 
 from common.fileio import write_jsonl
 
-PROJECTS = ["Falcon", "Heron", "Otter", "Lynx", "Marten", "Badger", "Kestrel", "Ibis", "Puffin", "Stoat"]
-FILLER = ["The committee met on a Tuesday and discussed the budget at length.",
-          "Several reports were filed, none of them remarkable.",
-          "Weather in the region was mild for the season.",
-          "The archive holds letters, maps and a few photographs.",
-          "Nobody remembers why the old bridge was painted green."]
-FIRST = ["Ada", "Boris", "Chloe", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Luca"]
+PROJECTS = [
+    "Falcon",
+    "Heron",
+    "Otter",
+    "Lynx",
+    "Marten",
+    "Badger",
+    "Kestrel",
+    "Ibis",
+    "Puffin",
+    "Stoat",
+]
+FILLER = [
+    "The committee met on a Tuesday and discussed the budget at length.",
+    "Several reports were filed, none of them remarkable.",
+    "Weather in the region was mild for the season.",
+    "The archive holds letters, maps and a few photographs.",
+    "Nobody remembers why the old bridge was painted green.",
+]
+FIRST = [
+    "Ada",
+    "Boris",
+    "Chloe",
+    "Dmitri",
+    "Elena",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Luca",
+]
 LAST = ["Novak", "Okafor", "Petrov", "Quinn", "Rossi", "Sato", "Tanaka", "Umar", "Vega", "Weber"]
-TOWNS = ["Arbor", "Brill", "Corve", "Dunmere", "Elst", "Fennick", "Galloway", "Harrow", "Istle", "Jarrow",
-         "Kelby", "Lorne", "Marrow", "Nettle", "Orrin", "Pellam"]
+TOWNS = [
+    "Arbor",
+    "Brill",
+    "Corve",
+    "Dunmere",
+    "Elst",
+    "Fennick",
+    "Galloway",
+    "Harrow",
+    "Istle",
+    "Jarrow",
+    "Kelby",
+    "Lorne",
+    "Marrow",
+    "Nettle",
+    "Orrin",
+    "Pellam",
+]
 
 
 def _paragraph(rng: random.Random, sentences: int) -> str:
@@ -40,14 +82,22 @@ def longdoc_rows(n: int, seed: int) -> list[dict[str, Any]]:
     rows = []
     for _ in range(n):
         project, number = rng.choice(PROJECTS), rng.randint(1000, 9999)
-        docs = [{"title": f"report {k}", "text": _paragraph(rng, rng.randint(8, 14))} for k in range(2)]
+        docs = [
+            {"title": f"report {k}", "text": _paragraph(rng, rng.randint(8, 14))} for k in range(2)
+        ]
         where = rng.randrange(2)
         text = docs[where]["text"].split(". ")
         text.insert(rng.randrange(len(text)), f"The secret number of project {project} is {number}")
         docs[where]["text"] = ". ".join(text)
-        rows.append({"question": f"What is the secret number of project {project}? Read the documents, "
-                                 "note what you find, delete what you no longer need, then finish.",
-                     "answer": str(number), "documents": docs, "data_source": "longdoc"})
+        rows.append(
+            {
+                "question": f"What is the secret number of project {project}? Read the documents, "
+                "note what you find, delete what you no longer need, then finish.",
+                "answer": str(number),
+                "documents": docs,
+                "data_source": "longdoc",
+            }
+        )
     return rows
 
 
@@ -56,11 +106,20 @@ def code_rows(n: int, seed: int) -> list[dict[str, Any]]:
     rows = []
     for _ in range(n):
         k = rng.randint(2, 40)
-        rows.append({"question": f"Write a Python function add_k(x) that returns x + {k}. Test it in <code>, "
-                                 "then give the function in <answer>.",
-                     "answer": f"def add_k(x):\n    return x + {k}",
-                     "tests": [f"assert add_k(0) == {k}", f"assert add_k(-{k}) == 0", f"assert add_k(5) == {5 + k}"],
-                     "reward_fn": "code", "data_source": "code"})
+        rows.append(
+            {
+                "question": f"Write a Python function add_k(x) that returns x + {k}. Test it in <code>, "
+                "then give the function in <answer>.",
+                "answer": f"def add_k(x):\n    return x + {k}",
+                "tests": [
+                    f"assert add_k(0) == {k}",
+                    f"assert add_k(-{k}) == 0",
+                    f"assert add_k(5) == {5 + k}",
+                ],
+                "reward_fn": "code",
+                "data_source": "code",
+            }
+        )
     return rows
 
 
@@ -69,10 +128,20 @@ def qa_rows_and_corpus(n: int, seed: int) -> tuple[list[dict[str, Any]], list[di
     corpus, rows = [], []
     for i, town in enumerate(TOWNS):
         founder = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
-        corpus.append({"id": f"town-{i}", "title": town,
-                       "text": f"{town} is a small town. It was founded by {founder} in {rng.randint(1600, 1900)}."})
-        rows.append({"question": f"Who founded {town}? Use the search tool, then finish with the name.",
-                     "answer": founder, "data_source": "qa"})
+        corpus.append(
+            {
+                "id": f"town-{i}",
+                "title": town,
+                "text": f"{town} is a small town. It was founded by {founder} in {rng.randint(1600, 1900)}.",
+            }
+        )
+        rows.append(
+            {
+                "question": f"Who founded {town}? Use the search tool, then finish with the name.",
+                "answer": founder,
+                "data_source": "qa",
+            }
+        )
     for i in range(len(TOWNS)):
         corpus.append({"id": f"noise-{i}", "title": f"Note {i}", "text": _paragraph(rng, 3)})
     rng.shuffle(rows)

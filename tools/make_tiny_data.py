@@ -34,8 +34,13 @@ def make_rows(n: int, seed: int) -> list[dict[str, str]]:
     rows = []
     for _ in range(n):
         a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice(sorted(OPS))
-        rows.append({"question": f"What is {a} {op} {b}? Use the calculator, then give the answer as \\boxed{{N}}.",
-                     "answer": str(OPS[op](a, b)), "data_source": "arithmetic"})
+        rows.append(
+            {
+                "question": f"What is {a} {op} {b}? Use the calculator, then give the answer as \\boxed{{N}}.",
+                "answer": str(OPS[op](a, b)),
+                "data_source": "arithmetic",
+            }
+        )
     return rows
 
 
@@ -57,14 +62,18 @@ class LongTailSpec:
 
 PACK = 100
 """A number packs its value and the steps left as value * PACK + steps left (steps_max < PACK)."""
-LONGTAIL_TASK = ("A number packs a value and the steps left as value * 100 + steps left. Each turn, apply the "
-                 "step to the number with one calculator call. When the number ends in 00, no steps are left: "
-                 "give it as \\boxed{N}.")
+LONGTAIL_TASK = (
+    "A number packs a value and the steps left as value * 100 + steps left. Each turn, apply the "
+    "step to the number with one calculator call. When the number ends in 00, no steps are left: "
+    "give it as \\boxed{N}."
+)
 """The fixed part of every long-tail question, first: the warm-up computes a prefix all its
 demonstrations share once per step, so only the row's numbers cost per example."""
 
 
-def make_longtail_rows(n: int, seed: int, spec: LongTailSpec = LongTailSpec()) -> list[dict[str, Any]]:
+def make_longtail_rows(
+    n: int, seed: int, spec: LongTailSpec = LongTailSpec()
+) -> list[dict[str, Any]]:
     """Rows of the long-tail set (module docstring): ``number`` = value * PACK + steps and the
     ``step`` (``+ operand * PACK - 1`` or ``- (operand * PACK + 1)``) that applies one step; the
     answer is the value after ``steps`` steps, times PACK."""
@@ -73,15 +82,26 @@ def make_longtail_rows(n: int, seed: int, spec: LongTailSpec = LongTailSpec()) -
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for _ in range(n):
-        steps = min(spec.steps_max, max(1, round(rng.lognormvariate(math.log(spec.steps_median), spec.steps_sigma))))
+        steps = min(
+            spec.steps_max,
+            max(1, round(rng.lognormvariate(math.log(spec.steps_median), spec.steps_sigma))),
+        )
         op, operand = rng.choice("+-"), rng.randint(2, 9)
         value = rng.randint(10, 99) + (steps * operand if op == "-" else 0)  # never below 10
         step = f"+ {operand * PACK - 1}" if op == "+" else f"- {operand * PACK + 1}"
         number = value * PACK + steps
         final = (value + steps * operand if op == "+" else value - steps * operand) * PACK
         question = f"{LONGTAIL_TASK} Number {number}, step {step}."
-        rows.append({"question": question, "answer": str(final), "data_source": "longtail", "number": number,
-                     "step": step, "steps": steps})
+        rows.append(
+            {
+                "question": question,
+                "answer": str(final),
+                "data_source": "longtail",
+                "number": number,
+                "step": step,
+                "steps": steps,
+            }
+        )
     return rows
 
 
@@ -100,14 +120,23 @@ def longtail_episode(row: dict[str, Any]) -> list[tuple[str, list[str]]]:
     turns: list[tuple[str, list[str]]] = []
     for _ in range(steps):
         nxt = number + int(amount) if sign == "+" else number - int(amount)
-        turns.append((hermes_call_text("calculator", {"expression": f"{number} {step}"}), [str(nxt)]))
+        turns.append(
+            (hermes_call_text("calculator", {"expression": f"{number} {step}"}), [str(nxt)])
+        )
         number = nxt
     turns.append((f"The answer is \\boxed{{{number}}}.", []))
     return turns
 
 
-def make_tiny_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0,
-                   agents: bool = False, longtail: bool = False) -> Path:
+def make_tiny_data(
+    out_dir: str | Path,
+    *,
+    train: int = 256,
+    val: int = 32,
+    seed: int = 0,
+    agents: bool = False,
+    longtail: bool = False,
+) -> Path:
     """Arithmetic train.jsonl / val.jsonl; with ``agents``, also the longdoc/, code/ and qa/ sets
     of tools.make_agent_data (StateLM, code agent, search); with ``longtail``, longtail/."""
     out = Path(out_dir)
@@ -129,7 +158,9 @@ follows the workload's rare long episodes to their end (the model learns the for
 rows keep ``LongTailSpec``'s distribution)."""
 
 
-def make_longtail_data(out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0) -> Path:
+def make_longtail_data(
+    out_dir: str | Path, *, train: int = 256, val: int = 32, seed: int = 0
+) -> Path:
     """The long-tail set: ``out_dir``/train.jsonl and val.jsonl, and warmup.jsonl for tools/warmup.py
     (``LONGTAIL_WARMUP``)."""
     out = Path(out_dir)
@@ -140,22 +171,45 @@ def make_longtail_data(out_dir: str | Path, *, train: int = 256, val: int = 32, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="make-tiny-data", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and the agent sets")
+    ap = argparse.ArgumentParser(
+        prog="make-tiny-data", description=(__doc__ or "").split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--out", required=True, help="directory for train.jsonl, val.jsonl and the agent sets"
+    )
     ap.add_argument("--train", type=int, default=256, help="training rows")
     ap.add_argument("--val", type=int, default=32, help="validation rows")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-agents", action="store_true",
-                    help="skip the longdoc/, code/ and qa/ sets (StateLM, code agent, search)")
-    ap.add_argument("--no-longtail", action="store_true", help="skip the longtail/ set (bench/e2e.py's workload)")
+    ap.add_argument(
+        "--no-agents",
+        action="store_true",
+        help="skip the longdoc/, code/ and qa/ sets (StateLM, code agent, search)",
+    )
+    ap.add_argument(
+        "--no-longtail",
+        action="store_true",
+        help="skip the longtail/ set (bench/e2e.py's workload)",
+    )
     args = ap.parse_args(argv)
-    out = make_tiny_data(args.out, train=args.train, val=args.val, seed=args.seed, agents=not args.no_agents,
-                         longtail=not args.no_longtail)
-    print(f"wrote {out / 'train.jsonl'} ({args.train} rows) and {out / 'val.jsonl'} ({args.val} rows)")
+    out = make_tiny_data(
+        args.out,
+        train=args.train,
+        val=args.val,
+        seed=args.seed,
+        agents=not args.no_agents,
+        longtail=not args.no_longtail,
+    )
+    print(
+        f"wrote {out / 'train.jsonl'} ({args.train} rows) and {out / 'val.jsonl'} ({args.val} rows)"
+    )
     if not args.no_longtail:
-        print(f"wrote {out}/longtail (multi-turn calculator chains with long-tailed lengths: bench/e2e.py)")
+        print(
+            f"wrote {out}/longtail (multi-turn calculator chains with long-tailed lengths: bench/e2e.py)"
+        )
     if not args.no_agents:
-        print(f"wrote {out}/longdoc, {out}/code and {out}/qa (with corpus.jsonl) for the agent configs")
+        print(
+            f"wrote {out}/longdoc, {out}/code and {out}/qa (with corpus.jsonl) for the agent configs"
+        )
     return 0
 
 

@@ -92,8 +92,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     except ImportError as e:
         if e.name != "matplotlib":
             raise
-        raise ImportError("drawing the training curves needs matplotlib: bin/setup installs it "
-                          "(or pip install matplotlib)", name="matplotlib") from None
+        raise ImportError(
+            "drawing the training curves needs matplotlib: bin/setup installs it "
+            "(or pip install matplotlib)",
+            name="matplotlib",
+        ) from None
     matplotlib.use("Agg")  # no display; must precede pyplot's import
     import matplotlib.pyplot as plt
 
@@ -107,14 +110,22 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             ax.set_xlabel("step")
             ax.grid(True, alpha=0.3)
             if not series:
-                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes,
-                        color="grey")
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no data",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    color="grey",
+                )
                 continue
             for name, (steps, values) in series.items():
-                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
-                        label=name)
+                ax.plot(
+                    steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name
+                )
             ax.legend(fontsize="x-small")
-        for ax in list(axes.flat)[len(PANELS):]:
+        for ax in list(axes.flat)[len(PANELS) :]:
             ax.axis("off")
         last = records[-1]["step"]
         fig.suptitle(f"{run_dir.resolve().name}: {len(records)} records, last step {last}")
@@ -128,11 +139,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="plot", description="Draw a run's training curves (reward, tool use, KL, entropy, staleness, "
-        "throughput, validation reward) from RUN_DIR/metrics.jsonl into one PNG.")
+        prog="plot",
+        description="Draw a run's training curves (reward, tool use, KL, entropy, staleness, "
+        "throughput, validation reward) from RUN_DIR/metrics.jsonl into one PNG.",
+    )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
-    parser.add_argument("--out", type=Path, metavar="PNG",
-                        help=f"output file (default: RUN_DIR/{PLOT_FILE})")
+    parser.add_argument(
+        "--out", type=Path, metavar="PNG", help=f"output file (default: RUN_DIR/{PLOT_FILE})"
+    )
     args = parser.parse_args(argv)
     try:
         path = plot_run(args.run_dir, args.out)

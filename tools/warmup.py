@@ -106,9 +106,14 @@ def load_rows(data_file: str | Path, n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
-                         tools: dict[str, Any], *, guess_fraction: float = 0.0,
-                         seed: int = DEFAULT_SEED) -> list[Demonstration]:
+def build_demonstrations(
+    rows: list[dict[str, Any]],
+    renderer: ChatRenderer,
+    tools: dict[str, Any],
+    *,
+    guess_fraction: float = 0.0,
+    seed: int = DEFAULT_SEED,
+) -> list[Demonstration]:
     """One episode per row, tokenised exactly as the tool agent's context grows. Rows whose
     calculator result does not match their answer are refused: a demonstration must be right.
     With ``guess_fraction`` f, every row whose seeded draw falls below f is instead an episode that
@@ -126,31 +131,51 @@ def build_demonstrations(rows: list[dict[str, Any]], renderer: ChatRenderer,
     rng = random.Random(seed)
     demos = []
     for i, row in enumerate(rows):
-        if row.get("data_source") == "longtail":  # before the guess draw: arithmetic rows keep their draws
+        if (
+            row.get("data_source") == "longtail"
+        ):  # before the guess draw: arithmetic rows keep their draws
             demos.append(_longtail_demonstration(i, row, renderer, schemas, calculator))
             continue
         if rng.random() < guess_fraction:
             demos.append(_guess_demonstration(row, renderer, schemas, rng))
             continue
         expression = expression_of(str(row["question"]))
-        result = anyio.run(calculator.call, {"expression": expression}, ToolContext(episode_id=f"warmup-{i}", row=row))
+        result = anyio.run(
+            calculator.call,
+            {"expression": expression},
+            ToolContext(episode_id=f"warmup-{i}", row=row),
+        )
         if not result.ok or result.text != str(row["answer"]).strip():
-            raise ValueError(f"row {i}: calculator({expression!r}) gives {result.text!r}, the row says {row['answer']!r}")
+            raise ValueError(
+                f"row {i}: calculator({expression!r}) gives {result.text!r}, the row says {row['answer']!r}"
+            )
         prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
-        call = [*tok.encode(tool_call_text("calculator", {"expression": expression}), add_special_tokens=False),
-                renderer.eos_id]
+        call = [
+            *tok.encode(
+                tool_call_text("calculator", {"expression": expression}), add_special_tokens=False
+            ),
+            renderer.eos_id,
+        ]
         delta = renderer.tool_delta_ids([{"role": "tool", "content": result.text}])
         answer = [*tok.encode(answer_text(result.text), add_special_tokens=False), renderer.eos_id]
         ids = prompt + call + delta + answer
         train = [False] * len(ids)
-        for start, n in ((len(prompt), len(call)), (len(prompt) + len(call) + len(delta), len(answer))):
+        for start, n in (
+            (len(prompt), len(call)),
+            (len(prompt) + len(call) + len(delta), len(answer)),
+        ):
             train[start - 1 : start - 1 + n] = [True] * n
         demos.append(Demonstration(ids, train, expression, result.text))
     return demos
 
 
-def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
-                            calculator: Any) -> Demonstration:
+def _longtail_demonstration(
+    i: int,
+    row: dict[str, Any],
+    renderer: ChatRenderer,
+    schemas: list[dict[str, Any]],
+    calculator: Any,
+) -> Demonstration:
     """The right episode of a long-tail row (tools.make_tiny_data.longtail_episode): a calculator
     call per step on the last number, then the final number boxed. Each call is parsed from the
     turn's text and run by the real calculator, whose responses are appended as the tool agent
@@ -169,10 +194,16 @@ def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer,
         spans.append((len(ids), len(model)))
         ids += model
         calls = parser.parse(text).calls
-        got = [anyio.run(calculator.call, c.arguments, ToolContext(episode_id=f"warmup-{i}-{turn}", row=row)).text
-               for c in calls]
+        got = [
+            anyio.run(
+                calculator.call, c.arguments, ToolContext(episode_id=f"warmup-{i}-{turn}", row=row)
+            ).text
+            for c in calls
+        ]
         if got != expected:
-            raise ValueError(f"row {i} turn {turn}: the calculator gives {got}, the episode says {expected}")
+            raise ValueError(
+                f"row {i} turn {turn}: the calculator gives {got}, the episode says {expected}"
+            )
         if got:
             ids += renderer.tool_delta_ids([{"role": "tool", "content": r} for r in got])
     train = [False] * len(ids)
@@ -181,13 +212,17 @@ def _longtail_demonstration(i: int, row: dict[str, Any], renderer: ChatRenderer,
     return Demonstration(ids, train, f"{row['number']} {row['step']}", str(row["answer"]))
 
 
-def _guess_demonstration(row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]],
-                         rng: Any) -> Demonstration:
+def _guess_demonstration(
+    row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]], rng: Any
+) -> Demonstration:
     """A one-turn episode that boxes a wrong number without calling the tool."""
     right = int(str(row["answer"]).strip())
     guess = right + rng.choice([-1, 1]) * rng.randint(1, 50)
     prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
-    answer = [*renderer.tok.encode(answer_text(str(guess)), add_special_tokens=False), renderer.eos_id]
+    answer = [
+        *renderer.tok.encode(answer_text(str(guess)), add_special_tokens=False),
+        renderer.eos_id,
+    ]
     train = [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
     return Demonstration(prompt + answer, train, expression_of(str(row["question"])), str(guess))
 
@@ -237,8 +272,14 @@ class _Packed:
     trim: bool = False  # run a batch only up to its longest row (length-bucketed batches)
 
     def to(self, device: str) -> _Packed:
-        return _Packed(self.ids.to(device), self.attn.to(device), self.train.to(device),
-                       self.targets.to(device), self.prefix, self.trim)
+        return _Packed(
+            self.ids.to(device),
+            self.attn.to(device),
+            self.train.to(device),
+            self.targets.to(device),
+            self.prefix,
+            self.trim,
+        )
 
     def end(self, rows: list[int]) -> int:
         """Where a batch of ``rows`` stops: the full width, or with ``trim`` its longest row."""
@@ -274,11 +315,22 @@ def _logits(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
     cache = None
     if p > 0:
         shared = model(input_ids=data.ids[:1, :p], use_cache=True).past_key_values
-        cache = DynamicCache([(layer.keys.expand(len(rows), -1, -1, -1), layer.values.expand(len(rows), -1, -1, -1))
-                              for layer in shared.layers])
+        cache = DynamicCache(
+            [
+                (
+                    layer.keys.expand(len(rows), -1, -1, -1),
+                    layer.values.expand(len(rows), -1, -1, -1),
+                )
+                for layer in shared.layers
+            ]
+        )
     positions = torch.arange(p, end, device=data.ids.device).expand(len(rows), -1)
-    return model(input_ids=data.ids[b, p:end], attention_mask=data.attn[b, :end], past_key_values=cache,
-                 position_ids=positions).logits
+    return model(
+        input_ids=data.ids[b, p:end],
+        attention_mask=data.attn[b, :end],
+        past_key_values=cache,
+        position_ids=positions,
+    ).logits
 
 
 def _demo_loss(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
@@ -287,7 +339,9 @@ def _demo_loss(model: Any, data: _Packed, rows: list[int]) -> torch.Tensor:
 
     b, p, end = torch.tensor(rows, device=data.ids.device), data.prefix, data.end(rows)
     mask = data.train[b, p:end]
-    return torch.nn.functional.cross_entropy(_logits(model, data, rows)[mask], data.targets[b, p:end][mask])
+    return torch.nn.functional.cross_entropy(
+        _logits(model, data, rows)[mask], data.targets[b, p:end][mask]
+    )
 
 
 def _probe(model: Any, data: _Packed) -> float:
@@ -299,8 +353,11 @@ def _probe(model: Any, data: _Packed) -> float:
 
     n, p = data.ids.shape[0], data.prefix
     # trimmed (long-tailed) episodes go in chunks of similar lengths, each only as wide as it needs
-    chunks = [list(range(n))] if not data.trim else \
-        _length_batches(data.attn.sum(dim=1).tolist(), list(range(n)), 8, keep_last=True)
+    chunks = (
+        [list(range(n))]
+        if not data.trim
+        else _length_batches(data.attn.sum(dim=1).tolist(), list(range(n)), 8, keep_last=True)
+    )
     total = 0.0
     with torch.no_grad():
         for rows in chunks:
@@ -317,11 +374,15 @@ def _bucketed_epoch(data: _Packed, batch_size: int, gen: torch.Generator) -> lis
     import torch
 
     buckets = [int(x) // 32 for x in data.attn.sum(dim=1).tolist()]
-    batches = _length_batches(buckets, torch.randperm(len(buckets), generator=gen).tolist(), batch_size)
+    batches = _length_batches(
+        buckets, torch.randperm(len(buckets), generator=gen).tolist(), batch_size
+    )
     return [i for k in torch.randperm(len(batches), generator=gen).tolist() for i in batches[k]]
 
 
-def _length_batches(lengths: list[int], order: list[int], batch_size: int, *, keep_last: bool = False) -> list[list[int]]:
+def _length_batches(
+    lengths: list[int], order: list[int], batch_size: int, *, keep_last: bool = False
+) -> list[list[int]]:
     """``order`` (a permutation of the rows) cut into batches of rows of similar lengths: sorted by
     length (stable, so ``order`` breaks ties), then cut every ``batch_size``. A short last batch is
     kept with ``keep_last``, else dropped (its rows come in the next epoch's shuffle)."""
@@ -330,7 +391,9 @@ def _length_batches(lengths: list[int], order: list[int], batch_size: int, *, ke
     return batches if keep_last or len(batches[-1]) == batch_size else batches[:-1]
 
 
-def _drill_batch(pool: torch.Tensor, gen: torch.Generator, batch: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _drill_batch(
+    pool: torch.Tensor, gen: torch.Generator, batch: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The copy drill: random strings of the expression/answer tokens, each shown twice, and the
     mask of the positions that predict the second copy. Both halves of an episode copy (question ->
     call, tool response -> box), and the tiny model's copy circuit forms abruptly, at a step set by
@@ -356,13 +419,27 @@ def _drill_loss(model: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.nn.functional.cross_entropy(logits[mask], torch.roll(x, -1, dims=1)[mask])
 
 
-def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *, steps: int = DEFAULT_STEPS,
-           examples: int = DEFAULT_EXAMPLES, lr: float = DEFAULT_LR, seed: int = DEFAULT_SEED,
-           max_seconds: float = DEFAULT_MAX_SECONDS, target: float | None = DEFAULT_TARGET,
-           batch_size: int = DEFAULT_BATCH_SIZE, drill_weight: float = DEFAULT_DRILL_WEIGHT,
-           tools: tuple[str, ...] = DEFAULT_TOOLS, log_every: int = 50,
-           guess_fraction: float = 0.0, device: str = "auto", grad_clip: float | None = None,
-           max_tokens: int | None = None, bucket: bool = False) -> dict[str, Any]:
+def warmup(
+    model_dir: str | Path,
+    data_file: str | Path,
+    out_dir: str | Path,
+    *,
+    steps: int = DEFAULT_STEPS,
+    examples: int = DEFAULT_EXAMPLES,
+    lr: float = DEFAULT_LR,
+    seed: int = DEFAULT_SEED,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    target: float | None = DEFAULT_TARGET,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    drill_weight: float = DEFAULT_DRILL_WEIGHT,
+    tools: tuple[str, ...] = DEFAULT_TOOLS,
+    log_every: int = 50,
+    guess_fraction: float = 0.0,
+    device: str = "auto",
+    grad_clip: float | None = None,
+    max_tokens: int | None = None,
+    bucket: bool = False,
+) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
     stopping once the probe on the next PROBE_ROWS rows reaches ``target`` (None: never), and write
@@ -400,17 +477,40 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model_dir)))
     tok = renderer.tok
     rows = load_rows(data_file, examples + PROBE_ROWS)
-    n_probe = min(PROBE_ROWS, len(rows) // 4)  # a short file still keeps some rows out for the probe
+    n_probe = min(
+        PROBE_ROWS, len(rows) // 4
+    )  # a short file still keeps some rows out for the probe
     n_train = min(examples, len(rows) - n_probe)
-    demos = _cut(build_demonstrations(rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed),
-                 max_tokens)
+    demos = _cut(
+        build_demonstrations(
+            rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed
+        ),
+        max_tokens,
+    )
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else renderer.eos_id)
     data = _pack(demos, pad, trim=bucket)
-    probe_data = _pack(_cut(build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs), max_tokens),
-                       pad, trim=bucket) \
-        if n_probe else None
-    pool = torch.tensor(sorted({t for d in demos for text in (d.expression, d.answer)
-                                for t in tok.encode(text, add_special_tokens=False)}))
+    probe_data = (
+        _pack(
+            _cut(
+                build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs),
+                max_tokens,
+            ),
+            pad,
+            trim=bucket,
+        )
+        if n_probe
+        else None
+    )
+    pool = torch.tensor(
+        sorted(
+            {
+                t
+                for d in demos
+                for text in (d.expression, d.answer)
+                for t in tok.encode(text, add_special_tokens=False)
+            }
+        )
+    )
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -420,20 +520,30 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
         model.to(device)  # pyright: ignore[reportArgumentType]  (transformers' stub of .to is narrower than torch's)
         data = data.to(device)
         probe_data = probe_data.to(device) if probe_data is not None else None
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if device == "cuda"
+        else contextlib.nullcontext
+    )
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     order: list[int] = []
     losses: list[float] = []
     drill_losses: list[float] = []
     probes: list[tuple[int, float]] = []
     stopped = "steps"
-    _log(f"{n_train} demonstrations ({data.ids.shape[1]} tokens max, {data.prefix} shared, "
-         f"{int(data.train.sum())} loss tokens), {n_probe} probe rows; at most {steps} steps of {batch_size}, "
-         f"lr {lr:g}, drill {drill_weight:g}, target {target}" + (f", on {device}" if device != "cpu" else ""))
+    _log(
+        f"{n_train} demonstrations ({data.ids.shape[1]} tokens max, {data.prefix} shared, "
+        f"{int(data.train.sum())} loss tokens), {n_probe} probe rows; at most {steps} steps of {batch_size}, "
+        f"lr {lr:g}, drill {drill_weight:g}, target {target}"
+        + (f", on {device}" if device != "cpu" else "")
+    )
     for step in range(1, steps + 1):
         if len(order) < batch_size:  # epochs of seeded shuffles: every example is seen evenly
-            order += torch.randperm(len(demos), generator=gen).tolist() if not bucket else \
-                _bucketed_epoch(data, batch_size, gen)
+            order += (
+                torch.randperm(len(demos), generator=gen).tolist()
+                if not bucket
+                else _bucketed_epoch(data, batch_size, gen)
+            )
         batch, order = order[:batch_size], order[batch_size:]
         with autocast():
             loss = _demo_loss(model, data, batch)
@@ -452,12 +562,19 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
         if probe_data is not None and (step % PROBE_EVERY == 0 or step == steps):
             with autocast():
                 probes.append((step, round(_probe(model, probe_data), 4)))
-        reached = target is not None and bool(probes) and probes[-1][0] == step and probes[-1][1] >= target
+        reached = (
+            target is not None
+            and bool(probes)
+            and probes[-1][0] == step
+            and probes[-1][1] >= target
+        )
         if step % log_every == 0 or step == steps or reached:
             drill_note = f" drill {drill_losses[-1]:.4f}" if drill_losses else ""
             probe_note = f" probe {probes[-1][1]:.3f}" if probes else ""
-            _log(f"step {step}/{steps} loss {losses[-1]:.4f}{drill_note}{probe_note} "
-                 f"({time.perf_counter() - t0:.1f} s)")
+            _log(
+                f"step {step}/{steps} loss {losses[-1]:.4f}{drill_note}{probe_note} "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
         if reached:
             stopped = "target"
             break
@@ -466,28 +583,51 @@ def warmup(model_dir: str | Path, data_file: str | Path, out_dir: str | Path, *,
             _log(f"stopping after {step} steps: max_seconds {max_seconds:g} reached")
             break
     if target is not None and stopped != "target":
-        _log(f"the probe did not reach the target {target:g}: the model is less competent than asked")
+        _log(
+            f"the probe did not reach the target {target:g}: the model is less competent than asked"
+        )
 
     state = model.state_dict()
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         # the checkpoint's own names (the tied lm_head is not one) and dtypes
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     torch_dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    save_file({k: state[k].detach().to("cpu", torch_dtypes.get(d, torch.float32)).contiguous()
-               for k, d in dtypes.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {
+            k: state[k].detach().to("cpu", torch_dtypes.get(d, torch.float32)).contiguous()
+            for k, d in dtypes.items()
+        },
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     for f in sorted(model_dir.iterdir()):
         if f.is_file() and f.name not in NOT_COPIED:
             shutil.copy(f, out / f.name)
     last = losses[-10:]
     summary = {
-        "out_dir": str(out), "source_model": str(model_dir), "data_file": str(data_file),
-        "examples": n_train, "probe_rows": n_probe, "steps": len(losses), "max_steps": steps, "stopped": stopped,
-        "target": target, "probe": probes[-1][1] if probes else None, "probe_history": probes,
-        "batch_size": batch_size, "lr": lr, "seed": seed, "drill_weight": drill_weight, "tools": list(tools),
+        "out_dir": str(out),
+        "source_model": str(model_dir),
+        "data_file": str(data_file),
+        "examples": n_train,
+        "probe_rows": n_probe,
+        "steps": len(losses),
+        "max_steps": steps,
+        "stopped": stopped,
+        "target": target,
+        "probe": probes[-1][1] if probes else None,
+        "probe_history": probes,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "drill_weight": drill_weight,
+        "tools": list(tools),
         "guess_fraction": guess_fraction,
-        **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # a default warm-up keeps its keys
+        **(
+            {"max_tokens": max_tokens} if max_tokens is not None else {}
+        ),  # a default warm-up keeps its keys
         **({"bucket": True} if bucket else {}),
-        "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
+        "first_loss": round(losses[0], 6),
+        "final_loss": round(losses[-1], 6),
         "mean_loss_last_10": round(sum(last) / len(last), 6),
         "final_drill_loss": round(drill_losses[-1], 6) if drill_losses else None,
         "seconds": round(time.perf_counter() - t0, 2),
@@ -502,40 +642,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="warmup",
         description="Short supervised warm-up of a (tiny) model on calculator tool episodes built "
-                    "from data rows, so RL starts with a reward signal. Prints a JSON summary.",
+        "from data rows, so RL starts with a reward signal. Prints a JSON summary.",
     )
-    p.add_argument("--model", type=Path, default=Path("runs/tiny-model"), help="source model dir (default %(default)s)")
-    p.add_argument("--data", type=Path, default=Path("runs/tiny-data/train.jsonl"),
-                   help="JSONL rows with question/answer (default %(default)s)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=Path("runs/tiny-model"),
+        help="source model dir (default %(default)s)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=Path("runs/tiny-data/train.jsonl"),
+        help="JSONL rows with question/answer (default %(default)s)",
+    )
     p.add_argument("--out", type=Path, required=True, help="output model dir (created)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="at most this many optimizer steps (default %(default)s)")
-    p.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                   help="stop once the probe (held-out chance of a fully right episode) reaches this; "
-                        "0: run all steps (default %(default)s)")
-    p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES,
-                   help=f"train on the first N rows; the next {PROBE_ROWS} are the probe's (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="episodes per step (default %(default)s)")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="cut every demonstration (and probe episode) to its first N tokens: long episodes then "
-                        "cost N, and the turns they show still teach the format (default: no cut)")
-    p.add_argument("--bucket", action="store_true",
-                   help="batches of demonstrations of similar lengths, each only as wide as its longest: a "
-                        "long-tailed set costs its mean length per step, not its longest (default: off)")
-    p.add_argument("--guess-fraction", type=float, default=0.0,
-                   help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
-                        "model then chooses between the two, and RL learns to call the tool (default %(default)s)")
-    p.add_argument("--drill-weight", type=float, default=DEFAULT_DRILL_WEIGHT,
-                   help="weight of the copy drill's loss; 0: off (default %(default)s)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help="at most this many optimizer steps (default %(default)s)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=DEFAULT_TARGET,
+        help="stop once the probe (held-out chance of a fully right episode) reaches this; "
+        "0: run all steps (default %(default)s)",
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=DEFAULT_EXAMPLES,
+        help=f"train on the first N rows; the next {PROBE_ROWS} are the probe's (default %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="episodes per step (default %(default)s)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help="Adam learning rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cut every demonstration (and probe episode) to its first N tokens: long episodes then "
+        "cost N, and the turns they show still teach the format (default: no cut)",
+    )
+    p.add_argument(
+        "--bucket",
+        action="store_true",
+        help="batches of demonstrations of similar lengths, each only as wide as its longest: a "
+        "long-tailed set costs its mean length per step, not its longest (default: off)",
+    )
+    p.add_argument(
+        "--guess-fraction",
+        type=float,
+        default=0.0,
+        help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
+        "model then chooses between the two, and RL learns to call the tool (default %(default)s)",
+    )
+    p.add_argument(
+        "--drill-weight",
+        type=float,
+        default=DEFAULT_DRILL_WEIGHT,
+        help="weight of the copy drill's loss; 0: off (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="(default %(default)s)")
-    p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
-                   help="stop early past this wall time (default %(default)s)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA (bfloat16 autocast) when available, else the CPU (default %(default)s)")
-    p.add_argument("--grad-clip", type=float, default=None,
-                   help="clip the gradient norm to this (default: no clipping)")
-    p.add_argument("--tools", default=",".join(DEFAULT_TOOLS),
-                   help="tools whose schemas the prompt shows, in config order (default %(default)s)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=DEFAULT_MAX_SECONDS,
+        help="stop early past this wall time (default %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (bfloat16 autocast) when available, else the CPU (default %(default)s)",
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=None,
+        help="clip the gradient norm to this (default: no clipping)",
+    )
+    p.add_argument(
+        "--tools",
+        default=",".join(DEFAULT_TOOLS),
+        help="tools whose schemas the prompt shows, in config order (default %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -545,12 +744,25 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # stderr is for our progress lines
     try:
-        summary = warmup(a.model, a.data, a.out, steps=a.steps, examples=a.examples, lr=a.lr, seed=a.seed,
-                         max_seconds=a.max_seconds, target=a.target or None, batch_size=a.batch_size,
-                         drill_weight=a.drill_weight, guess_fraction=a.guess_fraction, max_tokens=a.max_tokens,
-                         bucket=a.bucket,
-                         device=a.device, grad_clip=a.grad_clip,
-                         tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()))
+        summary = warmup(
+            a.model,
+            a.data,
+            a.out,
+            steps=a.steps,
+            examples=a.examples,
+            lr=a.lr,
+            seed=a.seed,
+            max_seconds=a.max_seconds,
+            target=a.target or None,
+            batch_size=a.batch_size,
+            drill_weight=a.drill_weight,
+            guess_fraction=a.guess_fraction,
+            max_tokens=a.max_tokens,
+            bucket=a.bucket,
+            device=a.device,
+            grad_clip=a.grad_clip,
+            tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()),
+        )
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"warmup: error: {e}", file=sys.stderr)
         return 2

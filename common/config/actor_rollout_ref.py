@@ -198,15 +198,20 @@ class RolloutConfig(Section):
     def prompt_budget(self) -> int:
         """prompt_length of a loaded config (the loader fills a null one in from data)."""
         if self.prompt_length is None:
-            raise ValueError("actor_rollout_ref.rollout.prompt_length is unset: load the config with load_config")
+            raise ValueError(
+                "actor_rollout_ref.rollout.prompt_length is unset: load the config with load_config"
+            )
         return self.prompt_length
 
     @property
     def response_budget(self) -> int:
         """response_length of a loaded config (the loader fills a null one in from data)."""
         if self.response_length is None:
-            raise ValueError("actor_rollout_ref.rollout.response_length is unset: load the config with load_config")
+            raise ValueError(
+                "actor_rollout_ref.rollout.response_length is unset: load the config with load_config"
+            )
         return self.response_length
+
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     """Fraction of accelerator memory vLLM may use (of RAM on the CPU engine, where 0.9 fails)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"

@@ -19,9 +19,18 @@ from common.config.base import Section
 class StateLMConfig(Section):
     """The StateLM agent: the model deletes context, keeps notes and reads documents in chunks."""
 
-    tools: list[str] = Field(default_factory=lambda: [
-        "deleteContext", "note", "readNote", "updateNote", "loadDocument", "readChunk", "checkBudget",
-        "finish"])
+    tools: list[str] = Field(
+        default_factory=lambda: [
+            "deleteContext",
+            "note",
+            "readNote",
+            "updateNote",
+            "loadDocument",
+            "readChunk",
+            "checkBudget",
+            "finish",
+        ]
+    )
     """StateLM tools offered to the model (registry names; any other tool, e.g. search, may be added)."""
     chunk_chars: int = Field(default=1000, gt=0)
     """Characters per document chunk returned by readChunk."""

@@ -84,23 +84,33 @@ def launch_issues(config: Any) -> list[Issue]:
     if launch.rollout_gpus is not None:
         for i, gpus in enumerate(launch.rollout_gpus):
             if len(gpus) != tp:
-                issues.append(Issue(
-                    f"launch.rollout_gpus.{i}",
-                    f"a rollout server needs exactly actor_rollout_ref.rollout.tensor_model_parallel_size = {tp} "
-                    f"GPUs (got {len(gpus)}: {gpus})",
-                    related=("actor_rollout_ref.rollout.tensor_model_parallel_size",)))
+                issues.append(
+                    Issue(
+                        f"launch.rollout_gpus.{i}",
+                        f"a rollout server needs exactly actor_rollout_ref.rollout.tensor_model_parallel_size = {tp} "
+                        f"GPUs (got {len(gpus)}: {gpus})",
+                        related=("actor_rollout_ref.rollout.tensor_model_parallel_size",),
+                    )
+                )
     gpus = launch.learner_gpus
     if gpus is not None:
         if ray.address:
-            issues.append(Issue(
-                "launch.learner_gpus",
-                f"has no effect when the learner joins an existing Ray cluster (ray.address = {ray.address!r}): "
-                "that cluster's nodes decide the GPUs; remove it", related=("ray.address",)))
+            issues.append(
+                Issue(
+                    "launch.learner_gpus",
+                    f"has no effect when the learner joins an existing Ray cluster (ray.address = {ray.address!r}): "
+                    "that cluster's nodes decide the GPUs; remove it",
+                    related=("ray.address",),
+                )
+            )
         needed = trainer.n_gpus_per_node
         if (trainer.device == "cuda" or (trainer.device == "auto" and gpus)) and len(gpus) < needed:
             workers = "trainer.n_gpus_per_node" + (" (per node)" if trainer.nnodes > 1 else "")
-            issues.append(Issue(
-                "launch.learner_gpus",
-                f"needs at least {workers} = {needed} GPUs, one per learner worker (got {len(gpus)}: {gpus})",
-                related=("trainer.n_gpus_per_node", "trainer.device")))
+            issues.append(
+                Issue(
+                    "launch.learner_gpus",
+                    f"needs at least {workers} = {needed} GPUs, one per learner worker (got {len(gpus)}: {gpus})",
+                    related=("trainer.n_gpus_per_node", "trainer.device"),
+                )
+            )
     return issues

@@ -198,7 +198,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
     """Per-token KL estimate (verl's): kl = logp - ref; abs; mse = 0.5 (logp - ref)^2; low_var_kl = k3."""
     _check_kl_kind(kind)
     # verl annotates torch.FloatTensor (the legacy float32 type); it computes on any float tensor.
-    return core_algos.kl_penalty(cast(torch.FloatTensor, logprob), cast(torch.FloatTensor, ref_logprob), kind)
+    return core_algos.kl_penalty(
+        cast(torch.FloatTensor, logprob), cast(torch.FloatTensor, ref_logprob), kind
+    )
 
 
 def value_loss(

@@ -43,7 +43,9 @@ class AgentDeps:
     tools: dict[str, Any] = field(default_factory=dict)  # name -> Tool
     parser: ToolCallParser | None = None
     system_prompt: str | None = None
-    options: Any = None  # the agent's own config section (agents.statelm, agents.code); None: defaults
+    options: Any = (
+        None  # the agent's own config section (agents.statelm, agents.code); None: defaults
+    )
 
 
 class Agent(Protocol):
@@ -78,7 +80,9 @@ def start(ep: Episode, deps: AgentDeps, tools: list[dict[str, Any]] | None = Non
 
 
 def turn_budget(ep: Episode, limits: AgentLimits) -> int:
-    budget = min(limits.response_length - len(ep.response_ids), limits.max_model_len - ep.context_len)
+    budget = min(
+        limits.response_length - len(ep.response_ids), limits.max_model_len - ep.context_len
+    )
     if limits.max_tokens_per_turn is not None:
         budget = min(budget, limits.max_tokens_per_turn)
     return budget
@@ -92,7 +96,9 @@ async def generate_turn(ep: Episode, deps: AgentDeps) -> Generation | None:
         ep.terminate("length")
         return None
     sampling = replace(deps.sampling, max_tokens=budget)
-    gen = await deps.engine.generate(f"{ep.episode_id}-t{ep.turns}", ep.prompt_ids + ep.response_ids, sampling)
+    gen = await deps.engine.generate(
+        f"{ep.episode_id}-t{ep.turns}", ep.prompt_ids + ep.response_ids, sampling
+    )
     ep.turns += 1
     ep.add_model(gen.token_ids, gen.logprobs, gen.versions)
     for k, v in gen.timings.items():

@@ -39,7 +39,7 @@ def between(text: str, start: str, end: str) -> str | None:
     if i < 0:
         return None
     j = text.find(end, i + len(start))
-    return None if j < 0 else text[i + len(start):j]
+    return None if j < 0 else text[i + len(start) : j]
 
 
 def char_spans(text: str, markers: list[tuple[str, str]]) -> list[tuple[int, int]]:
@@ -58,7 +58,7 @@ def char_spans(text: str, markers: list[tuple[str, str]]) -> list[tuple[int, int
 
 def token_ends(decode: Any, ids: list[int]) -> list[int]:
     """Character offset just after each token in the decoded text of ``ids``."""
-    return [len(decode(ids[:k + 1])) for k in range(len(ids))]
+    return [len(decode(ids[: k + 1])) for k in range(len(ids))]
 
 
 @AGENTS.register("code")
@@ -66,14 +66,24 @@ class CodeAgent:
     def __init__(self, deps: AgentDeps) -> None:
         self.o: CodeAgentConfig = deps.options if deps.options is not None else CodeAgentConfig()
         if "python" not in deps.tools:
-            raise ValueError("the code agent runs code with the python tool: it is missing from its tools")
+            raise ValueError(
+                "the code agent runs code with the python tool: it is missing from its tools"
+            )
         self.python = deps.tools["python"]
         o = self.o
-        system = deps.system_prompt or SYSTEM_PROMPT.format(cs=o.code_start_tag, ce=o.code_end_tag,
-                                                            rs=o.result_start_tag, re=o.result_end_tag,
-                                                            as_=o.answer_start_tag, ae=o.answer_end_tag)
-        self.deps = replace(deps, system_prompt=system,
-                            sampling=replace(deps.sampling, stop=(*deps.sampling.stop, o.code_end_tag)))
+        system = deps.system_prompt or SYSTEM_PROMPT.format(
+            cs=o.code_start_tag,
+            ce=o.code_end_tag,
+            rs=o.result_start_tag,
+            re=o.result_end_tag,
+            as_=o.answer_start_tag,
+            ae=o.answer_end_tag,
+        )
+        self.deps = replace(
+            deps,
+            system_prompt=system,
+            sampling=replace(deps.sampling, stop=(*deps.sampling.stop, o.code_end_tag)),
+        )
         self.markers = [(m.start, m.end) for m in o.mask_spans]
 
     async def run(self, ep: Episode) -> None:
@@ -112,8 +122,10 @@ class CodeAgent:
                 ep.terminate("max_turns")
                 return
             ids = self.deps.renderer.text_ids(shown)
-            if len(ep.response_ids) + len(ids) >= limits.response_length or \
-                    ep.context_len + len(ids) >= limits.max_model_len:
+            if (
+                len(ep.response_ids) + len(ids) >= limits.response_length
+                or ep.context_len + len(ids) >= limits.max_model_len
+            ):
                 self._close_transcript(ep, turn_text)
                 ep.terminate("length")
                 return
@@ -123,14 +135,17 @@ class CodeAgent:
     async def _execute(self, ep: Episode, code: str | None) -> ToolResult:
         ep.tool_calls += 1
         if code is None or not code.strip():
-            result = ToolResult(f"error: no code between {self.o.code_start_tag} and {self.o.code_end_tag}", ok=False)
+            result = ToolResult(
+                f"error: no code between {self.o.code_start_tag} and {self.o.code_end_tag}",
+                ok=False,
+            )
         else:
             result = await self._call_python(ep, code)
         ep.tool_errors += not result.ok
         text = result.text
         limit = self.o.max_output_chars
         if len(text) > limit:
-            text = text[: limit // 2] + "\n...(truncated)...\n" + text[len(text) - limit // 2:]
+            text = text[: limit // 2] + "\n...(truncated)...\n" + text[len(text) - limit // 2 :]
         return replace(result, text=text)
 
     async def _call_python(self, ep: Episode, code: str) -> ToolResult:

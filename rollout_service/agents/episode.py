@@ -80,7 +80,9 @@ class Episode:
     # -- state machine ------------------------------------------------------------------------------
     def goto(self, new: State) -> None:
         if new not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"episode {self.episode_id}: {self.state.name} -> {new.name} is not allowed")
+            raise IllegalTransition(
+                f"episode {self.episode_id}: {self.state.name} -> {new.name} is not allowed"
+            )
         self.state = new
 
     def terminate(self, reason: str) -> None:
@@ -90,10 +92,14 @@ class Episode:
         self.termination = reason
 
     # -- buffers ------------------------------------------------------------------------------------------
-    def add_model(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    def add_model(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+    ) -> None:
         if not len(ids) == len(logprobs) == len(versions):
-            raise ValueError(f"engine output misaligned: {len(ids)} ids, {len(logprobs)} logprobs, "
-                             f"{len(versions)} versions")
+            raise ValueError(
+                f"engine output misaligned: {len(ids)} ids, {len(logprobs)} logprobs, "
+                f"{len(versions)} versions"
+            )
         self.response_ids.extend(ids)
         self.mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
@@ -124,16 +130,28 @@ class Episode:
         self.response_ids, self.mask, self.logprobs, self.versions = [], [], [], []
 
     def _segment(self, *, is_snapshot: bool) -> Segment:
-        return Segment(list(self.prompt_ids), list(self.response_ids), list(self.mask), list(self.logprobs),
-                       list(self.versions), is_snapshot)
+        return Segment(
+            list(self.prompt_ids),
+            list(self.response_ids),
+            list(self.mask),
+            list(self.logprobs),
+            list(self.versions),
+            is_snapshot,
+        )
 
     def all_segments(self) -> list[Segment]:
         """The closed snapshots and the current (final) segment."""
         return [*self.segments, self._segment(is_snapshot=False)]
 
-    def to_trajectories(self, *, reward: float, reward_extras: dict[str, Any], source_server: str,
-                        segment_rewards: Sequence[float] | None = None,
-                        keep: Sequence[int] | None = None) -> list[Trajectory]:
+    def to_trajectories(
+        self,
+        *,
+        reward: float,
+        reward_extras: dict[str, Any],
+        source_server: str,
+        segment_rewards: Sequence[float] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> list[Trajectory]:
         """Segments (snapshots, then the final one) as trajectories: all of them sharing ``reward``,
         or the segments numbered in ``keep`` with ``segment_rewards[i]`` each. Ids and
         snapshot_index keep each segment's place in the episode."""
@@ -154,9 +172,15 @@ class Episode:
                 response_mask=np.asarray(segments[i].mask, np.uint8),
                 rollout_logprobs=np.asarray(segments[i].logprobs, np.float32),
                 versions=np.asarray(segments[i].versions, np.int32),
-                reward=float(rewards[i]), snapshot_index=i, is_snapshot=segments[i].is_snapshot,
-                source_server=source_server, data_source=self.data_source, agent_type=self.agent_type,
-                termination=self.termination, num_turns=self.turns, reward_extras=dict(reward_extras),
+                reward=float(rewards[i]),
+                snapshot_index=i,
+                is_snapshot=segments[i].is_snapshot,
+                source_server=source_server,
+                data_source=self.data_source,
+                agent_type=self.agent_type,
+                termination=self.termination,
+                num_turns=self.turns,
+                reward_extras=dict(reward_extras),
                 timings=dict(timings),
             )
             for i in chosen

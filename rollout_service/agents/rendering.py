@@ -45,16 +45,27 @@ class ChatRenderer:
             raise ValueError("the chat template does not end an assistant turn with the eos token")
         return ends[-1] + 1
 
-    def prompt_ids(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        return _ids(self.tok.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                 tokenize=True, add_generation_prompt=True))
+    def prompt_ids(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return _ids(
+            self.tok.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                tokenize=True,
+                add_generation_prompt=True,
+            )
+        )
 
     def tool_delta_ids(self, tool_messages: Sequence[dict[str, Any]]) -> list[int]:
         """Ids to append after a model turn that ended with eos: the tool turn(s) and the header
         of the next assistant turn."""
-        full = _ids(self.tok.apply_chat_template(_BASE + list(tool_messages), tokenize=True,
-                                                 add_generation_prompt=True))
-        return full[self._base_cut:]
+        full = _ids(
+            self.tok.apply_chat_template(
+                _BASE + list(tool_messages), tokenize=True, add_generation_prompt=True
+            )
+        )
+        return full[self._base_cut :]
 
     def text_ids(self, text: str) -> list[int]:
         """Plain text (no template) as ids: what an agent inserts mid-turn (sandbox output)."""

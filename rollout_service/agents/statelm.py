@@ -61,8 +61,9 @@ class StateLMAgent(ToolAgent):
         return ep.tool_state["statelm"]
 
     def begin(self, ep: Episode) -> bool:
-        sl = StateLMContext(self.deps.system_prompt or SYSTEM_PROMPT, str(ep.row["question"]),
-                            documents_of(ep.row))
+        sl = StateLMContext(
+            self.deps.system_prompt or SYSTEM_PROMPT, str(ep.row["question"]), documents_of(ep.row)
+        )
         ep.tool_state["statelm"] = sl
         ep.messages = sl.render()
         ep.prompt_ids = self.deps.renderer.prompt_ids(ep.messages, self.schemas)
@@ -76,18 +77,36 @@ class StateLMAgent(ToolAgent):
         sl, limits = self.context(ep), self.deps.limits
         sl.current_assistant = sl.add("assistant", text, calls=list(parsed.calls)).msg_id
         ep.messages.append({"role": "assistant", "content": text})
-        tokens_left = min(limits.max_model_len - ep.context_len, limits.response_length - len(ep.response_ids))
-        turns = [t - ep.turns for t in (limits.max_assistant_turns, limits.max_user_turns) if t is not None]
-        sl.budget = {"tokens_left": max(0, tokens_left), "context_tokens": ep.context_len,
-                     **({"turns_left": max(0, min(turns))} if turns else {}),
-                     "segments_so_far": len(ep.segments) + 1}
+        tokens_left = min(
+            limits.max_model_len - ep.context_len, limits.response_length - len(ep.response_ids)
+        )
+        turns = [
+            t - ep.turns
+            for t in (limits.max_assistant_turns, limits.max_user_turns)
+            if t is not None
+        ]
+        sl.budget = {
+            "tokens_left": max(0, tokens_left),
+            "context_tokens": ep.context_len,
+            **({"turns_left": max(0, min(turns))} if turns else {}),
+            "segments_so_far": len(ep.segments) + 1,
+        }
 
     def continue_after_tools(self, ep: Episode, answered: list[tuple[str, ToolResult]]) -> bool:
         sl = self.context(ep)
-        added = [sl.add("tool", self.response_text(r), tool=name or "(unparsed call)",
-                        call_msg_id=sl.current_assistant) for name, r in answered]
+        added = [
+            sl.add(
+                "tool",
+                self.response_text(r),
+                tool=name or "(unparsed call)",
+                call_msg_id=sl.current_assistant,
+            )
+            for name, r in answered
+        ]
         if not sl.deleted_this_turn:
-            return append_tool_turn(ep, self.deps, [{"role": "tool", "content": sl.tool_content(m)} for m in added])
+            return append_tool_turn(
+                ep, self.deps, [{"role": "tool", "content": sl.tool_content(m)} for m in added]
+            )
         # A deletion: close this segment and continue from the re-rendered context, which holds
         # this turn's tool responses (so they are prompt, not response, of the next segment).
         sl.deleted_this_turn.clear()
@@ -114,6 +133,16 @@ class StateLMAgent(ToolAgent):
         rewards = [reward] * n if o.reward_split == "broadcast" else [0.0] * (n - 1) + [reward]
         rng = random.Random(zlib.crc32(ep.episode_id.encode()))
         keep = select_segments(n, o.max_segments, o.segment_selection, rng)
-        extras: dict[str, Any] = {**result.extras, "score": result.score, "segments": n, "segments_kept": len(keep)}
-        return ep.to_trajectories(reward=reward, reward_extras=extras, source_server=server_id,
-                                  segment_rewards=rewards, keep=keep)
+        extras: dict[str, Any] = {
+            **result.extras,
+            "score": result.score,
+            "segments": n,
+            "segments_kept": len(keep),
+        }
+        return ep.to_trajectories(
+            reward=reward,
+            reward_extras=extras,
+            source_server=server_id,
+            segment_rewards=rewards,
+            keep=keep,
+        )

@@ -98,11 +98,20 @@ class StateLMContext:
     def tool_content(self, msg: Message) -> str:
         """A tool message as the model sees it: its result with ids, or the deletion stub."""
         if msg.deleted:
-            body: dict[str, Any] = {"msg_id": msg.msg_id, "call_msg_id": msg.call_msg_id, "status": "deleted",
-                                    "message": STUB, "original_tool": msg.tool}
+            body: dict[str, Any] = {
+                "msg_id": msg.msg_id,
+                "call_msg_id": msg.call_msg_id,
+                "status": "deleted",
+                "message": STUB,
+                "original_tool": msg.tool,
+            }
         else:
-            body = {"msg_id": msg.msg_id, "call_msg_id": msg.call_msg_id, "tool": msg.tool,
-                    "result": msg.content}
+            body = {
+                "msg_id": msg.msg_id,
+                "call_msg_id": msg.call_msg_id,
+                "tool": msg.tool,
+                "result": msg.content,
+            }
         return json.dumps(body, ensure_ascii=False)
 
     def _assistant_content(self, msg: Message) -> str:
@@ -114,8 +123,10 @@ class StateLMContext:
     def _task_content(self, msg: Message) -> str:
         parts = [f"[msg_id {msg.msg_id}] {msg.content}"]
         if self.documents:
-            listing = "\n".join(f"- doc_id {i}: {d.title} ({len(d.text)} characters)"
-                                for i, d in enumerate(self.documents))
+            listing = "\n".join(
+                f"- doc_id {i}: {d.title} ({len(d.text)} characters)"
+                for i, d in enumerate(self.documents)
+            )
             parts.append(f"Documents (open with loadDocument, read with readChunk):\n{listing}")
         if self.notes:
             listing = "\n".join(f"- {k}: {n.summary}" for k, n in self.notes.items())

@@ -29,8 +29,10 @@ def append_tool_turn(ep: Episode, deps: AgentDeps, tool_messages: list[dict[str,
     when they would leave no room for a reply."""
     limits = deps.limits
     delta = deps.renderer.tool_delta_ids(tool_messages)
-    if len(ep.response_ids) + len(delta) >= limits.response_length or \
-            ep.context_len + len(delta) >= limits.max_model_len:
+    if (
+        len(ep.response_ids) + len(delta) >= limits.response_length
+        or ep.context_len + len(delta) >= limits.max_model_len
+    ):
         ep.terminate("length")  # no room for the responses and a reply to them
         return False
     ep.messages.extend(tool_messages)
@@ -45,11 +47,11 @@ def truncate(text: str, limit: int, side: str) -> str:
     marker = "...(truncated)..."
     keep = max(0, limit - len(marker))
     if side == "left":
-        return marker + text[len(text) - keep:]
+        return marker + text[len(text) - keep :]
     if side == "right":
         return text[:keep] + marker
     head = keep // 2
-    return text[:head] + marker + text[len(text) - (keep - head):]
+    return text[:head] + marker + text[len(text) - (keep - head) :]
 
 
 @AGENTS.register("single_turn")
@@ -65,7 +67,9 @@ class SingleTurnAgent:
         gen = await generate_turn(ep, self.deps)
         if gen is None:
             return
-        ep.messages.append({"role": "assistant", "content": self.deps.renderer.turn_text(gen.token_ids)})
+        ep.messages.append(
+            {"role": "assistant", "content": self.deps.renderer.turn_text(gen.token_ids)}
+        )
         ep.terminate("answered")
 
 
@@ -129,13 +133,16 @@ class ToolAgent:
 
     def response_text(self, result: ToolResult) -> str:
         limits = self.deps.limits
-        return truncate(result.text, limits.max_tool_response_length, limits.tool_response_truncate_side)
+        return truncate(
+            result.text, limits.max_tool_response_length, limits.tool_response_truncate_side
+        )
 
     def tool_context(self, ep: Episode) -> ToolContext:
         return ToolContext(episode_id=ep.episode_id, row=ep.row, state=ep.tool_state)
 
-    async def _run_calls(self, ep: Episode, calls: list[ToolCall],
-                         parse_errors: list[str]) -> list[tuple[str, ToolResult]]:
+    async def _run_calls(
+        self, ep: Episode, calls: list[ToolCall], parse_errors: list[str]
+    ) -> list[tuple[str, ToolResult]]:
         """Every call's (tool name, result): accepted calls in order, then parse errors (name ""),
         then calls refused by the parallel-call limit."""
         limit = self.deps.limits.max_parallel_calls
@@ -151,8 +158,16 @@ class ToolAgent:
                 tg.start_soon(one, i, call)
         out = [(c.name, r) for c, r in zip(accepted, results, strict=True) if r is not None]
         out += [("", ToolResult(f"error: {e}", ok=False)) for e in parse_errors]
-        out += [(c.name, ToolResult(f"error: call to {c.name!r} refused: at most {limit} tool calls per turn",
-                                    ok=False)) for c in refused]
+        out += [
+            (
+                c.name,
+                ToolResult(
+                    f"error: call to {c.name!r} refused: at most {limit} tool calls per turn",
+                    ok=False,
+                ),
+            )
+            for c in refused
+        ]
         ep.tool_calls += len(out)
         ep.tool_errors += sum(not r.ok for _, r in out)
         return out
@@ -170,4 +185,6 @@ class ToolAgent:
             return ToolResult(f"error: tool {call.name!r} took longer than {timeout:g} s", ok=False)
         except Exception as e:  # a bug in a tool must not end the episode, let alone the server
             log.exception("tool raised", tool=call.name, episode=ctx.episode_id)
-            return ToolResult(f"error: tool {call.name!r} failed: {type(e).__name__}: {e}", ok=False)
+            return ToolResult(
+                f"error: tool {call.name!r} failed: {type(e).__name__}: {e}", ok=False
+            )

@@ -43,8 +43,12 @@ class SamplingSettings:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    choices: tuple[str, ...] = ()  # constrain the output to one of these texts (vLLM structured outputs)
-    stop: tuple[str, ...] = ()  # stop strings (the code agent's closing tag); the ids that spell one stay in the output
+    choices: tuple[
+        str, ...
+    ] = ()  # constrain the output to one of these texts (vLLM structured outputs)
+    stop: tuple[
+        str, ...
+    ] = ()  # stop strings (the code agent's closing tag); the ids that spell one stay in the output
 
 
 @dataclass
@@ -66,7 +70,9 @@ class SamplingEngine(Protocol):
         """Version of the weights generation uses now."""
         ...
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
         """Sample a continuation. Returns with finish_reason "abort" (and the tokens so far) when
         the request is aborted; cancelling the caller aborts the request in the engine."""
         ...
@@ -88,7 +94,9 @@ class Engine(SamplingEngine, Protocol):
         """Breakdown of the last weight update in seconds (``reload_s``...); empty if none."""
         ...
 
-    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+    async def load_weights(
+        self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode
+    ) -> float:
         """Swaps in ``tensors`` as ``version``; returns the seconds taken. All or nothing: on error
         the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why."""
         ...
@@ -110,19 +118,25 @@ class DetachedEngine:
     last_update_timings: Mapping[str, float] = {}
 
     def _missing(self) -> RuntimeError:
-        return RuntimeError("no engine attached to the rollout server yet (RolloutServer.attach_engine)")
+        return RuntimeError(
+            "no engine attached to the rollout server yet (RolloutServer.attach_engine)"
+        )
 
     @property
     def policy_version(self) -> int:
         raise self._missing()
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
         raise self._missing()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         raise self._missing()
 
-    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+    async def load_weights(
+        self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode
+    ) -> float:
         raise self._missing()
 
     async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:

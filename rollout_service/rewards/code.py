@@ -60,5 +60,7 @@ async def code_reward(view: EpisodeView, row: dict[str, Any]) -> RewardResult:
     passed = res.ok and sentinel in res.stdout
     extras.update(passed=float(passed), timed_out=float(res.timed_out))
     if not passed:
-        extras["reason"] = res.killed_reason or (res.stderr.strip().splitlines() or ["did not finish"])[-1][:200]
+        extras["reason"] = (
+            res.killed_reason or (res.stderr.strip().splitlines() or ["did not finish"])[-1][:200]
+        )
     return RewardResult(float(passed), extras)

@@ -123,7 +123,11 @@ async def _verify(pred: str, gold: str) -> tuple[bool, str]:
 async def math_reward(view: EpisodeView, row: dict[str, Any]) -> RewardResult:
     gold = row.get("answer")
     pred, source = extract_answer(view)
-    extras: dict[str, float | int | str | bool] = {"acc": 0.0, "has_answer": float(pred is not None), "answer_source": source}
+    extras: dict[str, float | int | str | bool] = {
+        "acc": 0.0,
+        "has_answer": float(pred is not None),
+        "answer_source": source,
+    }
     if gold is None or str(gold).strip() == "":
         extras["reason"] = "row has no reference answer"
         return RewardResult(0.0, extras)

@@ -75,7 +75,13 @@ def _golds(row: dict[str, Any]) -> list[str]:
 
 def best_overlap(view: EpisodeView, row: dict[str, Any]) -> tuple[Overlap | None, dict[str, Any]]:
     pred, source = extract_prediction(view)
-    extras: dict[str, Any] = {"f1": 0.0, "em": 0.0, "precision": 0.0, "recall": 0.0, "answer_source": source}
+    extras: dict[str, Any] = {
+        "f1": 0.0,
+        "em": 0.0,
+        "precision": 0.0,
+        "recall": 0.0,
+        "answer_source": source,
+    }
     golds = _golds(row)
     if not golds:
         extras["reason"] = "row has no reference answer"

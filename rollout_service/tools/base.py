@@ -22,7 +22,9 @@ class ToolContext:
     episode_id: str
     row: dict[str, Any] = field(default_factory=dict)  # the data row of the episode
     workdir: Path | None = None  # scratch space of the episode, if the server provides one
-    state: dict[str, Any] = field(default_factory=dict)  # per-episode tool state (notes, documents, ...)
+    state: dict[str, Any] = field(
+        default_factory=dict
+    )  # per-episode tool state (notes, documents, ...)
 
 
 @dataclass
@@ -91,12 +93,23 @@ def _is_json_type(value: Any, json_type: str) -> bool:
     return isinstance(value, _JSON_TYPES.get(json_type, (object,)))
 
 
-def function_schema(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+def function_schema(
+    name: str, description: str, properties: dict[str, Any], required: list[str]
+) -> dict[str, Any]:
     """An OpenAI-style function schema with a closed argument object (unknown arguments refused)."""
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required,
-                       "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 def invalid_args(tool: Tool, args: Any) -> ToolResult | None:

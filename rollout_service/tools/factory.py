@@ -29,16 +29,25 @@ TOOLS_KEY = "actor_rollout_ref.rollout.multi_turn.tools"
 
 def _python_options(config: Config) -> dict[str, Any]:
     py = config.tools.python
-    return {"timeout_s": py.timeout_s, "memory_mb": py.memory_mb, "max_output_chars": py.max_output_chars}
+    return {
+        "timeout_s": py.timeout_s,
+        "memory_mb": py.memory_mb,
+        "max_output_chars": py.max_output_chars,
+    }
 
 
 def _search_options(config: Config) -> dict[str, Any]:
     search = config.tools.search
     if search.corpus is None:
-        raise ValueError("tools.search.corpus: required when the search tool is used "
-                         "(a JSONL file, one {\"text\", \"title\"?, \"id\"?} object per line)")
-    return {"corpus": search.corpus, "top_k": search.top_k,
-            "max_chars_per_passage": search.max_chars_per_passage}
+        raise ValueError(
+            "tools.search.corpus: required when the search tool is used "
+            '(a JSONL file, one {"text", "title"?, "id"?} object per line)'
+        )
+    return {
+        "corpus": search.corpus,
+        "top_k": search.top_k,
+        "max_chars_per_passage": search.max_chars_per_passage,
+    }
 
 
 def _chunk_options(config: Config) -> dict[str, Any]:
@@ -59,14 +68,18 @@ def tool_options(config: Config, name: str) -> dict[str, Any]:
     return options(config) if options is not None else {}
 
 
-def build_local_tools(config: Config, names: Sequence[str], *, key: str = TOOLS_KEY) -> dict[str, Tool]:
+def build_local_tools(
+    config: Config, names: Sequence[str], *, key: str = TOOLS_KEY
+) -> dict[str, Tool]:
     """Build ``names`` in-process (in order, duplicates once); ValueError naming ``key`` for a
     name the registry does not know."""
     registry = load_builtin_tools()
     unknown = [n for n in names if n not in registry]
     if unknown:
-        raise ValueError(f"{key}: unknown tool(s) {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(registry.names())}")
+        raise ValueError(
+            f"{key}: unknown tool(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(registry.names())}"
+        )
     return {name: registry.get(name)(**tool_options(config, name)) for name in dict.fromkeys(names)}
 
 
@@ -87,8 +100,10 @@ def build_tools(
         if remote.names:
             missing = [n for n in remote.names if n in wanted and n not in served]
             if missing:
-                raise ValueError(f"tools.remote.names: {', '.join(map(repr, missing))} not served by "
-                                 f"the tool server {remote.url}; it serves: {', '.join(served) or 'nothing'}")
+                raise ValueError(
+                    f"tools.remote.names: {', '.join(map(repr, missing))} not served by "
+                    f"the tool server {remote.url}; it serves: {', '.join(served) or 'nothing'}"
+                )
             remote_names = [n for n in wanted if n in remote.names]
         else:
             remote_names = [n for n in wanted if n in served]
@@ -97,15 +112,22 @@ def build_tools(
     unknown = [n for n in local_names if n not in registry]
     if unknown:
         known = sorted(set(registry.names()) | set(served))
-        raise ValueError(f"{TOOLS_KEY}: unknown tool(s) {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(known)}")
+        raise ValueError(
+            f"{TOOLS_KEY}: unknown tool(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(known)}"
+        )
     tools = build_local_tools(config, local_names)
     if remote_names:
         assert remote.url is not None
         if client is None:
-            client = RemoteToolClient(remote.url, timeout_s=remote.timeout_s, retries=remote.retries,
-                                      backoff_s=remote.backoff_s, max_concurrent=remote.max_concurrent,
-                                      token=config.tool_server.token)
+            client = RemoteToolClient(
+                remote.url,
+                timeout_s=remote.timeout_s,
+                retries=remote.retries,
+                backoff_s=remote.backoff_s,
+                max_concurrent=remote.max_concurrent,
+                token=config.tool_server.token,
+            )
         tools.update({n: RemoteTool(n, served[n], client) for n in remote_names})
     return {n: tools[n] for n in wanted}
 

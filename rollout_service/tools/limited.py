@@ -43,4 +43,7 @@ def rate_limited(tools: Mapping[str, Tool], limiter: GlobalRateLimiter | None) -
     """``tools`` with every one that has a configured bucket wrapped in ``LimitedTool``."""
     if limiter is None:
         return dict(tools)
-    return {name: LimitedTool(t, limiter) if limiter.limits_key(name) else t for name, t in tools.items()}
+    return {
+        name: LimitedTool(t, limiter) if limiter.limits_key(name) else t
+        for name, t in tools.items()
+    }

@@ -59,7 +59,9 @@ class RemoteToolClient:
             base_url=self.url,
             timeout=timeout_s,
             headers=auth_headers(token),
-            limits=httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=max_concurrent),
+            limits=httpx.Limits(
+                max_connections=max_concurrent, max_keepalive_connections=max_concurrent
+            ),
         )
         self._closed = False
 
@@ -69,7 +71,9 @@ class RemoteToolClient:
         out while the nominal schedule stays a lower bound."""
         return self.backoff_s * 2 ** (retry - 1) * random.uniform(1.0, 1.5)
 
-    async def call(self, name: str, arguments: dict[str, Any], *, episode_id: str = "") -> ToolResult:
+    async def call(
+        self, name: str, arguments: dict[str, Any], *, episode_id: str = ""
+    ) -> ToolResult:
         body = {"arguments": arguments, "episode_id": episode_id}
         path = f"/call/{quote(name, safe='')}"
         attempts = self.retries + 1
@@ -87,7 +91,9 @@ class RemoteToolClient:
             except TimeoutError:
                 last_problem = f"no response within {self.timeout_s:g} s"
                 continue
-            except httpx.TransportError as exc:  # connect/read/write errors and httpx's own timeouts
+            except (
+                httpx.TransportError
+            ) as exc:  # connect/read/write errors and httpx's own timeouts
                 last_problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
             if response.status_code in TRANSIENT_STATUS:
@@ -156,8 +162,13 @@ class RemoteTool:
 
 def result_to_json(result: ToolResult) -> dict[str, Any]:
     """The wire form of a ToolResult (what ``POST /call/{name}`` answers)."""
-    return {"text": result.text, "ok": result.ok, "terminal": result.terminal,
-            "answer": result.answer, "metrics": dict(result.metrics)}
+    return {
+        "text": result.text,
+        "ok": result.ok,
+        "terminal": result.terminal,
+        "answer": result.answer,
+        "metrics": dict(result.metrics),
+    }
 
 
 def result_from_json(data: Any) -> ToolResult:
@@ -176,12 +187,18 @@ def result_from_json(data: Any) -> ToolResult:
         isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
     ):
         raise ValueError("field 'metrics' must map names to numbers")
-    return ToolResult(text=text, ok=ok, terminal=terminal, answer=answer,
-                      metrics={str(k): float(v) for k, v in metrics.items()})
+    return ToolResult(
+        text=text,
+        ok=ok,
+        terminal=terminal,
+        answer=answer,
+        metrics={str(k): float(v) for k, v in metrics.items()},
+    )
 
 
-def fetch_schemas(url: str, timeout_s: float = 10.0, *, attempts: int = 3,
-                  token: str | None = None) -> dict[str, dict[str, Any]]:
+def fetch_schemas(
+    url: str, timeout_s: float = 10.0, *, attempts: int = 3, token: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Tool name -> function schema served at ``url`` (``GET /tools``), for start-up.
 
     Blocks (a few short retries, for a server that is still starting); raises ValueError naming
@@ -202,17 +219,21 @@ def fetch_schemas(url: str, timeout_s: float = 10.0, *, attempts: int = 3,
             continue
         if response.status_code == 401:
             given = "the token sent was refused" if token else "none is configured"
-            raise ValueError(f"{_TOKEN_KEY}: tool server {base} requires a token and {given} "
-                             f"({_error_text(response)}); set the server's token in this config too")
+            raise ValueError(
+                f"{_TOKEN_KEY}: tool server {base} requires a token and {given} "
+                f"({_error_text(response)}); set the server's token in this config too"
+            )
         try:
             return _schemas_from(response)
         except ValueError as exc:
             raise ValueError(
                 f"{_URL_KEY}: {base} does not answer like a tool server (GET /tools: {exc}); "
-                "is the URL right?") from None
+                "is the URL right?"
+            ) from None
     raise ValueError(
         f"{_URL_KEY}: tool server {base} unreachable after {attempts} attempts ({problem}); "
-        "start bin/tool-server there or change the URL")
+        "start bin/tool-server there or change the URL"
+    )
 
 
 def _schemas_from(response: httpx.Response) -> dict[str, dict[str, Any]]:
@@ -225,8 +246,14 @@ def _schemas_from(response: httpx.Response) -> dict[str, dict[str, Any]]:
     schemas: dict[str, dict[str, Any]] = {}
     for schema in tools:
         fn = schema.get("function") if isinstance(schema, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("parameters"), dict)):
-            raise ValueError(f"not a function schema with a name and parameters: {str(schema)[:200]}")
+        if not (
+            isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("parameters"), dict)
+        ):
+            raise ValueError(
+                f"not a function schema with a name and parameters: {str(schema)[:200]}"
+            )
         schemas[fn["name"]] = schema
     return schemas
 

@@ -54,7 +54,10 @@ class SearchIndex:
         """The best ``k`` documents with a positive score, best first."""
         import numpy as np
 
-        words = cast(list[str], self._tokenize(query, stopwords=_STOPWORDS, show_progress=False, return_ids=False)[0])
+        words = cast(
+            list[str],
+            self._tokenize(query, stopwords=_STOPWORDS, show_progress=False, return_ids=False)[0],
+        )
         ids = self._bm25.get_tokens_ids(words)  # words the corpus never uses are dropped
         if not ids:
             return []
@@ -83,15 +86,21 @@ def load_corpus(path: Path) -> list[Document]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: must be a JSON object with a 'text' field, got {type(row).__name__}")
+            raise ValueError(
+                f"{where}: must be a JSON object with a 'text' field, got {type(row).__name__}"
+            )
         text, title, doc_id = row.get("text"), row.get("title", ""), row.get("id", "")
         if not isinstance(text, str):
             raise ValueError(f"{where}: field 'text' must be a string, got {type(text).__name__}")
         if not isinstance(title, str | None):
             raise ValueError(f"{where}: field 'title' must be a string, got {type(title).__name__}")
         if isinstance(doc_id, bool) or not isinstance(doc_id, str | int | None):
-            raise ValueError(f"{where}: field 'id' must be a string or an integer, got {type(doc_id).__name__}")
-        documents.append(Document(text=text, title=title or "", id="" if doc_id is None else str(doc_id)))
+            raise ValueError(
+                f"{where}: field 'id' must be a string or an integer, got {type(doc_id).__name__}"
+            )
+        documents.append(
+            Document(text=text, title=title or "", id="" if doc_id is None else str(doc_id))
+        )
     if not documents:
         raise ValueError(f"search corpus {path}: no documents (one JSON object per line expected)")
     return documents
@@ -125,7 +134,9 @@ def cut(text: str, limit: int) -> str:
 class SearchTool:
     name = "search"
 
-    def __init__(self, index: SearchIndex, *, top_k: int = 3, max_chars_per_passage: int = 400) -> None:
+    def __init__(
+        self, index: SearchIndex, *, top_k: int = 3, max_chars_per_passage: int = 400
+    ) -> None:
         self.index = index
         self.top_k = top_k
         self.max_chars_per_passage = max_chars_per_passage
@@ -139,8 +150,12 @@ class SearchTool:
             "numbered, each with its title.",
             {
                 "query": {"type": "string", "description": "keywords describing what to find"},
-                "top_k": {"type": "integer", "minimum": 1, "maximum": self.max_top_k,
-                          "description": f"passages to return (default {self.top_k})"},
+                "top_k": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": self.max_top_k,
+                    "description": f"passages to return (default {self.top_k})",
+                },
             },
             ["query"],
         )
@@ -153,7 +168,9 @@ class SearchTool:
             return ToolResult(text="Error: the query is empty; give some keywords", ok=False)
         k = args.get("top_k", self.top_k)
         if not 1 <= k <= self.max_top_k:
-            return ToolResult(text=f"Error: top_k must be between 1 and {self.max_top_k}, got {k}", ok=False)
+            return ToolResult(
+                text=f"Error: top_k must be between 1 and {self.max_top_k}, got {k}", ok=False
+            )
         hits = await anyio.to_thread.run_sync(self.index.search, query, k)
         if not hits:
             return ToolResult(text=f"No results for {query!r}.", metrics={"search_hits": 0.0})
@@ -165,10 +182,16 @@ class SearchTool:
 
 
 @TOOLS.register("search")
-def make_search_tool(*, corpus: str, top_k: int = 3, max_chars_per_passage: int = 400) -> SearchTool:
+def make_search_tool(
+    *, corpus: str, top_k: int = 3, max_chars_per_passage: int = 400
+) -> SearchTool:
     """Options: ``corpus`` (JSONL file), ``top_k`` (default passages per call),
     ``max_chars_per_passage``. Raises ValueError for a missing or malformed corpus."""
     if top_k < 1 or max_chars_per_passage < 1:
-        raise ValueError(f"search: top_k and max_chars_per_passage must be positive "
-                         f"(got {top_k}, {max_chars_per_passage})")
-    return SearchTool(corpus_index(corpus), top_k=top_k, max_chars_per_passage=max_chars_per_passage)
+        raise ValueError(
+            f"search: top_k and max_chars_per_passage must be positive "
+            f"(got {top_k}, {max_chars_per_passage})"
+        )
+    return SearchTool(
+        corpus_index(corpus), top_k=top_k, max_chars_per_passage=max_chars_per_passage
+    )

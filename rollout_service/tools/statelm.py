@@ -54,9 +54,13 @@ class _Tool:
 
 class DeleteContext(_Tool):
     name = "deleteContext"
-    description = ("Delete a message from your context by its msg_id to free space. It is replaced by a "
-                   "short stub; save what you still need with note first.")
-    properties: ClassVar[dict[str, Any]] = {"msg_id": {"type": "integer", "description": "id of the message to delete"}}
+    description = (
+        "Delete a message from your context by its msg_id to free space. It is replaced by a "
+        "short stub; save what you still need with note first."
+    )
+    properties: ClassVar[dict[str, Any]] = {
+        "msg_id": {"type": "integer", "description": "id of the message to delete"}
+    }
     required: ClassVar[list[str]] = ["msg_id"]
 
     def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -71,9 +75,14 @@ class DeleteContext(_Tool):
 
 class NoteTool(_Tool):
     name = "note"
-    description = "Save a new note in external memory; its key and summary stay visible after deletions."
-    properties: ClassVar[dict[str, Any]] = {"key": {"type": "string"}, "summary": {"type": "string", "description": "one line"},
-                  "content": {"type": "string"}}
+    description = (
+        "Save a new note in external memory; its key and summary stay visible after deletions."
+    )
+    properties: ClassVar[dict[str, Any]] = {
+        "key": {"type": "string"},
+        "summary": {"type": "string", "description": "one line"},
+        "content": {"type": "string"},
+    }
     required: ClassVar[list[str]] = ["key", "summary", "content"]
 
     def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -103,8 +112,11 @@ class ReadNote(_Tool):
 class UpdateNote(_Tool):
     name = "updateNote"
     description = "Change a note: append to it, overwrite it, or delete it."
-    properties: ClassVar[dict[str, Any]] = {"key": {"type": "string"}, "content": {"type": "string"},
-                  "mode": {"type": "string", "enum": ["append", "overwrite", "delete"]}}
+    properties: ClassVar[dict[str, Any]] = {
+        "key": {"type": "string"},
+        "content": {"type": "string"},
+        "mode": {"type": "string", "enum": ["append", "overwrite", "delete"]},
+    }
     required: ClassVar[list[str]] = ["key", "mode"]
 
     def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -152,14 +164,19 @@ class LoadDocument(_DocumentTool):
         doc = self.document(args, ctx)
         if isinstance(doc, ToolResult):
             return doc
-        return ToolResult(f"doc_id {args['doc_id']}: {doc.title!r}, {len(doc.text)} characters in "
-                          f"{self.chunks(doc.text)} chunks; read them with readChunk(doc_id, chunk).")
+        return ToolResult(
+            f"doc_id {args['doc_id']}: {doc.title!r}, {len(doc.text)} characters in "
+            f"{self.chunks(doc.text)} chunks; read them with readChunk(doc_id, chunk)."
+        )
 
 
 class ReadChunk(_DocumentTool):
     name = "readChunk"
     description = "Read one chunk of a document (chunks are numbered from 0)."
-    properties: ClassVar[dict[str, Any]] = {"doc_id": {"type": "integer"}, "chunk": {"type": "integer"}}
+    properties: ClassVar[dict[str, Any]] = {
+        "doc_id": {"type": "integer"},
+        "chunk": {"type": "integer"},
+    }
     required: ClassVar[list[str]] = ["doc_id", "chunk"]
 
     def run(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -169,7 +186,7 @@ class ReadChunk(_DocumentTool):
         n, k = self.chunks(doc.text), args["chunk"]
         if not 0 <= k < n:
             return _error(f"doc_id {args['doc_id']} has chunks 0 to {n - 1} (asked for {k})")
-        return ToolResult(doc.text[k * self.chunk_chars:(k + 1) * self.chunk_chars])
+        return ToolResult(doc.text[k * self.chunk_chars : (k + 1) * self.chunk_chars])
 
 
 class CheckBudget(_Tool):
@@ -188,6 +205,7 @@ def _no_options(cls: type) -> Any:
         if options:
             raise TypeError(f"{cls.name} takes no options, got {sorted(options)}")
         return cls()
+
     return make
 
 

@@ -31,8 +31,9 @@ def hold_forever(limiter: GlobalRateLimiter, key: str) -> None:
         time.sleep(3600)
 
 
-def hammer_blocking(limiter: GlobalRateLimiter, key: str, end: float, hold_at: float | None,
-                    out: TextIO) -> None:
+def hammer_blocking(
+    limiter: GlobalRateLimiter, key: str, end: float, hold_at: float | None, out: TextIO
+) -> None:
     while (now := time.time()) < end:
         if hold_at is not None and now >= hold_at:
             hold_forever(limiter, key)

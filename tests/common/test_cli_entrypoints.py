@@ -256,20 +256,32 @@ TRAIN = REPO / "bin" / "train"
 def _data(tmp_path: Path) -> tuple[Path, Path]:
     """A good data file and one whose rows name what does not exist, or are not UTF-8."""
     good = tmp_path / "good.jsonl"
-    good.write_text('{"question": "a?", "answer": 1}\n{"question": "b?", "answer": 2, "reward_fn": "qa_em"}\n')
+    good.write_text(
+        '{"question": "a?", "answer": 1}\n{"question": "b?", "answer": 2, "reward_fn": "qa_em"}\n'
+    )
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"question": "a?", "answer": 1}\n'
-                    b'{"question": "b?", "answer": 1, "agent": "no_such_agent", "reward_fn": "no_such_reward"}\n')
+    bad.write_bytes(
+        b'{"question": "a?", "answer": 1}\n'
+        b'{"question": "b?", "answer": 1, "agent": "no_such_agent", "reward_fn": "no_such_reward"}\n'
+    )
     return good, bad
 
 
-def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(config_file: Path, tmp_path: Path) -> None:
+def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(
+    config_file: Path, tmp_path: Path
+) -> None:
     good, bad = _data(tmp_path)
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(b'{"question": "a?", "answer": 1}\n{"question": "caf\xe9?", "answer": 1}\n')
-    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check",
-                     f"data.train_files=[{good},{bad},{latin1}]", "rollout_server.reward_fn=no_such_default",
-                     "actor_rollout_ref.rollout.multi_turn.tools=[calculator,no_such_tool]")
+    result = run_bin(
+        ROLLOUT_SERVER,
+        "--config",
+        str(config_file),
+        "--check",
+        f"data.train_files=[{good},{bad},{latin1}]",
+        "rollout_server.reward_fn=no_such_default",
+        "actor_rollout_ref.rollout.multi_turn.tools=[calculator,no_such_tool]",
+    )
     assert result.returncode == 2, result.stderr
     err = result.stderr
     assert f"{bad}: line 2: field 'agent': unknown agent type 'no_such_agent'; known:" in err
@@ -279,17 +291,33 @@ def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(config_fil
     assert f"data.train_files.2: {latin1}: line 2: not UTF-8" in err
     assert result.stdout == ""  # nothing resolved is printed for a config that would not start
     # A row over data.max_row_bytes fails --check too, naming file, line, size and limit.
-    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check",
-                     f"data.train_files={good}", "data.max_row_bytes=40")
+    result = run_bin(
+        ROLLOUT_SERVER,
+        "--config",
+        str(config_file),
+        "--check",
+        f"data.train_files={good}",
+        "data.max_row_bytes=40",
+    )
     assert result.returncode == 2
     size = len(good.read_bytes().splitlines()[1])
-    assert f"{good}: line 2: row of {size} bytes is larger than data.max_row_bytes=40" in result.stderr
+    assert (
+        f"{good}: line 2: row of {size} bytes is larger than data.max_row_bytes=40" in result.stderr
+    )
 
 
-def test_check_passes_good_data_and_only_warns_about_validation_files(config_file: Path, tmp_path: Path) -> None:
+def test_check_passes_good_data_and_only_warns_about_validation_files(
+    config_file: Path, tmp_path: Path
+) -> None:
     good, bad = _data(tmp_path)
-    result = run_bin(ROLLOUT_SERVER, "--config", str(config_file), "--check", f"data.train_files={good}",
-                     f"data.val_files=[{bad},{tmp_path / 'elsewhere.jsonl'}]")
+    result = run_bin(
+        ROLLOUT_SERVER,
+        "--config",
+        str(config_file),
+        "--check",
+        f"data.train_files={good}",
+        f"data.val_files=[{bad},{tmp_path / 'elsewhere.jsonl'}]",
+    )
     assert result.returncode == 0, result.stderr
     assert "warning: " in result.stderr and "unknown agent type 'no_such_agent'" in result.stderr
     assert "elsewhere.jsonl: no such data file on this machine" in result.stderr
@@ -297,7 +325,13 @@ def test_check_passes_good_data_and_only_warns_about_validation_files(config_fil
 
 
 def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path) -> None:
-    result = run_bin(TOOL_SERVER, "--config", str(config_file), "--check", "tool_server.tools=[python,no_such_tool]")
+    result = run_bin(
+        TOOL_SERVER,
+        "--config",
+        str(config_file),
+        "--check",
+        "tool_server.tools=[python,no_such_tool]",
+    )
     assert result.returncode == 2
     assert "tool_server.tools: unknown tool 'no_such_tool'" in result.stderr
     _, bad = _data(tmp_path)
@@ -330,14 +364,34 @@ def test_entrypoints_run_from_a_shell_without_the_venv(config_file: Path) -> Non
     --check`): a plain shell (the shebang finds the system python3) re-runs the entrypoint with
     .venv/bin/python; --help stays fast through the re-exec."""
     _system_python()
-    result = subprocess.run([str(LEARNER), "--config", str(config_file), "--check"],
-                            env=_bare_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = subprocess.run(
+        [str(LEARNER), "--config", str(config_file), "--check"],
+        env=_bare_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     assert "rollout_server:" in result.stdout
-    for name in ("rollout-server", "train", "learner", "tool-server", "plot", "conformance", "replay"):
+    for name in (
+        "rollout-server",
+        "train",
+        "learner",
+        "tool-server",
+        "plot",
+        "conformance",
+        "replay",
+    ):
         start = time.perf_counter()
-        result = subprocess.run([str(REPO / "bin" / name), "--help"], env=_bare_env(), capture_output=True,
-                                text=True, timeout=30, cwd=REPO)
+        result = subprocess.run(
+            [str(REPO / "bin" / name), "--help"],
+            env=_bare_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=REPO,
+        )
         assert result.returncode == 0, (name, result.stderr)
         assert "usage" in result.stdout.lower()
         assert time.perf_counter() - start < 2.0, name
@@ -349,15 +403,25 @@ def test_missing_venv_says_run_setup(tmp_path: Path) -> None:
     import shutil
 
     python = _system_python()
-    if subprocess.run([python, "-c", "import structlog"], capture_output=True, env=_bare_env()).returncode == 0:
+    if (
+        subprocess.run(
+            [python, "-c", "import structlog"], capture_output=True, env=_bare_env()
+        ).returncode
+        == 0
+    ):
         pytest.skip("the system python has the project's packages: nothing to refuse")
     (tmp_path / "bin").mkdir()
     (tmp_path / "common").mkdir()
     shutil.copy(ROLLOUT_SERVER, tmp_path / "bin" / "rollout-server")
     shutil.copy(REPO / "common" / "venv.py", tmp_path / "common" / "venv.py")
     (tmp_path / "common" / "__init__.py").write_text("")
-    result = subprocess.run([python, str(tmp_path / "bin" / "rollout-server"), "--help"], env=_bare_env(),
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [python, str(tmp_path / "bin" / "rollout-server"), "--help"],
+        env=_bare_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 1
     assert "run bin/setup" in result.stderr and "ModuleNotFoundError" not in result.stderr
 
@@ -373,11 +437,22 @@ def test_check_refuses_a_sink_whose_package_is_missing(config_file: Path) -> Non
         pytest.skip("wandb is installed here")
     assert missing_sink_packages(["console", "jsonl", "wandb", "wandb"]) == [WANDB_MISSING]
     for script in (LEARNER, TRAIN):
-        result = run_bin(script, "--config", str(config_file), "--check", "trainer.logger=[console,wandb]",
-                         "launch.rollout_servers=1")
+        result = run_bin(
+            script,
+            "--config",
+            str(config_file),
+            "--check",
+            "trainer.logger=[console,wandb]",
+            "launch.rollout_servers=1",
+        )
         assert result.returncode == 2, (script.name, result.stderr)
         assert "pip install wandb" in result.stderr and "Traceback" not in result.stderr
-    assert run_bin(LEARNER, "--config", str(config_file), "--check", "trainer.logger=[console]").returncode == 0
+    assert (
+        run_bin(
+            LEARNER, "--config", str(config_file), "--check", "trainer.logger=[console]"
+        ).returncode
+        == 0
+    )
     # The start, before Ray: the learner's run target refuses it first.
     from common.config import load_config as load
     from learner.app import run

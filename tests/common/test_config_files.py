@@ -92,8 +92,18 @@ def test_config_passes_check_on_this_machine(path: Path, tmp_path: Path) -> None
 
     model = tmp_path / "model"
     model.mkdir()
-    out = subprocess.run([sys.executable, str(CONFIG_DIR.parent / "bin" / "train"), "--config", str(path),
-                          f"actor_rollout_ref.model.path={model}", "--check"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(CONFIG_DIR.parent / "bin" / "train"),
+            "--config",
+            str(path),
+            f"actor_rollout_ref.model.path={model}",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "actor_rollout_ref:" in out.stdout

@@ -25,7 +25,11 @@ def test_a_flood_costs_burst_lines_and_one_summary_per_window() -> None:
     assert len(out.lines) == 3  # the window has not ended
     log.flush(10.5)
     message, fields = out.lines[-1]
-    assert message == "suppressed 997 invalid messages" and fields["peer"] == "p" and fields["suppressed"] == 997
+    assert (
+        message == "suppressed 997 invalid messages"
+        and fields["peer"] == "p"
+        and fields["suppressed"] == 997
+    )
     log.log("p", "MALFORMED", 11.0, "invalid message")
     assert len(out.lines) == 5  # a new window logs again
 

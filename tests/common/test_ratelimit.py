@@ -47,7 +47,8 @@ def assert_obeys_bucket(times: Sequence[float], bucket: Bucket) -> None:
             allowed = bucket.burst + rate * (ts[j] - ts[i]) + EPS
             assert j - i + 1 <= allowed, (
                 f"{j - i + 1} admissions in [{ts[i]!r}, {ts[j]!r}] ({ts[j] - ts[i]:.6f} s), "
-                f"bucket allows {allowed - EPS:.6f}")
+                f"bucket allows {allowed - EPS:.6f}"
+            )
 
 
 def limiter(tmp_path: Path, **limits: Bucket) -> GlobalRateLimiter:
@@ -77,7 +78,9 @@ def test_burst_at_once_then_rate(tmp_path: Path) -> None:
 
 
 def test_lone_caller_with_burst_one_gets_the_rate(tmp_path: Path) -> None:
-    bucket = Bucket(per_minute=600, burst=1)  # a token every 0.1 s, no room to absorb a late wake-up
+    bucket = Bucket(
+        per_minute=600, burst=1
+    )  # a token every 0.1 s, no room to absorb a late wake-up
     rl = limiter(tmp_path, api=bucket)
     times = [rl.acquire_blocking("api") for _ in range(6)]
     assert_obeys_bucket(times, bucket)
@@ -173,12 +176,19 @@ def test_timeout_while_lock_is_held_elsewhere(tmp_path: Path) -> None:
     rl.acquire_blocking("api", timeout_s=0.2)
 
 
-@pytest.mark.parametrize("content", [
-    b"", b"garbage", b"\x00" * RECORD_SIZE, os.urandom(1000),
-    encode_record(0.0, time.time())[:-1] + b"\x00",  # bad checksum
-    encode_record(0.0, time.time()) + b"tail",  # a record followed by junk
-    encode_record(float("nan"), time.time()),
-], ids=["empty", "short", "zeros", "random", "checksum", "tail", "nan"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"garbage",
+        b"\x00" * RECORD_SIZE,
+        os.urandom(1000),
+        encode_record(0.0, time.time())[:-1] + b"\x00",  # bad checksum
+        encode_record(0.0, time.time()) + b"tail",  # a record followed by junk
+        encode_record(float("nan"), time.time()),
+    ],
+    ids=["empty", "short", "zeros", "random", "checksum", "tail", "nan"],
+)
 def test_corrupt_state_is_a_full_bucket(tmp_path: Path, content: bytes) -> None:
     bucket = Bucket(per_minute=60, burst=2)
     rl = limiter(tmp_path, api=bucket)
@@ -231,7 +241,8 @@ def test_bucket_validation() -> None:
 
 def test_from_config(tmp_path: Path) -> None:
     cfg = RateLimitsConfig.model_validate(
-        {"acquire_timeout_s": 7.5, "limits": {"search": {"per_minute": 30, "burst": 3}}})
+        {"acquire_timeout_s": 7.5, "limits": {"search": {"per_minute": 30, "burst": 3}}}
+    )
     rl = GlobalRateLimiter.from_config(cfg, tmp_path / "run")
     assert rl.state_dir == tmp_path / "run" / "ratelimit" and rl.state_dir.is_dir()
     assert rl.limits == {"search": Bucket(per_minute=30.0, burst=3)}
@@ -279,8 +290,12 @@ class Worker:
     """A ratelimit_worker.py child process; its stdout lines arrive in a queue."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -293,8 +308,10 @@ class Worker:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"worker {self.proc.args} said nothing in {timeout} s "
-                                 f"(exit code {self.proc.poll()})") from None
+            raise AssertionError(
+                f"worker {self.proc.args} said nothing in {timeout} s "
+                f"(exit code {self.proc.poll()})"
+            ) from None
         assert line.startswith(prefix), line
         return line
 
@@ -341,9 +358,24 @@ def test_eight_processes_for_30_s_obey_the_bucket(tmp_path: Path, workers: list[
     outs = [tmp_path / f"times-{i}.txt" for i in range(len(apis))]
     for i, (api, out) in enumerate(zip(apis, outs, strict=True)):
         extra = ["--hold-at", str(hold_at)] if i == 0 else []
-        workers.append(Worker("hammer", "--state-dir", str(rl.state_dir), "--key", "api",
-                              "--per-minute", "600", "--burst", "5", "--api", api, "--out", str(out),
-                              *extra))
+        workers.append(
+            Worker(
+                "hammer",
+                "--state-dir",
+                str(rl.state_dir),
+                "--key",
+                "api",
+                "--per-minute",
+                "600",
+                "--burst",
+                "5",
+                "--api",
+                api,
+                "--out",
+                str(out),
+                *extra,
+            )
+        )
     for w in workers:
         w.expect("ready", timeout=60)
     start = time.time() + 0.5

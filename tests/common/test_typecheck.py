@@ -40,7 +40,9 @@ def test_pyright_finds_no_errors() -> None:
     try:
         report = json.loads(result.stdout)
     except json.JSONDecodeError:
-        pytest.fail(f"basedpyright did not run (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
+        pytest.fail(
+            f"basedpyright did not run (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
     lines = [
         f"{Path(d['file']).relative_to(ROOT)}:{d['range']['start']['line'] + 1}: "

@@ -57,7 +57,9 @@ class AcceptsAnyMajor(LearnerProtocol):
     """Welcomes any protocol version, as if it were its own."""
 
     def _on_hello(self, identity: bytes, msg: Hello, now: float) -> list:
-        return super()._on_hello(identity, dataclasses.replace(msg, protocol_version=list(self.version)), now)
+        return super()._on_hello(
+            identity, dataclasses.replace(msg, protocol_version=list(self.version)), now
+        )
 
 
 class IgnoresCredits(LearnerProtocol):
@@ -71,10 +73,14 @@ class IgnoresCredits(LearnerProtocol):
 class AsksEveryone(LearnerProtocol):
     """Sends VALIDATE_REQUEST to every peer, whether its HELLO offered "validation" or not."""
 
-    def request_validation(self, request_id: str, policy_version: int, *, timeout_s: float = 0.0) -> list[str]:
+    def request_validation(
+        self, request_id: str, policy_version: int, *, timeout_s: float = 0.0
+    ) -> list[str]:
         for p in self.peers.values():
             if p.hello is not None and VALIDATION_CAPABILITY not in p.hello.capabilities:
-                self._out.append((p.identity, codec.encode(ValidateRequest(request_id, policy_version))))
+                self._out.append(
+                    (p.identity, codec.encode(ValidateRequest(request_id, policy_version)))
+                )
         return super().request_validation(request_id, policy_version, timeout_s=timeout_s)
 
 
@@ -108,8 +114,14 @@ class IgnoresCreditsSender(RolloutConnection):
 
 
 # -- serving in a background thread -----------------------------------------------------------------
-async def serve_learner(proto: LearnerProtocol, bind: str, consume: bool = True, validate_on_join: bool = True, *,
-                        task_status=anyio.TASK_STATUS_IGNORED) -> None:
+async def serve_learner(
+    proto: LearnerProtocol,
+    bind: str,
+    consume: bool = True,
+    validate_on_join: bool = True,
+    *,
+    task_status=anyio.TASK_STATUS_IGNORED,
+) -> None:
     """ReferenceLearner.serve with a given protocol object (so broken ones can be served).
 
     ``consume=False``: batches are never consumed, so room only shrinks (a stalled trainer).
@@ -125,29 +137,48 @@ async def serve_learner(proto: LearnerProtocol, bind: str, consume: bool = True,
             async for ev in server.events:
                 if isinstance(ev, BatchReceived) and consume:
                     server.batch_consumed()
-                elif isinstance(ev, PeerJoined) and validate_on_join:  # like ReferenceLearner(validate_on_join)
+                elif (
+                    isinstance(ev, PeerJoined) and validate_on_join
+                ):  # like ReferenceLearner(validate_on_join)
                     if VALIDATION_CAPABILITY in ev.hello.capabilities:
-                        server.request_validation(f"ref-{uuid.uuid4().hex[:8]}", proto.policy_version)
+                        server.request_validation(
+                            f"ref-{uuid.uuid4().hex[:8]}", proto.policy_version
+                        )
     finally:
         await channel.aclose()
 
 
 @contextmanager
-def learner_in_thread(proto_cls: type[LearnerProtocol] = LearnerProtocol, *, consume: bool = True,
-                      validate_on_join: bool = True, **kw) -> Iterator[str]:
+def learner_in_thread(
+    proto_cls: type[LearnerProtocol] = LearnerProtocol,
+    *,
+    consume: bool = True,
+    validate_on_join: bool = True,
+    **kw,
+) -> Iterator[str]:
     """A learner (reference or broken) on a free loopback port; yields its address."""
-    kw = {"tokenizer": REFERENCE_TOKENIZER, "capacity": 8, "max_credits_per_peer": 4, "limits": SMALL_LIMITS,
-          "heartbeat_interval_s": 0.3, "heartbeat_timeout_s": 5.0, **kw}
+    kw = {
+        "tokenizer": REFERENCE_TOKENIZER,
+        "capacity": 8,
+        "max_credits_per_peer": 4,
+        "limits": SMALL_LIMITS,
+        "heartbeat_interval_s": 0.3,
+        "heartbeat_timeout_s": 5.0,
+        **kw,
+    }
     with start_blocking_portal() as portal:
-        fut, address = portal.start_task(serve_learner, proto_cls(**kw), "tcp://127.0.0.1:0", consume,
-                                         validate_on_join)
+        fut, address = portal.start_task(
+            serve_learner, proto_cls(**kw), "tcp://127.0.0.1:0", consume, validate_on_join
+        )
         try:
             yield address
         finally:
             fut.cancel()
 
 
-async def serve_rollout(conn: RolloutConnection, address: str, request_weights: bool = False) -> None:
+async def serve_rollout(
+    conn: RolloutConnection, address: str, request_weights: bool = False
+) -> None:
     """ReferenceRolloutServer.serve with a given connection object; returns when it ends."""
     client = RolloutClient(conn, client_factory(address), request_weights=request_weights)
     rng = np.random.default_rng(0)
@@ -158,7 +189,9 @@ async def serve_rollout(conn: RolloutConnection, address: str, request_weights: 
             while True:
                 while conn.pending >= 8:
                     await anyio.sleep(0.01)
-                await client.submit([synthetic_trajectory(rng, server=conn.peer_id) for _ in range(2)])
+                await client.submit(
+                    [synthetic_trajectory(rng, server=conn.peer_id) for _ in range(2)]
+                )
 
         tg.start_soon(produce)
         async for ev in client.events:
@@ -172,18 +205,30 @@ async def serve_rollout(conn: RolloutConnection, address: str, request_weights: 
 class RolloutInThread:
     """Starts a rollout server (reference or broken) once the suite's ROUTER is bound."""
 
-    def __init__(self, portal, conn_cls: type[RolloutConnection] = RolloutConnection, *,
-                 request_weights: bool = False, capabilities: tuple[str, ...] = (VALIDATION_CAPABILITY,)) -> None:
+    def __init__(
+        self,
+        portal,
+        conn_cls: type[RolloutConnection] = RolloutConnection,
+        *,
+        request_weights: bool = False,
+        capabilities: tuple[str, ...] = (VALIDATION_CAPABILITY,),
+    ) -> None:
         self.portal, self.conn_cls, self.request_weights = portal, conn_cls, request_weights
         self.capabilities = capabilities
         self.conn: RolloutConnection | None = None
         self.future = None
 
     def __call__(self, address: str) -> None:  # the runner's on_listening callback
-        self.conn = self.conn_cls(peer_id=f"test-rollout-{uuid.uuid4().hex[:6]}", epoch=uuid.uuid4().hex,
-                                  model=REFERENCE_MODEL, tokenizer=REFERENCE_TOKENIZER,
-                                  capabilities=list(self.capabilities))
-        self.future = self.portal.start_task_soon(serve_rollout, self.conn, address, self.request_weights)
+        self.conn = self.conn_cls(
+            peer_id=f"test-rollout-{uuid.uuid4().hex[:6]}",
+            epoch=uuid.uuid4().hex,
+            model=REFERENCE_MODEL,
+            tokenizer=REFERENCE_TOKENIZER,
+            capabilities=list(self.capabilities),
+        )
+        self.future = self.portal.start_task_soon(
+            serve_rollout, self.conn, address, self.request_weights
+        )
 
     def stopped(self, timeout: float = 5.0) -> SenderState:
         """Wait for the server to end by itself (a fatal error ends it; a BYE does not); its state."""
@@ -210,8 +255,9 @@ def free_port() -> int:
 
 @contextmanager
 def child(*args: str) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         yield proc
     finally:
@@ -223,14 +269,19 @@ def child(*args: str) -> Iterator[subprocess.Popen[str]]:
 @contextmanager
 def reference_learner_process() -> Iterator[str]:
     """``python -m protocol.reference learner`` on a free port; yields the address it printed."""
-    with child("-m", "protocol.reference", "learner", "--bind", "tcp://127.0.0.1:0", "--validate-on-join") as proc:
+    with child(
+        "-m", "protocol.reference", "learner", "--bind", "tcp://127.0.0.1:0", "--validate-on-join"
+    ) as proc:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "reference learner listening on tcp://127.0.0.1:PORT"
         m = re.search(r"(tcp://\S+)", line)
-        assert m, f"reference learner did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert m, (
+            f"reference learner did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        )
         yield m.group(1)
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(CLI), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(CLI), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )

@@ -29,7 +29,9 @@ def test_credits_granted_in_flight_make_the_excess_legitimate() -> None:
 
 def test_accepting_beyond_the_window_is_a_violation() -> None:
     r = replay(1, [1, 2], recs(Ack([1], 0), Ack([2], 0)))
-    assert r.problems[0].startswith("batch 2 was ACKed although the learner had granted no credit for it")
+    assert r.problems[0].startswith(
+        "batch 2 was ACKed although the learner had granted no credit for it"
+    )
 
 
 def test_an_acks_own_credits_do_not_cover_its_batches() -> None:
@@ -38,7 +40,9 @@ def test_an_acks_own_credits_do_not_cover_its_batches() -> None:
 
 def test_rejecting_within_the_window_is_a_violation() -> None:
     r = replay(1, [1, 2], recs(Ack([1], 1), exceeded(2)))
-    assert r.problems == ["batch 2 was rejected with CREDIT_EXCEEDED although 1 granted credit(s) were unused"]
+    assert r.problems == [
+        "batch 2 was rejected with CREDIT_EXCEEDED although 1 granted credit(s) were unused"
+    ]
 
 
 def test_missing_and_double_verdicts_and_wrong_ref_seq_are_reported() -> None:
@@ -48,4 +52,3 @@ def test_missing_and_double_verdicts_and_wrong_ref_seq_are_reported() -> None:
         "batch 1 got a second verdict (ACK, then CREDIT_EXCEEDED)",
         "no ACK or CREDIT_EXCEEDED for batch(es) [2]",
     ]
-

@@ -28,7 +28,9 @@ LINE = re.compile(r"^(PASS|FAIL) (\S+?)(:)?(\s+.*)?$")
 
 
 def run_suite(address: str, *only: str, timeout: float = 2.0) -> runner.SuiteReport:
-    return runner.run(runner.SuiteOptions(role="learner", target=address, timeout=timeout, only=list(only)))
+    return runner.run(
+        runner.SuiteOptions(role="learner", target=address, timeout=timeout, only=list(only))
+    )
 
 
 def failures(rep: runner.SuiteReport) -> dict[str, str]:
@@ -43,29 +45,39 @@ def test_every_check_passes_against_the_reference_learner() -> None:
     credit = next(r for r in rep.results if r.name == "credit_limit")
     assert credit.notes and "rejected" in credit.notes[0]  # enforcement was exercised, not skipped
     val = next(r for r in rep.results if r.name == "validation_request")
-    assert val.notes and val.notes[0].startswith("request 'ref-") and val.details["policy_version"] == 0
+    assert (
+        val.notes
+        and val.notes[0].startswith("request 'ref-")
+        and val.details["policy_version"] == 0
+    )
 
 
 def test_validation_request_is_only_noted_when_the_learner_does_not_validate() -> None:
     with learner_in_thread(validate_on_join=False) as address:
         rep = run_suite(address, "validation_request", "validation_unsolicited", timeout=1.0)
     assert failures(rep) == {}
-    assert rep.results[0].notes == ["not exercised: no VALIDATE_REQUEST within 1.0 s (the learner validates on "
-                                    "its own schedule)"]
+    assert rep.results[0].notes == [
+        "not exercised: no VALIDATE_REQUEST within 1.0 s (the learner validates on "
+        "its own schedule)"
+    ]
 
 
 def test_a_learner_that_asks_peers_without_the_capability_fails() -> None:
     with learner_in_thread(AsksEveryone) as address:
         rep = run_suite(address, "validation_request")
     reason = failures(rep)["validation_request"]
-    assert reason.startswith("a peer whose HELLO did not offer 'validation' was sent VALIDATE_REQUEST(request_id=ref-")
+    assert reason.startswith(
+        "a peer whose HELLO did not offer 'validation' was sent VALIDATE_REQUEST(request_id=ref-"
+    )
 
 
 def test_a_learner_that_ignores_stray_results_fails() -> None:
     with learner_in_thread(IgnoresStrayResults) as address:
         rep = run_suite(address, "validation_unsolicited", timeout=1.0)
     reason = failures(rep)["validation_unsolicited"]
-    assert reason.startswith("no ERROR UNEXPECTED for a VALIDATE_RESULT nobody asked for within 1.0 s"), reason
+    assert reason.startswith(
+        "no ERROR UNEXPECTED for a VALIDATE_RESULT nobody asked for within 1.0 s"
+    ), reason
 
 
 def test_cli_against_a_reference_learner_process() -> None:
@@ -73,7 +85,9 @@ def test_cli_against_a_reference_learner_process() -> None:
     (the oversize check sends a 256 MiB message), the CLI in another."""
     with reference_learner_process() as address:
         out = run_cli("--target", address, "--role", "learner", "--timeout", "3")
-        js = run_cli("--target", address, "--role", "learner", "--json", "--only", "handshake,batch_ack")
+        js = run_cli(
+            "--target", address, "--role", "learner", "--json", "--only", "handshake,batch_ack"
+        )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert [LINE.match(line).group(1, 2) for line in lines[:-1]] == [("PASS", name) for name in ALL]
@@ -87,13 +101,25 @@ def test_cli_against_a_reference_learner_process() -> None:
 
 def test_a_learner_that_never_acks_fails_with_what_it_sent_instead() -> None:
     with learner_in_thread(NeverAcks) as address:
-        out = run_cli("--target", address, "--role", "learner", "--timeout", "1",
-                      "--only", "batch_ack", "--only", "duplicate_batch,hello_required")
+        out = run_cli(
+            "--target",
+            address,
+            "--role",
+            "learner",
+            "--timeout",
+            "1",
+            "--only",
+            "batch_ack",
+            "--only",
+            "duplicate_batch,hello_required",
+        )
     assert out.returncode == 1
     lines = out.stdout.splitlines()
     assert lines[0] == "PASS hello_required"
-    assert re.fullmatch(r"FAIL batch_ack: +no ACK for batch 1 within 1\.0 s \(received: (nothing|HEARTBEAT.*)\)",
-                        lines[1]), lines[1]
+    assert re.fullmatch(
+        r"FAIL batch_ack: +no ACK for batch 1 within 1\.0 s \(received: (nothing|HEARTBEAT.*)\)",
+        lines[1],
+    ), lines[1]
     assert lines[2].startswith("FAIL duplicate_batch:")
     assert lines[1].index("no ACK") == lines[2].index("no ACK")  # reasons aligned
     assert lines[-1].startswith("1 passed, 2 failed")
@@ -104,9 +130,13 @@ def test_a_learner_that_accepts_another_major_version_fails_version_mismatch() -
         rep = run_suite(address, "version_mismatch", "handshake")
     ours = f"{PROTOCOL_VERSION.major}.{PROTOCOL_VERSION.minor}"
     theirs = f"{PROTOCOL_VERSION.major + 1}.{PROTOCOL_VERSION.minor}"
-    assert failures(rep) == {"version_mismatch": f"HELLO with protocol {theirs} was accepted (WELCOME, protocol "
-                                                 f"{ours}): expected ERROR VERSION_MISMATCH"}
-    assert report.line(rep.results[1], 16).startswith(f"FAIL version_mismatch: HELLO with protocol {theirs}")
+    assert failures(rep) == {
+        "version_mismatch": f"HELLO with protocol {theirs} was accepted (WELCOME, protocol "
+        f"{ours}): expected ERROR VERSION_MISMATCH"
+    }
+    assert report.line(rep.results[1], 16).startswith(
+        f"FAIL version_mismatch: HELLO with protocol {theirs}"
+    )
 
 
 def test_a_learner_that_ignores_credits_fails_credit_limit() -> None:
@@ -127,10 +157,20 @@ def test_a_strict_learner_rejects_exactly_the_excess_of_a_burst() -> None:
 
 def test_nothing_listening_fails_the_handshake_quickly() -> None:
     t0 = time.monotonic()
-    out = run_cli("--target", f"tcp://127.0.0.1:{free_port()}", "--role", "learner", "--timeout", "0.5",
-                  "--only", "handshake")
+    out = run_cli(
+        "--target",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--role",
+        "learner",
+        "--timeout",
+        "0.5",
+        "--only",
+        "handshake",
+    )
     assert out.returncode == 1
-    assert out.stdout.splitlines()[0] == "FAIL handshake: no WELCOME within 0.5 s (received: nothing)"
+    assert (
+        out.stdout.splitlines()[0] == "FAIL handshake: no WELCOME within 0.5 s (received: nothing)"
+    )
     assert time.monotonic() - t0 < 10
 
 

@@ -32,17 +32,26 @@ ALL = [c.name for c in registry.checks("rollout-server")]
 
 
 @contextmanager
-def rollout_server(conn_cls: type[RolloutConnection] = RolloutConnection, *, request_weights: bool = False,
-                   **kw) -> Iterator[RolloutInThread]:
+def rollout_server(
+    conn_cls: type[RolloutConnection] = RolloutConnection, *, request_weights: bool = False, **kw
+) -> Iterator[RolloutInThread]:
     """A rollout server in a background thread, started once the suite's ROUTER is bound."""
-    with start_blocking_portal() as portal, RolloutInThread(portal, conn_cls, request_weights=request_weights,
-                                                             **kw) as server:
+    with (
+        start_blocking_portal() as portal,
+        RolloutInThread(portal, conn_cls, request_weights=request_weights, **kw) as server,
+    ):
         yield server
 
 
 def run_against(server: RolloutInThread, *only: str, **kw) -> runner.SuiteReport:
-    opts = runner.SuiteOptions(role="rollout-server", target="tcp://127.0.0.1:0", timeout=3.0, wait=10.0,
-                               only=list(only), **kw)
+    opts = runner.SuiteOptions(
+        role="rollout-server",
+        target="tcp://127.0.0.1:0",
+        timeout=3.0,
+        wait=10.0,
+        only=list(only),
+        **kw,
+    )
     return runner.run(opts, on_listening=server)
 
 
@@ -75,16 +84,34 @@ def test_a_server_that_answers_a_validation_twice_fails() -> None:
     with rollout_server(AnswersTwice) as server:
         rep = run_against(server, "validation")
     reason = failures(rep)["validation"]
-    assert reason.startswith("1 more VALIDATE_RESULT(s) after the first: VALIDATE_RESULT(request_id=conformance-")
+    assert reason.startswith(
+        "1 more VALIDATE_RESULT(s) after the first: VALIDATE_RESULT(request_id=conformance-"
+    )
 
 
 def test_cli_against_a_reference_rollout_server_process() -> None:
     """Server process started first, pointing at an address nothing listens on yet; the CLI binds it."""
     target = f"tcp://127.0.0.1:{free_port()}"
     with child("-m", "protocol.reference", "rollout-server", "--connect", target) as server:
-        cli = subprocess.Popen([sys.executable, str(CLI), "--role", "rollout-server", "--target", target,
-                                "--json", "--timeout", "3", "--wait", "20"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cli = subprocess.Popen(
+            [
+                sys.executable,
+                str(CLI),
+                "--role",
+                "rollout-server",
+                "--target",
+                target,
+                "--json",
+                "--timeout",
+                "3",
+                "--wait",
+                "20",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = cli.communicate(timeout=60)
         finally:
@@ -109,8 +136,9 @@ def test_a_sender_that_ignores_credits_fails_credit_respected() -> None:
 
 
 def test_no_rollout_server_fails_the_handshake_and_skips_the_rest() -> None:
-    opts = runner.SuiteOptions(role="rollout-server", target="tcp://127.0.0.1:0", timeout=0.5, wait=0.5,
-                               only=["heartbeat"])
+    opts = runner.SuiteOptions(
+        role="rollout-server", target="tcp://127.0.0.1:0", timeout=0.5, wait=0.5, only=["heartbeat"]
+    )
     rep = runner.run(opts)
     assert failures(rep) == {
         "handshake": "no HELLO from a rollout server within 0.5 s (received: nothing)",
@@ -119,21 +147,30 @@ def test_no_rollout_server_fails_the_handshake_and_skips_the_rest() -> None:
 
 
 def _write_bf16_safetensors(path: Path, name: str, raw: bytes, shape: list[int]) -> None:
-    header = json.dumps({name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, len(raw)]}}).encode()
+    header = json.dumps(
+        {name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, len(raw)]}}
+    ).encode()
     path.write_bytes(len(header).to_bytes(8, "little") + header + raw)
 
 
 def test_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
-    save_file({"layer.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "layer.bias": np.ones(3, np.float32)},
-              str(tmp_path / "model-00001.safetensors"))
+    save_file(
+        {
+            "layer.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "layer.bias": np.ones(3, np.float32),
+        },
+        str(tmp_path / "model-00001.safetensors"),
+    )
     bf16 = np.arange(8, dtype=np.uint16).tobytes()  # numpy has no bfloat16: raw bytes path
     _write_bf16_safetensors(tmp_path / "model-00002.safetensors", "embed.weight", bf16, [2, 4])
     tensors = {t.name: t for t in load_dir(tmp_path)}
     assert {n: (t.dtype, t.shape, t.data.nbytes) for n, t in tensors.items()} == {
-        "layer.bias": ("float32", (3,), 12), "layer.weight": ("float32", (3, 4), 48),
-        "embed.weight": ("bfloat16", (2, 4), 16)}
+        "layer.bias": ("float32", (3,), 12),
+        "layer.weight": ("float32", (3, 4), 48),
+        "embed.weight": ("bfloat16", (2, 4), 16),
+    }
     assert bytes(tensors["embed.weight"].data) == bf16
     with rollout_server() as server:
         rep = run_against(server, "weights", weights_from=str(tmp_path))
@@ -146,14 +183,21 @@ def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
         rep = run_against(server, "weights")
     assert failures(rep) == {}
     assert rep.results[0].notes == ["HELLO asked for weights (policy_version -1): sent version 0"]
-    assert server.conn.policy_version == 1  # version 0 from the handshake, then 1; the corrupt 2 refused
+    assert (
+        server.conn.policy_version == 1
+    )  # version 0 from the handshake, then 1; the corrupt 2 refused
 
 
 def test_an_address_in_use_is_a_set_up_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        out = run_cli("--role", "rollout-server", "--target", f"tcp://127.0.0.1:{taken.getsockname()[1]}",
-                      timeout=20)
+        out = run_cli(
+            "--role",
+            "rollout-server",
+            "--target",
+            f"tcp://127.0.0.1:{taken.getsockname()[1]}",
+            timeout=20,
+        )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "conformance: cannot use tcp://127.0.0.1:" in out.stderr and out.stdout == ""

@@ -14,18 +14,27 @@ def recs(*msgs) -> list[wire.Received]:
 
 def test_runs_of_batches_and_repeats_are_folded_in_descriptions() -> None:
     batches = [TrajectoryBatch(s, [wire.tiny_trajectory(f"t{s}")]) for s in (2, 3, 4)]
-    text = wire.describe(recs(Heartbeat(1.0), Heartbeat(2.0), *batches, Ack([1], 2), TrajectoryBatch(9, [])))
-    assert text == ("HEARTBEAT x2, TRAJECTORY_BATCH(seq=2..4), ACK(seqs=[1], credits=2), "
-                    "TRAJECTORY_BATCH(seq=9)")
+    text = wire.describe(
+        recs(Heartbeat(1.0), Heartbeat(2.0), *batches, Ack([1], 2), TrajectoryBatch(9, []))
+    )
+    assert text == (
+        "HEARTBEAT x2, TRAJECTORY_BATCH(seq=2..4), ACK(seqs=[1], credits=2), "
+        "TRAJECTORY_BATCH(seq=9)"
+    )
     assert wire.describe([]) == "nothing"
 
 
 def test_errors_and_undecodable_messages_are_described() -> None:
-    err = Error(int(ErrorCode.INVALID_FIELD), "bad mask", False, "trajectories[0].response_mask[0]", 3, 7)
-    assert wire.describe(recs(err)) == ("ERROR(INVALID_FIELD, ref_seq=7, field=trajectories[0].response_mask[0]: "
-                                        "bad mask)")
+    err = Error(
+        int(ErrorCode.INVALID_FIELD), "bad mask", False, "trajectories[0].response_mask[0]", 3, 7
+    )
+    assert wire.describe(recs(err)) == (
+        "ERROR(INVALID_FIELD, ref_seq=7, field=trajectories[0].response_mask[0]: bad mask)"
+    )
     junk = wire.decode([wire.type_byte(8), b"\xc1"], codec.CodecLimits())
-    assert junk.describe().startswith("undecodable HEARTBEAT (MALFORMED: header is not valid msgpack")
+    assert junk.describe().startswith(
+        "undecodable HEARTBEAT (MALFORMED: header is not valid msgpack"
+    )
 
 
 def test_version_mentions() -> None:

@@ -46,15 +46,25 @@ class LearnerProcess:
         self.log = run_dir.parent / "learner.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "bin/learner"), "--config", str(ROOT / "configs/default.yaml"),
-                 f"actor_rollout_ref.model.path={model}", f"learner.bind_address={self.address}",
-                 f"trainer.run_dir={run_dir}"],
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                [
+                    sys.executable,
+                    str(ROOT / "bin/learner"),
+                    "--config",
+                    str(ROOT / "configs/default.yaml"),
+                    f"actor_rollout_ref.model.path={model}",
+                    f"learner.bind_address={self.address}",
+                    f"trainer.run_dir={run_dir}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
             )
         deadline = time.monotonic() + 90
         while "listening" not in self.log.read_text():
             assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the learner did not start:\n" + self.log.read_text()
+            assert time.monotonic() < deadline, (
+                "the learner did not start:\n" + self.log.read_text()
+            )
             time.sleep(0.1)
 
     @property
@@ -106,10 +116,14 @@ def trajectory(prompt_len: int, response_len: int, *, vocab: int = 100) -> Traje
     """A valid trajectory of the given lengths (token ids below ``vocab``)."""
     ids = np.arange(prompt_len + response_len, dtype=np.int32) % vocab
     return Trajectory(
-        trajectory_id=uuid.uuid4().hex, group_uid=uuid.uuid4().hex[:8],
-        prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:],
-        response_mask=np.ones(response_len, np.uint8), rollout_logprobs=np.full(response_len, -0.5, np.float32),
-        versions=np.zeros(response_len, np.int32), reward=1.0,
+        trajectory_id=uuid.uuid4().hex,
+        group_uid=uuid.uuid4().hex[:8],
+        prompt_ids=ids[:prompt_len],
+        response_ids=ids[prompt_len:],
+        response_mask=np.ones(response_len, np.uint8),
+        rollout_logprobs=np.full(response_len, -0.5, np.float32),
+        versions=np.zeros(response_len, np.int32),
+        reward=1.0,
     )
 
 
@@ -120,8 +134,14 @@ class Peer:
         from common.identity import wire_identities
 
         model, tok = wire_identities(learner.model)
-        self.conn = RolloutConnection(peer_id=peer_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tok,
-                                      heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0)
+        self.conn = RolloutConnection(
+            peer_id=peer_id,
+            epoch=uuid.uuid4().hex,
+            model=model,
+            tokenizer=tok,
+            heartbeat_interval_s=1.0,
+            heartbeat_timeout_s=30.0,
+        )
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -158,12 +178,18 @@ class Peer:
         self._flush()
 
         def answered(ms: list[Any]) -> bool:
-            return any((isinstance(m, Ack) and seq in m.seqs) or (isinstance(m, Error) and m.ref_seq == seq)
-                       for m in ms)
+            return any(
+                (isinstance(m, Ack) and seq in m.seqs)
+                or (isinstance(m, Error) and m.ref_seq == seq)
+                for m in ms
+            )
 
         got = self._until(answered, timeout_s)
-        return next(m for m in got if (isinstance(m, Ack) and seq in m.seqs)
-                    or (isinstance(m, Error) and m.ref_seq == seq))
+        return next(
+            m
+            for m in got
+            if (isinstance(m, Ack) and seq in m.seqs) or (isinstance(m, Error) and m.ref_seq == seq)
+        )
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -128,7 +128,9 @@ def test_flood_of_invalid_frames_writes_little_log(learner: LearnerProcess) -> N
     serves_a_valid_peer(learner, "after-flood")
     assert watch.sample() < RSS_BOUND, f"RSS grew by {watch.growth / MiB:.0f} MiB"
     assert grown < 1_000_000, f"{grown} bytes of log for {n} invalid messages"
-    print(f"\n{n} invalid messages: {grown} bytes of log, learner RSS +{watch.growth / MiB:.1f} MiB")
+    print(
+        f"\n{n} invalid messages: {grown} bytes of log, learner RSS +{watch.growth / MiB:.1f} MiB"
+    )
 
     assert learner.stop() == 0
     text = learner.log.read_text()

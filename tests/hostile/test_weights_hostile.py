@@ -75,9 +75,17 @@ def _serve(tmp: Path, model: Path, address: str, shm: Path) -> None:
             return 0.001
 
     TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
-    config = make_config(tmp, model, address, **{
-        "rollout_server.weights_timeout_s": TIMEOUT_S, "learner.weights_file_dir": str(shm),
-        "transport.heartbeat_timeout_s": 30.0, "rollout_server.stats_interval_s": 60.0})
+    config = make_config(
+        tmp,
+        model,
+        address,
+        **{
+            "rollout_server.weights_timeout_s": TIMEOUT_S,
+            "learner.weights_file_dir": str(shm),
+            "transport.heartbeat_timeout_s": 30.0,
+            "rollout_server.stats_interval_s": 60.0,
+        },
+    )
     engine = Engine(AutoTokenizer.from_pretrained(str(model)), ["42"])
     engine.repeat_last = True
     anyio.run(RolloutServer(config, tmp / "run", engine=engine).run)
@@ -113,19 +121,26 @@ class Learner:
                     self.last_from = identity
                     return msg
                 seen.append(type(msg).__name__)
-        raise AssertionError(f"no {what} within {timeout} s (got {seen[-20:]}); server log:\n"
-                             f"{self.log.read_text()[-3000:]}")
+        raise AssertionError(
+            f"no {what} within {timeout} s (got {seen[-20:]}); server log:\n"
+            f"{self.log.read_text()[-3000:]}"
+        )
 
     def refusal(self, transfer_id: str, timeout: float = 10.0) -> tuple[WeightsApplied, Error]:
-        applied = self.recv(f"WEIGHTS_APPLIED of {transfer_id}",
-                            lambda m: isinstance(m, WeightsApplied) and m.transfer_id == transfer_id, timeout)
+        applied = self.recv(
+            f"WEIGHTS_APPLIED of {transfer_id}",
+            lambda m: isinstance(m, WeightsApplied) and m.transfer_id == transfer_id,
+            timeout,
+        )
         err = self.recv("ERROR", lambda m: isinstance(m, Error), timeout)
         assert not applied.ok and err.ref_type == MsgType.WEIGHTS_ANNOUNCE and not err.fatal
         return applied, err
 
     def applied(self, transfer_id: str) -> WeightsApplied:
-        return self.recv(f"WEIGHTS_APPLIED of {transfer_id}",
-                         lambda m: isinstance(m, WeightsApplied) and m.transfer_id == transfer_id)
+        return self.recv(
+            f"WEIGHTS_APPLIED of {transfer_id}",
+            lambda m: isinstance(m, WeightsApplied) and m.transfer_id == transfer_id,
+        )
 
     def rss(self) -> int:
         return psutil.Process(self.proc.pid).memory_info().rss
@@ -138,7 +153,9 @@ def shm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def learner(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, shm: Path) -> Iterator[Learner]:
+def learner(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, shm: Path
+) -> Iterator[Learner]:
     tmp = tmp_path_factory.mktemp("hostile")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -147,17 +164,32 @@ def learner(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, shm: Pat
     address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     log = tmp / "server.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, __file__, str(tmp), str(tiny_model), address, str(shm)],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(tmp), str(tiny_model), address, str(shm)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     lrn = Learner(sock, proc, log)
     try:
         hello = lrn.recv("HELLO", lambda m: isinstance(m, Hello), timeout=120)
         assert WEIGHTS_FILE_CAPABILITY in hello.capabilities
         lrn.identity = lrn.last_from
         # Admission with no grants: the server generates nothing, it only listens for weights.
-        lrn.send(Welcome(list(PROTOCOL_VERSION), "hostile-learner", uuid.uuid4().hex, credits=0, policy_version=0,
-                         next_seq=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0,
-                         limits=Limits(256 << 20, 256, 1 << 20), capabilities=[ADMISSION_CAPABILITY]))
+        lrn.send(
+            Welcome(
+                list(PROTOCOL_VERSION),
+                "hostile-learner",
+                uuid.uuid4().hex,
+                credits=0,
+                policy_version=0,
+                next_seq=1,
+                heartbeat_interval_s=0.5,
+                heartbeat_timeout_s=30.0,
+                limits=Limits(256 << 20, 256, 1 << 20),
+                capabilities=[ADMISSION_CAPABILITY],
+            )
+        )
         lrn.recv("HEARTBEAT", lambda m: isinstance(m, Heartbeat))
         yield lrn
     finally:
@@ -180,7 +212,9 @@ def _tiny_tensors(model: Path) -> list[Any]:
 def _file_announce(version: int, model: Path, path: str) -> WeightsAnnounce:
     """What the learner sends a local peer: the manifest, checksums 0, no chunks, and a path."""
     ann, _ = plan_transfer(version, _tiny_tensors(model))
-    return replace(ann, tensors=[replace(t, checksum=0) for t in ann.tensors], num_chunks=0, file=path)
+    return replace(
+        ann, tensors=[replace(t, checksum=0) for t in ann.tensors], num_chunks=0, file=path
+    )
 
 
 # -- the checks -------------------------------------------------------------------------------------
@@ -194,27 +228,38 @@ def test_a_3_gib_announce_is_refused_without_allocating(learner: Learner, tiny_m
     _, err = learner.refusal("lie-3gib")
     time.sleep(0.5)
     grown = learner.rss() - before
-    print(f"3 GiB announce ({size} bytes on the wire): refused with {ErrorCode(err.code).name}, "
-          f"RSS {before / 2**20:.1f} MiB -> +{grown / 2**20:.1f} MiB")
+    print(
+        f"3 GiB announce ({size} bytes on the wire): refused with {ErrorCode(err.code).name}, "
+        f"RSS {before / 2**20:.1f} MiB -> +{grown / 2**20:.1f} MiB"
+    )
     assert size < 300 and err.code == ErrorCode.TOO_LARGE and err.field == "tensors"
     assert "3221225472 bytes" in err.message and "can hold" in err.message, err.message
     assert grown < MAX_RSS_GROWTH
 
 
-def test_an_announce_unlike_the_model_is_refused_naming_the_tensor(learner: Learner, tiny_model: Path) -> None:
+def test_an_announce_unlike_the_model_is_refused_naming_the_tensor(
+    learner: Learner, tiny_model: Path
+) -> None:
     ann, _ = plan_transfer(2, _tiny_tensors(tiny_model))
     first = ann.tensors[0]
-    bent = replace(first, shape=[*first.shape[:-1], 1, first.shape[-1]])  # same bytes, another shape
+    bent = replace(
+        first, shape=[*first.shape[:-1], 1, first.shape[-1]]
+    )  # same bytes, another shape
     renamed = replace(ann.tensors[1], name="model.layers.0.backdoor")
     lie = replace(ann, transfer_id="lie-shape", tensors=[bent, renamed, *ann.tensors[2:]])
     learner.send(lie)
     _, err = learner.refusal("lie-shape")
     assert err.code == ErrorCode.INVALID_FIELD and err.field == "tensors[0].shape", err.message
-    assert f"{first.name}: shape" in err.message and "model.layers.0.backdoor is not a tensor of" in err.message
+    assert (
+        f"{first.name}: shape" in err.message
+        and "model.layers.0.backdoor is not a tensor of" in err.message
+    )
 
 
 def test_a_truncated_transfer_times_out_with_an_error(learner: Learner, tiny_model: Path) -> None:
-    ann, chunks = plan_transfer(3, _tiny_tensors(tiny_model), chunk_bytes=64 << 10, transfer_id="cut-off")
+    ann, chunks = plan_transfer(
+        3, _tiny_tensors(tiny_model), chunk_bytes=64 << 10, transfer_id="cut-off"
+    )
     assert len(chunks) > 4
     learner.send(ann)
     for c in chunks[: len(chunks) // 2]:
@@ -222,32 +267,46 @@ def test_a_truncated_transfer_times_out_with_an_error(learner: Learner, tiny_mod
     sent = time.monotonic()
     applied, err = learner.refusal("cut-off", timeout=TIMEOUT_S + 10)
     waited = time.monotonic() - sent
-    print(f"truncated transfer ({len(chunks) // 2} of {len(chunks)} chunks): {ErrorCode(err.code).name} "
-          f"after {waited:.1f} s (timeout {TIMEOUT_S} s)")
+    print(
+        f"truncated transfer ({len(chunks) // 2} of {len(chunks)} chunks): {ErrorCode(err.code).name} "
+        f"after {waited:.1f} s (timeout {TIMEOUT_S} s)"
+    )
     assert err.code == ErrorCode.TIMED_OUT and applied.version == 3
     assert f"{len(chunks) // 2} of {len(chunks)} chunks" in err.message, err.message
     assert TIMEOUT_S - 0.5 <= waited <= TIMEOUT_S + 5
     time.sleep(0.5)
-    failures = [line for line in learner.log.read_text().splitlines() if "weight transfer failed" in line
-                and "cut-off" in line]
+    failures = [
+        line
+        for line in learner.log.read_text().splitlines()
+        if "weight transfer failed" in line and "cut-off" in line
+    ]
     assert len(failures) == 1, failures  # logged once
 
 
 @pytest.mark.parametrize("how", ["etc_passwd", "symlink_out", "dotdot", "directory", "missing"])
-def test_a_file_announce_outside_the_weights_directory_is_refused(learner: Learner, tiny_model: Path,
-                                                                  shm: Path, how: str) -> None:
+def test_a_file_announce_outside_the_weights_directory_is_refused(
+    learner: Learner, tiny_model: Path, shm: Path, how: str
+) -> None:
     slot = shm / f"agentrl-weights-{os.getpid()}-{how}" / "v4"
     slot.mkdir(parents=True)
-    path = {"etc_passwd": "/etc/passwd", "symlink_out": str(slot / "model.safetensors"),
-            "dotdot": f"{slot}/../../../../../../etc/passwd", "directory": str(slot),
-            "missing": str(slot / "gone.safetensors")}[how]
+    path = {
+        "etc_passwd": "/etc/passwd",
+        "symlink_out": str(slot / "model.safetensors"),
+        "dotdot": f"{slot}/../../../../../../etc/passwd",
+        "directory": str(slot),
+        "missing": str(slot / "gone.safetensors"),
+    }[how]
     if how == "symlink_out":
         (slot / "model.safetensors").symlink_to("/etc/passwd")
     ann = replace(_file_announce(4, tiny_model, path), transfer_id=f"file-{how}")
     learner.send(ann)
     applied, err = learner.refusal(ann.transfer_id)
-    assert err.code == ErrorCode.INVALID_FIELD and err.field == "file" and path in err.message, err.message
-    words = {"directory": "not a regular file", "missing": "No such file"}.get(how, "is not inside a learner weights")
+    assert err.code == ErrorCode.INVALID_FIELD and err.field == "file" and path in err.message, (
+        err.message
+    )
+    words = {"directory": "not a regular file", "missing": "No such file"}.get(
+        how, "is not inside a learner weights"
+    )
     assert words in err.message and applied.error == err.message
 
 
@@ -264,7 +323,9 @@ def test_a_garbage_slot_file_is_refused_without_trusting_its_header(tmp_path: Pa
     assert psutil.Process().memory_info().rss - before < MAX_RSS_GROWTH
 
 
-def test_an_abandoned_version_no_longer_holds_admission_back(tmp_path: Path, tiny_model: Path) -> None:
+def test_an_abandoned_version_no_longer_holds_admission_back(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     """An announce far ahead (10**9) whose chunks never come: once it is abandoned, the server's
     staleness bound counts from the weights it runs again, so generation does not stop for good."""
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
@@ -279,8 +340,11 @@ def test_an_abandoned_version_no_longer_holds_admission_back(tmp_path: Path, tin
     if "echo" not in TOOLS:
         TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
     config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
-    server = RolloutServer(config, tmp_path / "run",
-                           engine=ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [], version=3))
+    server = RolloutServer(
+        config,
+        tmp_path / "run",
+        engine=ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [], version=3),
+    )
     try:
         server._announce(10**9)
         assert server.newest_version == 10**9
@@ -293,14 +357,20 @@ def test_an_abandoned_version_no_longer_holds_admission_back(tmp_path: Path, tin
         server._state_lock.release()
 
 
-def test_the_server_still_applies_valid_versions(learner: Learner, tiny_model: Path, shm: Path) -> None:
+def test_the_server_still_applies_valid_versions(
+    learner: Learner, tiny_model: Path, shm: Path
+) -> None:
     slot = shm / f"agentrl-weights-{os.getpid()}-ok" / "v5"
     slot.mkdir(parents=True)
     shutil.copy(next(tiny_model.glob("*.safetensors")), slot / "model.safetensors")
-    ann = replace(_file_announce(5, tiny_model, str(slot / "model.safetensors")), transfer_id="file-ok")
+    ann = replace(
+        _file_announce(5, tiny_model, str(slot / "model.safetensors")), transfer_id="file-ok"
+    )
     learner.send(ann)
     assert learner.applied("file-ok").ok
-    ann, chunks = plan_transfer(6, _tiny_tensors(tiny_model), chunk_bytes=256 << 10, transfer_id="chunks-ok")
+    ann, chunks = plan_transfer(
+        6, _tiny_tensors(tiny_model), chunk_bytes=256 << 10, transfer_id="chunks-ok"
+    )
     for m in (ann, *chunks):
         learner.send(m)
     applied = learner.applied("chunks-ok")

@@ -28,8 +28,12 @@ from protocol.zmq_transport import client_factory
 
 async def main(args: argparse.Namespace) -> None:
     out = open(args.out, "a", buffering=1)
-    conn = RolloutConnection(peer_id=args.peer_id, epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
-                             tokenizer=tokenizer_from_dir(args.model))
+    conn = RolloutConnection(
+        peer_id=args.peer_id,
+        epoch=uuid.uuid4().hex,
+        model=REFERENCE_MODEL,
+        tokenizer=tokenizer_from_dir(args.model),
+    )
     client = RolloutClient(conn, client_factory(args.connect), reconnect_delay_s=0.2)
     rng = np.random.default_rng(args.seed)
     by_seq: dict[int, list[str]] = {}
@@ -41,8 +45,14 @@ async def main(args: argparse.Namespace) -> None:
                 uid = f"{args.peer_id}-g{g}"
                 trajs = []
                 for i in range(args.n):
-                    t = synthetic_trajectory(rng, server=args.peer_id, prompt_len=8, response_len=12,
-                                             version=conn.policy_version, vocab=500)
+                    t = synthetic_trajectory(
+                        rng,
+                        server=args.peer_id,
+                        prompt_len=8,
+                        response_len=12,
+                        version=conn.policy_version,
+                        vocab=500,
+                    )
                     t.trajectory_id, t.group_uid, t.reward = f"{uid}-{i}", uid, float(i % 2)
                     trajs.append(t)
                 seq = await client.submit(trajs)
@@ -71,7 +81,9 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--connect", required=True)
-    ap.add_argument("--model", required=True, help="model directory (its tokenizer identity is announced)")
+    ap.add_argument(
+        "--model", required=True, help="model directory (its tokenizer identity is announced)"
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=2)

@@ -40,7 +40,9 @@ def test_grants_fill_the_window_evenly_and_stop_at_the_end_of_the_run() -> None:
     assert sorted(a.grants(held=0, remaining=100, min_version=0)) == [("a", 4), ("b", 4)]
     assert a.grants(held=0, remaining=100, min_version=0) == []  # the window (8) is full
     assert a.received("a", 0) and a.generating == 7
-    assert a.grants(held=1, remaining=100, min_version=0) == []  # received, not yet trained: still held
+    assert (
+        a.grants(held=1, remaining=100, min_version=0) == []
+    )  # received, not yet trained: still held
     assert a.grants(held=0, remaining=100, min_version=1) == [("a", 1)]  # trained: one more, on v1
     assert a.left("b") == 4 and a.grants(held=0, remaining=100, min_version=1) == [("a", 4)]
     assert a.grants(held=0, remaining=3, min_version=1) == []  # the run needs no more
@@ -53,7 +55,9 @@ def test_a_server_is_never_granted_more_than_its_slots() -> None:
     a.joined("late", slots=8)
     assert a.grants(held=0, remaining=100, min_version=0) == [("late", 5)]
     a.received("early", 0)
-    assert a.grants(held=1, remaining=100, min_version=0) == []  # window full (1 held + 7 generating)
+    assert (
+        a.grants(held=1, remaining=100, min_version=0) == []
+    )  # window full (1 held + 7 generating)
     assert a.grants(held=0, remaining=100, min_version=1) == [("early", 1)]
 
 
@@ -65,7 +69,9 @@ def test_an_arrival_takes_the_latest_grant_it_can_have_used() -> None:
     a.received("s", 0)
     a.grants(held=0, remaining=100, min_version=3)  # 2 more, on v3
     assert sorted(a.deadlines()) == [2, 2, 2, 2, 5, 5]
-    a.received("s", 4)  # a v4 group: it used a v3 grant, not a v0 one (the learner waits longer, never less)
+    a.received(
+        "s", 4
+    )  # a v4 group: it used a v3 grant, not a v0 one (the learner waits longer, never less)
     assert sorted(a.deadlines()) == [2, 2, 2, 2, 5]
     assert not a.received("other", 0)  # a server without grants
 
@@ -92,14 +98,24 @@ class Server:
 
 def trajectory(uid: str, versions: list[int]) -> Trajectory:
     n = len(versions)
-    return Trajectory(f"{uid}-0", uid, np.zeros(2, np.int32), np.zeros(n, np.int32), np.ones(n, np.uint8),
-                      np.zeros(n, np.float32), np.array(versions, np.int32))
+    return Trajectory(
+        f"{uid}-0",
+        uid,
+        np.zeros(2, np.int32),
+        np.zeros(n, np.int32),
+        np.ones(n, np.uint8),
+        np.zeros(n, np.float32),
+        np.array(versions, np.int32),
+    )
 
 
 def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ticks: int) -> None:
     rng = random.Random(seed)
     adm, buf = Admission(batch, k), GroupBuffer()
-    servers = [Server(f"s{i}", lag=rng.randint(0, 4), slots=rng.randint(1, 2 * batch)) for i in range(n_servers)]
+    servers = [
+        Server(f"s{i}", lag=rng.randint(0, 4), slots=rng.randint(1, 2 * batch))
+        for i in range(n_servers)
+    ]
     for s in servers:
         adm.joined(s.name, s.slots if rng.random() < 0.7 else 0)  # most servers state their slots
     remaining, version, uid, record = steps * batch, 0, 0, 0
@@ -123,7 +139,9 @@ def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ti
                 s.grants[m] -= 1
                 if not s.grants[m]:
                     usable.pop(0)
-                length = min(400, max(1, int(rng.lognormvariate(2.0, 1.2))))  # heavy tail: p99/median ~ 16
+                length = min(
+                    400, max(1, int(rng.lognormvariate(2.0, 1.2)))
+                )  # heavy tail: p99/median ~ 16
                 s.running.append(Gen(f"g{uid}", length))
                 uid += 1
             for g in list(s.running):
@@ -147,7 +165,9 @@ def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ti
             left = [g.oldest_version + k for g in buf.by_deadline()[batch:]]
             if adm.can_take(left, version):
                 taken = buf.take(batch, version, k)
-                assert not taken.dropped, f"tick {tick}: groups dropped as stale at version {version}"
+                assert not taken.dropped, (
+                    f"tick {tick}: groups dropped as stale at version {version}"
+                )
                 trained.append((version, [t for g in taken.groups for t in g.trajectories]))
                 training = (tick + train_ticks, taken)
         if len(trained) == steps and training is None:
@@ -164,10 +184,17 @@ def simulate(seed: int, batch: int, k: int, steps: int, n_servers: int, train_ti
 
 
 @settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 5), k=st.integers(0, 4),
-       steps=st.integers(1, 8), n_servers=st.integers(1, 3), train_ticks=st.integers(1, 30))
-def test_no_group_is_wasted_and_no_token_is_too_stale(seed: int, batch: int, k: int, steps: int,
-                                                      n_servers: int, train_ticks: int) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 5),
+    k=st.integers(0, 4),
+    steps=st.integers(1, 8),
+    n_servers=st.integers(1, 3),
+    train_ticks=st.integers(1, 30),
+)
+def test_no_group_is_wasted_and_no_token_is_too_stale(
+    seed: int, batch: int, k: int, steps: int, n_servers: int, train_ticks: int
+) -> None:
     simulate(seed, batch, k, steps, n_servers, train_ticks)
 
 

@@ -175,7 +175,9 @@ def test_grpo_groups_of_statelm_segments_have_variable_size() -> None:
     scores = [1.0, 1.0, 1.0, 0.0, 0.0, -1.0, 1.0, 1.0, 1.0]
     index = ["p", "p", "p", "p", "p", "q", "q", "q", "q"]
     rewards, mask = _outcome(scores)
-    adv, _ = compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, index=index)
+    adv, _ = compute_advantages(
+        "grpo", token_level_rewards=rewards, response_mask=mask, index=index
+    )
     expected = []
     for uid in ("p", "q"):
         group = torch.tensor([s for s, i in zip(scores, index, strict=True) if i == uid])

@@ -11,12 +11,21 @@ from learner.buffer import GroupBuffer, oldest_version, split_groups
 from protocol.trajectory import Trajectory
 
 
-def traj(tid: str, group: str, versions: list[int] | None = None, mask: list[int] | None = None) -> Trajectory:
+def traj(
+    tid: str, group: str, versions: list[int] | None = None, mask: list[int] | None = None
+) -> Trajectory:
     versions = [3, 3, 3, 3] if versions is None else versions
     mask = [1] * len(versions) if mask is None else mask
     n = len(versions)
-    return Trajectory(tid, group, np.arange(3, dtype=np.int32), np.arange(n, dtype=np.int32),
-                      np.array(mask, np.uint8), np.zeros(n, np.float32), np.array(versions, np.int32))
+    return Trajectory(
+        tid,
+        group,
+        np.arange(3, dtype=np.int32),
+        np.arange(n, dtype=np.int32),
+        np.array(mask, np.uint8),
+        np.zeros(n, np.float32),
+        np.array(versions, np.int32),
+    )
 
 
 def record(groups: dict[str, int], version: int = 3, tag: str = "") -> list[Trajectory]:
@@ -25,7 +34,9 @@ def record(groups: dict[str, int], version: int = 3, tag: str = "") -> list[Traj
 
 
 def test_oldest_version_counts_trained_tokens_only() -> None:
-    assert oldest_version(traj("a", "g", [1, 5, 6], [0, 1, 1])) == 5  # a tool token's version is ignored
+    assert (
+        oldest_version(traj("a", "g", [1, 5, 6], [0, 1, 1])) == 5
+    )  # a tool token's version is ignored
     assert oldest_version(traj("b", "g", [4, 2, 7], [0, 0, 0])) == 2  # nothing trained: all tokens
     assert oldest_version(traj("c", "g", [], [])) is None
     bool_mask = traj("d", "g", [9, 2], [1, 0])
@@ -37,7 +48,11 @@ def test_groups_keep_their_variable_sizes_and_batch_order() -> None:
     trajs = [traj("a0", "A"), traj("b0", "B"), traj("a1", "A"), traj("c0", "C"), traj("a2", "A")]
     groups = split_groups(7, trajs)
     assert [g.key for g in groups] == [(7, "A"), (7, "B"), (7, "C")]
-    assert [[t.trajectory_id for t in g.trajectories] for g in groups] == [["a0", "a1", "a2"], ["b0"], ["c0"]]
+    assert [[t.trajectory_id for t in g.trajectories] for g in groups] == [
+        ["a0", "a1", "a2"],
+        ["b0"],
+        ["c0"],
+    ]
     empty = split_groups(1, [traj("e", "E", [], [])])[0]
     assert empty.oldest_version is None and empty.staleness(100) == 0
 
@@ -47,7 +62,9 @@ def test_take_is_oldest_first_and_groups_stay_whole() -> None:
     assert len(buf.add(1, record({"a": 3, "b": 1}))) == 2
     assert len(buf.add(2, record({"c": 2}))) == 1
     out = buf.take(2, policy_version=3, max_staleness=0)
-    assert [g.key for g in out.groups] == [(1, "a"), (1, "b")] and [len(g.trajectories) for g in out.groups] == [3, 1]
+    assert [g.key for g in out.groups] == [(1, "a"), (1, "b")] and [
+        len(g.trajectories) for g in out.groups
+    ] == [3, 1]
     assert not out.dropped and len(buf) == 1 and buf.in_flight == 2
     assert buf.take(5, 3, 0).groups[0].key == (2, "c")  # fewer than asked: what there is
     assert buf.take(1, 3, 0).groups == []
@@ -68,7 +85,9 @@ def test_stale_groups_are_dropped_and_counted() -> None:
 
 def test_staleness_uses_the_oldest_trained_token_of_the_group() -> None:
     buf = GroupBuffer()
-    buf.add(1, [traj("x", "g", [5, 5]), traj("y", "g", [2, 5], [1, 1]), traj("z", "g", [0, 5], [0, 1])])
+    buf.add(
+        1, [traj("x", "g", [5, 5]), traj("y", "g", [2, 5], [1, 1]), traj("z", "g", [0, 5], [0, 1])]
+    )
     (g,) = buf.take(1, policy_version=6, max_staleness=10).groups
     assert g.oldest_version == 2 and g.staleness(6) == 4
     buf2 = GroupBuffer()
@@ -117,8 +136,14 @@ def test_random_workload_frees_every_record_exactly_once() -> None:
     added, in_flight = 0, []
     version = 0
     for rid in range(1, 400):
-        buf.add(rid, record({f"g{j}": rng.randint(1, 3) for j in range(rng.randint(1, 4))},
-                            version=max(0, version - rng.randint(0, 3)), tag=f"r{rid}"))
+        buf.add(
+            rid,
+            record(
+                {f"g{j}": rng.randint(1, 3) for j in range(rng.randint(1, 4))},
+                version=max(0, version - rng.randint(0, 3)),
+                tag=f"r{rid}",
+            ),
+        )
         added += 1
         if rng.random() < 0.5:
             out = buf.take(rng.randint(1, 5), version, max_staleness=2)
@@ -132,5 +157,7 @@ def test_random_workload_frees_every_record_exactly_once() -> None:
     while len(buf):
         out = buf.take(7, version, max_staleness=2)
         freed += out.done_records + buf.finish([g.key for g in out.groups])
-    assert sorted(freed) == list(range(1, added + 1))  # each record's room freed once, none left over
+    assert sorted(freed) == list(
+        range(1, added + 1)
+    )  # each record's room freed once, none left over
     assert buf.records == 0 and buf.dropped_stale > 0

@@ -16,7 +16,14 @@ import torch
 
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.worker import WorkerSettings
-from learner.worker_api import ForwardRequest, ForwardResult, UpdateRequest, UpdateResult, WeightsFileRequest, WeightsRequest
+from learner.worker_api import (
+    ForwardRequest,
+    ForwardResult,
+    UpdateRequest,
+    UpdateResult,
+    WeightsFileRequest,
+    WeightsRequest,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,17 +54,22 @@ def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
 
 
 def settings(model: Path, **kw: Any) -> WorkerSettings:
-    return replace(WorkerSettings(model_path=str(model), lr=1e-3, loss_agg_mode="token-mean", seed=1), **kw)
+    return replace(
+        WorkerSettings(model_path=str(model), lr=1e-3, loss_agg_mode="token-mean", seed=1), **kw
+    )
 
 
-async def _train(model: Path, world: int, samples: list[Sample], batching: Batching | None = None,
-                 **kw: Any) -> tuple[UpdateResult, dict]:
+async def _train(
+    model: Path, world: int, samples: list[Sample], batching: Batching | None = None, **kw: Any
+) -> tuple[UpdateResult, dict]:
     from learner.workers import WorkerGroup
 
     group = WorkerGroup(settings(model, **kw), world)
     try:
         await group.start()
-        plans = split_for_ranks(samples, mini_batches=2, ranks=world, micro_size=3, batching=batching)
+        plans = split_for_ranks(
+            samples, mini_batches=2, ranks=world, micro_size=3, batching=batching
+        )
         metrics = await group.update([UpdateRequest("actor", p) for p in plans])
         names = [n for n, _ in _hf_names(model)]
         weights = await group.full_weights(WeightsRequest(names))
@@ -87,15 +99,23 @@ def test_two_ranks_match_one_rank(tiny_model: Path, ray_cluster: Any, mode: str)
 
 
 @pytest.mark.parametrize("keep_gathered", [True, False])
-def test_packed_token_capped_two_ranks_match_padded_one_rank(tiny_model: Path, ray_cluster: Any,
-                                                            keep_gathered: bool) -> None:
+def test_packed_token_capped_two_ranks_match_padded_one_rank(
+    tiny_model: Path, ray_cluster: Any, keep_gathered: bool
+) -> None:
     """Packed micro-batches of at most 60 tokens on 2 ranks, with FSDP2 keeping the parameters
     gathered through the step (the default for a small model) or resharding after every forward and
     backward, update the weights as padded micro-batches of 3 samples on 1 rank do."""
     samples = make_samples(12, seed=7)
     _, one = anyio.run(lambda: _train(tiny_model, 1, samples))
-    _, two = anyio.run(lambda: _train(tiny_model, 2, samples, Batching(max_tokens=60, packed=True),
-                                      keep_gathered=keep_gathered))
+    _, two = anyio.run(
+        lambda: _train(
+            tiny_model,
+            2,
+            samples,
+            Batching(max_tokens=60, packed=True),
+            keep_gathered=keep_gathered,
+        )
+    )
     for n in one:
         np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
 
@@ -111,8 +131,13 @@ def test_forward_logprobs_match_transformers(tiny_model: Path, ray_cluster: Any)
         group = WorkerGroup(settings(tiny_model, temperature=0.7), 2)
         try:
             await group.start()
-            chunks: list[list[list[Sample | None]]] = [[[samples[0], samples[2], samples[4]]], [[samples[1], samples[3]]]]
-            return await group.forward_per_rank([ForwardRequest("actor", c, with_entropy=True) for c in chunks])
+            chunks: list[list[list[Sample | None]]] = [
+                [[samples[0], samples[2], samples[4]]],
+                [[samples[1], samples[3]]],
+            ]
+            return await group.forward_per_rank(
+                [ForwardRequest("actor", c, with_entropy=True) for c in chunks]
+            )
         finally:
             group.shutdown()
 
@@ -122,8 +147,8 @@ def test_forward_logprobs_match_transformers(tiny_model: Path, ray_cluster: Any)
     for i, s in enumerate(samples):
         with torch.no_grad():
             logits = lm(torch.from_numpy(s.input_ids)[None]).logits[0].float() / 0.7
-        logp = torch.log_softmax(logits[s.prompt_len - 1:-1], -1)
-        want = logp.gather(1, torch.from_numpy(s.input_ids[s.prompt_len:])[:, None])[:, 0]
+        logp = torch.log_softmax(logits[s.prompt_len - 1 : -1], -1)
+        want = logp.gather(1, torch.from_numpy(s.input_ids[s.prompt_len :])[:, None])[:, 0]
         rank, pos = order[i]
         np.testing.assert_allclose(res[rank].outputs[pos], want.numpy(), atol=1e-5)
         ent = -(logp.exp() * logp).sum(-1)
@@ -132,8 +157,9 @@ def test_forward_logprobs_match_transformers(tiny_model: Path, ray_cluster: Any)
         np.testing.assert_allclose(entropy[pos], ent.numpy(), atol=1e-4)
 
 
-def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Path, ray_cluster: Any,
-                                                                   tmp_path: Path) -> None:
+def test_checkpoint_resume_continues_identically_and_export_loads(
+    tiny_model: Path, ray_cluster: Any, tmp_path: Path
+) -> None:
     """Train A, save, train B -> W. A fresh group that loads the checkpoint and trains B gets W too
     (model, optimizer and schedule restored); the HF export loads in transformers."""
     from safetensors.numpy import load_file
@@ -179,7 +205,9 @@ def test_checkpoint_resume_continues_identically_and_export_loads(tiny_model: Pa
     lm = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "tokenizer.json").exists()
     orig = load_file(str(tiny_model / "model.safetensors"))
-    assert any(not np.array_equal(exported[n], orig[n]) for n in names), "export holds the old weights"
+    assert any(not np.array_equal(exported[n], orig[n]) for n in names), (
+        "export holds the old weights"
+    )
     sd = lm.state_dict()
     for n in names:
         np.testing.assert_array_equal(sd[n].numpy(), exported[n])
@@ -195,14 +223,20 @@ def test_critic_learns_returns_on_two_ranks(tiny_model: Path, ray_cluster: Any) 
         s.returns = np.full(s.response_len, 0.5, np.float32)
 
     async def run() -> list[float]:
-        group = WorkerGroup(settings(tiny_model, critic_model_path=str(tiny_model), critic_lr=3e-4,
-                                     cliprange_value=10.0), 2)
+        group = WorkerGroup(
+            settings(
+                tiny_model, critic_model_path=str(tiny_model), critic_lr=3e-4, cliprange_value=10.0
+            ),
+            2,
+        )
         losses = []
         try:
             await group.start()
             for _ in range(6):
                 chunks: list[list[list[Sample | None]]] = [[list(samples[r::2])] for r in range(2)]
-                res = await group.forward_per_rank([ForwardRequest("critic", chunks[r]) for r in range(2)])
+                res = await group.forward_per_rank(
+                    [ForwardRequest("critic", chunks[r]) for r in range(2)]
+                )
                 for r in range(2):
                     for s, out in zip(samples[r::2], res[r].outputs, strict=True):
                         assert out.shape == (s.response_len,)
@@ -224,7 +258,12 @@ async def _weights_file_vs_gather(model: Path, folder: Path) -> tuple[dict, dict
     group = WorkerGroup(settings(model), 2)
     try:
         await group.start()
-        await group.update([UpdateRequest("actor", p) for p in split_for_ranks(make_samples(6), mini_batches=1, ranks=2, micro_size=3)])
+        await group.update(
+            [
+                UpdateRequest("actor", p)
+                for p in split_for_ranks(make_samples(6), mini_batches=1, ranks=2, micro_size=3)
+            ]
+        )
         names = [n for n, _ in _hf_names(model)]
         dtypes = {n: "bfloat16" for n in names}  # cast on the way, as for a bf16 serving engine
         gathered = {n: a for n, _, _, a in await group.full_weights(WeightsRequest(names, dtypes))}
@@ -232,17 +271,25 @@ async def _weights_file_vs_gather(model: Path, folder: Path) -> tuple[dict, dict
         for slot_dir in ("v1", "v2"):  # the second write reuses the same slot file in place
             path = folder / "slot" / "model.safetensors"
             path.parent.mkdir(exist_ok=True)
-            infos.append(await group.write_weights_file(WeightsFileRequest(WeightsRequest(names, dtypes), 1, str(path))))
+            infos.append(
+                await group.write_weights_file(
+                    WeightsFileRequest(WeightsRequest(names, dtypes), 1, str(path))
+                )
+            )
             (folder / slot_dir).write_text("")
         from common.safetensors_buffers import load_file
 
-        written = {t.name: np.frombuffer(t.data, np.uint16).reshape(t.shape) for t in load_file(path)}
+        written = {
+            t.name: np.frombuffer(t.data, np.uint16).reshape(t.shape) for t in load_file(path)
+        }
         return gathered, written, infos
     finally:
         group.shutdown()
 
 
-def test_weights_file_matches_the_gathered_weights(tiny_model: Path, ray_cluster: Any, tmp_path: Path) -> None:
+def test_weights_file_matches_the_gathered_weights(
+    tiny_model: Path, ray_cluster: Any, tmp_path: Path
+) -> None:
     """The file hand-over's writer (two ranks, rank 0 writes) produces a valid safetensors file with
     exactly the bytes the chunked path sends, also when it rewrites its slot in place."""
     gathered, written, infos = anyio.run(lambda: _weights_file_vs_gather(tiny_model, tmp_path))

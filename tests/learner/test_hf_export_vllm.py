@@ -79,10 +79,14 @@ async def test_export_serves_in_vllm(exported: tuple[Path, Path]) -> None:
     from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
 
     base, out = exported
-    engine = await VllmEngine.start(VllmEngineSettings(model=str(out), max_model_len=256, max_num_seqs=4))
+    engine = await VllmEngine.start(
+        VllmEngineSettings(model=str(out), max_model_len=256, max_num_seqs=4)
+    )
     try:
         prompt = list(range(10, 30))
-        gen: Any = await engine.generate("r1", prompt, SamplingSettings(max_tokens=12, temperature=1.0, seed=3))
+        gen: Any = await engine.generate(
+            "r1", prompt, SamplingSettings(max_tokens=12, temperature=1.0, seed=3)
+        )
     finally:
         await engine.shutdown()
     tokens = list(gen.token_ids)
@@ -90,4 +94,6 @@ async def test_export_serves_in_vllm(exported: tuple[Path, Path]) -> None:
     want = hf_logprobs(out, prompt, tokens)
     np.testing.assert_allclose(np.asarray(gen.logprobs), want, atol=2e-4)
     before = hf_logprobs(base, prompt, tokens)
-    assert np.abs(before - want).max() > 1e-3, "vLLM served the exported weights, not the original ones"
+    assert np.abs(before - want).max() > 1e-3, (
+        "vLLM served the exported weights, not the original ones"
+    )

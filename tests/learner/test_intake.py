@@ -50,33 +50,52 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def make_config(model: Path, address: str = "tcp://127.0.0.1:0", *, buffer_batches: int = 8,
-                credits: int = 4) -> Any:
-    return load_config(None, [
-        f"actor_rollout_ref.model.path={model}", "data.train_files=unused.jsonl",
-        f"learner.bind_address={address}", f"learner.buffer_batches={buffer_batches}",
-        f"transport.initial_credits={credits}", "transport.heartbeat_interval_s=0.2",
-        "transport.heartbeat_timeout_s=3.0",
-    ], check_paths=False)
+def make_config(
+    model: Path, address: str = "tcp://127.0.0.1:0", *, buffer_batches: int = 8, credits: int = 4
+) -> Any:
+    return load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={model}",
+            "data.train_files=unused.jsonl",
+            f"learner.bind_address={address}",
+            f"learner.buffer_batches={buffer_batches}",
+            f"transport.initial_credits={credits}",
+            "transport.heartbeat_interval_s=0.2",
+            "transport.heartbeat_timeout_s=3.0",
+        ],
+        check_paths=False,
+    )
 
 
 # -- data -------------------------------------------------------------------------------------------
-def traj(tid: str, group: str, *, version: int = 0, response_len: int = 6, seed: int = 0) -> Trajectory:
+def traj(
+    tid: str, group: str, *, version: int = 0, response_len: int = 6, seed: int = 0
+) -> Trajectory:
     rng = np.random.default_rng(seed)
     mask = np.ones(response_len, np.uint8)
     mask[2::3] = 0
     versions = np.full(response_len, version, np.int32)
     versions[2::3] = 0  # tool tokens carry an old version that must not count
-    return Trajectory(tid, group, rng.integers(0, 500, 5, dtype=np.int32),
-                      rng.integers(0, 500, response_len, dtype=np.int32), mask,
-                      (-rng.random(response_len, dtype=np.float32) * mask).astype(np.float32), versions,
-                      reward=0.5)
+    return Trajectory(
+        tid,
+        group,
+        rng.integers(0, 500, 5, dtype=np.int32),
+        rng.integers(0, 500, response_len, dtype=np.int32),
+        mask,
+        (-rng.random(response_len, dtype=np.float32) * mask).astype(np.float32),
+        versions,
+        reward=0.5,
+    )
 
 
 def make_batch(tag: str, sizes: tuple[int, ...] = (2, 1), *, version: int = 0) -> list[Trajectory]:
     """One group per entry of ``sizes`` (its number of trajectories); ids are ``tag-gN-i``."""
-    return [traj(f"{tag}-g{g}-{i}", f"{tag}-g{g}", version=version, seed=g * 10 + i)
-            for g, n in enumerate(sizes) for i in range(n)]
+    return [
+        traj(f"{tag}-g{g}-{i}", f"{tag}-g{g}", version=version, seed=g * 10 + i)
+        for g, n in enumerate(sizes)
+        for i in range(n)
+    ]
 
 
 def ids(trajs: list[Trajectory]) -> list[str]:
@@ -96,10 +115,18 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 # -- a rollout sender -------------------------------------------------------------------------------
 class Sender:
-    def __init__(self, address: str, model: Path, *, peer_id: str = "rs-0", epoch: str | None = None) -> None:
+    def __init__(
+        self, address: str, model: Path, *, peer_id: str = "rs-0", epoch: str | None = None
+    ) -> None:
         model_id, tok_id = wire_identities(model)
-        self.conn = RolloutConnection(peer_id=peer_id, epoch=epoch or uuid.uuid4().hex, model=model_id,
-                                      tokenizer=tok_id, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
+        self.conn = RolloutConnection(
+            peer_id=peer_id,
+            epoch=epoch or uuid.uuid4().hex,
+            model=model_id,
+            tokenizer=tok_id,
+            heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=3.0,
+        )
         self.client = RolloutClient(self.conn, _connect(address), reconnect_delay_s=0.05)
         self.events: list[Event] = []
 
@@ -182,7 +209,11 @@ def test_held_batch_is_not_acknowledged_until_accepted() -> None:
     conn.submit(make_batch("a"))
     assert pump(learner, conn) == []  # nothing handed over, nothing acknowledged
     held = learner.held_batch
-    assert held is not None and held.epoch == "e1" and ids(list(held.trajectories)) == ids(make_batch("a"))
+    assert (
+        held is not None
+        and held.epoch == "e1"
+        and ids(list(held.trajectories)) == ids(make_batch("a"))
+    )
     assert learner.buffered == 1 and conn.pending == 1  # its room counts while it is held
     with pytest.raises(RuntimeError, match="held batch"):
         learner.receive(b"r0", on_wire(codec.encode(Ack([], 0))), 0.0)
@@ -296,8 +327,13 @@ async def test_driver_acknowledges_only_stored_batches(in_thread: bool) -> None:
         stored.append(ev.seq)
         return f"record-{ev.seq}"
 
-    server = LearnerServer(proto, hub.server(), persist=persist, persist_in_thread=in_thread,
-                           persist_retry_delay_s=0.01)
+    server = LearnerServer(
+        proto,
+        hub.server(),
+        persist=persist,
+        persist_in_thread=in_thread,
+        persist_retry_delay_s=0.01,
+    )
     learner_events: list[Event] = []
     async with anyio.create_task_group() as tg:
         await tg.start(server.run)
@@ -326,7 +362,9 @@ async def test_driver_acknowledges_only_stored_batches(in_thread: bool) -> None:
 
 
 # -- the intake end to end --------------------------------------------------------------------------
-async def test_groups_flow_to_the_trainer_whole_and_in_order(tiny_model: Path, tmp_path: Path) -> None:
+async def test_groups_flow_to_the_trainer_whole_and_in_order(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path)
     async with serving(intake) as address, sending(address, tiny_model) as s:
         b1, b2 = make_batch("a", (3, 1)), make_batch("b", (2,))
@@ -338,8 +376,15 @@ async def test_groups_flow_to_the_trainer_whole_and_in_order(tiny_model: Path, t
         assert taken.staleness == [0, 0, 0] and taken.dropped_stale == 0 and taken.wait_s >= 0
         assert np.array_equal(taken.trajectories[0].response_ids, b1[0].response_ids)
         st = intake.stats
-        assert (st["peers"], st["batches"], st["trajectories"], st["in_flight_groups"]) == (1, 2, 6, 3)
-        assert st["tokens"] == 6 * (5 + 6) and st["persisted_bytes"] > 0 and st["journal_records"] == 2
+        assert (st["peers"], st["batches"], st["trajectories"], st["in_flight_groups"]) == (
+            1,
+            2,
+            6,
+            3,
+        )
+        assert (
+            st["tokens"] == 6 * (5 + 6) and st["persisted_bytes"] > 0 and st["journal_records"] == 2
+        )
         assert st["buffered_batches"] == 2
         intake.mark_trained(taken)
         assert intake.stats["buffered_batches"] == 0 and intake.stats["in_flight_groups"] == 0
@@ -377,7 +422,9 @@ async def test_credits_never_exceed_the_buffer_room(tiny_model: Path, tmp_path: 
         assert intake.stats["violations"] == 0
 
 
-async def test_resent_batches_and_trajectories_are_deduplicated(tiny_model: Path, tmp_path: Path) -> None:
+async def test_resent_batches_and_trajectories_are_deduplicated(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path)
     async with serving(intake) as address:
         b1, b2 = make_batch("a"), make_batch("b")
@@ -395,20 +442,26 @@ async def test_resent_batches_and_trajectories_are_deduplicated(tiny_model: Path
             await until(lambda: s2.acked == {1, 2})
         st = intake.stats
         assert st["duplicate_batches"] == 1 and st["duplicate_trajectories"] == 3 + 1
-        assert st["batches"] == 4 and st["journal_records"] == 4  # 3 + the one with a new trajectory
+        assert (
+            st["batches"] == 4 and st["journal_records"] == 4
+        )  # 3 + the one with a new trajectory
         taken = await intake.next_batch(st["buffered_groups"], 0, 0)
         got = ids(taken.trajectories)
         assert sorted(got) == sorted(ids(b1) + ids(b2) + ids(make_batch("c")) + ["new-1"])
         assert len(got) == len(set(got))
 
 
-async def test_stale_groups_are_dropped_and_free_their_room(tiny_model: Path, tmp_path: Path) -> None:
+async def test_stale_groups_are_dropped_and_free_their_room(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
     async with serving(intake) as address, sending(address, tiny_model) as s:
         intake.publish_weights(5, tiny_weights())
         await until(lambda: intake.peer_versions == {"rs-0": 5})  # WEIGHTS_APPLIED(ok) recorded
         await s.client.submit(make_batch("old", (1, 1), version=3))  # staleness 2
-        await s.client.submit(make_batch("mixed", (1,), version=3) + make_batch("ok", (2,), version=4))
+        await s.client.submit(
+            make_batch("mixed", (1,), version=3) + make_batch("ok", (2,), version=4)
+        )
         await until(lambda: intake.stats["batches"] == 2)
         # The room is full of batches. A request drops the stale groups; the freed room lets more in.
         waiting = anyio.Event()
@@ -439,7 +492,9 @@ async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_p
     sender: list[Sender] = []
 
     def slow_append(peer_id: str, epoch: str, seq: int, trajs: Any) -> tuple[int, int]:
-        time.sleep(0.15)  # a worker thread: the event loop runs on, an ACK already queued would arrive
+        time.sleep(
+            0.15
+        )  # a worker thread: the event loop runs on, an ACK already queued would arrive
         acked_before_stored.append(seq in sender[0].acked)
         return real(peer_id, epoch, seq, trajs)
 
@@ -453,7 +508,9 @@ async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_p
     assert intake._journal.record_ids == [1, 2, 3]
 
 
-async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(tiny_model: Path, tmp_path: Path) -> None:
+async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path)
     intake._server.persist_retry_delay_s = 0.05
     real = intake._journal.append
@@ -471,15 +528,28 @@ async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(tiny_mo
             await s.client.submit(make_batch(f"b{i}"))
         await until(lambda: s.acked == {1, 2, 3})
         assert [e.code for e in s.errors()] == [ErrorCode.INTERNAL]
-        assert sorted(calls) == [1, 1, 2, 3]  # 1 refused, then resent (after those in flight) and stored
+        assert sorted(calls) == [
+            1,
+            1,
+            2,
+            3,
+        ]  # 1 refused, then resent (after those in flight) and stored
         st = intake.stats
-        assert (st["persist_failures"], st["batches"], st["violations"], st["journal_records"]) == (1, 3, 0, 3)
+        assert (st["persist_failures"], st["batches"], st["violations"], st["journal_records"]) == (
+            1,
+            3,
+            0,
+            3,
+        )
         taken = await intake.next_batch(6, 0, 0)
-        assert sorted(ids(taken.trajectories)) == sorted(i for b in range(3) for i in ids(make_batch(f"b{b}")))
+        assert sorted(ids(taken.trajectories)) == sorted(
+            i for b in range(3) for i in ids(make_batch(f"b{b}"))
+        )
 
 
 async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
-        tiny_model: Path, tmp_path: Path) -> None:
+    tiny_model: Path, tmp_path: Path
+) -> None:
     address = free_address()
     config = make_config(tiny_model, address, buffer_batches=16, credits=8)
     journal = tmp_path / "journal"
@@ -521,13 +591,19 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
         newest = sorted(journal.glob("*.seg"))[-1]
         with newest.open("ab") as f:
             f.write(b"AIJR\x01\x02 a record torn by the kill")
-        expected = [i for seq in range(1, 8) for i in ids(batches[seq]) if i not in ids(before.trajectories)]
+        expected = [
+            i for seq in range(1, 8) for i in ids(batches[seq]) if i not in ids(before.trajectories)
+        ]
 
         # -- life B: same address, same journal, the checkpointed state.
         b = Intake(config, tmp_path, state=state, journal_dir=journal)
-        assert b.policy_version == 2 and b.stats["replayed_records"] == 7 - 1  # batch 1 was fully trained
+        assert (
+            b.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
+        )  # batch 1 was fully trained
         async with serving(b):
-            await until(lambda: 7 in s.acked, timeout=15)  # the sender reconnected: 7 was already there
+            await until(
+                lambda: 7 in s.acked, timeout=15
+            )  # the sender reconnected: 7 was already there
             assert 7 in s.duplicates and b.stats["batches"] == 0
             await s.client.submit(make_batch("s8"))
             await until(lambda: 8 in s.acked)
@@ -544,15 +620,20 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
             async with sending(address, tiny_model, peer_id="rs-1", epoch="e2") as other:
                 await other.client.submit(batches[2] + batches[7])
                 await until(lambda: other.acked == {1})
-            assert b.stats["batches"] == 1 and b.stats["duplicate_trajectories"] == len(batches[2] + batches[7])
+            assert b.stats["batches"] == 1 and b.stats["duplicate_trajectories"] == len(
+                batches[2] + batches[7]
+            )
             n_groups = b.stats["buffered_groups"]
             taken = await b.next_batch(n_groups, 2, 10)
             got = ids(taken.trajectories)
             assert sorted(got) == sorted(expected + ids(make_batch("s8")))  # none lost
             assert len(got) == len(set(got))  # none twice
             by_id = {t.trajectory_id: t for seq in batches for t in batches[seq]}
-            assert all(np.array_equal(t.response_ids, by_id[t.trajectory_id].response_ids)
-                       for t in taken.trajectories if t.trajectory_id in by_id)
+            assert all(
+                np.array_equal(t.response_ids, by_id[t.trajectory_id].response_ids)
+                for t in taken.trajectories
+                if t.trajectory_id in by_id
+            )
             b.mark_trained(taken)
             assert b.stats["buffered_batches"] == 0
             b.checkpoint_saved(b.state_dict())  # nothing pending: the journal can go
@@ -560,7 +641,8 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
 
 
 async def test_resume_without_the_needed_records_fails_and_fresh_starts_over(
-        tiny_model: Path, tmp_path: Path) -> None:
+    tiny_model: Path, tmp_path: Path
+) -> None:
     config = make_config(tiny_model)
     a = Intake(config, tmp_path)
     async with serving(a) as address, sending(address, tiny_model) as s:
@@ -580,7 +662,9 @@ async def test_resume_without_the_needed_records_fails_and_fresh_starts_over(
         Intake(config, tmp_path, state=state)
 
 
-async def test_a_training_batch_bigger_than_the_buffer_fails_fast(tiny_model: Path, tmp_path: Path) -> None:
+async def test_a_training_batch_bigger_than_the_buffer_fails_fast(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
     async with serving(intake) as address, sending(address, tiny_model) as s:
         for i in range(3):
@@ -595,6 +679,7 @@ async def test_close_wakes_a_waiting_trainer(tiny_model: Path, tmp_path: Path) -
     intake = Intake(make_config(tiny_model), tmp_path)
     async with serving(intake):
         async with anyio.create_task_group() as tg:
+
             async def close_soon() -> None:
                 await anyio.sleep(0.1)
                 intake.close()
@@ -604,7 +689,9 @@ async def test_close_wakes_a_waiting_trainer(tiny_model: Path, tmp_path: Path) -
                 await intake.next_batch(1, 0, 0)
 
 
-async def test_serve_alone_consumes_everything_and_writes_its_stats(tiny_model: Path, tmp_path: Path) -> None:
+async def test_serve_alone_consumes_everything_and_writes_its_stats(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     from learner.intake import serve
 
     config = make_config(tiny_model, buffer_batches=2, credits=2)

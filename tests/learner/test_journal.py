@@ -26,10 +26,18 @@ def traj(tid: str, group: str = "g", *, seed: int = 0, response_len: int = 5) ->
     mask = np.ones(response_len, np.uint8)
     mask[1::3] = 0
     return Trajectory(
-        tid, group, rng.integers(0, 500, 4, dtype=np.int32), rng.integers(0, 500, response_len, dtype=np.int32),
-        mask, (-rng.random(response_len, dtype=np.float32) * mask).astype(np.float32),
-        np.full(response_len, seed % 7, np.int32), reward=float(seed) / 3, snapshot_index=seed % 2,
-        reward_extras={"pass": bool(seed % 2), "score": 0.5}, timings={"gen": 1.25}, termination="length",
+        tid,
+        group,
+        rng.integers(0, 500, 4, dtype=np.int32),
+        rng.integers(0, 500, response_len, dtype=np.int32),
+        mask,
+        (-rng.random(response_len, dtype=np.float32) * mask).astype(np.float32),
+        np.full(response_len, seed % 7, np.int32),
+        reward=float(seed) / 3,
+        snapshot_index=seed % 2,
+        reward_extras={"pass": bool(seed % 2), "score": 0.5},
+        timings={"gen": 1.25},
+        termination="length",
     )
 
 
@@ -40,7 +48,8 @@ def batch(tag: str, n: int = 3) -> list[Trajectory]:
 def same(a: Trajectory, b: Trajectory) -> bool:
     arrays = ("prompt_ids", "response_ids", "response_mask", "rollout_logprobs", "versions")
     return all(np.array_equal(getattr(a, k), getattr(b, k)) for k in arrays) and all(
-        getattr(a, k) == getattr(b, k) for k in Trajectory.__dataclass_fields__ if k not in arrays)
+        getattr(a, k) == getattr(b, k) for k in Trajectory.__dataclass_fields__ if k not in arrays
+    )
 
 
 def segments(d: Path) -> list[Path]:
@@ -57,7 +66,10 @@ def test_round_trip_and_reopen(tmp_path: Path) -> None:
     j2 = Journal(tmp_path)
     assert j2.record_ids == [1, 2] and j2.next_id == 3
     recs = list(j2.records())
-    assert [(r.record_id, r.peer_id, r.epoch, r.seq) for r in recs] == [(1, "rs-0", "ep-1", 1), (2, "rs-1", "ep-2", 9)]
+    assert [(r.record_id, r.peer_id, r.epoch, r.seq) for r in recs] == [
+        (1, "rs-0", "ep-1", 1),
+        (2, "rs-1", "ep-2", 9),
+    ]
     assert all(same(x, y) for x, y in zip(recs[0].trajectories, b1, strict=True))
     assert all(same(x, y) for x, y in zip(recs[1].trajectories, b2, strict=True))
     assert isinstance(recs[1].trajectories, Trajectories)
@@ -77,7 +89,9 @@ def test_torn_last_record_is_ignored_and_cut_off(tmp_path: Path) -> None:
     j2 = Journal(tmp_path)
     assert j2.record_ids == [1, 2]
     assert seg.stat().st_size < full - 17  # the torn bytes are gone
-    assert j2.append("rs", "e", 3, batch("again"))[0] == 3  # never acknowledged: its id may be reused
+    assert (
+        j2.append("rs", "e", 3, batch("again"))[0] == 3
+    )  # never acknowledged: its id may be reused
     j2.close()
     assert Journal(tmp_path).record_ids == [1, 2, 3]
 
@@ -100,7 +114,9 @@ def test_bad_segment_header_is_an_error(tmp_path: Path) -> None:
         Journal(tmp_path)
 
 
-def test_failed_write_is_undone_and_the_journal_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_is_undone_and_the_journal_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     j = Journal(tmp_path)
     j.append("rs", "e", 1, batch("a"))
     real = journal_mod._write_all
@@ -120,7 +136,9 @@ def test_failed_write_is_undone_and_the_journal_goes_on(tmp_path: Path, monkeypa
     assert j2.record_ids == [1, 3] and j2.read(3).seq == 2
 
 
-def test_failed_undo_makes_the_journal_refuse_appends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_undo_makes_the_journal_refuse_appends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     j = Journal(tmp_path)
 
     def fail(*_: object) -> None:
@@ -189,8 +207,11 @@ def test_sigkill_mid_write_leaves_a_readable_journal(tmp_path: Path) -> None:
     """A writer process is killed while the file is not at a record boundary (so most likely in the
     middle of a record): every complete record reads back, the rest is cut off."""
     d = tmp_path / "j"
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(d)], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(d)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     seg = d / f"{1:020d}.seg"
 
     def size() -> int:

@@ -12,11 +12,15 @@ import pytest
 
 from common.config import Config, ConfigError, load_config
 from common.config.launch import launch_issues, rollout_gpus_of
-from launcher.plan import check_launch, plan_run
 from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, child_env
+from launcher.plan import check_launch, plan_run
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = ["actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", "trainer.total_training_steps=2"]
+BASE = [
+    "actor_rollout_ref.model.path=m",
+    "data.train_files=t.jsonl",
+    "trainer.total_training_steps=2",
+]
 
 
 def config(*overrides: str) -> Config:
@@ -26,10 +30,15 @@ def config(*overrides: str) -> Config:
 def test_child_env_sets_gpus_and_multicast_defaults() -> None:
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     env = child_env("L", [2, 3], base=base)
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == "/bin" and env[LAUNCH_ID_ENV] == "L"
+    assert (
+        env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == "/bin" and env[LAUNCH_ID_ENV] == "L"
+    )
     assert env["PYTHONUNBUFFERED"] == "1"
-    assert {k: env[k] for k in MULTICAST_OFF} == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                                  "NVSHMEM_DISABLE_NVLS": "1"}
+    assert {k: env[k] for k in MULTICAST_OFF} == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     assert base == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # not modified
     assert child_env("L", None, base=base)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # None: inherited
     assert "CUDA_VISIBLE_DEVICES" not in child_env("L", None, base={})
@@ -48,8 +57,15 @@ def test_rollout_gpus_wrap_around() -> None:
 def test_plan_gives_each_child_its_gpus(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     base = [*BASE, f"actor_rollout_ref.model.path={tmp_path / 'm'}"]
-    overrides = [*base, f"trainer.run_dir={tmp_path / 'run'}", "launch.rollout_servers=3", "trainer.device=cuda",
-                 "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0,1]", "launch.rollout_gpus=[[2],[3]]"]
+    overrides = [
+        *base,
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "launch.rollout_servers=3",
+        "trainer.device=cuda",
+        "trainer.n_gpus_per_node=2",
+        "launch.learner_gpus=[0,1]",
+        "launch.rollout_gpus=[[2],[3]]",
+    ]
     cfg = load_config(None, overrides, check_paths=False)
     plan = plan_run(None, overrides, cfg, None)
     assert plan.learner.env["CUDA_VISIBLE_DEVICES"] == "0,1"
@@ -68,31 +84,53 @@ def test_plan_gives_each_child_its_gpus(tmp_path: Path) -> None:
 
 def test_placement_rules() -> None:
     assert launch_issues(config()) == []
-    ok = config("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "launch.rollout_gpus=[[0,1],[2,3]]",
-                "trainer.device=cuda", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[4,5,6]")
+    ok = config(
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "launch.rollout_gpus=[[0,1],[2,3]]",
+        "trainer.device=cuda",
+        "trainer.n_gpus_per_node=2",
+        "launch.learner_gpus=[4,5,6]",
+    )
     assert launch_issues(ok) == []
-    bad = launch_issues(config("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                               "launch.rollout_gpus=[[0,1],[2]]"))
+    bad = launch_issues(
+        config(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "launch.rollout_gpus=[[0,1],[2]]",
+        )
+    )
     assert [i.key for i in bad] == ["launch.rollout_gpus.1"]
     assert "tensor_model_parallel_size = 2" in bad[0].message
-    bad = launch_issues(config("trainer.device=cuda", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]"))
-    assert [i.key for i in bad] == ["launch.learner_gpus"] and "n_gpus_per_node = 2" in bad[0].message
+    bad = launch_issues(
+        config("trainer.device=cuda", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]")
+    )
+    assert [i.key for i in bad] == ["launch.learner_gpus"] and "n_gpus_per_node = 2" in bad[
+        0
+    ].message
     # auto with GPUs named needs enough of them; [] hides every GPU (auto then picks the CPU); cpu: anything
-    assert launch_issues(config("trainer.device=auto", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]"))
-    assert not launch_issues(config("trainer.device=auto", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[]"))
-    assert not launch_issues(config("trainer.device=cpu", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]"))
+    assert launch_issues(
+        config("trainer.device=auto", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]")
+    )
+    assert not launch_issues(
+        config("trainer.device=auto", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[]")
+    )
+    assert not launch_issues(
+        config("trainer.device=cpu", "trainer.n_gpus_per_node=2", "launch.learner_gpus=[0]")
+    )
     bad = launch_issues(config("ray.address=auto", "trainer.device=cpu", "launch.learner_gpus=[0]"))
     assert [i.key for i in bad] == ["launch.learner_gpus"] and "ray.address" in bad[0].message
 
 
-@pytest.mark.parametrize("override, key", [
-    ("launch.rollout_gpus=[[0,0]]", "launch.rollout_gpus"),
-    ("launch.rollout_gpus=[[]]", "launch.rollout_gpus.0"),
-    ("launch.rollout_gpus=[]", "launch.rollout_gpus"),
-    ("launch.learner_gpus=[1,1]", "launch.learner_gpus"),
-    ("launch.learner_gpus=[-1]", "launch.learner_gpus.0"),
-    ("launch.rollout_gpus=[0]", "launch.rollout_gpus.0"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("launch.rollout_gpus=[[0,0]]", "launch.rollout_gpus"),
+        ("launch.rollout_gpus=[[]]", "launch.rollout_gpus.0"),
+        ("launch.rollout_gpus=[]", "launch.rollout_gpus"),
+        ("launch.learner_gpus=[1,1]", "launch.learner_gpus"),
+        ("launch.learner_gpus=[-1]", "launch.learner_gpus.0"),
+        ("launch.rollout_gpus=[0]", "launch.rollout_gpus.0"),
+    ],
+)
 def test_field_rules(override: str, key: str) -> None:
     with pytest.raises(ConfigError) as exc:
         config(override)
@@ -107,15 +145,29 @@ def test_check_launch_blames_the_override() -> None:
     assert issue.source == "command line override 'launch.learner_gpus=[0]'"
     args = [*BASE, "trainer.device=cuda", "launch.learner_gpus=[]"]
     with pytest.raises(ConfigError) as exc:
-        check_launch(load_config(None, args, check_paths=False), "job.yaml", BASE)  # as if set in the file
+        check_launch(
+            load_config(None, args, check_paths=False), "job.yaml", BASE
+        )  # as if set in the file
     assert exc.value.issues[0].source == "job.yaml"
 
 
 def test_bin_train_check_refuses_a_bad_placement(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    out = subprocess.run([sys.executable, str(REPO / "bin" / "train"), "--config", str(REPO / "configs" / "default.yaml"),
-                          f"actor_rollout_ref.model.path={model}", "launch.rollout_gpus=[[0,1]]", "--check"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bin" / "train"),
+            "--config",
+            str(REPO / "configs" / "default.yaml"),
+            f"actor_rollout_ref.model.path={model}",
+            "launch.rollout_gpus=[[0,1]]",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2, out.stderr
     assert "launch.rollout_gpus.0" in out.stderr and "tensor_model_parallel_size = 1" in out.stderr

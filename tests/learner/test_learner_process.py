@@ -30,13 +30,24 @@ def write_config(tmp: Path, model: Path, port: int, **trainer: Any) -> Path:
     cfg = {
         "actor_rollout_ref": {
             "model": {"path": str(model)},
-            "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "use_kl_loss": True,
-                      "optim": {"lr": 1e-3}},
+            "actor": {
+                "ppo_mini_batch_size": 4,
+                "ppo_micro_batch_size_per_gpu": 2,
+                "use_kl_loss": True,
+                "optim": {"lr": 1e-3},
+            },
             "rollout": {"n": 2, "max_staleness": 1000},
         },
         "data": {"train_files": [str(data)], "train_batch_size": 2},
-        "trainer": {"total_training_steps": 4, "n_gpus_per_node": 2, "device": "cpu", "logger": ["jsonl"],
-                    "run_dir": str(tmp / "run"), "experiment_name": "t", **trainer},
+        "trainer": {
+            "total_training_steps": 4,
+            "n_gpus_per_node": 2,
+            "device": "cpu",
+            "logger": ["jsonl"],
+            "run_dir": str(tmp / "run"),
+            "experiment_name": "t",
+            **trainer,
+        },
         "learner": {"bind_address": f"tcp://127.0.0.1:{port}", "buffer_batches": 4},
         "transport": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0},
         "ray": {"num_cpus": 2},
@@ -48,8 +59,14 @@ def write_config(tmp: Path, model: Path, port: int, **trainer: Any) -> Path:
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def kill_group(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
@@ -79,7 +96,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def trained_by_step(run: Path) -> dict[int, list[str]]:
     from learner import trained_log
 
-    return trained_log.read(run / "trained.jsonl").trajectory_ids()  # steps a restart undid left out
+    return trained_log.read(
+        run / "trained.jsonl"
+    ).trajectory_ids()  # steps a restart undid left out
 
 
 def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Path) -> None:
@@ -88,8 +107,22 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
     run = tmp_path / "run"
     feed_log, learner_log = tmp_path / "feeder.log", tmp_path / "learner.log"
     learner = start([sys.executable, "bin/learner", "--config", str(cfg)], learner_log)
-    feeder = start([sys.executable, str(FEEDER), "--connect", f"tcp://127.0.0.1:{port}", "--model", str(tiny_model),
-                    "--out", str(tmp_path / "feed.jsonl"), "--groups", "8", "--exit-on-bye"], feed_log)
+    feeder = start(
+        [
+            sys.executable,
+            str(FEEDER),
+            "--connect",
+            f"tcp://127.0.0.1:{port}",
+            "--model",
+            str(tiny_model),
+            "--out",
+            str(tmp_path / "feed.jsonl"),
+            "--groups",
+            "8",
+            "--exit-on-bye",
+        ],
+        feed_log,
+    )
     try:
         assert learner.wait(timeout=240) == 0, learner_log.read_text()[-4000:]
         assert feeder.wait(timeout=30) == 0, feed_log.read_text()[-3000:]
@@ -100,8 +133,17 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["policy/version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
-        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
-                    "timing/wait_s", "timing/update_s", "timing/broadcast_s", "perf/tokens_per_s"):
+        for key in (
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/grad_norm",
+            "timing/wait_s",
+            "timing/update_s",
+            "timing/broadcast_s",
+            "perf/tokens_per_s",
+        ):
             assert key in m, key
     assert metrics[-1]["actor/kl_loss"] > 0, "the policy moved away from the reference"
     feed = read_jsonl(tmp_path / "feed.jsonl")
@@ -116,17 +158,35 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
     assert "training done" in learner_log.read_text()
 
 
-def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(tiny_model: Path, tmp_path: Path) -> None:
+def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     port = free_port("127.0.0.1")
     cfg = write_config(tmp_path, tiny_model, port, save_freq=1, total_training_steps=6)
     run = tmp_path / "run"
     logs = [tmp_path / "learner1.log", tmp_path / "learner2.log", tmp_path / "feeder.log"]
-    feeder = start([sys.executable, str(FEEDER), "--connect", f"tcp://127.0.0.1:{port}", "--model", str(tiny_model),
-                    "--out", str(tmp_path / "feed.jsonl"), "--groups", "12", "--exit-on-bye"], logs[2])
+    feeder = start(
+        [
+            sys.executable,
+            str(FEEDER),
+            "--connect",
+            f"tcp://127.0.0.1:{port}",
+            "--model",
+            str(tiny_model),
+            "--out",
+            str(tmp_path / "feed.jsonl"),
+            "--groups",
+            "12",
+            "--exit-on-bye",
+        ],
+        logs[2],
+    )
     first = start([sys.executable, "bin/learner", "--config", str(cfg)], logs[0])
     try:
         latest = run / "checkpoints" / "latest_checkpointed_iteration.txt"
-        wait_for(lambda: latest.exists() and int(latest.read_text()) >= 2, 240, "checkpoint 2", logs)
+        wait_for(
+            lambda: latest.exists() and int(latest.read_text()) >= 2, 240, "checkpoint 2", logs
+        )
         kill_group(first)  # the learner, its Ray cluster and its workers, no chance to clean up
         killed_at = int(latest.read_text())
         acked_before = {i for f in read_jsonl(tmp_path / "feed.jsonl") for i in f.get("acked", [])}
@@ -145,7 +205,9 @@ def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(tiny_model: P
     assert sorted(final) == [1, 2, 3, 4, 5, 6]
     versions = [final[s]["policy/version"] for s in range(1, 7)]
     # after the checkpoint: above every version published before the kill (learner/versions.py)
-    assert versions[:killed_at] == list(range(1, killed_at + 1)) and versions == sorted(set(versions))
+    assert versions[:killed_at] == list(range(1, killed_at + 1)) and versions == sorted(
+        set(versions)
+    )
     trained = trained_by_step(run)
     ids = [i for step in sorted(trained) for i in trained[step]]
     assert len(ids) == len(set(ids)) == 24, "a trajectory was trained twice or lost"

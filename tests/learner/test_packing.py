@@ -60,7 +60,9 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any)
     from learner.worker import WorkerSettings
 
     samples = mixed_samples(7)
-    plan = MiniBatchPlan([samples], count_tokens(samples), len(samples), max(s.response_len for s in samples))
+    plan = MiniBatchPlan(
+        [samples], count_tokens(samples), len(samples), max(s.response_len for s in samples)
+    )
     s = WorkerSettings(model_path="", entropy_coeff=0.01)
     got = {}
     for packed in (False, True):
@@ -97,8 +99,11 @@ def test_packed_micro_batches_under_gradient_checkpointing(tiny_model: Path) -> 
     b = collate(mixed_samples(5, seed=1), CPU, packed=True)
     grads = []
     for checkpointing in (False, True):
-        head = PolicyHead(load_causal_lm(str(tiny_model), trust_remote_code=False,
-                                         gradient_checkpointing=checkpointing)).train()
+        head = PolicyHead(
+            load_causal_lm(
+                str(tiny_model), trust_remote_code=False, gradient_checkpointing=checkpointing
+            )
+        ).train()
         logp, _ = policy_outputs(head, b)
         logp.sum().backward()
         grads.append({n: p.grad for n, p in head.named_parameters()})
@@ -118,9 +123,10 @@ def test_packed_logprobs_match_a_plain_transformers_forward(policy: Any, tiny_mo
     for i, s in enumerate(samples):
         with torch.no_grad():
             logits = lm(torch.from_numpy(s.input_ids)[None]).logits[0] / 0.7
-        want = torch.log_softmax(logits[s.prompt_len - 1:-1], -1).gather(
-            1, torch.from_numpy(s.input_ids[s.prompt_len:])[:, None])[:, 0]
-        torch.testing.assert_close(logp[i, :s.response_len], want, atol=1e-5, rtol=1e-5)
+        want = torch.log_softmax(logits[s.prompt_len - 1 : -1], -1).gather(
+            1, torch.from_numpy(s.input_ids[s.prompt_len :])[:, None]
+        )[:, 0]
+        torch.testing.assert_close(logp[i, : s.response_len], want, atol=1e-5, rtol=1e-5)
 
 
 def test_packed_values_match_padded(tiny_model: Path) -> None:
@@ -141,13 +147,17 @@ def test_a_packed_batch_refuses_a_model_without_the_packed_attention(tiny_model:
 
     from learner.model import PolicyHead, collate, policy_outputs
 
-    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32, attn_implementation="sdpa")
+    lm = AutoModelForCausalLM.from_pretrained(
+        str(tiny_model), dtype=torch.float32, attn_implementation="sdpa"
+    )
     with pytest.raises(ValueError, match="attn_implementation"):
         policy_outputs(PolicyHead(lm), collate(mixed_samples(3), CPU, packed=True))
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize(("n", "ranks", "cap"), [(40, 1, 200), (40, 2, 150), (13, 4, 120), (3, 2, 60)])
+@pytest.mark.parametrize(
+    ("n", "ranks", "cap"), [(40, 1, 200), (40, 2, 150), (13, 4, 120), (3, 2, 60)]
+)
 def test_token_capped_micro_batches(n: int, ranks: int, cap: int, packed: bool) -> None:
     samples = mixed_samples(n, seed=n + ranks)
     batching = Batching(max_tokens=cap, packed=packed)
@@ -163,7 +173,9 @@ def test_token_capped_micro_batches(n: int, ranks: int, cap: int, packed: bool) 
             assert len(micro) == 1 or batching.cost(lengths) <= cap, (lengths, cap)
             assert lengths == sorted(lengths)
             seen += [ids[id(s)] for s in micro if id(s) in ids]
-            assert all(not s.response_mask.any() for s in micro if id(s) not in ids), "dummies train nothing"
+            assert all(not s.response_mask.any() for s in micro if id(s) not in ids), (
+                "dummies train nothing"
+            )
     assert sorted(seen) == list(range(n)), "every sample exactly once"
     assert plans[0][0].num_tokens == count_tokens(samples)
     fwd = split_forward(samples, ranks=ranks, batching=batching)
@@ -182,36 +194,59 @@ def test_token_cap_balances_micro_batches_and_ranks() -> None:
     assert max(costs) <= 400 and len(bins) == -(-sum(lengths) // 400)  # as few as the cap allows
     assert max(costs) - min(costs) <= max(lengths) // 2, costs
     samples = [Sample(np.zeros(n, np.int64), 1, np.ones(n - 1, np.float32)) for n in lengths]
-    plans = split_for_ranks(samples, mini_batches=1, ranks=2, batching=Batching(max_tokens=400, packed=True))
-    loads = [sum(len(s.input_ids) for m in p[0].micro_batches for s in m if s.response_mask.any()) for p in plans]
+    plans = split_for_ranks(
+        samples, mini_batches=1, ranks=2, batching=Batching(max_tokens=400, packed=True)
+    )
+    loads = [
+        sum(len(s.input_ids) for m in p[0].micro_batches for s in m if s.response_mask.any())
+        for p in plans
+    ]
     assert abs(loads[0] - loads[1]) <= max(lengths) // 2, loads
-    assert sorted(micro_batches([500, 20], Batching(max_tokens=100))) == [[0], [1]], "a long sequence runs alone"
+    assert sorted(micro_batches([500, 20], Batching(max_tokens=100))) == [[0], [1]], (
+        "a long sequence runs alone"
+    )
 
 
 def config(**kw: Any) -> Any:
     """The config fields learner.prepare reads."""
-    off = SimpleNamespace(old_logprobs="recompute", skip_old_logprob_forward="auto", is_level="token", is_cap=2.0)
+    off = SimpleNamespace(
+        old_logprobs="recompute", skip_old_logprob_forward="auto", is_level="token", is_cap=2.0
+    )
     off.__dict__.update(kw.pop("off_policy", {}))
-    actor = SimpleNamespace(off_policy=off, ppo_epochs=1, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2,
-                            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1000)
+    actor = SimpleNamespace(
+        off_policy=off,
+        ppo_epochs=1,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=1000,
+    )
     actor.__dict__.update(kw.pop("actor", {}))
     return SimpleNamespace(
-        actor_rollout_ref=SimpleNamespace(actor=actor, rollout=SimpleNamespace(n=4),
-                                          model=SimpleNamespace(use_remove_padding=True)),
+        actor_rollout_ref=SimpleNamespace(
+            actor=actor,
+            rollout=SimpleNamespace(n=4),
+            model=SimpleNamespace(use_remove_padding=True),
+        ),
         algorithm=SimpleNamespace(use_kl_in_reward=kw.pop("use_kl_in_reward", False)),
-        data=SimpleNamespace(train_batch_size=2), trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0), device="cpu"))
+        data=SimpleNamespace(train_batch_size=2),
+        trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0), device="cpu"),
+    )
 
 
-@pytest.mark.parametrize(("kw", "skips"), [
-    ({}, True),
-    ({"off_policy": {"is_level": "sequence", "is_cap": 3.0}}, True),
-    ({"actor": {"ppo_epochs": 2}}, False),
-    ({"actor": {"ppo_mini_batch_size": 4}}, False),  # two optimizer steps
-    ({"use_kl_in_reward": True}, False),  # the reward needs old logprobs before the update
-    ({"off_policy": {"skip_old_logprob_forward": "never"}}, False),
-    ({"off_policy": {"old_logprobs": "rollout"}}, False),
-    ({"critic_warmup": 1}, False),  # no actor update this step
-])
+@pytest.mark.parametrize(
+    ("kw", "skips"),
+    [
+        ({}, True),
+        ({"off_policy": {"is_level": "sequence", "is_cap": 3.0}}, True),
+        ({"actor": {"ppo_epochs": 2}}, False),
+        ({"actor": {"ppo_mini_batch_size": 4}}, False),  # two optimizer steps
+        ({"use_kl_in_reward": True}, False),  # the reward needs old logprobs before the update
+        ({"off_policy": {"skip_old_logprob_forward": "never"}}, False),
+        ({"off_policy": {"old_logprobs": "rollout"}}, False),
+        ({"critic_warmup": 1}, False),  # no actor update this step
+    ],
+)
 def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bool) -> None:
     from learner.prepare import batching, old_logprobs_from_update
 
@@ -221,24 +256,43 @@ def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bo
         off = config(**kw).actor_rollout_ref.actor.off_policy
         assert (got.is_level, got.is_cap) == (off.is_level, off.is_cap)
     assert batching(config()) == Batching(micro_size=2, max_tokens=1000, packed=True)
-    assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(micro_size=3, packed=True)
+    assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(
+        micro_size=3, packed=True
+    )
 
 
 def test_packing_needs_a_varlen_kernel_on_a_gpu() -> None:
     from learner.prepare import batching
 
-    assert batching(config(), can_pack=False) == Batching(micro_size=2, max_tokens=1000, packed=False)
+    assert batching(config(), can_pack=False) == Batching(
+        micro_size=2, max_tokens=1000, packed=False
+    )
 
 
-def _loop_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-                 scale: float | None, causal: bool = True) -> torch.Tensor:
+def _loop_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scale: float | None,
+    causal: bool = True,
+) -> torch.Tensor:
     """A `VarlenKernel` made of one SDPA call per sequence."""
     rep = q.size(1) // k.size(1)
     bounds = cu.tolist()
-    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[a:b].transpose(0, 1)[None], k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
-        v[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None], is_causal=causal, scale=scale)[0].transpose(0, 1)
-        for a, b in itertools.pairwise(bounds)])
+    return torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1)[None],
+                k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
+                v[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
+                is_causal=causal,
+                scale=scale,
+            )[0].transpose(0, 1)
+            for a, b in itertools.pairwise(bounds)
+        ]
+    )
 
 
 def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
@@ -251,4 +305,6 @@ def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
     assert problem is not None and "output differs" in problem
     kernel = torch_varlen_kernel()  # torch 2.13 has one; CUDA only
     if kernel is not None:
-        assert check_varlen_kernel(kernel, CPU, torch.float32) is not None  # refused on the CPU, no raise
+        assert (
+            check_varlen_kernel(kernel, CPU, torch.float32) is not None
+        )  # refused on the CPU, no raise

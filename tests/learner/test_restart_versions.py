@@ -52,7 +52,9 @@ def test_resume_marks_the_undone_steps_and_skips_their_versions(tmp_path: Path) 
     path.write_text("".join(step_line(s, s, [f"t{s}a", f"t{s}b"]) for s in range(1, 6)))
     ledger = VersionLedger(tmp_path)
     ledger.record(5)
-    r = resume(tmp_path, ledger, step=3, checkpoint_version=3, checkpoint=tmp_path / "global_step_3")
+    r = resume(
+        tmp_path, ledger, step=3, checkpoint_version=3, checkpoint=tmp_path / "global_step_3"
+    )
     assert r.version == 6
     assert r.rollback is not None and r.rollback["from_step"] == 5 and r.rollback["to_step"] == 3
     assert r.rollback["undone_steps"] == [4, 5] and r.rollback["undone_trajectories"] == 4
@@ -80,7 +82,9 @@ def test_a_plain_restart_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_versions_of_runs_older_than_the_ledger_come_from_trained_jsonl(tmp_path: Path) -> None:
-    (tmp_path / trained_log.TRAINED_IDS).write_text("".join(step_line(s, s, [f"t{s}"]) for s in range(1, 6)))
+    (tmp_path / trained_log.TRAINED_IDS).write_text(
+        "".join(step_line(s, s, [f"t{s}"]) for s in range(1, 6))
+    )
     r = resume(tmp_path, VersionLedger(tmp_path), step=3, checkpoint_version=3, checkpoint=None)
     assert r.version == 6
 
@@ -106,15 +110,32 @@ def write_config(tmp: Path, model: Path, port: int, shm: Path) -> Path:
     cfg = {
         "actor_rollout_ref": {
             "model": {"path": str(model)},
-            "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4, "optim": {"lr": 1e-3}},
+            "actor": {
+                "ppo_mini_batch_size": 4,
+                "ppo_micro_batch_size_per_gpu": 4,
+                "optim": {"lr": 1e-3},
+            },
             "rollout": {"n": 2, "max_staleness": 1000},
         },
         "data": {"train_files": [str(data)], "train_batch_size": 2},
-        "trainer": {"total_training_steps": 7, "save_freq": 3, "n_gpus_per_node": 1, "device": "cpu",
-                    "logger": ["jsonl"], "run_dir": str(tmp / "run"), "experiment_name": "t"},
-        "learner": {"bind_address": f"tcp://127.0.0.1:{port}", "buffer_batches": 4,
-                    "weights_file_dir": str(shm)},
-        "transport": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 10.0},  # a loaded CI machine
+        "trainer": {
+            "total_training_steps": 7,
+            "save_freq": 3,
+            "n_gpus_per_node": 1,
+            "device": "cpu",
+            "logger": ["jsonl"],
+            "run_dir": str(tmp / "run"),
+            "experiment_name": "t",
+        },
+        "learner": {
+            "bind_address": f"tcp://127.0.0.1:{port}",
+            "buffer_batches": 4,
+            "weights_file_dir": str(shm),
+        },
+        "transport": {
+            "heartbeat_interval_s": 0.5,
+            "heartbeat_timeout_s": 10.0,
+        },  # a loaded CI machine
         "ray": {"num_cpus": 1},
     }
     path = tmp / "learner.yaml"
@@ -124,8 +145,14 @@ def write_config(tmp: Path, model: Path, port: int, shm: Path) -> Path:
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def kill_group(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
@@ -157,41 +184,78 @@ def feed(tmp: Path, name: str, key: str) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_sigkill_after_step_5_with_checkpoint_3_then_restart(tiny_model: Path, tmp_path: Path) -> None:
+def test_sigkill_after_step_5_with_checkpoint_3_then_restart(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     from launcher.plan import free_port
 
     port = free_port("127.0.0.1")
-    shm = Path(tempfile.mkdtemp(prefix="restart-test-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    shm = Path(
+        tempfile.mkdtemp(
+            prefix="restart-test-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        )
+    )
     cfg = write_config(tmp_path, tiny_model, port, shm)
     run = tmp_path / "run"
     logs = [tmp_path / n for n in ("learner1.log", "learner2.log", "feed_a.log", "feed_b.log")]
 
     def feeder(name: str, groups: int, log: Path) -> subprocess.Popen[bytes]:
-        return start([sys.executable, str(FEEDER), "--connect", f"tcp://127.0.0.1:{port}", "--model",
-                      str(tiny_model), "--out", str(tmp_path / f"{name}.jsonl"), "--groups", str(groups),
-                      "--peer-id", name, "--exit-on-bye"], log)
+        return start(
+            [
+                sys.executable,
+                str(FEEDER),
+                "--connect",
+                f"tcp://127.0.0.1:{port}",
+                "--model",
+                str(tiny_model),
+                "--out",
+                str(tmp_path / f"{name}.jsonl"),
+                "--groups",
+                str(groups),
+                "--peer-id",
+                name,
+                "--exit-on-bye",
+            ],
+            log,
+        )
 
     procs: list[subprocess.Popen[bytes]] = []
     try:
         # 11 groups: 5 steps of 2, and one more that step 6 waits for, so the learner stops after step 5
         procs.append(feed_a := feeder("feed_a", 11, logs[2]))
         procs.append(first := start([sys.executable, "bin/learner", "--config", str(cfg)], logs[0]))
-        wait_for(lambda: 5 in trained_log.read(run / "trained.jsonl").steps and 5 in feed(tmp_path, "feed_a", "weights")
-                 and len(feed(tmp_path, "feed_a", "acked")) == 11, 300, "step 5 applied, 11 batches acked", logs)
+        wait_for(
+            lambda: (
+                5 in trained_log.read(run / "trained.jsonl").steps
+                and 5 in feed(tmp_path, "feed_a", "weights")
+                and len(feed(tmp_path, "feed_a", "acked")) == 11
+            ),
+            300,
+            "step 5 applied, 11 batches acked",
+            logs,
+        )
         time.sleep(1.0)  # step 6 has 1 of its 2 groups: the learner waits
         dead = list(shm.glob(f"agentrl-weights-{first.pid}-*"))
         kill_group(first)
-        assert len(dead) == 1 and dead[0].exists(), "the killed learner's weights files are the test's subject"
+        assert len(dead) == 1 and dead[0].exists(), (
+            "the killed learner's weights files are the test's subject"
+        )
         ckpt = run / "checkpoints"
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
         assert trained_log.read(run / "trained.jsonl").last_step == 5
 
-        procs.append(second := start([sys.executable, "bin/learner", "--config", str(cfg)], logs[1]))
-        wait_for(lambda: "resumed_from" in logs[1].read_text(), 300, "the second learner to start", logs)
+        procs.append(
+            second := start([sys.executable, "bin/learner", "--config", str(cfg)], logs[1])
+        )
+        wait_for(
+            lambda: "resumed_from" in logs[1].read_text(), 300, "the second learner to start", logs
+        )
         assert not dead[0].exists(), "the dead learner's /dev/shm files survived the next start"
         procs.append(feed_b := feeder("feed_b", 3, logs[3]))
         assert second.wait(timeout=300) == 0, logs[1].read_text()[-4000:]
-        assert feed_a.wait(timeout=30) == 0 and feed_b.wait(timeout=30) == 0, logs[2].read_text()[-3000:]
+        assert feed_a.wait(timeout=30) == 0 and feed_b.wait(timeout=30) == 0, logs[2].read_text()[
+            -3000:
+        ]
     finally:
         for p in procs:
             kill_group(p)
@@ -204,11 +268,19 @@ def test_sigkill_after_step_5_with_checkpoint_3_then_restart(tiny_model: Path, t
     assert len(trained.rollbacks) == 1
     rb = trained.rollbacks[0]
     assert (rb["from_step"], rb["to_step"], rb["undone_steps"]) == (5, 3, [4, 5])
-    assert (rb["checkpoint_version"], rb["highest_published_version"], rb["resumed_version"]) == (3, 5, 6)
+    assert (rb["checkpoint_version"], rb["highest_published_version"], rb["resumed_version"]) == (
+        3,
+        5,
+        6,
+    )
     assert "rolled back" in logs[1].read_text()
     metrics = read_jsonl(run / "metrics.jsonl")
     resumed = [m for m in metrics if "checkpoint/rolled_back_steps" in m]
-    assert len(resumed) == 1 and resumed[0]["step"] == 4 and resumed[0]["checkpoint/rolled_back_steps"] == 2
+    assert (
+        len(resumed) == 1
+        and resumed[0]["step"] == 4
+        and resumed[0]["checkpoint/rolled_back_steps"] == 2
+    )
 
     # versions only go up: on the learner (every step line, undone ones included) and on every server
     lines = [json.loads(x) for x in (run / "trained.jsonl").read_text().splitlines()]
@@ -225,5 +297,7 @@ def test_sigkill_after_step_5_with_checkpoint_3_then_restart(tiny_model: Path, t
     ids = [i for step in trained.trajectory_ids().values() for i in step]
     assert sorted(trained.steps) == list(range(1, 8))
     assert len(ids) == len(set(ids)) == 28, "a trajectory was trained twice or lost"
-    acked = {i for name in ("feed_a", "feed_b") for batch in feed(tmp_path, name, "acked") for i in batch}
+    acked = {
+        i for name in ("feed_a", "feed_b") for batch in feed(tmp_path, name, "acked") for i in batch
+    }
     assert acked == set(ids)

@@ -327,12 +327,20 @@ def test_prometheus_serves_the_latest_step(tmp_path: Path) -> None:
     from learner.sinks import SinkContext
 
     assert prometheus_name("rollout/waste_frac") == "agentrl_learner_rollout_waste_frac"
-    sink = PrometheusSink(SinkContext(tmp_path, total_steps=3, config={"learner": {"metrics_port": 0}}))
+    sink = PrometheusSink(
+        SinkContext(tmp_path, total_steps=3, config={"learner": {"metrics_port": 0}})
+    )
     try:
-        assert sink._server.server_address[0] == "127.0.0.1"  # loopback unless learner.metrics_host opens it
+        assert (
+            sink._server.server_address[0] == "127.0.0.1"
+        )  # loopback unless learner.metrics_host opens it
         sink.log(1, {"rollout/waste_frac": 0.25, "reward/mean": float("nan")})
         sink.log(2, {"rollout/waste_frac": 0.0})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
     finally:
         sink.close()
     assert "agentrl_learner_rollout_waste_frac 0.0" in text and "agentrl_learner_step 2.0" in text

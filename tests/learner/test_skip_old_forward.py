@@ -40,14 +40,24 @@ def trajectories(seed: int = 0, groups: int = 2, n: int = 4) -> list[Any]:
             r = int(rng.integers(2, 40))
             mask = (rng.random(r) > 0.2).astype(np.uint8)
             logp = np.where(mask == 1, -rng.random(r) * 12, 0.0).astype(np.float32)
-            out.append(Trajectory(trajectory_id=f"t{g}-{i}", group_uid=f"g{g}", prompt_ids=prompt,
-                                  response_ids=rng.integers(0, 500, r).astype(np.int32), response_mask=mask,
-                                  rollout_logprobs=logp, versions=np.zeros(r, np.int32),
-                                  reward=float(rng.random())))
+            out.append(
+                Trajectory(
+                    trajectory_id=f"t{g}-{i}",
+                    group_uid=f"g{g}",
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(0, 500, r).astype(np.int32),
+                    response_mask=mask,
+                    rollout_logprobs=logp,
+                    versions=np.zeros(r, np.int32),
+                    reward=float(rng.random()),
+                )
+            )
     return out
 
 
-async def one_step(model: Path, run_dir: Path, overrides: list[str]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+async def one_step(
+    model: Path, run_dir: Path, overrides: list[str]
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     from common.config.loader import load_config
     from common.safetensors_buffers import load_dir
     from learner.prepare import to_samples
@@ -55,12 +65,24 @@ async def one_step(model: Path, run_dir: Path, overrides: list[str]) -> tuple[di
     from learner.worker_api import WeightsRequest
     from learner.workers import WorkerGroup
 
-    config = load_config(None, [
-        f"actor_rollout_ref.model.path={model}", f"data.train_files=[{run_dir / 'none.jsonl'}]",
-        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.temperature=0.8",
-        "trainer.n_gpus_per_node=2", "trainer.device=cpu", "trainer.total_training_steps=1",
-        f"trainer.run_dir={run_dir}", *overrides], check_paths=False)
+    config = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={model}",
+            f"data.train_files=[{run_dir / 'none.jsonl'}]",
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "actor_rollout_ref.rollout.temperature=0.8",
+            "trainer.n_gpus_per_node=2",
+            "trainer.device=cpu",
+            "trainer.total_training_steps=1",
+            f"trainer.run_dir={run_dir}",
+            *overrides,
+        ],
+        check_paths=False,
+    )
     trainer = Trainer(config, run_dir)
     trainer._init_algorithm_state(None)
     trainer.workers = WorkerGroup(trainer.settings, trainer.world)
@@ -77,23 +99,44 @@ async def one_step(model: Path, run_dir: Path, overrides: list[str]) -> tuple[di
         trainer.workers.shutdown()
 
 
-@pytest.mark.parametrize("extra", [
-    # packed, token-capped micro-batches (the defaults), per-token importance weights
-    ["actor_rollout_ref.actor.off_policy.is_level=token"],
-    # padded, fixed-size micro-batches, sequence-level weights, KL loss (reference forward), entropy
-    ["actor_rollout_ref.actor.off_policy.is_level=sequence", "actor_rollout_ref.model.use_remove_padding=false",
-     "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
-     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
-     "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
-], ids=["packed-token", "padded-sequence-kl"])
-def test_skipping_the_old_logprob_forward_changes_nothing(tiny_model: Path, ray_cluster: Any, tmp_path: Path,
-                                                           extra: list[str]) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # packed, token-capped micro-batches (the defaults), per-token importance weights
+        ["actor_rollout_ref.actor.off_policy.is_level=token"],
+        # padded, fixed-size micro-batches, sequence-level weights, KL loss (reference forward), entropy
+        [
+            "actor_rollout_ref.actor.off_policy.is_level=sequence",
+            "actor_rollout_ref.model.use_remove_padding=false",
+            "actor_rollout_ref.actor.use_dynamic_bsz=false",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        ],
+    ],
+    ids=["packed-token", "padded-sequence-kl"],
+)
+def test_skipping_the_old_logprob_forward_changes_nothing(
+    tiny_model: Path, ray_cluster: Any, tmp_path: Path, extra: list[str]
+) -> None:
     key = "actor_rollout_ref.actor.off_policy.skip_old_logprob_forward"
-    m_skip, w_skip = anyio.run(lambda: one_step(tiny_model, tmp_path / "skip", [*extra, f"{key}=auto"]))
-    m_full, w_full = anyio.run(lambda: one_step(tiny_model, tmp_path / "full", [*extra, f"{key}=never"]))
+    m_skip, w_skip = anyio.run(
+        lambda: one_step(tiny_model, tmp_path / "skip", [*extra, f"{key}=auto"])
+    )
+    m_full, w_full = anyio.run(
+        lambda: one_step(tiny_model, tmp_path / "full", [*extra, f"{key}=never"])
+    )
     assert m_skip.keys() == m_full.keys()
-    for k in ("actor/pg_loss", "actor/grad_norm", "off_policy/is_weight_mean", "off_policy/is_truncated_frac",
-              "off_policy/is_weight_max", "rollout/logprob_diff", "advantages/mean"):
+    for k in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "off_policy/is_weight_mean",
+        "off_policy/is_truncated_frac",
+        "off_policy/is_weight_max",
+        "rollout/logprob_diff",
+        "advantages/mean",
+    ):
         assert k in m_skip, k
     assert 0 < m_full["off_policy/is_truncated_frac"] < 1, "some weights truncated, some not"
     for k in m_full:
@@ -105,6 +148,8 @@ def test_skipping_the_old_logprob_forward_changes_nothing(tiny_model: Path, ray_
     from safetensors.numpy import load_file
 
     before = load_file(str(tiny_model / "model.safetensors"))
-    assert max(float(np.abs(w_full[n] - before[n]).max()) for n in w_full) > 1e-4, "the step moved the weights"
+    assert max(float(np.abs(w_full[n] - before[n]).max()) for n in w_full) > 1e-4, (
+        "the step moved the weights"
+    )
     for n in w_full:
         np.testing.assert_allclose(w_skip[n], w_full[n], atol=1e-6, rtol=0, err_msg=n)

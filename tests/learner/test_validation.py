@@ -32,7 +32,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def result(request_id: str, rewards: list[float], source: str = "math", **kw: Any) -> ValidateResult:
+def result(
+    request_id: str, rewards: list[float], source: str = "math", **kw: Any
+) -> ValidateResult:
     outcomes = [EpisodeOutcome(source, r, 10, 1, "answered", {"acc": r > 0}) for r in rewards]
     return ValidateResult(request_id, 2, sources=summarize(outcomes), **kw)
 
@@ -57,8 +59,12 @@ def test_metrics_merge_servers_by_counts_and_count_the_missing() -> None:
     assert (m["val/count/qa"], m["val/reward/mean/qa"]) == (1, 0.0)
     assert m["val/extras/acc/mean/math"] == pytest.approx(2 / 3) and m["val/extras/acc/mean"] == 0.5
     assert m["val/episode/termination/answered"] == 1.0 and m["val/response/length_mean/qa"] == 10.0
-    assert (m["val/servers_asked"], m["val/servers_answered"], m["val/servers_failed"],
-            m["val/servers_missing"]) == (4, 2, 1, 1)
+    assert (
+        m["val/servers_asked"],
+        m["val/servers_answered"],
+        m["val/servers_failed"],
+        m["val/servers_missing"],
+    ) == (4, 2, 1, 1)
     assert rnd.outstanding == [] and rnd.failed == {"c": "no weights"}
     empty = validation_metrics(ValidationRound("r", 0))
     assert empty["val/count"] == 0 and "val/reward/mean" not in empty
@@ -66,22 +72,41 @@ def test_metrics_merge_servers_by_counts_and_count_the_missing() -> None:
 
 # -- Intake.validate over ZeroMQ ---------------------------------------------------------------------------
 def make_config(model: Path) -> Any:
-    return load_config(None, [
-        f"actor_rollout_ref.model.path={model}", "data.train_files=unused.jsonl",
-        "learner.bind_address=tcp://127.0.0.1:0", "transport.heartbeat_interval_s=0.2",
-        "transport.heartbeat_timeout_s=3.0",
-    ], check_paths=False)
+    return load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={model}",
+            "data.train_files=unused.jsonl",
+            "learner.bind_address=tcp://127.0.0.1:0",
+            "transport.heartbeat_interval_s=0.2",
+            "transport.heartbeat_timeout_s=3.0",
+        ],
+        check_paths=False,
+    )
 
 
 class Server:
     """A rollout sender that answers validation requests with ``answer(request)`` (None: stay silent)."""
 
-    def __init__(self, address: str, model: Path, peer_id: str, *, validates: bool = True,
-                 answer: Callable[[Any], ValidateResult | None] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        model: Path,
+        peer_id: str,
+        *,
+        validates: bool = True,
+        answer: Callable[[Any], ValidateResult | None] | None = None,
+    ) -> None:
         model_id, tok_id = wire_identities(model)
-        self.conn = RolloutConnection(peer_id=peer_id, epoch=uuid.uuid4().hex, model=model_id, tokenizer=tok_id,
-                                      capabilities=[VALIDATION_CAPABILITY] if validates else [],
-                                      heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)
+        self.conn = RolloutConnection(
+            peer_id=peer_id,
+            epoch=uuid.uuid4().hex,
+            model=model_id,
+            tokenizer=tok_id,
+            capabilities=[VALIDATION_CAPABILITY] if validates else [],
+            heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=3.0,
+        )
         self.client = RolloutClient(self.conn, client_factory(address), reconnect_delay_s=0.05)
         self.answer = answer or (lambda req: result(req.request_id, [1.0, 0.0]))
         self.events: list[Event] = []
@@ -117,21 +142,38 @@ async def serving(intake: Intake, *servers_args: dict[str, Any]) -> AsyncIterato
 
 
 @pytest.mark.anyio
-async def test_validate_merges_the_answers_of_the_servers_that_offer_it(tmp_path: Path, tiny_model: Path) -> None:
+async def test_validate_merges_the_answers_of_the_servers_that_offer_it(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
-    async with serving(intake, {"model": tiny_model, "peer_id": "a"}, {"model": tiny_model, "peer_id": "b"},
-                       {"model": tiny_model, "peer_id": "old", "validates": False}) as (a, b, old):
+    async with serving(
+        intake,
+        {"model": tiny_model, "peer_id": "a"},
+        {"model": tiny_model, "peer_id": "b"},
+        {"model": tiny_model, "peer_id": "old", "validates": False},
+    ) as (a, b, old):
         rnd = await intake.validate(3, timeout_s=10.0, request_id="step2-x")
-        assert sorted(rnd.asked) == ["a", "b"] and sorted(rnd.results) == ["a", "b"] and rnd.duration_s < 5
+        assert (
+            sorted(rnd.asked) == ["a", "b"]
+            and sorted(rnd.results) == ["a", "b"]
+            and rnd.duration_s < 5
+        )
         m = validation_metrics(rnd)
-        assert m["val/count"] == 4 and m["val/reward/mean/math"] == 0.5 and m["val/servers_missing"] == 0
+        assert (
+            m["val/count"] == 4
+            and m["val/reward/mean/math"] == 0.5
+            and m["val/servers_missing"] == 0
+        )
         assert a.requests == b.requests == ["step2-x"] and old.requests == []
-        assert intake.stats["batches"] == 0 and intake._proto.buffered == 0  # no trajectories, no room
+        assert (
+            intake.stats["batches"] == 0 and intake._proto.buffered == 0
+        )  # no trajectories, no room
 
 
 @pytest.mark.anyio
-async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(tmp_path: Path,
-                                                                             tiny_model: Path) -> None:
+async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
     silent = {"model": tiny_model, "peer_id": "silent", "answer": lambda req: None}
     async with serving(intake, {"model": tiny_model, "peer_id": "ok"}, silent) as (_, quitter):
@@ -170,7 +212,9 @@ async def test_timeouts_bound_the_wait(tmp_path: Path, tiny_model: Path) -> None
 
 
 @pytest.mark.anyio
-async def test_validate_waits_for_the_first_server_to_join(tmp_path: Path, tiny_model: Path) -> None:
+async def test_validate_waits_for_the_first_server_to_join(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
     async with anyio.create_task_group() as tg:
         address = await tg.start(intake.run)
@@ -189,9 +233,13 @@ async def test_validate_waits_for_the_first_server_to_join(tmp_path: Path, tiny_
 
 
 @pytest.mark.anyio
-async def test_servers_without_the_capability_are_not_waited_for(tmp_path: Path, tiny_model: Path) -> None:
+async def test_servers_without_the_capability_are_not_waited_for(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
-    async with serving(intake, {"model": tiny_model, "peer_id": "old", "validates": False}) as (old,):
+    async with serving(intake, {"model": tiny_model, "peer_id": "old", "validates": False}) as (
+        old,
+    ):
         t0 = time.monotonic()
         rnd = await intake.validate(0, timeout_s=30.0)
         assert rnd.asked == [] and time.monotonic() - t0 < 2 and old.requests == []

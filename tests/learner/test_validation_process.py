@@ -29,25 +29,45 @@ VAL_ROWS, VAL_N = 6, 2
 def overrides(tmp: Path, model: Path, data: Path, port: int) -> list[str]:
     address = f"tcp://127.0.0.1:{port}"
     return [
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.jsonl'}",
-        f"data.val_files={data / 'val.jsonl'}", "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "actor_rollout_ref.rollout.max_staleness=1000",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24",
+        "actor_rollout_ref.rollout.max_staleness=1000",
         f"actor_rollout_ref.rollout.val_kwargs.n={VAL_N}",
-        "trainer.total_training_steps=4", "trainer.test_freq=2", "trainer.val_before_train=true",
-        "trainer.val_timeout_s=480", "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]",
-        f"trainer.run_dir={tmp / 'run'}", "trainer.save_freq=-1",
-        f"learner.bind_address={address}", f"rollout_server.learner_address={address}",
-        "rollout_server.server_id=rs0", "rollout_server.record=true", "rollout_server.max_concurrent_episodes=8",
-        "rollout_server.stats_interval_s=5", "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=10",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=2",
+        "trainer.val_before_train=true",
+        "trainer.val_timeout_s=480",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.run_dir={tmp / 'run'}",
+        "trainer.save_freq=-1",
+        f"learner.bind_address={address}",
+        f"rollout_server.learner_address={address}",
+        "rollout_server.server_id=rs0",
+        "rollout_server.record=true",
+        "rollout_server.max_concurrent_episodes=8",
+        "rollout_server.stats_interval_s=5",
+        "transport.heartbeat_interval_s=0.5",
+        "transport.heartbeat_timeout_s=10",
     ]
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
@@ -60,7 +80,11 @@ def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
 
 
 def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Path) -> None:
@@ -78,7 +102,9 @@ def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Pat
         code = learner.wait(timeout=1000)
         tails = f"--- learner\n{learner_log.read_text()[-5000:]}\n--- server\n{server_log.read_text()[-5000:]}"
         assert code == 0, tails
-        stop(server, signal.SIGTERM)  # the learner said BYE; the server keeps reconnecting until told to stop
+        stop(
+            server, signal.SIGTERM
+        )  # the learner said BYE; the server keeps reconnecting until told to stop
     finally:
         stop(learner)
         stop(server)

@@ -14,8 +14,9 @@ import pytest
 from learner.weights_files import WeightFiles, remove_stale
 
 
-def _publish(files: WeightFiles, version: int, *, current_chunked: bool = False,
-             **kw) -> tuple[int, Path] | None:
+def _publish(
+    files: WeightFiles, version: int, *, current_chunked: bool = False, **kw
+) -> tuple[int, Path] | None:
     got = files.take(version, **kw)
     if got is not None:
         got[1].write_bytes(f"v{version}".encode())
@@ -67,7 +68,9 @@ def test_a_version_sent_as_chunks_only_leaves_no_current_file(tmp_path: Path) ->
     assert files.take(3, oldest_applied=0) is None  # both files may still be read: chunks only
     files.published(3, replaced_chunked=True)  # chunks had been cut from v2's file
     _, p4 = _publish(files, 4, oldest_applied=3)
-    assert p4.parent.name == "v4" and not p1.exists() and not p2.parent.exists()  # v1 reused, v2 retired
+    assert (
+        p4.parent.name == "v4" and not p1.exists() and not p2.parent.exists()
+    )  # v1 reused, v2 retired
     assert [d.name for d in files.root.iterdir()] == ["v4"]
 
 
@@ -110,8 +113,12 @@ time.sleep(60)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_files_are_gone_after_any_exit_or_at_the_next_start(tmp_path: Path, sig: int) -> None:
-    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE,
-                         cwd=Path(__file__).resolve().parents[2], text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+        text=True,
+    )
     assert p.stdout is not None
     root = Path(p.stdout.readline().strip())
     assert root.is_dir()

@@ -18,8 +18,8 @@ from protocol import codec
 from protocol.errors import ProtocolError
 from protocol.events import BatchAcked, BatchReceived, Event
 from protocol.messages import (
-    Admit,
     Ack,
+    Admit,
     Bye,
     ChunkPart,
     Error,
@@ -50,19 +50,30 @@ Frames = list[Any]
 
 
 # -- data -------------------------------------------------------------------------------------------
-def make_traj(tid: str = "t0", *, prompt_len: int = 3, response_len: int = 4, seed: int = 0,
-              group_uid: str = "g0", **scalars: Any) -> Trajectory:
+def make_traj(
+    tid: str = "t0",
+    *,
+    prompt_len: int = 3,
+    response_len: int = 4,
+    seed: int = 0,
+    group_uid: str = "g0",
+    **scalars: Any,
+) -> Trajectory:
     """A valid trajectory with deterministic contents derived from ``seed``."""
     rng = np.random.default_rng(seed)
     mask = np.ones(response_len, np.uint8)
     mask[1::3] = 0  # every third token is a tool token
     lp = -rng.random(response_len, dtype=np.float32) * mask
     return Trajectory(
-        trajectory_id=tid, group_uid=group_uid,
+        trajectory_id=tid,
+        group_uid=group_uid,
         prompt_ids=rng.integers(0, 1000, prompt_len, dtype=np.int32),
         response_ids=rng.integers(0, 1000, response_len, dtype=np.int32),
-        response_mask=mask, rollout_logprobs=lp.astype(np.float32),
-        versions=np.full(response_len, 3, np.int32), reward=0.5, **scalars,
+        response_mask=mask,
+        rollout_logprobs=lp.astype(np.float32),
+        versions=np.full(response_len, 3, np.int32),
+        reward=0.5,
+        **scalars,
     )
 
 
@@ -87,25 +98,44 @@ def tensors(sizes: Iterable[int] = (10, 7), *, seed: int = 0) -> list[NamedBuffe
 def sample_messages() -> dict[MsgType, Any]:
     """One representative message per type (batch and chunk carry payload frames)."""
     return {
-        MsgType.HELLO: Hello([1, 0], "rollout-0", "rollout-server", "epoch-a", MODEL, TOKENIZER, 7, ["x"]),
-        MsgType.WELCOME: Welcome([1, 0], "learner", "sess", 4, 7, 1, 1.0, 10.0, Limits(1 << 20, 64, 4096)),
+        MsgType.HELLO: Hello(
+            [1, 0], "rollout-0", "rollout-server", "epoch-a", MODEL, TOKENIZER, 7, ["x"]
+        ),
+        MsgType.WELCOME: Welcome(
+            [1, 0], "learner", "sess", 4, 7, 1, 1.0, 10.0, Limits(1 << 20, 64, 4096)
+        ),
         MsgType.TRAJECTORY_BATCH: TrajectoryBatch(
-            5, [make_traj("a", seed=1, reward_extras={"pass": True, "score": 0.25}, timings={"gen": 1.5}),
-                make_traj("b", prompt_len=2, response_len=0, seed=2, termination="length")]
+            5,
+            [
+                make_traj(
+                    "a", seed=1, reward_extras={"pass": True, "score": 0.25}, timings={"gen": 1.5}
+                ),
+                make_traj("b", prompt_len=2, response_len=0, seed=2, termination="length"),
+            ],
         ),
         MsgType.ACK: Ack([1, 2], 3, [2]),
         MsgType.WEIGHTS_ANNOUNCE: WeightsAnnounce(
             8, "tx", [TensorSpec("w", "float32", [2, 2], 16, 123)], 2
         ),
-        MsgType.WEIGHTS_CHUNK: WeightsChunk("tx", 8, 1, [ChunkPart(0, 0, 3), ChunkPart(1, 4, 2)],
-                                            (b"abc", b"de")),
+        MsgType.WEIGHTS_CHUNK: WeightsChunk(
+            "tx", 8, 1, [ChunkPart(0, 0, 3), ChunkPart(1, 4, 2)], (b"abc", b"de")
+        ),
         MsgType.WEIGHTS_APPLIED: WeightsApplied(8, "tx", False, "boom", 0.25),
         MsgType.HEARTBEAT: Heartbeat(12.5, 7),
         MsgType.ERROR: Error(3, "bad", False, "HELLO.peer_id", 1, 0),
         MsgType.BYE: Bye("done"),
         MsgType.VALIDATE_REQUEST: ValidateRequest("val-1", 7, 30.0),
         MsgType.VALIDATE_RESULT: ValidateResult(
-            "val-1", 7, True, "", [source_metrics("math"), source_metrics("qa", count=0)], 1, 2, 3, 4.5),
+            "val-1",
+            7,
+            True,
+            "",
+            [source_metrics("math"), source_metrics("qa", count=0)],
+            1,
+            2,
+            3,
+            4.5,
+        ),
         MsgType.ADMIT: Admit(8, 7),
     }
 
@@ -113,10 +143,16 @@ def sample_messages() -> dict[MsgType, Any]:
 def source_metrics(name: str = "math", *, count: int = 4, **kw: Any) -> SourceMetrics:
     """Consistent validation metrics of one source (rewards 0.5 each, half of them correct)."""
     fields: dict[str, Any] = dict(
-        data_source=name, count=count, reward_sum=0.5 * count, reward_mean=0.5 if count else 0.0,
-        response_length_mean=12.0 if count else 0.0, turns_mean=1.5 if count else 0.0,
-        terminations={"answered": count}, extras_mean={"acc": 0.5} if count else {},
-        extras_count={"acc": count} if count else {})
+        data_source=name,
+        count=count,
+        reward_sum=0.5 * count,
+        reward_mean=0.5 if count else 0.0,
+        response_length_mean=12.0 if count else 0.0,
+        turns_mean=1.5 if count else 0.0,
+        terminations={"answered": count},
+        extras_mean={"acc": 0.5} if count else {},
+        extras_count={"acc": count} if count else {},
+    )
     return SourceMetrics(**(fields | kw))
 
 
@@ -191,7 +227,9 @@ class Net:
     learner_events: list[Event] = field(default_factory=list)
     sender_events: dict[bytes, list[Event]] = field(default_factory=dict)
 
-    def add(self, identity: bytes, conn: RolloutConnection, *, request_weights: bool = False) -> RolloutConnection:
+    def add(
+        self, identity: bytes, conn: RolloutConnection, *, request_weights: bool = False
+    ) -> RolloutConnection:
         self.conns[identity] = conn
         self.sender_events.setdefault(identity, [])
         conn.start(self.clock.now, request_weights=request_weights)
@@ -258,8 +296,11 @@ class Net:
     # -- observations ---------------------------------------------------------------------------
     def sent(self, direction: str, t: MsgType, ident: bytes | None = None) -> list[WireRecord]:
         """Messages put on the wire (dropped ones included) in one direction, of one type."""
-        return [r for r in self.wire if r.direction == direction and r.type == t
-                and (ident is None or r.identity == ident)]
+        return [
+            r
+            for r in self.wire
+            if r.direction == direction and r.type == t and (ident is None or r.identity == ident)
+        ]
 
     def received(self) -> list[BatchReceived]:
         return [e for e in self.learner_events if isinstance(e, BatchReceived)]
@@ -268,7 +309,9 @@ class Net:
         return [t.trajectory_id for e in self.received() for t in e.trajectories]
 
     def acked(self, ident: bytes) -> list[int]:
-        return sorted(s for e in self.sender_events[ident] if isinstance(e, BatchAcked) for s in e.seqs)
+        return sorted(
+            s for e in self.sender_events[ident] if isinstance(e, BatchAcked) for s in e.seqs
+        )
 
     def events(self, ident: bytes, kind: type) -> list[Any]:
         return [e for e in self.sender_events[ident] if isinstance(e, kind)]
@@ -285,8 +328,13 @@ def learner(**kw: Any) -> LearnerProtocol:
     return LearnerProtocol(**kw)
 
 
-def rollout(peer_id: str = "rollout-0", epoch: str = "epoch-1", *,
-            version: ProtocolVersion = PROTOCOL_VERSION, **kw: Any) -> RolloutConnection:
+def rollout(
+    peer_id: str = "rollout-0",
+    epoch: str = "epoch-1",
+    *,
+    version: ProtocolVersion = PROTOCOL_VERSION,
+    **kw: Any,
+) -> RolloutConnection:
     kw.setdefault("tokenizer", TOKENIZER)
     kw.setdefault("model", MODEL)
     return RolloutConnection(peer_id=peer_id, epoch=epoch, version=version, **kw)

@@ -75,7 +75,9 @@ def test_admit_fields_are_checked_by_name() -> None:
         try:
             codec.decode([frames[0], msgpack.packb(hdr)], codec.CodecLimits())
         except Exception as e:  # ProtocolError
-            assert f"ADMIT.{field}" in str(e) and getattr(e, "code", None) is ErrorCode.INVALID_FIELD
+            assert (
+                f"ADMIT.{field}" in str(e) and getattr(e, "code", None) is ErrorCode.INVALID_FIELD
+            )
         else:
             raise AssertionError(f"ADMIT.{field}={value} was accepted")
 

@@ -12,8 +12,18 @@ from protocol.messages import TrajectoryBatch
 
 
 def _trajs(n: int = 5) -> list:
-    return [make_traj(f"t{i}", prompt_len=2 + i, response_len=3 + 2 * i, seed=i, group_uid=f"g{i // 2}",
-                      reward_extras={"acc": float(i)}, timings={"gen_s": 0.1 * i}) for i in range(n)]
+    return [
+        make_traj(
+            f"t{i}",
+            prompt_len=2 + i,
+            response_len=3 + 2 * i,
+            seed=i,
+            group_uid=f"g{i // 2}",
+            reward_extras={"acc": float(i)},
+            timings={"gen_s": 0.1 * i},
+        )
+        for i in range(n)
+    ]
 
 
 def test_builder_and_list_encode_to_the_same_bytes() -> None:
@@ -76,7 +86,9 @@ def test_accepted_wide_dtypes_reencode_canonically() -> None:
     wide.columns["prompt_ids"] = wide.columns["prompt_ids"].astype(np.int64)
     frames = codec.encode(TrajectoryBatch(1, wide))
     assert frames[2].dtype == np.int32
-    assert [bytes(memoryview(f)) for f in frames] == [bytes(memoryview(f)) for f in codec.encode(TrajectoryBatch(1, trajs))]
+    assert [bytes(memoryview(f)) for f in frames] == [
+        bytes(memoryview(f)) for f in codec.encode(TrajectoryBatch(1, trajs))
+    ]
 
 
 def test_as_columns_passes_column_batches_through() -> None:
@@ -94,4 +106,6 @@ def test_learner_hands_fresh_batches_on_as_columns_and_deduplicated_ones_as_obje
     net.pump()
     first, second = net.received()
     assert isinstance(first.trajectories, Trajectories) and first.duplicate_trajectories == 0
-    assert [t.trajectory_id for t in second.trajectories] == ["new"] and second.duplicate_trajectories == 1
+    assert [t.trajectory_id for t in second.trajectories] == [
+        "new"
+    ] and second.duplicate_trajectories == 1

@@ -16,7 +16,10 @@ from protocol.zmq_transport import ZmqServerChannel, exposure_warning, is_loopba
 
 
 def _batch_frames(seq: int = 1, n: int = 2) -> list[bytes]:
-    return [bytes(memoryview(f)) for f in codec.encode(TrajectoryBatch(seq, [make_traj(f"t{i}") for i in range(n)]))]
+    return [
+        bytes(memoryview(f))
+        for f in codec.encode(TrajectoryBatch(seq, [make_traj(f"t{i}") for i in range(n)]))
+    ]
 
 
 def _read(budget: MessageBudget, frames: list[bytes]) -> list[bytes]:
@@ -41,15 +44,23 @@ def test_reader_over_budget_keeps_only_type_and_small_header() -> None:
     assert isinstance(big, Truncated) and len(big) == 2 and "more than 100 bytes" in big.what
 
 
-@pytest.mark.parametrize(("budget_index", "msg_type", "code"), [
-    (0, MsgType.TRAJECTORY_BATCH, ErrorCode.HELLO_REQUIRED),  # a forgotten sender handshakes again
-    (0, MsgType.HELLO, ErrorCode.TOO_LARGE),
-    (1, MsgType.TRAJECTORY_BATCH, ErrorCode.CREDIT_EXCEEDED),  # kept and resent by the sender
-    (1, MsgType.HEARTBEAT, ErrorCode.TOO_LARGE),
-    (2, MsgType.TRAJECTORY_BATCH, ErrorCode.TOO_LARGE),
-])
-def test_decode_answers_a_truncated_message_with_the_budgets_code(budget_index: int, msg_type: MsgType,
-                                                                  code: ErrorCode) -> None:
+@pytest.mark.parametrize(
+    ("budget_index", "msg_type", "code"),
+    [
+        (
+            0,
+            MsgType.TRAJECTORY_BATCH,
+            ErrorCode.HELLO_REQUIRED,
+        ),  # a forgotten sender handshakes again
+        (0, MsgType.HELLO, ErrorCode.TOO_LARGE),
+        (1, MsgType.TRAJECTORY_BATCH, ErrorCode.CREDIT_EXCEEDED),  # kept and resent by the sender
+        (1, MsgType.HEARTBEAT, ErrorCode.TOO_LARGE),
+        (2, MsgType.TRAJECTORY_BATCH, ErrorCode.TOO_LARGE),
+    ],
+)
+def test_decode_answers_a_truncated_message_with_the_budgets_code(
+    budget_index: int, msg_type: MsgType, code: ErrorCode
+) -> None:
     budget = learner()._budgets[budget_index]
     frames = _batch_frames(seq=5)
     frames[0] = bytes((msg_type,))
@@ -74,7 +85,7 @@ def test_truncated_batch_from_a_stranger_is_answered_hello_required() -> None:
     t = _read(proto.message_budget(b"x"), _batch_frames(seq=3))
     (ev,) = proto.receive(b"x", t, 0.0)
     assert ev.error.code == ErrorCode.HELLO_REQUIRED and "frames" in ev.error.message
-    (_, frames), = proto.data_to_send(0.0)
+    ((_, frames),) = proto.data_to_send(0.0)
     assert codec.decode(frames).code == ErrorCode.HELLO_REQUIRED
 
 
@@ -82,13 +93,21 @@ def test_trajectory_lengths_against_the_run() -> None:
     limits = codec.CodecLimits(max_model_len=100, max_response_tokens=40)
     ok = codec.encode(TrajectoryBatch(1, [make_traj("a", prompt_len=60, response_len=40)]))
     codec.decode(ok, limits)
-    for prompt, response, field, limit in [(61, 40, "trajectories[0].prompt_len+response_len", "100"),
-                                           (10, 41, "trajectories[0].response_len", "40")]:
-        frames = codec.encode(TrajectoryBatch(7, [make_traj("a", prompt_len=prompt, response_len=response)]))
+    for prompt, response, field, limit in [
+        (61, 40, "trajectories[0].prompt_len+response_len", "100"),
+        (10, 41, "trajectories[0].response_len", "40"),
+    ]:
+        frames = codec.encode(
+            TrajectoryBatch(7, [make_traj("a", prompt_len=prompt, response_len=response)])
+        )
         with pytest.raises(ProtocolError) as ei:
             codec.decode(frames, limits)
         e = ei.value
-        assert (e.code, e.field, e.ref_seq) == (ErrorCode.TOO_LARGE, field, 7) and limit in e.message
+        assert (e.code, e.field, e.ref_seq) == (
+            ErrorCode.TOO_LARGE,
+            field,
+            7,
+        ) and limit in e.message
 
 
 def test_run_message_bytes_follows_the_run() -> None:
@@ -99,7 +118,11 @@ def test_run_message_bytes_follows_the_run() -> None:
 
 
 def test_loopback_addresses() -> None:
-    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://localhost:1") and is_loopback("ipc:///x")
+    assert (
+        is_loopback("tcp://127.0.0.1:5555")
+        and is_loopback("tcp://localhost:1")
+        and is_loopback("ipc:///x")
+    )
     assert is_loopback("tcp://[::1]:5555")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
     assert exposure_warning("tcp://0.0.0.0:5555", curve=False) is not None

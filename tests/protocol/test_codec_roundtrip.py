@@ -28,12 +28,16 @@ SAMPLES = sample_messages()
 def _same(a: object, b: object) -> bool:
     if isinstance(a, TrajectoryBatch):
         assert isinstance(b, TrajectoryBatch)
-        return a.seq == b.seq and len(a.trajectories) == len(b.trajectories) and all(
-            trajs_equal(x, y) for x, y in zip(a.trajectories, b.trajectories, strict=True))
+        return (
+            a.seq == b.seq
+            and len(a.trajectories) == len(b.trajectories)
+            and all(trajs_equal(x, y) for x, y in zip(a.trajectories, b.trajectories, strict=True))
+        )
     if isinstance(a, WeightsChunk):
         assert isinstance(b, WeightsChunk)
-        return (dataclasses.replace(a, frames=()) == dataclasses.replace(b, frames=())
-                and [bytes(f) for f in a.frames] == [bytes(f) for f in b.frames])
+        return dataclasses.replace(a, frames=()) == dataclasses.replace(b, frames=()) and [
+            bytes(f) for f in a.frames
+        ] == [bytes(f) for f in b.frames]
     return a == b
 
 
@@ -54,14 +58,20 @@ def test_round_trip(t: MsgType) -> None:
     assert on_wire(codec.encode(back)) == frames
 
 
-@pytest.mark.parametrize("t", [t for t in MsgType if t not in (MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_CHUNK)],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "t",
+    [t for t in MsgType if t not in (MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_CHUNK)],
+    ids=lambda t: t.name,
+)
 def test_header_only_messages_have_two_frames_in_field_order(t: MsgType) -> None:
     frames = codec.encode(SAMPLES[t])
     assert len(frames) == 2
     # Fields appended since 1.2 are left out at their default (older encodings keep their bytes).
-    names = [f.name for f in dataclasses.fields(MESSAGE_TYPES[t])
-             if not (f.metadata.get("omit_default") and getattr(SAMPLES[t], f.name) == f.default)]
+    names = [
+        f.name
+        for f in dataclasses.fields(MESSAGE_TYPES[t])
+        if not (f.metadata.get("omit_default") and getattr(SAMPLES[t], f.name) == f.default)
+    ]
     assert list(header(frames)) == names
 
 
@@ -74,15 +84,22 @@ def test_fields_since_1_2_are_encoded_only_when_set() -> None:
 
 
 def test_batch_column_layout() -> None:
-    trajs = [make_traj("a", prompt_len=3, response_len=4, seed=1),
-             make_traj("b", prompt_len=2, response_len=5, seed=2, termination="length", num_turns=3)]
+    trajs = [
+        make_traj("a", prompt_len=3, response_len=4, seed=1),
+        make_traj("b", prompt_len=2, response_len=5, seed=2, termination="length", num_turns=3),
+    ]
     frames = codec.encode(TrajectoryBatch(9, trajs))
     assert len(frames) == 2 + len(COLUMNS) == 7
     h = header(frames)
     assert list(h) == ["seq", "columns", "meta"]
     assert h["seq"] == 9
-    assert h["columns"] == [["prompt_ids", "int32"], ["response_ids", "int32"], ["response_mask", "uint8"],
-                            ["rollout_logprobs", "float32"], ["versions", "int32"]]
+    assert h["columns"] == [
+        ["prompt_ids", "int32"],
+        ["response_ids", "int32"],
+        ["response_mask", "uint8"],
+        ["rollout_logprobs", "float32"],
+        ["versions", "int32"],
+    ]
     # per-trajectory scalars are columns too: field -> one value per trajectory, lengths included
     assert set(h["meta"]) == {name for name, *_ in META_FIELDS}
     assert h["meta"]["trajectory_id"] == ["a", "b"]
@@ -90,7 +107,9 @@ def test_batch_column_layout() -> None:
     assert (h["meta"]["termination"], h["meta"]["num_turns"]) == (["answered", "length"], [1, 3])
     # each token column frame: that column of every trajectory, concatenated, little-endian raw bytes
     for i, (name, _attr, dtype, _ok) in enumerate(COLUMNS):
-        want = np.concatenate([getattr(t, name) for t in trajs]).astype(np.dtype(dtype).newbyteorder("<"))
+        want = np.concatenate([getattr(t, name) for t in trajs]).astype(
+            np.dtype(dtype).newbyteorder("<")
+        )
         assert on_wire(frames)[2 + i] == want.tobytes()
 
 
@@ -102,9 +121,14 @@ def test_batch_of_zero_trajectories_round_trips() -> None:
 
 def test_encoder_normalises_dtypes_and_accepts_wide_columns() -> None:
     t = make_traj("a", seed=3)
-    wide = Trajectory(**{**t.__dict__, "prompt_ids": t.prompt_ids.astype(np.int64),
-                         "rollout_logprobs": t.rollout_logprobs.astype(np.float64),
-                         "response_mask": t.response_mask.astype(bool)})
+    wide = Trajectory(
+        **{
+            **t.__dict__,
+            "prompt_ids": t.prompt_ids.astype(np.int64),
+            "rollout_logprobs": t.rollout_logprobs.astype(np.float64),
+            "response_mask": t.response_mask.astype(bool),
+        }
+    )
     frames = on_wire(codec.encode(TrajectoryBatch(1, [wide])))
     assert header(frames)["columns"][0] == ["prompt_ids", "int32"]
     assert trajs_equal(codec.decode(frames).trajectories[0], t)
@@ -115,14 +139,25 @@ def test_receiver_accepts_every_allowed_column_dtype() -> None:
     t = make_traj("a", seed=4)
     frames = codec.encode(TrajectoryBatch(1, [t]))
     h = header(frames)
-    h["columns"] = [["prompt_ids", "int64"], ["response_ids", "int64"], ["response_mask", "bool"],
-                    ["rollout_logprobs", "float64"], ["versions", "int64"]]
-    payload = [t.prompt_ids.astype("<i8").tobytes(), t.response_ids.astype("<i8").tobytes(),
-               t.response_mask.astype(bool).tobytes(), t.rollout_logprobs.astype("<f8").tobytes(),
-               t.versions.astype("<i8").tobytes()]
+    h["columns"] = [
+        ["prompt_ids", "int64"],
+        ["response_ids", "int64"],
+        ["response_mask", "bool"],
+        ["rollout_logprobs", "float64"],
+        ["versions", "int64"],
+    ]
+    payload = [
+        t.prompt_ids.astype("<i8").tobytes(),
+        t.response_ids.astype("<i8").tobytes(),
+        t.response_mask.astype(bool).tobytes(),
+        t.rollout_logprobs.astype("<f8").tobytes(),
+        t.versions.astype("<i8").tobytes(),
+    ]
     back = codec.decode([frames[0], msgpack.packb(h), *payload]).trajectories[0]
     assert back.prompt_ids.dtype == np.dtype("<i8") and back.response_mask.dtype == np.bool_
-    assert np.array_equal(back.prompt_ids, t.prompt_ids) and np.array_equal(back.rollout_logprobs, t.rollout_logprobs)
+    assert np.array_equal(back.prompt_ids, t.prompt_ids) and np.array_equal(
+        back.rollout_logprobs, t.rollout_logprobs
+    )
 
 
 def test_decoded_arrays_are_read_only_views_of_the_frames() -> None:
@@ -148,7 +183,9 @@ def test_encoded_chunk_frames_are_the_callers_buffers() -> None:
     mv = memoryview(buf)
     chunk = WeightsChunk("t", 1, 0, [ChunkPart(0, 0, 3)], (mv[:3],))
     frames = codec.encode(chunk)
-    assert frames[2] is chunk.frames[0]  # handed to the transport as is (send_multipart(copy=False))
+    assert (
+        frames[2] is chunk.frames[0]
+    )  # handed to the transport as is (send_multipart(copy=False))
 
 
 # -- newer minor versions: unknown keys are ignored ------------------------------------------------
@@ -170,8 +207,11 @@ def test_unknown_keys_are_ignored_at_every_level(t: MsgType) -> None:
     h = header(frames)
     if t is MsgType.TRAJECTORY_BATCH:  # a newer minor appends a per-trajectory meta column
         n = len(h["meta"]["trajectory_id"])
-        h = {**h, "meta": {**h["meta"], "zz_added_in_1_9": [{"k": 1}] * n, "zz_scalar": 3},
-             "zz_added_in_1_9": 1}
+        h = {
+            **h,
+            "meta": {**h["meta"], "zz_added_in_1_9": [{"k": 1}] * n, "zz_scalar": 3},
+            "zz_added_in_1_9": 1,
+        }
     elif t in (MsgType.HELLO, MsgType.WELCOME, MsgType.WEIGHTS_ANNOUNCE, MsgType.WEIGHTS_CHUNK):
         h = _add_unknown_keys(h)  # nested structs (Identity, Limits, TensorSpec, ChunkPart) too
     else:
@@ -188,26 +228,40 @@ def test_missing_optional_fields_take_their_defaults() -> None:
     del h["policy_version"], h["capabilities"]
     del h["tokenizer"]["vocab_size"]
     hello = codec.decode(with_header(frames, h))
-    assert hello.policy_version == 0 and hello.capabilities == [] and hello.tokenizer.vocab_size == 0
+    assert (
+        hello.policy_version == 0 and hello.capabilities == [] and hello.tokenizer.vocab_size == 0
+    )
     frames = on_wire(codec.encode(TrajectoryBatch(1, [make_traj("a"), make_traj("b")])))
     h = header(frames)
     required = [name for name, _kind, req, _default in META_FIELDS if req]
     h["meta"] = {k: h["meta"][k] for k in required}
     a, b = codec.decode(with_header(frames, h)).trajectories
     for t in (a, b):
-        assert (t.termination, t.num_turns, t.is_snapshot, t.snapshot_index) == ("answered", 1, False, 0)
+        assert (t.termination, t.num_turns, t.is_snapshot, t.snapshot_index) == (
+            "answered",
+            1,
+            False,
+            0,
+        )
         assert (t.source_server, t.reward_extras, t.timings) == ("", {}, {})
     assert a.reward_extras is not b.reward_extras  # defaults are not shared between trajectories
 
 
 # -- missing required fields ------------------------------------------------------------------------
 def _required(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
-REQUIRED = [(t, name) for t in MsgType if t not in (MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_CHUNK)
-            for name in _required(MESSAGE_TYPES[t])]
+REQUIRED = [
+    (t, name)
+    for t in MsgType
+    if t not in (MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_CHUNK)
+    for name in _required(MESSAGE_TYPES[t])
+]
 
 
 @pytest.mark.parametrize(("t", "name"), REQUIRED, ids=[f"{t.name}.{n}" for t, n in REQUIRED])
@@ -232,9 +286,16 @@ def test_missing_required_trajectory_field(name: str) -> None:
     assert (e.ref_type, e.ref_seq) == (MsgType.TRAJECTORY_BATCH, 4)
 
 
-@pytest.mark.parametrize(("t", "name"), [(MsgType.TRAJECTORY_BATCH, "seq"), (MsgType.WEIGHTS_CHUNK, "transfer_id"),
-                                         (MsgType.WEIGHTS_CHUNK, "version"), (MsgType.WEIGHTS_CHUNK, "index"),
-                                         (MsgType.WEIGHTS_CHUNK, "parts")])
+@pytest.mark.parametrize(
+    ("t", "name"),
+    [
+        (MsgType.TRAJECTORY_BATCH, "seq"),
+        (MsgType.WEIGHTS_CHUNK, "transfer_id"),
+        (MsgType.WEIGHTS_CHUNK, "version"),
+        (MsgType.WEIGHTS_CHUNK, "index"),
+        (MsgType.WEIGHTS_CHUNK, "parts"),
+    ],
+)
 def test_missing_required_field_of_payload_messages(t: MsgType, name: str) -> None:
     frames = on_wire(codec.encode(SAMPLES[t]))
     h = header(frames)

@@ -21,13 +21,18 @@ SAMPLES = sample_messages()
 
 
 def batch(*trajs, seq: int = 7) -> list[bytes]:
-    return on_wire(codec.encode(TrajectoryBatch(seq, list(trajs) or [make_traj("a"), make_traj("b", seed=1)])))
+    return on_wire(
+        codec.encode(TrajectoryBatch(seq, list(trajs) or [make_traj("a"), make_traj("b", seed=1)]))
+    )
 
 
 def bad_batch_error(traj_b, limits: CodecLimits | None = None) -> ProtocolError:
     """Error for a batch whose second trajectory is ``traj_b``; the first one is valid."""
     e = decode_error(batch(make_traj("a"), traj_b), limits)
-    assert (e.ref_type, e.ref_seq) == (MsgType.TRAJECTORY_BATCH, 7)  # the sender can match it to its batch
+    assert (e.ref_type, e.ref_seq) == (
+        MsgType.TRAJECTORY_BATCH,
+        7,
+    )  # the sender can match it to its batch
     return e
 
 
@@ -79,8 +84,16 @@ def test_token_id_at_or_above_vocab_size(column: str) -> None:
     codec.decode(batch(make_traj("a"), t))  # vocab_size 0: ids are only checked for >= 0
 
 
-@pytest.mark.parametrize(("column", "delta"), [("prompt_ids", 4), ("response_ids", -4), ("response_mask", 1),
-                                               ("rollout_logprobs", -4), ("versions", 8)])
+@pytest.mark.parametrize(
+    ("column", "delta"),
+    [
+        ("prompt_ids", 4),
+        ("response_ids", -4),
+        ("response_mask", 1),
+        ("rollout_logprobs", -4),
+        ("versions", 8),
+    ],
+)
 def test_frame_length_disagrees_with_header_lengths(column: str, delta: int) -> None:
     frames = batch()
     i = [c for c, *_ in COLUMNS].index(column)
@@ -105,8 +118,17 @@ def test_missing_column_frame() -> None:
     assert (e.code, e.field) == (ErrorCode.MALFORMED, "columns")
 
 
-@pytest.mark.parametrize("bad", [["response_mask", "float16"], ["versions", "uint8"], ["response_mask"], "x",
-                                 ["response_mask", ["uint8"]], ["response_mask", {"a": 1}]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["response_mask", "float16"],
+        ["versions", "uint8"],
+        ["response_mask"],
+        "x",
+        ["response_mask", ["uint8"]],
+        ["response_mask", {"a": 1}],
+    ],
+)
 def test_wrong_column_descriptor(bad: object) -> None:
     frames = batch()
     h = header(frames)
@@ -127,10 +149,23 @@ def test_columns_out_of_order() -> None:
 # -- per-trajectory meta columns ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("reward", math.nan), ("reward", "high"), ("termination", "exploded"), ("prompt_len", 0),
-     ("prompt_len", -1), ("response_len", -2), ("num_turns", -1), ("snapshot_index", 1.5),
-     ("is_snapshot", 1), ("trajectory_id", 5), ("group_uid", None), ("reward_extras", {"x": [1]}),
-     ("reward_extras", [1]), ("timings", {"gen": "slow"}), ("timings", {"gen": math.inf})],
+    [
+        ("reward", math.nan),
+        ("reward", "high"),
+        ("termination", "exploded"),
+        ("prompt_len", 0),
+        ("prompt_len", -1),
+        ("response_len", -2),
+        ("num_turns", -1),
+        ("snapshot_index", 1.5),
+        ("is_snapshot", 1),
+        ("trajectory_id", 5),
+        ("group_uid", None),
+        ("reward_extras", {"x": [1]}),
+        ("reward_extras", [1]),
+        ("timings", {"gen": "slow"}),
+        ("timings", {"gen": math.inf}),
+    ],
 )
 def test_invalid_trajectory_scalar(name: str, value: object) -> None:
     frames = batch()
@@ -172,13 +207,18 @@ def test_invalid_seq(seq: object) -> None:
 
 # -- size limits -------------------------------------------------------------------------------------
 def test_too_many_trajectories() -> None:
-    e = decode_error(batch(make_traj("a"), make_traj("b"), make_traj("c")), CodecLimits(max_trajectories_per_batch=2))
+    e = decode_error(
+        batch(make_traj("a"), make_traj("b"), make_traj("c")),
+        CodecLimits(max_trajectories_per_batch=2),
+    )
     assert e.code is ErrorCode.TOO_LARGE and "3 trajectories" in e.message
     codec.decode(batch(make_traj("a"), make_traj("b")), CodecLimits(max_trajectories_per_batch=2))
 
 
 def test_too_many_tokens_in_one_trajectory() -> None:
-    frames = batch(make_traj("a", prompt_len=2, response_len=4), make_traj("b", prompt_len=3, response_len=4))
+    frames = batch(
+        make_traj("a", prompt_len=2, response_len=4), make_traj("b", prompt_len=3, response_len=4)
+    )
     e = decode_error(frames, CodecLimits(max_tokens_per_trajectory=6))
     assert (e.code, e.field) == (ErrorCode.TOO_LARGE, "trajectories[1]")
     codec.decode(frames, CodecLimits(max_tokens_per_trajectory=7))
@@ -200,7 +240,9 @@ def _hello_with(value: object) -> list[bytes]:
     return with_header(frames, h)
 
 
-@pytest.mark.parametrize("value", [msgpack.ExtType(5, b"x"), [msgpack.ExtType(0, b"")], {"a": msgpack.ExtType(127, b"")}])
+@pytest.mark.parametrize(
+    "value", [msgpack.ExtType(5, b"x"), [msgpack.ExtType(0, b"")], {"a": msgpack.ExtType(127, b"")}]
+)
 def test_ext_types_are_refused(value: object) -> None:
     e = decode_error(_hello_with(value))
     assert e.code is ErrorCode.MALFORMED and "extension" in e.message
@@ -236,7 +278,9 @@ def test_too_few_frames(frames: list[bytes]) -> None:
     assert decode_error(frames).code is ErrorCode.MALFORMED
 
 
-@pytest.mark.parametrize("t", [MsgType.HELLO, MsgType.ACK, MsgType.ERROR, MsgType.BYE], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "t", [MsgType.HELLO, MsgType.ACK, MsgType.ERROR, MsgType.BYE], ids=lambda t: t.name
+)
 def test_payload_frames_on_a_header_only_message(t: MsgType) -> None:
     e = decode_error([*on_wire(codec.encode(SAMPLES[t])), b"extra"])
     assert e.code is ErrorCode.MALFORMED and e.ref_type == t
@@ -245,18 +289,24 @@ def test_payload_frames_on_a_header_only_message(t: MsgType) -> None:
 # -- field types and values of header-only messages -------------------------------------------------
 @pytest.mark.parametrize(
     ("t", "name", "value", "field"),
-    [(MsgType.HELLO, "peer_id", 5, "HELLO.peer_id"), (MsgType.HELLO, "role", "learner-ish", "HELLO.role"),
-     (MsgType.HELLO, "policy_version", True, "HELLO.policy_version"),
-     (MsgType.HELLO, "model", {"name": "m"}, "HELLO.model.sha256"),
-     (MsgType.HELLO, "capabilities", "x", "HELLO.capabilities"),
-     (MsgType.HELLO, "capabilities", ["a", 1], "HELLO.capabilities[1]"),
-     (MsgType.HELLO, "protocol_version", [1], "HELLO"), (MsgType.HELLO, "peer_id", "", "HELLO"),
-     (MsgType.WELCOME, "credits", "4", "WELCOME.credits"),
-     (MsgType.WELCOME, "heartbeat_interval_s", math.nan, "WELCOME.heartbeat_interval_s"),
-     (MsgType.ACK, "seqs", [1, "2"], "ACK.seqs[1]"), (MsgType.ACK, "credits", -1, "ACK"),
-     (MsgType.HEARTBEAT, "time", math.inf, "HEARTBEAT.time"), (MsgType.ERROR, "code", 1.5, "ERROR.code"),
-     (MsgType.WEIGHTS_APPLIED, "ok", 1, "WEIGHTS_APPLIED.ok"),
-     (MsgType.WEIGHTS_ANNOUNCE, "tensors", [{"name": "w"}], "WEIGHTS_ANNOUNCE.tensors[0].dtype")],
+    [
+        (MsgType.HELLO, "peer_id", 5, "HELLO.peer_id"),
+        (MsgType.HELLO, "role", "learner-ish", "HELLO.role"),
+        (MsgType.HELLO, "policy_version", True, "HELLO.policy_version"),
+        (MsgType.HELLO, "model", {"name": "m"}, "HELLO.model.sha256"),
+        (MsgType.HELLO, "capabilities", "x", "HELLO.capabilities"),
+        (MsgType.HELLO, "capabilities", ["a", 1], "HELLO.capabilities[1]"),
+        (MsgType.HELLO, "protocol_version", [1], "HELLO"),
+        (MsgType.HELLO, "peer_id", "", "HELLO"),
+        (MsgType.WELCOME, "credits", "4", "WELCOME.credits"),
+        (MsgType.WELCOME, "heartbeat_interval_s", math.nan, "WELCOME.heartbeat_interval_s"),
+        (MsgType.ACK, "seqs", [1, "2"], "ACK.seqs[1]"),
+        (MsgType.ACK, "credits", -1, "ACK"),
+        (MsgType.HEARTBEAT, "time", math.inf, "HEARTBEAT.time"),
+        (MsgType.ERROR, "code", 1.5, "ERROR.code"),
+        (MsgType.WEIGHTS_APPLIED, "ok", 1, "WEIGHTS_APPLIED.ok"),
+        (MsgType.WEIGHTS_ANNOUNCE, "tensors", [{"name": "w"}], "WEIGHTS_ANNOUNCE.tensors[0].dtype"),
+    ],
 )
 def test_invalid_header_field(t: MsgType, name: str, value: object, field: str) -> None:
     frames = on_wire(codec.encode(SAMPLES[t]))
@@ -293,12 +343,20 @@ def test_error_message_carries_code_field_and_reference() -> None:
     e = decode_error(with_header(frames, h))
     err = codec.error_message(e)
     assert (err.code, err.fatal, err.field, err.ref_type, err.ref_seq) == (
-        ErrorCode.INVALID_FIELD, False, "trajectories[0].reward", MsgType.TRAJECTORY_BATCH, 7)
+        ErrorCode.INVALID_FIELD,
+        False,
+        "trajectories[0].reward",
+        MsgType.TRAJECTORY_BATCH,
+        7,
+    )
     assert err.message == e.message and codec.should_answer(e)
 
 
 def test_fatal_codes() -> None:
-    assert {c for c in ErrorCode if c.fatal} == {ErrorCode.VERSION_MISMATCH, ErrorCode.INCOMPATIBLE_MODEL}
+    assert {c for c in ErrorCode if c.fatal} == {
+        ErrorCode.VERSION_MISMATCH,
+        ErrorCode.INCOMPATIBLE_MODEL,
+    }
 
 
 def test_undecodable_error_is_not_answered() -> None:
@@ -312,12 +370,31 @@ def test_undecodable_error_is_not_answered() -> None:
 def test_error_codes_are_stable() -> None:
     """Values are wire format: append only."""
     assert [(c.name, c.value) for c in ErrorCode][:12] == [
-        ("MALFORMED", 1), ("UNKNOWN_TYPE", 2), ("INVALID_FIELD", 3), ("TOO_LARGE", 4), ("CREDIT_EXCEEDED", 5),
-        ("VERSION_MISMATCH", 6), ("HELLO_REQUIRED", 7), ("INCOMPATIBLE_MODEL", 8), ("CHECKSUM_MISMATCH", 9),
-        ("UNEXPECTED", 10), ("SHUTTING_DOWN", 11), ("INTERNAL", 12)]
+        ("MALFORMED", 1),
+        ("UNKNOWN_TYPE", 2),
+        ("INVALID_FIELD", 3),
+        ("TOO_LARGE", 4),
+        ("CREDIT_EXCEEDED", 5),
+        ("VERSION_MISMATCH", 6),
+        ("HELLO_REQUIRED", 7),
+        ("INCOMPATIBLE_MODEL", 8),
+        ("CHECKSUM_MISMATCH", 9),
+        ("UNEXPECTED", 10),
+        ("SHUTTING_DOWN", 11),
+        ("INTERNAL", 12),
+    ]
     assert [(t.name, t.value) for t in MsgType][:10] == [
-        ("HELLO", 1), ("WELCOME", 2), ("TRAJECTORY_BATCH", 3), ("ACK", 4), ("WEIGHTS_ANNOUNCE", 5),
-        ("WEIGHTS_CHUNK", 6), ("WEIGHTS_APPLIED", 7), ("HEARTBEAT", 8), ("ERROR", 9), ("BYE", 10)]
+        ("HELLO", 1),
+        ("WELCOME", 2),
+        ("TRAJECTORY_BATCH", 3),
+        ("ACK", 4),
+        ("WEIGHTS_ANNOUNCE", 5),
+        ("WEIGHTS_CHUNK", 6),
+        ("WEIGHTS_APPLIED", 7),
+        ("HEARTBEAT", 8),
+        ("ERROR", 9),
+        ("BYE", 10),
+    ]
 
 
 # -- hostile input never raises anything but ProtocolError -----------------------------------------
@@ -334,7 +411,7 @@ def test_mutated_messages_fail_only_with_protocol_errors(which: int, data: st.Da
         if f and data.draw(st.booleans()):
             f[data.draw(st.integers(0, len(f) - 1))] = data.draw(st.integers(0, 255))
         else:
-            del f[data.draw(st.integers(0, len(f))):]
+            del f[data.draw(st.integers(0, len(f))) :]
     frames[i] = bytes(f)
     try:
         codec.decode(frames, CodecLimits(vocab_size=1000))
@@ -352,12 +429,35 @@ def test_random_frames_fail_only_with_protocol_errors(frames: list[bytes], t: in
 
 
 @settings(max_examples=200, deadline=None)
-@given(value=st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=5) | st.binary(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=10,
-), t=st.sampled_from(list(MsgType)), key=st.sampled_from(["seq", "meta", "columns", "parts", "peer_id", "limits",
-                                                          "tensors", "protocol_version", "model", "code"]))
+@given(
+    value=st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=5)
+        | st.binary(max_size=5),
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+        ),
+        max_leaves=10,
+    ),
+    t=st.sampled_from(list(MsgType)),
+    key=st.sampled_from(
+        [
+            "seq",
+            "meta",
+            "columns",
+            "parts",
+            "peer_id",
+            "limits",
+            "tensors",
+            "protocol_version",
+            "model",
+            "code",
+        ]
+    ),
+)
 def test_any_msgpack_value_in_any_field_fails_cleanly(value: object, t: MsgType, key: str) -> None:
     frames = on_wire(codec.encode(SAMPLES[t]))
     h = header(frames)
@@ -374,21 +474,36 @@ def test_bool_mask_column_is_accepted() -> None:
     h = header(frames)
     h["columns"][2] = ["response_mask", "bool"]
     back = codec.decode(with_header(frames, h)).trajectories[0]
-    assert back.response_mask.dtype == np.bool_ and np.array_equal(back.response_mask, t.response_mask.astype(bool))
+    assert back.response_mask.dtype == np.bool_ and np.array_equal(
+        back.response_mask, t.response_mask.astype(bool)
+    )
 
 
 VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 
 
 @settings(max_examples=200, deadline=None)
-@given(value=VALUES, where=st.sampled_from(["meta", "meta_item", "column", "column_dtype"]),
-       name=st.sampled_from([name for name, *_ in COLUMNS] + ["trajectory_id", "reward", "termination",
-                                                              "reward_extras", "timings", "prompt_len"]))
-def test_any_value_inside_a_batch_header_fails_cleanly(value: object, where: str, name: str) -> None:
+@given(
+    value=VALUES,
+    where=st.sampled_from(["meta", "meta_item", "column", "column_dtype"]),
+    name=st.sampled_from(
+        [name for name, *_ in COLUMNS]
+        + ["trajectory_id", "reward", "termination", "reward_extras", "timings", "prompt_len"]
+    ),
+)
+def test_any_value_inside_a_batch_header_fails_cleanly(
+    value: object, where: str, name: str
+) -> None:
     frames = batch()
     h = header(frames)
     col = next((i for i, (c, *_r) in enumerate(COLUMNS) if c == name), 0)

@@ -40,7 +40,9 @@ def test_lost_acks_reconnect_and_next_seq() -> None:
     net.pump()
     welcome = net.sent("down", MsgType.WELCOME)[-1].decoded()
     assert welcome.next_seq == 4  # everything up to seq 3 arrived
-    assert not [r for r in net.wire[hello_at:] if r.type is MsgType.TRAJECTORY_BATCH]  # nothing resent
+    assert not [
+        r for r in net.wire[hello_at:] if r.type is MsgType.TRAJECTORY_BATCH
+    ]  # nothing resent
     assert conn.pending == 0
     assert BatchAcked([1, 2, 3], [1, 2, 3]) in net.sender_events[b"r0"]
     assert net.delivered_ids() == ["t0", "t1", "t2"]
@@ -56,7 +58,11 @@ def test_resend_with_original_seqs_and_dedup_of_the_repeats() -> None:
     def drop(direction: str, ident: bytes, frames: list) -> bool:
         if direction == "down":
             return state["down"]
-        return codec.peek_type(frames) is MsgType.TRAJECTORY_BATCH and codec.decode(frames).seq == 2 and state["down"]
+        return (
+            codec.peek_type(frames) is MsgType.TRAJECTORY_BATCH
+            and codec.decode(frames).seq == 2
+            and state["down"]
+        )
 
     net.drop = drop
     for i in (1, 2, 3):
@@ -128,10 +134,14 @@ def test_restarted_sender_new_epoch_same_trajectory_ids_filtered() -> None:
     restarted.submit([make_traj("t2"), make_traj("t3")])  # half seen
     net.pump()
     received = net.received()
-    assert [(e.seq, [t.trajectory_id for t in e.trajectories], e.duplicate_trajectories) for e in received] == [
-        (1, ["t1", "t2"], 0), (2, ["t3"], 1)]
+    assert [
+        (e.seq, [t.trajectory_id for t in e.trajectories], e.duplicate_trajectories)
+        for e in received
+    ] == [(1, ["t1", "t2"], 0), (2, ["t3"], 1)]
     assert net.learner.stats["duplicate_trajectories"] == 3
-    assert restarted.pending == 0 and net.learner.buffered == 2  # the all-duplicate batch took no room
+    assert (
+        restarted.pending == 0 and net.learner.buffered == 2
+    )  # the all-duplicate batch took no room
 
 
 def test_trajectory_id_window_is_bounded() -> None:

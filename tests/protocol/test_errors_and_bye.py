@@ -49,7 +49,11 @@ def test_learner_answers_garbage_and_keeps_the_session(kind: str) -> None:
     assert isinstance(ev, ProtocolViolation) and ev.peer_id == "rollout-0"
     ((ident, frames),) = lp.data_to_send(now)
     err = codec.decode(frames)
-    assert ident == b"r0" and err.code in (ErrorCode.MALFORMED, ErrorCode.UNKNOWN_TYPE) and not err.fatal
+    assert (
+        ident == b"r0"
+        and err.code in (ErrorCode.MALFORMED, ErrorCode.UNKNOWN_TYPE)
+        and not err.fatal
+    )
     assert lp.ready_peers() == ["rollout-0"]
     net.conns[b"r0"].submit([make_traj("good")])
     net.pump()
@@ -76,26 +80,42 @@ def test_invalid_batch_is_rejected_and_dropped_the_session_goes_on() -> None:
     net.pump()
     (err,) = net.errors_sent("down")
     assert (err.code, err.field, err.ref_type, err.ref_seq) == (
-        ErrorCode.INVALID_FIELD, "trajectories[0].reward", MsgType.TRAJECTORY_BATCH, 1)
+        ErrorCode.INVALID_FIELD,
+        "trajectories[0].reward",
+        MsgType.TRAJECTORY_BATCH,
+        1,
+    )
     (rej,) = net.events(b"r0", BatchRejected)
     assert rej.seq == 1 and rej.error == err
     assert net.delivered_ids() == ["good"] and conn.pending == 0  # refused for good: not kept
     assert conn.state is SenderState.READY
     conn.start(net.clock.now)
     net.pump()
-    assert [header(r.frames)["seq"] for r in net.sent("up", MsgType.TRAJECTORY_BATCH)] == [1, 2]  # never resent
+    assert [header(r.frames)["seq"] for r in net.sent("up", MsgType.TRAJECTORY_BATCH)] == [
+        1,
+        2,
+    ]  # never resent
 
 
-@pytest.mark.parametrize("t", [MsgType.WELCOME, MsgType.ACK, MsgType.WEIGHTS_ANNOUNCE, MsgType.WEIGHTS_CHUNK,
-                               MsgType.VALIDATE_REQUEST])
+@pytest.mark.parametrize(
+    "t",
+    [
+        MsgType.WELCOME,
+        MsgType.ACK,
+        MsgType.WEIGHTS_ANNOUNCE,
+        MsgType.WEIGHTS_CHUNK,
+        MsgType.VALIDATE_REQUEST,
+    ],
+)
 def test_learner_refuses_messages_meant_for_rollout_servers(t: MsgType) -> None:
     net = connected()
     (ev,) = net.learner.receive(b"r0", on_wire(codec.encode(SAMPLES[t])), net.clock.now)
     assert ev.error.code is ErrorCode.UNEXPECTED and net.learner.ready_peers() == ["rollout-0"]
 
 
-@pytest.mark.parametrize("t", [MsgType.HELLO, MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_APPLIED,
-                               MsgType.VALIDATE_RESULT])
+@pytest.mark.parametrize(
+    "t", [MsgType.HELLO, MsgType.TRAJECTORY_BATCH, MsgType.WEIGHTS_APPLIED, MsgType.VALIDATE_RESULT]
+)
 def test_sender_refuses_messages_meant_for_the_learner(t: MsgType) -> None:
     conn = connected().conns[b"r0"]
     (ev,) = conn.receive(on_wire(codec.encode(SAMPLES[t])), 0.0)
@@ -108,8 +128,13 @@ def test_sender_refuses_messages_meant_for_the_learner(t: MsgType) -> None:
 def _broken_errors() -> list[list[bytes]]:
     ok = on_wire(codec.encode(Error(3, "x")))
     h = header(ok)
-    return [[ok[0], b"\xc1"], with_header(ok, [1]), with_header(ok, {**h, "code": "three"}),
-            with_header(ok, {k: v for k, v in h.items() if k != "message"}), [*ok, b"payload"]]
+    return [
+        [ok[0], b"\xc1"],
+        with_header(ok, [1]),
+        with_header(ok, {**h, "code": "three"}),
+        with_header(ok, {k: v for k, v in h.items() if k != "message"}),
+        [*ok, b"payload"],
+    ]
 
 
 @pytest.mark.parametrize("i", range(5))
@@ -126,7 +151,9 @@ def test_undecodable_error_is_not_answered(i: int) -> None:
 def test_valid_error_is_reported_not_answered() -> None:
     net = connected()
     frames = on_wire(codec.encode(Error(10, "what?", ref_type=int(MsgType.HEARTBEAT))))
-    assert net.learner.receive(b"r0", frames, net.clock.now) == [PeerError("rollout-0", codec.decode(frames))]
+    assert net.learner.receive(b"r0", frames, net.clock.now) == [
+        PeerError("rollout-0", codec.decode(frames))
+    ]
     assert net.learner.data_to_send(net.clock.now) == []
     conn = net.conns[b"r0"]
     assert conn.receive(frames, net.clock.now) == [PeerError("learner", codec.decode(frames))]
@@ -145,15 +172,24 @@ def test_no_error_storm_when_every_header_is_corrupted() -> None:
     net.conns[b"r0"].submit([make_traj("a")])
     net.run_for(3.0)  # heartbeats both ways, all mangled; Net.pump raises on a storm
     up, down = net.sent("up", MsgType.ERROR), net.sent("down", MsgType.ERROR)
-    assert len(up) <= len([r for r in net.wire if r.direction == "down" and r.type is not MsgType.ERROR])
-    assert len(down) <= len([r for r in net.wire if r.direction == "up" and r.type is not MsgType.ERROR])
+    assert len(up) <= len(
+        [r for r in net.wire if r.direction == "down" and r.type is not MsgType.ERROR]
+    )
+    assert len(down) <= len(
+        [r for r in net.wire if r.direction == "up" and r.type is not MsgType.ERROR]
+    )
     assert net.conns[b"r0"].state is SenderState.READY
 
 
 @settings(max_examples=150, deadline=None)
-@given(frames=st.lists(st.binary(max_size=30), min_size=0, max_size=4),
-       t=st.sampled_from([*list(MsgType), 0, 77]), known=st.booleans())
-def test_learner_never_raises_and_answers_at_most_once(frames: list[bytes], t: int, known: bool) -> None:
+@given(
+    frames=st.lists(st.binary(max_size=30), min_size=0, max_size=4),
+    t=st.sampled_from([*list(MsgType), 0, 77]),
+    known=st.booleans(),
+)
+def test_learner_never_raises_and_answers_at_most_once(
+    frames: list[bytes], t: int, known: bool
+) -> None:
     net = connected()
     ident = b"r0" if known else b"stranger"
     net.learner.receive(ident, [bytes((t,)), *frames], net.clock.now)
@@ -165,7 +201,10 @@ def test_learner_never_raises_and_answers_at_most_once(frames: list[bytes], t: i
 
 
 @settings(max_examples=150, deadline=None)
-@given(frames=st.lists(st.binary(max_size=30), min_size=0, max_size=4), t=st.sampled_from([*list(MsgType), 0, 77]))
+@given(
+    frames=st.lists(st.binary(max_size=30), min_size=0, max_size=4),
+    t=st.sampled_from([*list(MsgType), 0, 77]),
+)
 def test_sender_never_raises_and_answers_at_most_once(frames: list[bytes], t: int) -> None:
     conn = connected().conns[b"r0"]
     conn.receive([bytes((t,)), *frames], 0.0)
@@ -185,20 +224,28 @@ def _sender_with_batch_in_flight() -> tuple[Net, int]:
     return net, seq
 
 
-@pytest.mark.parametrize("code", [ErrorCode.CREDIT_EXCEEDED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL])
+@pytest.mark.parametrize(
+    "code", [ErrorCode.CREDIT_EXCEEDED, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL]
+)
 def test_retryable_error_keeps_the_batch(code: ErrorCode) -> None:
     net, seq = _sender_with_batch_in_flight()
     conn = net.conns[b"r0"]
-    events = conn.receive(on_wire(codec.encode(Error(int(code), "later", ref_type=3, ref_seq=seq))), 0.0)
+    events = conn.receive(
+        on_wire(codec.encode(Error(int(code), "later", ref_type=3, ref_seq=seq))), 0.0
+    )
     assert [type(e) for e in events] == [PeerError]
     assert conn.pending == 1 and conn._queue[0][0] == seq and conn.state is SenderState.READY
 
 
-@pytest.mark.parametrize("code", [ErrorCode.INVALID_FIELD, ErrorCode.TOO_LARGE, ErrorCode.MALFORMED])
+@pytest.mark.parametrize(
+    "code", [ErrorCode.INVALID_FIELD, ErrorCode.TOO_LARGE, ErrorCode.MALFORMED]
+)
 def test_permanent_error_drops_the_batch(code: ErrorCode) -> None:
     net, seq = _sender_with_batch_in_flight()
     conn = net.conns[b"r0"]
-    events = conn.receive(on_wire(codec.encode(Error(int(code), "no", ref_type=3, ref_seq=seq))), 0.0)
+    events = conn.receive(
+        on_wire(codec.encode(Error(int(code), "no", ref_type=3, ref_seq=seq))), 0.0
+    )
     assert [type(e) for e in events] == [PeerError, BatchRejected] and conn.pending == 0
 
 
@@ -213,7 +260,9 @@ def test_fatal_error_fails_the_connection() -> None:
 def test_unknown_error_code_is_only_reported() -> None:
     net, seq = _sender_with_batch_in_flight()
     conn = net.conns[b"r0"]
-    events = conn.receive(on_wire(codec.encode(Error(4242, "from the future", ref_type=3, ref_seq=seq))), 0.0)
+    events = conn.receive(
+        on_wire(codec.encode(Error(4242, "from the future", ref_type=3, ref_seq=seq))), 0.0
+    )
     assert [type(e) for e in events] == [PeerError, BatchRejected]
     events = conn.receive(on_wire(codec.encode(Error(4243, "from the future"))), 0.0)
     assert [type(e) for e in events] == [PeerError] and conn.state is SenderState.READY
@@ -267,4 +316,6 @@ def test_acked_batches_reported_once() -> None:
     conn.submit([make_traj("b")])
     net.pump()
     assert [e for e in net.sender_events[b"r0"] if isinstance(e, BatchAcked)] == [
-        BatchAcked([1], []), BatchAcked([2], [])]
+        BatchAcked([1], []),
+        BatchAcked([2], []),
+    ]

@@ -53,13 +53,17 @@ def test_credits_are_granted_only_from_free_room() -> None:
     net.pump()
     assert net.learner.buffered == 3 and net.learner.free_room == 0
     assert (r0.credits, r1.credits) == (0, 0)
-    net.learner.batch_consumed(1)  # one slot: to the peer with fewest outstanding credits (a tie here)
+    net.learner.batch_consumed(
+        1
+    )  # one slot: to the peer with fewest outstanding credits (a tie here)
     net.pump()
     net.learner.batch_consumed(3)
     net.pump()
     net.learner.batch_consumed(3)
     net.pump()
-    assert sorted(net.delivered_ids()) == sorted([f"a{i}" for i in range(3)] + [f"b{i}" for i in range(3)])
+    assert sorted(net.delivered_ids()) == sorted(
+        [f"a{i}" for i in range(3)] + [f"b{i}" for i in range(3)]
+    )
     assert net.learner.buffered <= net.learner.capacity
 
 
@@ -106,7 +110,11 @@ def test_batch_without_credit_is_refused_and_kept() -> None:
     conn.credits = 1  # a buggy sender that believes it has a credit
     net.pump()
     (err,) = net.errors_sent("down")
-    assert (err.code, err.ref_type, err.ref_seq) == (ErrorCode.CREDIT_EXCEEDED, MsgType.TRAJECTORY_BATCH, 2)
+    assert (err.code, err.ref_type, err.ref_seq) == (
+        ErrorCode.CREDIT_EXCEEDED,
+        MsgType.TRAJECTORY_BATCH,
+        2,
+    )
     assert conn.pending == 1 and conn.state is SenderState.READY  # kept for later, not dropped
     assert net.learner.buffered == 1
     net.learner.batch_consumed()
@@ -154,12 +162,14 @@ class CreditAudit:
     sent: dict[bytes, int] = field(default_factory=dict)
 
     def __call__(self, net: Net) -> None:
-        for r in net.wire[self.pos:]:
+        for r in net.wire[self.pos :]:
             if r.direction == "up" and r.type is MsgType.HELLO:  # a new session starts from zero
                 self.granted[r.identity] = self.sent[r.identity] = 0
             elif r.direction == "up" and r.type is MsgType.TRAJECTORY_BATCH:
                 self.sent[r.identity] += 1
-            elif r.direction == "down" and not r.dropped and r.type in (MsgType.WELCOME, MsgType.ACK):
+            elif (
+                r.direction == "down" and not r.dropped and r.type in (MsgType.WELCOME, MsgType.ACK)
+            ):
                 self.granted[r.identity] += r.decoded().credits
         self.pos = len(net.wire)
         for ident, conn in net.conns.items():
@@ -183,8 +193,12 @@ OPS = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(capacity=st.integers(1, 6), max_credits=st.integers(1, 4), peers=st.integers(1, 3),
-       ops=st.lists(OPS, max_size=30))
+@given(
+    capacity=st.integers(1, 6),
+    max_credits=st.integers(1, 4),
+    peers=st.integers(1, 3),
+    ops=st.lists(OPS, max_size=30),
+)
 def test_credits_never_exceeded(capacity: int, max_credits: int, peers: int, ops: list) -> None:
     audit = CreditAudit()
     lossy: set[bytes] = set()
@@ -193,8 +207,11 @@ def test_credits_never_exceeded(capacity: int, max_credits: int, peers: int, ops
     def lose(direction: str, ident: bytes, frames: list) -> bool:
         return direction == "down" and ident in lossy and codec.peek_type(frames) is MsgType.ACK
 
-    net = Net(learner(capacity=capacity, max_credits_per_peer=max_credits, heartbeat_timeout_s=1e9),
-              drop=lose, check=audit)
+    net = Net(
+        learner(capacity=capacity, max_credits_per_peer=max_credits, heartbeat_timeout_s=1e9),
+        drop=lose,
+        check=audit,
+    )
     idents = [f"r{i}".encode() for i in range(peers)]
     for i, ident in enumerate(idents):
         net.add(ident, rollout(f"rollout-{i}", heartbeat_timeout_s=1e9))

@@ -25,18 +25,28 @@ from protocol.version import PROTOCOL_VERSION, ProtocolVersion
 
 
 def test_handshake() -> None:
-    net = Net(learner(capacity=10, max_credits_per_peer=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0))
+    net = Net(
+        learner(
+            capacity=10, max_credits_per_peer=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0
+        )
+    )
     conn = net.add(b"r0", rollout("rollout-0", "epoch-1"))
     assert conn.state is SenderState.HELLO_SENT
     net.pump()
     assert conn.state is SenderState.READY
     hello = net.sent("up", MsgType.HELLO)[0].decoded()
     assert (hello.protocol_version, hello.peer_id, hello.role, hello.epoch) == (
-        list(PROTOCOL_VERSION), "rollout-0", "rollout-server", "epoch-1")
+        list(PROTOCOL_VERSION),
+        "rollout-0",
+        "rollout-server",
+        "epoch-1",
+    )
     assert (hello.model, hello.tokenizer) == (MODEL, TOKENIZER)
     (welcome,) = [r.decoded() for r in net.sent("down", MsgType.WELCOME)]
     assert (welcome.credits, welcome.next_seq, welcome.policy_version) == (4, 1, 0)
-    assert welcome.session_id == net.learner.session_id and welcome.protocol_version == list(PROTOCOL_VERSION)
+    assert welcome.session_id == net.learner.session_id and welcome.protocol_version == list(
+        PROTOCOL_VERSION
+    )
     # the sender adopts the learner's heartbeat settings
     assert (conn.heartbeat_interval_s, conn.heartbeat_timeout_s) == (0.5, 3.0)
     assert conn.credits == 4 and net.learner.free_room == 6
@@ -56,20 +66,30 @@ def test_welcome_credits_limited_by_capacity() -> None:
 
 
 def test_welcome_advertises_limits() -> None:
-    limits = codec.CodecLimits(max_message_bytes=1 << 20, max_trajectories_per_batch=8, max_tokens_per_trajectory=99)
+    limits = codec.CodecLimits(
+        max_message_bytes=1 << 20, max_trajectories_per_batch=8, max_tokens_per_trajectory=99
+    )
     net = Net(learner(limits=limits))
     net.add(b"r0", rollout())
     net.pump()
     w = net.sent("down", MsgType.WELCOME)[0].decoded()
-    assert (w.limits.max_message_bytes, w.limits.max_trajectories_per_batch, w.limits.max_tokens_per_trajectory) == (
-        1 << 20, 8, 99)
+    assert (
+        w.limits.max_message_bytes,
+        w.limits.max_trajectories_per_batch,
+        w.limits.max_tokens_per_trajectory,
+    ) == (1 << 20, 8, 99)
 
 
-@pytest.mark.parametrize("t", [MsgType.TRAJECTORY_BATCH, MsgType.HEARTBEAT, MsgType.WEIGHTS_APPLIED, MsgType.BYE])
+@pytest.mark.parametrize(
+    "t", [MsgType.TRAJECTORY_BATCH, MsgType.HEARTBEAT, MsgType.WEIGHTS_APPLIED, MsgType.BYE]
+)
 def test_message_before_hello_is_hello_required(t: MsgType) -> None:
     lp = learner()
     events = lp.receive(b"x", on_wire(codec.encode(sample_messages()[t])), 0.0)
-    assert isinstance(events[0], ProtocolViolation) and events[0].error.code is ErrorCode.HELLO_REQUIRED
+    assert (
+        isinstance(events[0], ProtocolViolation)
+        and events[0].error.code is ErrorCode.HELLO_REQUIRED
+    )
     ((ident, frames),) = lp.data_to_send(0.0)
     err = codec.decode(frames)
     assert ident == b"x" and err.code == ErrorCode.HELLO_REQUIRED and not err.fatal
@@ -78,14 +98,19 @@ def test_message_before_hello_is_hello_required(t: MsgType) -> None:
 
 
 # -- versions ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("sender_v", "learner_v"), [((2, 0), (1, 0)), ((1, 3), (2, 1)), ((0, 9), (1, 0))])
+@pytest.mark.parametrize(
+    ("sender_v", "learner_v"), [((2, 0), (1, 0)), ((1, 3), (2, 1)), ((0, 9), (1, 0))]
+)
 def test_major_version_mismatch_refused_by_learner(sender_v: tuple, learner_v: tuple) -> None:
     net = Net(learner(version=ProtocolVersion(*learner_v)))
     conn = net.add(b"r0", rollout(version=ProtocolVersion(*sender_v)))
     net.pump()
     (err,) = net.errors_sent("down")
     assert err.code == ErrorCode.VERSION_MISMATCH and err.fatal
-    assert str(ProtocolVersion(*sender_v)) in err.message and str(ProtocolVersion(*learner_v)) in err.message
+    assert (
+        str(ProtocolVersion(*sender_v)) in err.message
+        and str(ProtocolVersion(*learner_v)) in err.message
+    )
     assert conn.state is SenderState.FAILED and conn.fatal_error == err
     assert net.learner.ready_peers() == [] and net.learner.peers == {}
     assert not net.errors_sent("up")  # the sender does not answer the ERROR
@@ -142,7 +167,11 @@ def test_newer_minor_hello_and_welcome_with_extra_fields() -> None:
     assert net.learner_events[0].hello.protocol_version == [1, 9]
     conn.submit([make_traj("a"), make_traj("b")])
     net.pump()
-    assert net.delivered_ids() == ["a", "b"] and not net.errors_sent("up") and not net.errors_sent("down")
+    assert (
+        net.delivered_ids() == ["a", "b"]
+        and not net.errors_sent("up")
+        and not net.errors_sent("down")
+    )
 
 
 # -- model identity ----------------------------------------------------------------------------------
@@ -152,7 +181,11 @@ def test_incompatible_tokenizer_is_fatal() -> None:
     conn = net.add(b"r0", rollout(tokenizer=other))
     net.pump()
     (err,) = net.errors_sent("down")
-    assert (err.code, err.fatal, err.field) == (ErrorCode.INCOMPATIBLE_MODEL, True, "HELLO.tokenizer")
+    assert (err.code, err.fatal, err.field) == (
+        ErrorCode.INCOMPATIBLE_MODEL,
+        True,
+        "HELLO.tokenizer",
+    )
     assert "other-tokenizer" in err.message and TOKENIZER.name in err.message
     assert conn.state is SenderState.FAILED
     assert isinstance(net.sender_events[b"r0"][0], PeerError)

@@ -32,7 +32,10 @@ def test_heartbeats_at_the_interval_both_ways() -> None:
     (down,) = [r.decoded() for r in net.sent("down", MsgType.HEARTBEAT)]
     assert up == Heartbeat(t0 + 1.0, 0) and down == Heartbeat(t0 + 1.0, 0)
     net.run_for(9.0)
-    assert len(net.sent("up", MsgType.HEARTBEAT)) == 10 and len(net.sent("down", MsgType.HEARTBEAT)) == 10
+    assert (
+        len(net.sent("up", MsgType.HEARTBEAT)) == 10
+        and len(net.sent("down", MsgType.HEARTBEAT)) == 10
+    )
 
 
 def test_heartbeat_carries_policy_versions() -> None:
@@ -75,8 +78,12 @@ def test_sender_detects_a_silent_learner() -> None:
     net.run_for(4.75)
     assert conn.state is SenderState.READY
     net.run_for(0.25)
-    assert conn.state is SenderState.IDLE and net.events(b"r0", PeerTimedOut) == [PeerTimedOut("learner")]
-    assert conn.pending == 1 and len(conn._queue) == 1  # the unacked batch waits for the next session
+    assert conn.state is SenderState.IDLE and net.events(b"r0", PeerTimedOut) == [
+        PeerTimedOut("learner")
+    ]
+    assert (
+        conn.pending == 1 and len(conn._queue) == 1
+    )  # the unacked batch waits for the next session
 
 
 def test_sender_gives_up_on_an_unanswered_hello() -> None:
@@ -88,7 +95,11 @@ def test_sender_gives_up_on_an_unanswered_hello() -> None:
 
 
 def test_learner_detects_a_silent_sender_and_frees_its_room() -> None:
-    net = Net(learner(capacity=4, max_credits_per_peer=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0))
+    net = Net(
+        learner(
+            capacity=4, max_credits_per_peer=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0
+        )
+    )
     net.add(b"r0", rollout("rollout-0"))
     net.add(b"r1", rollout("rollout-1"))
     net.pump()
@@ -117,5 +128,7 @@ def test_timed_out_peer_is_asked_for_hello_and_rejoins() -> None:
 def test_heartbeats_keep_an_idle_session_alive() -> None:
     net = _net()
     net.run_for(60.0, step=0.5)
-    assert net.conns[b"r0"].state is SenderState.READY and net.learner.ready_peers() == ["rollout-0"]
+    assert net.conns[b"r0"].state is SenderState.READY and net.learner.ready_peers() == [
+        "rollout-0"
+    ]
     assert not net.events(b"r0", PeerTimedOut) and not net.learner_events_of(PeerTimedOut)

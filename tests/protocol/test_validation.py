@@ -47,11 +47,16 @@ CAP = [VALIDATION_CAPABILITY]
 
 # -- wire ------------------------------------------------------------------------------------------
 def test_new_types_are_appended_and_the_version_is_1_1() -> None:
-    assert [(t.name, t.value) for t in MsgType][10:12] == [("VALIDATE_REQUEST", 11), ("VALIDATE_RESULT", 12)]
+    assert [(t.name, t.value) for t in MsgType][10:12] == [
+        ("VALIDATE_REQUEST", 11),
+        ("VALIDATE_RESULT", 12),
+    ]
     assert PROTOCOL_VERSION >= ProtocolVersion(1, 1)
 
 
-@pytest.mark.parametrize("t", [MsgType.VALIDATE_REQUEST, MsgType.VALIDATE_RESULT], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "t", [MsgType.VALIDATE_REQUEST, MsgType.VALIDATE_RESULT], ids=lambda t: t.name
+)
 def test_round_trip_with_every_field(t: MsgType) -> None:
     msg = SAMPLES[t]
     frames = on_wire(codec.encode(msg))
@@ -63,14 +68,37 @@ def test_round_trip_with_every_field(t: MsgType) -> None:
 def test_result_layout_and_defaults() -> None:
     frames = on_wire(codec.encode(SAMPLES[MsgType.VALIDATE_RESULT]))
     h = header(frames)
-    assert list(h) == ["request_id", "policy_version", "ok", "error", "sources", "shard_index", "shard_count",
-                       "prompts", "duration_s"]
-    assert list(h["sources"][0]) == ["data_source", "count", "reward_sum", "reward_mean", "response_length_mean",
-                                     "turns_mean", "terminations", "extras_mean", "extras_count"]
+    assert list(h) == [
+        "request_id",
+        "policy_version",
+        "ok",
+        "error",
+        "sources",
+        "shard_index",
+        "shard_count",
+        "prompts",
+        "duration_s",
+    ]
+    assert list(h["sources"][0]) == [
+        "data_source",
+        "count",
+        "reward_sum",
+        "reward_mean",
+        "response_length_mean",
+        "turns_mean",
+        "terminations",
+        "extras_mean",
+        "extras_count",
+    ]
     minimal = with_header(frames, {"request_id": "r", "policy_version": 0})
     back = codec.decode(minimal)
     assert back == ValidateResult("r", 0) and back.ok and back.sources == [] and back.count == 0
-    req = codec.decode([bytes((MsgType.VALIDATE_REQUEST,)), msgpack.packb({"request_id": "r", "policy_version": 3})])
+    req = codec.decode(
+        [
+            bytes((MsgType.VALIDATE_REQUEST,)),
+            msgpack.packb({"request_id": "r", "policy_version": 3}),
+        ]
+    )
     assert req == ValidateRequest("r", 3, 0.0)
 
 
@@ -81,42 +109,111 @@ def _sources(h: dict, i: int = 0, **changes: object) -> dict:
 
 BAD = [
     (MsgType.VALIDATE_REQUEST, lambda h: h.update(request_id=""), "VALIDATE_REQUEST.request_id"),
-    (MsgType.VALIDATE_REQUEST, lambda h: h.update(request_id="x" * 129), "VALIDATE_REQUEST.request_id"),
+    (
+        MsgType.VALIDATE_REQUEST,
+        lambda h: h.update(request_id="x" * 129),
+        "VALIDATE_REQUEST.request_id",
+    ),
     (MsgType.VALIDATE_REQUEST, lambda h: h.update(request_id=7), "VALIDATE_REQUEST.request_id"),
-    (MsgType.VALIDATE_REQUEST, lambda h: h.update(policy_version=-1), "VALIDATE_REQUEST.policy_version"),
-    (MsgType.VALIDATE_REQUEST, lambda h: h.update(policy_version=True), "VALIDATE_REQUEST.policy_version"),
+    (
+        MsgType.VALIDATE_REQUEST,
+        lambda h: h.update(policy_version=-1),
+        "VALIDATE_REQUEST.policy_version",
+    ),
+    (
+        MsgType.VALIDATE_REQUEST,
+        lambda h: h.update(policy_version=True),
+        "VALIDATE_REQUEST.policy_version",
+    ),
     (MsgType.VALIDATE_REQUEST, lambda h: h.update(timeout_s=-1.0), "VALIDATE_REQUEST.timeout_s"),
-    (MsgType.VALIDATE_REQUEST, lambda h: h.update(timeout_s=math.nan), "VALIDATE_REQUEST.timeout_s"),
-    (MsgType.VALIDATE_REQUEST, lambda h: h.pop("policy_version"), "VALIDATE_REQUEST.policy_version"),
+    (
+        MsgType.VALIDATE_REQUEST,
+        lambda h: h.update(timeout_s=math.nan),
+        "VALIDATE_REQUEST.timeout_s",
+    ),
+    (
+        MsgType.VALIDATE_REQUEST,
+        lambda h: h.pop("policy_version"),
+        "VALIDATE_REQUEST.policy_version",
+    ),
     (MsgType.VALIDATE_RESULT, lambda h: h.pop("request_id"), "VALIDATE_RESULT.request_id"),
-    (MsgType.VALIDATE_RESULT, lambda h: h.update(policy_version=-2), "VALIDATE_RESULT.policy_version"),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: h.update(policy_version=-2),
+        "VALIDATE_RESULT.policy_version",
+    ),
     (MsgType.VALIDATE_RESULT, lambda h: h.update(ok=1), "VALIDATE_RESULT.ok"),
     (MsgType.VALIDATE_RESULT, lambda h: h.update(sources={"math": {}}), "VALIDATE_RESULT.sources"),
     (MsgType.VALIDATE_RESULT, lambda h: h.update(shard_index=2), "VALIDATE_RESULT.shard_index"),
     (MsgType.VALIDATE_RESULT, lambda h: h.update(shard_count=0), "VALIDATE_RESULT.shard_index"),
     (MsgType.VALIDATE_RESULT, lambda h: h.update(prompts=-1), "VALIDATE_RESULT.prompts"),
     (MsgType.VALIDATE_RESULT, lambda h: _sources(h, count=-1), "VALIDATE_RESULT.sources[0].count"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, 1, reward_sum=1.0), "VALIDATE_RESULT.sources[1].reward_sum"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, reward_mean=0.9), "VALIDATE_RESULT.sources[0].reward_mean"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, reward_sum=math.inf), "VALIDATE_RESULT.sources[0].reward_sum"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, turns_mean=-1.0), "VALIDATE_RESULT.sources[0].turns_mean"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, terminations={"answered": "4"}),
-     "VALIDATE_RESULT.sources[0].terminations.answered"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, terminations={"answered": -1}),
-     "VALIDATE_RESULT.sources[0].terminations.answered"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, terminations={"answered": 3, "length": 2}),
-     "VALIDATE_RESULT.sources[0].terminations"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, extras_count={"acc": 5}),
-     "VALIDATE_RESULT.sources[0].extras_count.acc"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, extras_count={}), "VALIDATE_RESULT.sources[0].extras_count.acc"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, extras_mean={"acc": "high"}),
-     "VALIDATE_RESULT.sources[0].extras_mean.acc"),
-    (MsgType.VALIDATE_RESULT, lambda h: _sources(h, 1, data_source="math"), "VALIDATE_RESULT.sources[1].data_source"),
-    (MsgType.VALIDATE_RESULT, lambda h: h["sources"][0].pop("data_source"), "VALIDATE_RESULT.sources[0].data_source"),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, 1, reward_sum=1.0),
+        "VALIDATE_RESULT.sources[1].reward_sum",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, reward_mean=0.9),
+        "VALIDATE_RESULT.sources[0].reward_mean",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, reward_sum=math.inf),
+        "VALIDATE_RESULT.sources[0].reward_sum",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, turns_mean=-1.0),
+        "VALIDATE_RESULT.sources[0].turns_mean",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, terminations={"answered": "4"}),
+        "VALIDATE_RESULT.sources[0].terminations.answered",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, terminations={"answered": -1}),
+        "VALIDATE_RESULT.sources[0].terminations.answered",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, terminations={"answered": 3, "length": 2}),
+        "VALIDATE_RESULT.sources[0].terminations",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, extras_count={"acc": 5}),
+        "VALIDATE_RESULT.sources[0].extras_count.acc",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, extras_count={}),
+        "VALIDATE_RESULT.sources[0].extras_count.acc",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, extras_mean={"acc": "high"}),
+        "VALIDATE_RESULT.sources[0].extras_mean.acc",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: _sources(h, 1, data_source="math"),
+        "VALIDATE_RESULT.sources[1].data_source",
+    ),
+    (
+        MsgType.VALIDATE_RESULT,
+        lambda h: h["sources"][0].pop("data_source"),
+        "VALIDATE_RESULT.sources[0].data_source",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("t", "edit", "field"), BAD, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("t", "edit", "field"), BAD, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(BAD)]
+)
 def test_invalid_fields_are_named(t: MsgType, edit, field: str) -> None:
     frames = on_wire(codec.encode(SAMPLES[t]))
     h = header(frames)
@@ -154,7 +251,9 @@ def net_with(*capabilities: list[str]) -> Net:
 
 
 def answer(net: Net, ident: bytes, request: ValidateRequest, **kw: object) -> bool:
-    result = ValidateResult(request.request_id, request.policy_version, sources=[source_metrics()], **kw)
+    result = ValidateResult(
+        request.request_id, request.policy_version, sources=[source_metrics()], **kw
+    )
     return net.conns[ident].validation_result(result)
 
 
@@ -209,7 +308,9 @@ def test_a_server_without_the_capability_refuses_the_request() -> None:
     net = net_with([])
     conn = net.conns[b"r0"]
     events = conn.receive(on_wire(codec.encode(ValidateRequest("v", 0))), net.clock.now)
-    assert [type(e) for e in events] == [ProtocolViolation] and events[0].error.code is ErrorCode.UNEXPECTED
+    assert [type(e) for e in events] == [ProtocolViolation] and events[
+        0
+    ].error.code is ErrorCode.UNEXPECTED
     (frames,) = conn.data_to_send(net.clock.now)
     assert codec.decode(frames).code == ErrorCode.UNEXPECTED
     assert conn.state is SenderState.READY
@@ -244,7 +345,9 @@ def test_a_peer_that_leaves_abandons_its_requests() -> None:
     closed = net.learner_events[-3:]
     assert [type(e) for e in closed] == [PeerClosed, ValidationAbandoned, ValidationAbandoned]
     assert [(e.peer_id, e.request_id, e.reason) for e in closed[1:]] == [
-        ("rollout-0", "val-a", "closed"), ("rollout-0", "val-b", "closed")]
+        ("rollout-0", "val-a", "closed"),
+        ("rollout-0", "val-b", "closed"),
+    ]
     # rollout-1 reconnects under a new identity (a new socket): its old session's requests are gone
     net.add(b"r1-new", rollout("rollout-1", capabilities=CAP))
     net.pump()
@@ -284,21 +387,32 @@ def test_failed_result_is_delivered_as_is() -> None:
 
 # -- metric helpers ------------------------------------------------------------------------------------
 def test_summarize_groups_by_source_and_keeps_numeric_extras() -> None:
-    outcomes = [EpisodeOutcome("math", 1.0, 10, 2, "answered", {"acc": True, "judge": "exact", "bad": math.nan}),
-                EpisodeOutcome("math", 0.0, 20, 1, "length", {"acc": False}),
-                EpisodeOutcome("qa", 0.5, 4, 1, "answered", {"f1": 0.5})]
+    outcomes = [
+        EpisodeOutcome(
+            "math", 1.0, 10, 2, "answered", {"acc": True, "judge": "exact", "bad": math.nan}
+        ),
+        EpisodeOutcome("math", 0.0, 20, 1, "length", {"acc": False}),
+        EpisodeOutcome("qa", 0.5, 4, 1, "answered", {"f1": 0.5}),
+    ]
     math_m, qa_m = summarize(outcomes)
-    assert math_m == SourceMetrics("math", 2, 1.0, 0.5, 15.0, 1.5, {"answered": 1, "length": 1},
-                                   {"acc": 0.5}, {"acc": 2})
+    assert math_m == SourceMetrics(
+        "math", 2, 1.0, 0.5, 15.0, 1.5, {"answered": 1, "length": 1}, {"acc": 0.5}, {"acc": 2}
+    )
     assert (qa_m.data_source, qa_m.count, qa_m.extras_mean) == ("qa", 1, {"f1": 0.5})
     assert summarize([]) == []
 
 
 def test_merge_weights_by_counts_and_skips_failed_results() -> None:
-    a = ValidateResult("v", 1, sources=summarize([EpisodeOutcome("math", 1.0, 10, 1, extras={"acc": 1})] * 3))
-    b = ValidateResult("v", 1, sources=summarize([EpisodeOutcome("math", 0.0, 30, 3, "length", {"acc": 0})]))
+    a = ValidateResult(
+        "v", 1, sources=summarize([EpisodeOutcome("math", 1.0, 10, 1, extras={"acc": 1})] * 3)
+    )
+    b = ValidateResult(
+        "v", 1, sources=summarize([EpisodeOutcome("math", 0.0, 30, 3, "length", {"acc": 0})])
+    )
     c = ValidateResult("v", 1, sources=summarize([EpisodeOutcome("qa", 0.25, 2, 1)]))
-    failed = ValidateResult("v", 1, ok=False, error="x", sources=summarize([EpisodeOutcome("math", 100.0)]))
+    failed = ValidateResult(
+        "v", 1, ok=False, error="x", sources=summarize([EpisodeOutcome("math", 100.0)])
+    )
     merged = merge([a, b, c, failed])
     assert list(merged) == ["math", "qa"]
     m = merged["math"]

@@ -33,24 +33,40 @@ def _bytes_of(bufs: list[NamedBuffer]) -> dict[str, bytes]:
 def test_plan_splits_tensors_across_chunks() -> None:
     ts = tensors([10, 7])  # 40 + 28 bytes
     announce, chunks = plan_transfer(3, ts, chunk_bytes=16, transfer_id="tx")
-    assert (announce.version, announce.transfer_id, announce.num_chunks, announce.checksum_algo) == (3, "tx", 5, "xxh3_64")
-    assert announce.tensors == [TensorSpec("layer0.weight", "float32", [10], 40, checksum(ts[0].data)),
-                                TensorSpec("layer1.weight", "float32", [7], 28, checksum(ts[1].data))]
+    assert (
+        announce.version,
+        announce.transfer_id,
+        announce.num_chunks,
+        announce.checksum_algo,
+    ) == (3, "tx", 5, "xxh3_64")
+    assert announce.tensors == [
+        TensorSpec("layer0.weight", "float32", [10], 40, checksum(ts[0].data)),
+        TensorSpec("layer1.weight", "float32", [7], 28, checksum(ts[1].data)),
+    ]
     assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
     assert [[(p.tensor, p.offset, p.nbytes) for p in c.parts] for c in chunks] == [
-        [(0, 0, 16)], [(0, 16, 16)], [(0, 32, 8), (1, 0, 8)], [(1, 8, 16)], [(1, 24, 4)]]
+        [(0, 0, 16)],
+        [(0, 16, 16)],
+        [(0, 32, 8), (1, 0, 8)],
+        [(1, 8, 16)],
+        [(1, 24, 4)],
+    ]
     assert all(sum(p.nbytes for p in c.parts) <= 16 for c in chunks)
 
 
 def test_checksums_are_xxh3_64_of_the_raw_bytes() -> None:
     ts = tensors([5])
     announce, _ = plan_transfer(1, ts)
-    assert announce.tensors[0].checksum == xxhash.xxh3_64_intdigest(bytes(memoryview(ts[0].data).cast("B")))
+    assert announce.tensors[0].checksum == xxhash.xxh3_64_intdigest(
+        bytes(memoryview(ts[0].data).cast("B"))
+    )
 
 
 def test_chunk_frames_are_views_of_the_tensors() -> None:
     arr = np.arange(32, dtype=np.float32)
-    _, chunks = plan_transfer(1, [NamedBuffer("w", "float32", (32,), memoryview(arr))], chunk_bytes=48)
+    _, chunks = plan_transfer(
+        1, [NamedBuffer("w", "float32", (32,), memoryview(arr))], chunk_bytes=48
+    )
     for c in chunks:
         for f in c.frames:
             assert np.shares_memory(np.frombuffer(f, np.uint8), arr)
@@ -80,11 +96,15 @@ def test_multi_chunk_transfer_end_to_end() -> None:
         (received,) = net.events(ident, WeightsReceived)
         w = received.weights
         assert w.version == 5 and {s.name: bytes(b) for s, b in w.tensors} == _bytes_of(ts)
-        assert conn.policy_version == 0  # generation only switches once the application applied them
+        assert (
+            conn.policy_version == 0
+        )  # generation only switches once the application applied them
         conn.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=0.5)
     net.pump()
-    assert [(e.peer_id, e.applied.version, e.applied.ok) for e in net.learner_events_of(PeerWeightsApplied)] == [
-        ("rollout-0", 5, True), ("rollout-1", 5, True)]
+    assert [
+        (e.peer_id, e.applied.version, e.applied.ok)
+        for e in net.learner_events_of(PeerWeightsApplied)
+    ] == [("rollout-0", 5, True), ("rollout-1", 5, True)]
     assert all(p.policy_version == 5 for p in net.learner.peers.values())
     assert all(c.policy_version == 5 for c in net.conns.values())
 
@@ -109,7 +129,10 @@ def test_corrupted_chunk_byte_fails_the_transfer() -> None:
     assert (applied.version, applied.ok) == (2, False) and applied.error == failed.reason
     (ev,) = net.learner_events_of(PeerWeightsApplied)
     assert not ev.applied.ok and net.learner.peers[b"r0"].policy_version == 0
-    assert net.conns[b"r0"].state is SenderState.READY and net.conns[b"r0"].assembler.in_progress is None
+    assert (
+        net.conns[b"r0"].state is SenderState.READY
+        and net.conns[b"r0"].assembler.in_progress is None
+    )
 
 
 def test_duplicate_chunk_is_ignored() -> None:
@@ -117,7 +140,10 @@ def test_duplicate_chunk_is_ignored() -> None:
     net.learner.publish_weights(1, tensors([25]), chunk_bytes=50)  # 100 bytes: 2 chunks
     out = net.learner.data_to_send(net.clock.now)
     frames = [on_wire(f) for _, f in out]
-    assert [codec.peek_type(f) for f in frames] == [MsgType.WEIGHTS_ANNOUNCE, *[MsgType.WEIGHTS_CHUNK] * 2]
+    assert [codec.peek_type(f) for f in frames] == [
+        MsgType.WEIGHTS_ANNOUNCE,
+        *[MsgType.WEIGHTS_CHUNK] * 2,
+    ]
     conn = net.conns[b"r0"]
     events = []
     for f in [frames[0], frames[1], frames[1], frames[1]]:  # announce, chunk 0 three times
@@ -137,7 +163,15 @@ def test_newer_announce_supersedes_older_one() -> None:
     a2, c2 = plan_transfer(2, new, chunk_bytes=32, transfer_id="new")
     assert len(c1) == len(c2) == 2
     now = net.clock.now
-    seq = [a1, c1[0], a2, c1[1], c2[0], c2[1], c1[0]]  # old chunks still in flight after the new announce
+    seq = [
+        a1,
+        c1[0],
+        a2,
+        c1[1],
+        c2[0],
+        c2[1],
+        c1[0],
+    ]  # old chunks still in flight after the new announce
     events = [e for m in seq for e in conn.receive(on_wire(codec.encode(m)), now)]
     assert [type(e) for e in events] == [WeightsAnnounced, WeightsAnnounced, WeightsReceived]
     (got,) = [e.weights for e in events if isinstance(e, WeightsReceived)]
@@ -183,7 +217,9 @@ def test_no_weights_published_nothing_sent_to_joiner() -> None:
 def test_missing_chunk_never_completes_and_times_out_with_an_error() -> None:
     net = connected()
     net.mutate = None
-    net.drop = lambda d, i, f: codec.peek_type(f) is MsgType.WEIGHTS_CHUNK and codec.decode(f).index == 2
+    net.drop = lambda d, i, f: (
+        codec.peek_type(f) is MsgType.WEIGHTS_CHUNK and codec.decode(f).index == 2
+    )
     net.learner.publish_weights(1, tensors([64]), chunk_bytes=64)
     net.pump()
     conn = net.conns[b"r0"]
@@ -199,23 +235,31 @@ def test_missing_chunk_never_completes_and_times_out_with_an_error() -> None:
     (applied,) = _applied(net)
     assert (applied.version, applied.ok) == (1, False)
     (err,) = [r.decoded() for r in net.sent("up", MsgType.ERROR, b"r0")]
-    assert err.code == ErrorCode.TIMED_OUT and err.ref_type == MsgType.WEIGHTS_ANNOUNCE and not err.fatal
+    assert (
+        err.code == ErrorCode.TIMED_OUT
+        and err.ref_type == MsgType.WEIGHTS_ANNOUNCE
+        and not err.fatal
+    )
     assert "192 of 256 bytes" in err.message
 
 
 # -- the assembler's checks --------------------------------------------------------------------------
 def _announce(**kw) -> WeightsAnnounce:
     spec = TensorSpec("w", "float32", [2, 2], 16, 0)
-    return WeightsAnnounce(**{"version": 1, "transfer_id": "t", "tensors": [spec], "num_chunks": 1, **kw})
+    return WeightsAnnounce(
+        **{"version": 1, "transfer_id": "t", "tensors": [spec], "num_chunks": 1, **kw}
+    )
 
 
 @pytest.mark.parametrize(
     ("announce", "code"),
-    [(_announce(checksum_algo="crc32"), ErrorCode.INVALID_FIELD),
-     (_announce(tensors=[TensorSpec("w", "float32", [2, 2], 15, 0)]), ErrorCode.INVALID_FIELD),
-     (_announce(tensors=[TensorSpec("w", "complex64", [2], 16, 0)]), ErrorCode.INVALID_FIELD),
-     (_announce(tensors=[TensorSpec("w", "uint8", [-1, -4], 4, 0)]), ErrorCode.INVALID_FIELD),
-     (_announce(tensors=[TensorSpec("w", "uint8", [1 << 20], 1 << 20, 0)]), ErrorCode.TOO_LARGE)],
+    [
+        (_announce(checksum_algo="crc32"), ErrorCode.INVALID_FIELD),
+        (_announce(tensors=[TensorSpec("w", "float32", [2, 2], 15, 0)]), ErrorCode.INVALID_FIELD),
+        (_announce(tensors=[TensorSpec("w", "complex64", [2], 16, 0)]), ErrorCode.INVALID_FIELD),
+        (_announce(tensors=[TensorSpec("w", "uint8", [-1, -4], 4, 0)]), ErrorCode.INVALID_FIELD),
+        (_announce(tensors=[TensorSpec("w", "uint8", [1 << 20], 1 << 20, 0)]), ErrorCode.TOO_LARGE),
+    ],
 )
 def test_bad_announce_is_refused(announce: WeightsAnnounce, code: ErrorCode) -> None:
     with pytest.raises(ProtocolError) as e:
@@ -229,15 +273,21 @@ def test_bad_announce_over_the_wire_reports_weights_applied_false_and_an_error()
     assert [type(e) for e in events] == [WeightsFailed]  # refused: not announced to the application
     applied, err = (codec.decode(f) for f in conn.data_to_send(0.0))
     assert (applied.version, applied.ok) == (1, False) and "checksum_algo" in applied.error
-    assert (err.code, err.field, err.ref_type) == (ErrorCode.INVALID_FIELD, "checksum_algo", MsgType.WEIGHTS_ANNOUNCE)
+    assert (err.code, err.field, err.ref_type) == (
+        ErrorCode.INVALID_FIELD,
+        "checksum_algo",
+        MsgType.WEIGHTS_ANNOUNCE,
+    )
 
 
 @pytest.mark.parametrize(
     ("chunk", "code"),
-    [(WeightsChunk("t", 1, 1, [], ()), ErrorCode.INVALID_FIELD),
-     (WeightsChunk("t", 1, 0, [ChunkPart(1, 0, 4)], (b"abcd",)), ErrorCode.INVALID_FIELD),
-     (WeightsChunk("t", 1, 0, [ChunkPart(0, 14, 4)], (b"abcd",)), ErrorCode.INVALID_FIELD),
-     (WeightsChunk("other", 1, 0, [], ()), ErrorCode.UNEXPECTED)],
+    [
+        (WeightsChunk("t", 1, 1, [], ()), ErrorCode.INVALID_FIELD),
+        (WeightsChunk("t", 1, 0, [ChunkPart(1, 0, 4)], (b"abcd",)), ErrorCode.INVALID_FIELD),
+        (WeightsChunk("t", 1, 0, [ChunkPart(0, 14, 4)], (b"abcd",)), ErrorCode.INVALID_FIELD),
+        (WeightsChunk("other", 1, 0, [], ()), ErrorCode.UNEXPECTED),
+    ],
 )
 def test_bad_chunk_is_refused(chunk: WeightsChunk, code: ErrorCode) -> None:
     asm = WeightAssembler()
@@ -265,8 +315,11 @@ def test_empty_transfer_completes_on_announce() -> None:
 
 
 # -- checks before allocating (SPEC §8) --------------------------------------------------------------
-MODEL = ModelManifest({"embed.weight": ("float32", (8, 4)), "norm.weight": ("float32", (4,))},
-                      optional={"lm_head.weight": ("float32", (8, 4))}, name="tiny")
+MODEL = ModelManifest(
+    {"embed.weight": ("float32", (8, 4)), "norm.weight": ("float32", (4,))},
+    optional={"lm_head.weight": ("float32", (8, 4))},
+    name="tiny",
+)
 GOOD = [("embed.weight", "float32", [8, 4]), ("norm.weight", "float32", [4])]
 
 
@@ -281,29 +334,70 @@ def test_manifest_bound_is_the_models_size() -> None:
 
 @pytest.mark.parametrize(
     ("specs", "code", "field", "words"),
-    [([("embed.weight", "float32", [3 << 28])], ErrorCode.TOO_LARGE, "tensors", "exceed the 272 bytes tiny can hold"),
-     ([*GOOD, ("extra", "float32", [1])], ErrorCode.INVALID_FIELD, "tensors[2].name", "extra is not a tensor of tiny"),
-     ([("embed.weight", "float32", [4, 8]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].shape",
-      "embed.weight: shape [4, 8], tiny has [8, 4]"),
-     ([("embed.weight", "float64", [8, 4]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].dtype",
-      "dtype float64, tiny stores float32"),
-     ([("embed.weight", "int32", [8, 4]), GOOD[1]], ErrorCode.INVALID_FIELD, "tensors[0].dtype", "dtype int32"),
-     ([GOOD[0]], ErrorCode.INVALID_FIELD, "tensors", "1 tensors of tiny missing, e.g. ['norm.weight']"),
-     ([GOOD[1], GOOD[1], GOOD[0]], ErrorCode.INVALID_FIELD, "tensors[1].name", "announced twice")],
+    [
+        (
+            [("embed.weight", "float32", [3 << 28])],
+            ErrorCode.TOO_LARGE,
+            "tensors",
+            "exceed the 272 bytes tiny can hold",
+        ),
+        (
+            [*GOOD, ("extra", "float32", [1])],
+            ErrorCode.INVALID_FIELD,
+            "tensors[2].name",
+            "extra is not a tensor of tiny",
+        ),
+        (
+            [("embed.weight", "float32", [4, 8]), GOOD[1]],
+            ErrorCode.INVALID_FIELD,
+            "tensors[0].shape",
+            "embed.weight: shape [4, 8], tiny has [8, 4]",
+        ),
+        (
+            [("embed.weight", "float64", [8, 4]), GOOD[1]],
+            ErrorCode.INVALID_FIELD,
+            "tensors[0].dtype",
+            "dtype float64, tiny stores float32",
+        ),
+        (
+            [("embed.weight", "int32", [8, 4]), GOOD[1]],
+            ErrorCode.INVALID_FIELD,
+            "tensors[0].dtype",
+            "dtype int32",
+        ),
+        (
+            [GOOD[0]],
+            ErrorCode.INVALID_FIELD,
+            "tensors",
+            "1 tensors of tiny missing, e.g. ['norm.weight']",
+        ),
+        (
+            [GOOD[1], GOOD[1], GOOD[0]],
+            ErrorCode.INVALID_FIELD,
+            "tensors[1].name",
+            "announced twice",
+        ),
+    ],
 )
-def test_announce_that_does_not_fit_the_model_is_refused(specs: list, code: ErrorCode, field: str,
-                                                         words: str) -> None:
+def test_announce_that_does_not_fit_the_model_is_refused(
+    specs: list, code: ErrorCode, field: str, words: str
+) -> None:
     with pytest.raises(ProtocolError) as e:
         WeightAssembler(manifest=MODEL).announce(_announce(tensors=_specs(*specs)), 0.0)
-    assert (e.value.code, e.value.field) == (code, field) and words in e.value.message, e.value.message
+    assert (e.value.code, e.value.field) == (code, field) and words in e.value.message, (
+        e.value.message
+    )
 
 
 def test_announce_that_fits_the_model_is_accepted() -> None:
     asm = WeightAssembler(manifest=MODEL)
     assert asm.announce(_announce(tensors=_specs(*GOOD), num_chunks=2), 0.0) is None
     # narrower floating dtypes are fine, and the tied lm_head may come or not
-    half = _specs(("embed.weight", "bfloat16", [8, 4]), ("norm.weight", "float16", [4]),
-                  ("lm_head.weight", "float32", [8, 4]))
+    half = _specs(
+        ("embed.weight", "bfloat16", [8, 4]),
+        ("norm.weight", "float16", [4]),
+        ("lm_head.weight", "float32", [8, 4]),
+    )
     assert asm.announce(_announce(tensors=half, transfer_id="t2", num_chunks=3), 0.0) is None
 
 
@@ -359,13 +453,17 @@ def test_stalled_transfer_expires_after_timeout_without_progress() -> None:
     assert expired is not None
     ann, err = expired
     assert ann.transfer_id == "slow" and err.code is ErrorCode.TIMED_OUT
-    assert "no new chunk for 10.0 s" in err.message and "1 of 4 chunks, 64 of 256 bytes" in err.message
+    assert (
+        "no new chunk for 10.0 s" in err.message and "1 of 4 chunks, 64 of 256 bytes" in err.message
+    )
     assert asm.in_progress is None and asm.deadline == float("inf") and asm.expire(1e9) is None
     assert asm.chunk(chunks[1], 116.0) is None  # late chunks of the abandoned transfer: ignored
 
 
 def test_slow_drip_expires_at_the_size_based_deadline() -> None:
-    announce, chunks = plan_transfer(1, tensors([64]), chunk_bytes=4, transfer_id="drip")  # 64 chunks
+    announce, chunks = plan_transfer(
+        1, tensors([64]), chunk_bytes=4, transfer_id="drip"
+    )  # 64 chunks
     asm = WeightAssembler(timeout_s=10.0, min_bytes_per_s=32.0)  # 10 s + 256 B / 32 B/s = 18 s
     asm.announce(announce, 0.0)
     t, expired = 0.0, None
@@ -401,5 +499,7 @@ def test_version_jumps_are_accepted_and_nothing_stays_pending() -> None:
 def test_a_megabyte_name_is_not_quoted_back_whole() -> None:
     long_name = "w" * (1 << 20)
     with pytest.raises(ProtocolError) as e:
-        WeightAssembler(manifest=MODEL).announce(_announce(tensors=_specs(*GOOD, (long_name, "float32", [1]))), 0.0)
+        WeightAssembler(manifest=MODEL).announce(
+            _announce(tensors=_specs(*GOOD, (long_name, "float32", [1]))), 0.0
+        )
     assert len(e.value.message) < 1000 and f"({1 << 20} chars)" in e.value.message

@@ -42,16 +42,20 @@ def _announces(net: Net, ident: bytes) -> list[WeightsAnnounce]:
 
 
 def test_local_file_peer_gets_the_file_others_get_chunks() -> None:
-    net = _net((b"local", "machine-a", [WEIGHTS_FILE_CAPABILITY]),
-               (b"remote", "machine-b", [WEIGHTS_FILE_CAPABILITY]),
-               (b"old", "machine-a", [VALIDATION_CAPABILITY]))
+    net = _net(
+        (b"local", "machine-a", [WEIGHTS_FILE_CAPABILITY]),
+        (b"remote", "machine-b", [WEIGHTS_FILE_CAPABILITY]),
+        (b"old", "machine-a", [VALIDATION_CAPABILITY]),
+    )
     ts = tensors([16, 8])
     net.learner.publish_weights(3, ts, chunk_bytes=32, file=FILE)
     net.pump()
     (a,) = _announces(net, b"local")
     assert (a.file, a.num_chunks, a.version) == (FILE, 0, 3)
     assert [(s.name, s.dtype, s.shape, s.nbytes) for s in a.tensors] == [
-        ("layer0.weight", "float32", [16], 64), ("layer1.weight", "float32", [8], 32)]
+        ("layer0.weight", "float32", [16], 64),
+        ("layer1.weight", "float32", [8], 32),
+    ]
     assert not net.sent("down", MsgType.WEIGHTS_CHUNK, b"local")
     (got,) = net.events(b"local", WeightsReceived)
     assert got.weights.file == FILE and got.weights.tensors == [] and got.weights.version == 3
@@ -87,7 +91,9 @@ def test_a_peer_that_cannot_use_the_file_gets_chunks_from_then_on() -> None:
     net.pump()
     assert [e.applied.ok for e in net.learner_events_of(PeerWeightsApplied)] == [False]
     second = net.events(b"local", WeightsReceived)[-1]
-    assert second.weights.version == 2 and len(second.weights.tensors) == 1 and not second.weights.file
+    assert (
+        second.weights.version == 2 and len(second.weights.tensors) == 1 and not second.weights.file
+    )
     net.learner.publish_weights(3, tensors([4], seed=1), file=FILE)
     net.pump()
     assert _announces(net, b"local")[-1].file == ""  # remembered for later versions too
@@ -124,19 +130,29 @@ def test_a_slot_file_inside_the_directory_is_accepted_by_its_real_path(tmp_path:
     assert check_weights_file(str(path), [str(tmp_path / "shm")], 64) == os.path.realpath(path)
     link = tmp_path / "shm" / "agentrl-weights-123-abcd" / "latest.safetensors"
     link.symlink_to(path)  # a link that stays inside is fine: the real path is handed on
-    assert check_weights_file(str(link), [str(tmp_path / "elsewhere"), str(tmp_path / "shm")], 1) == str(path)
+    assert check_weights_file(
+        str(link), [str(tmp_path / "elsewhere"), str(tmp_path / "shm")], 1
+    ) == str(path)
 
 
 @pytest.mark.parametrize(
     ("make", "words"),
-    [(lambda root: "/etc/passwd", "is not inside a learner weights directory"),
-     (lambda root: "relative/model.safetensors", "is not an absolute path"),
-     (lambda root: f"{_slot(root).parent}{'/..' * 30}/etc/passwd", "(resolves to /etc/passwd) is not inside"),
-     (lambda root: str(_slot(root, "other-dir")), "is not inside"),  # not an agentrl-weights-* folder
-     (lambda root: str(root / "agentrl-weights-x"), "is not inside"),  # the folder itself
-     (lambda root: str(_slot(root).parent), "is not a regular file"),
-     (lambda root: str(root / "agentrl-weights-x" / "nothing"), "No such file or directory"),
-     (lambda root: str(_slot(root, size=10)), "holds 10 bytes, the announced tensors need 64")],
+    [
+        (lambda root: "/etc/passwd", "is not inside a learner weights directory"),
+        (lambda root: "relative/model.safetensors", "is not an absolute path"),
+        (
+            lambda root: f"{_slot(root).parent}{'/..' * 30}/etc/passwd",
+            "(resolves to /etc/passwd) is not inside",
+        ),
+        (
+            lambda root: str(_slot(root, "other-dir")),
+            "is not inside",
+        ),  # not an agentrl-weights-* folder
+        (lambda root: str(root / "agentrl-weights-x"), "is not inside"),  # the folder itself
+        (lambda root: str(_slot(root).parent), "is not a regular file"),
+        (lambda root: str(root / "agentrl-weights-x" / "nothing"), "No such file or directory"),
+        (lambda root: str(_slot(root, size=10)), "holds 10 bytes, the announced tensors need 64"),
+    ],
 )
 def test_a_slot_file_elsewhere_is_refused(tmp_path: Path, make: Any, words: str) -> None:
     root = tmp_path / "shm"
@@ -160,17 +176,31 @@ def test_a_symlink_out_of_the_directory_is_refused(tmp_path: Path) -> None:
 def test_a_refused_file_announce_is_answered_with_an_error(tmp_path: Path) -> None:
     root = tmp_path / "shm"
     net = Net(learner(host="machine-a"))
-    conn = net.add(b"r0", rollout("r0", capabilities=[WEIGHTS_FILE_CAPABILITY], host="machine-a",
-                                  weights=WeightAssembler(file_roots=[str(root)])))
+    conn = net.add(
+        b"r0",
+        rollout(
+            "r0",
+            capabilities=[WEIGHTS_FILE_CAPABILITY],
+            host="machine-a",
+            weights=WeightAssembler(file_roots=[str(root)]),
+        ),
+    )
     net.pump()
     spec = TensorSpec("w", "float32", [16], 64, 0)
-    events = conn.receive(on_wire(codec.encode(WeightsAnnounce(4, "bad", [spec], 0, file="/etc/shadow"))), 0.0)
+    events = conn.receive(
+        on_wire(codec.encode(WeightsAnnounce(4, "bad", [spec], 0, file="/etc/shadow"))), 0.0
+    )
     assert [type(e) for e in events] == [WeightsFailed]
     applied, err = (codec.decode(f) for f in conn.data_to_send(0.0))
     assert (applied.ok, err.code, err.field) == (False, ErrorCode.INVALID_FIELD, "file")
-    assert "'/etc/shadow' (resolves to /etc/shadow) is not inside a learner weights directory" in err.message
+    assert (
+        "'/etc/shadow' (resolves to /etc/shadow) is not inside a learner weights directory"
+        in err.message
+    )
     assert str(root / "agentrl-weights-*") in err.message
     good = _slot(root)
-    events = conn.receive(on_wire(codec.encode(WeightsAnnounce(5, "good", [spec], 0, file=str(good)))), 0.0)
+    events = conn.receive(
+        on_wire(codec.encode(WeightsAnnounce(5, "good", [spec], 0, file=str(good)))), 0.0
+    )
     assert [type(e) for e in events] == [WeightsAnnounced, WeightsReceived]
     assert events[1].weights.file == os.path.realpath(good)

@@ -39,5 +39,3 @@ def echo_tool() -> Any:
     if "echo" not in TOOLS:
         TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
     return TOOLS.get("echo")
-
-

@@ -20,7 +20,9 @@ class ScriptedEngine:
     weight_manifest: ModelManifest | None = None
     last_update_timings: Mapping[str, float] = {}
 
-    def __init__(self, tokenizer: Any, turns: Sequence[str | Generation], *, version: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Any, turns: Sequence[str | Generation], *, version: int = 0
+    ) -> None:
         self.tok, self.turns, self.version = tokenizer, list(turns), version
         self.calls: list[tuple[list[int], SamplingSettings]] = []
         self.loaded: list[tuple[int, dict[str, bytes], str]] = []
@@ -37,13 +39,17 @@ class ScriptedEngine:
     def policy_version(self) -> int:
         return self.version
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
         self.calls.append((list(prompt_ids), sampling))
         if self.delay_s:
             import anyio
 
             await anyio.sleep(self.delay_s)
-        if self.per_request is not None:  # a script per episode: request ids are "<episode>-t<turn>"
+        if (
+            self.per_request is not None
+        ):  # a script per episode: request ids are "<episode>-t<turn>"
             episode, turn_no = request_id.rsplit("-t", 1)
             script = self.per_request(episode)
             turn = script[int(turn_no)] if int(turn_no) < len(script) else "(script ended)"
@@ -72,12 +78,16 @@ class ScriptedEngine:
                 await anyio.sleep(self.token_s)
                 versions.append(self.version)
             return Generation(ids, [-0.5] * len(ids), versions, finish, stop_string=stop_string)
-        return Generation(ids, [-0.5] * len(ids), [self.version] * len(ids), finish, stop_string=stop_string)
+        return Generation(
+            ids, [-0.5] * len(ids), [self.version] * len(ids), finish, stop_string=stop_string
+        )
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         pass
 
-    async def load_weights(self, version: int, tensors: list[tuple[str, Any]], *, mode: UpdateMode) -> float:
+    async def load_weights(
+        self, version: int, tensors: list[tuple[str, Any]], *, mode: UpdateMode
+    ) -> float:
         if self.load_gate is not None:  # a test holds the update back (a slow load)
             await self.load_gate.wait()
         self.loaded.append((version, {name: bytes(memoryview(a)) for name, a in tensors}, mode))
@@ -102,12 +112,20 @@ class EchoTool:
 
     @property
     def schema(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": "echo",
-                                                 "parameters": {"type": "object", "properties": {}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": "echo",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
 
     async def call(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
         self.seen.append(args)
         if self.raises:
             raise RuntimeError("tool bug")
         text = self.text if self.text is not None else str(args.get("text", ""))
-        return ToolResult(text, ok=self.ok, terminal=self.terminal, answer=text if self.terminal else None)
+        return ToolResult(
+            text, ok=self.ok, terminal=self.terminal, answer=text if self.terminal else None
+        )

@@ -17,20 +17,38 @@ async def _mentions_42(ep: EpisodeView, row: dict[str, Any]) -> RewardResult:
 
 
 def write_data(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"question": f"what is {i}*7?", "answer": str(7 * i), "data_source": "arith"}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"question": f"what is {i}*7?", "answer": str(7 * i), "data_source": "arith"}
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
 def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
     overrides = {
-        "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.rollout.multi_turn.enable": True, "actor_rollout_ref.rollout.multi_turn.tools": ["echo"],
-        "data.train_files": str(write_data(tmp / "train.jsonl", 5)), "data.agent_type": "tool_agent",
-        "data.max_response_length": 200, "data.train_batch_size": 4,
-        "rollout_server.learner_address": address, "rollout_server.server_id": "rs-test",
-        "rollout_server.reward_fn": "test_mentions_42", "rollout_server.stats_interval_s": 0.2,
-        "transport.heartbeat_interval_s": 0.2, "transport.heartbeat_timeout_s": 2.0, **over,
+        "actor_rollout_ref.model.path": str(model),
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
+        "actor_rollout_ref.rollout.multi_turn.tools": ["echo"],
+        "data.train_files": str(write_data(tmp / "train.jsonl", 5)),
+        "data.agent_type": "tool_agent",
+        "data.max_response_length": 200,
+        "data.train_batch_size": 4,
+        "rollout_server.learner_address": address,
+        "rollout_server.server_id": "rs-test",
+        "rollout_server.reward_fn": "test_mentions_42",
+        "rollout_server.stats_interval_s": 0.2,
+        "transport.heartbeat_interval_s": 0.2,
+        "transport.heartbeat_timeout_s": 2.0,
+        **over,
     }
-    return load_config(None, [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()],
-                       check_paths=False)
+    return load_config(
+        None,
+        [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()],
+        check_paths=False,
+    )

@@ -57,17 +57,27 @@ async def play_trainer(intake: Any, max_staleness: int, train_s: float) -> list[
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 async def test_admission_wastes_nothing_and_bounds_every_token(
-        tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int) -> None:
+    tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int
+) -> None:
     from transformers import AutoTokenizer
 
     from learner.intake import Intake
     from rollout_service.server import RolloutServer
 
-    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:0", **{
-        "learner.bind_address": "tcp://127.0.0.1:0", "actor_rollout_ref.rollout.n": N,
-        "actor_rollout_ref.rollout.max_staleness": max_staleness,
-        "actor_rollout_ref.rollout.on_weight_update": "abort", "data.train_batch_size": B,
-        "data.train_files": str(_data(tmp_path / "train.jsonl", 64)), "learner.weights_file_dir": None})
+    config = make_config(
+        tmp_path,
+        tiny_model,
+        "tcp://127.0.0.1:0",
+        **{
+            "learner.bind_address": "tcp://127.0.0.1:0",
+            "actor_rollout_ref.rollout.n": N,
+            "actor_rollout_ref.rollout.max_staleness": max_staleness,
+            "actor_rollout_ref.rollout.on_weight_update": "abort",
+            "data.train_batch_size": B,
+            "data.train_files": str(_data(tmp_path / "train.jsonl", 64)),
+            "learner.weights_file_dir": None,
+        },
+    )
     intake = Intake(config, tmp_path / "learner", fresh=True)
     intake.publish_weights(0, reference_weights(seed=0))
     intake.configure_admission(B, max_staleness, STEPS * B)
@@ -88,7 +98,9 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
 
     assert stats["dropped_stale_groups"] == 0 and server.stats.counters.staleness_drops == 0
     assert waste["rollout/waste_frac"] == 0.0 and waste["rollout/generated_tokens"] > 0
-    assert stats["trajectories"] == STEPS * B * N, "groups were generated beyond what the run trains"
+    assert stats["trajectories"] == STEPS * B * N, (
+        "groups were generated beyond what the run trains"
+    )
     straddled = 0
     for version, taken in steps:
         assert len(taken.group_uids) == B
@@ -106,6 +118,10 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
 def _data(path: Path, n: int) -> Path:
     import json
 
-    path.write_text("".join(json.dumps({"question": f"what is {i}*6?", "answer": str(6 * i)}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"question": f"what is {i}*6?", "answer": str(6 * i)}) + "\n"
+            for i in range(n)
+        )
+    )
     return path

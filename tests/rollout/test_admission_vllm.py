@@ -36,12 +36,18 @@ def weights(base: dict[str, np.ndarray], seed: int) -> list[NamedBuffer]:
     rng = np.random.default_rng(seed)
     out = []
     for name, a in base.items():
-        v = np.ascontiguousarray((a + rng.normal(0, 0.02, a.shape)).astype(np.float32)) if seed else a
+        v = (
+            np.ascontiguousarray((a + rng.normal(0, 0.02, a.shape)).astype(np.float32))
+            if seed
+            else a
+        )
         out.append(NamedBuffer(name, "float32", v.shape, memoryview(v).cast("B")))
     return out
 
 
-async def test_updates_interrupt_long_generations_and_nothing_is_wasted(tmp_path: Path, tiny_model: Path) -> None:
+async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     from safetensors.numpy import load_file
 
     from learner.intake import Intake
@@ -49,21 +55,39 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(tmp_path
     from rollout_service.server import RolloutServer
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": f"what is {i}+{i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(64)))
-    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:0", **{
-        "learner.bind_address": "tcp://127.0.0.1:0", "actor_rollout_ref.rollout.n": N,
-        "actor_rollout_ref.rollout.max_staleness": K, "actor_rollout_ref.rollout.on_weight_update": "abort",
-        "actor_rollout_ref.rollout.multi_turn.enable": False, "actor_rollout_ref.rollout.multi_turn.tools": [],
-        "data.agent_type": "single_turn",
-        "data.max_response_length": 192, "data.train_batch_size": B, "data.train_files": str(data),
-        "rollout_server.reward_fn": "math", "learner.weights_file_dir": None})
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"what is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+            for i in range(64)
+        )
+    )
+    config = make_config(
+        tmp_path,
+        tiny_model,
+        "tcp://127.0.0.1:0",
+        **{
+            "learner.bind_address": "tcp://127.0.0.1:0",
+            "actor_rollout_ref.rollout.n": N,
+            "actor_rollout_ref.rollout.max_staleness": K,
+            "actor_rollout_ref.rollout.on_weight_update": "abort",
+            "actor_rollout_ref.rollout.multi_turn.enable": False,
+            "actor_rollout_ref.rollout.multi_turn.tools": [],
+            "data.agent_type": "single_turn",
+            "data.max_response_length": 192,
+            "data.train_batch_size": B,
+            "data.train_files": str(data),
+            "rollout_server.reward_fn": "math",
+            "learner.weights_file_dir": None,
+        },
+    )
     base = load_file(str(tiny_model / "model.safetensors"))
     intake = Intake(config, tmp_path / "learner", fresh=True)
     intake.publish_weights(0, weights(base, 0))
     intake.configure_admission(B, K, STEPS * B)
     config.rollout_server.learner_address = intake.address
-    engine = await VllmEngine.start(VllmEngineSettings(model=str(tiny_model), max_model_len=1024, max_num_seqs=32))
+    engine = await VllmEngine.start(
+        VllmEngineSettings(model=str(tiny_model), max_model_len=1024, max_num_seqs=32)
+    )
     steps: list[tuple[int, Any]] = []
     try:
         server = RolloutServer(config, tmp_path / "run", engine=engine)

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, *cmd], cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
 
 
 def stop(proc: subprocess.Popen, log: Path) -> None:
@@ -43,10 +45,16 @@ def stop(proc: subprocess.Popen, log: Path) -> None:
 def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, name: str) -> None:
     data = make_tiny_data(tmp_path / "data", train=32, val=4, agents=True)
     port = free_port("127.0.0.1")
-    common = [f"--config={REPO / 'configs' / f'{name}.yaml'}", f"actor_rollout_ref.model.path={tiny_model}",
-              f"trainer.run_dir={tmp_path / 'run'}", f"learner.bind_address=tcp://127.0.0.1:{port}",
-              f"rollout_server.learner_address=tcp://127.0.0.1:{port}", "trainer.logger=[jsonl]",
-              "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=10"]
+    common = [
+        f"--config={REPO / 'configs' / f'{name}.yaml'}",
+        f"actor_rollout_ref.model.path={tiny_model}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        f"learner.bind_address=tcp://127.0.0.1:{port}",
+        f"rollout_server.learner_address=tcp://127.0.0.1:{port}",
+        "trainer.logger=[jsonl]",
+        "transport.heartbeat_interval_s=0.5",
+        "transport.heartbeat_timeout_s=10",
+    ]
     # The configs name runs/tiny-data/...: point every data path at this test's data.
     text = (REPO / "configs" / f"{name}.yaml").read_text()
     for i, path in enumerate(re.findall(r"path: runs/tiny-data/(\S+)", text)):
@@ -56,20 +64,33 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
     tool_server = None
     if name == "tiny_mixed":
         tool_port = free_port("127.0.0.1")
-        common += [f"tools.search.corpus={data / 'qa' / 'corpus.jsonl'}", f"tool_server.port={tool_port}",
-                   f"tools.remote.url=http://127.0.0.1:{tool_port}"]
+        common += [
+            f"tools.search.corpus={data / 'qa' / 'corpus.jsonl'}",
+            f"tool_server.port={tool_port}",
+            f"tools.remote.url=http://127.0.0.1:{tool_port}",
+        ]
         tool_server = start(["bin/tool-server", *common], tmp_path / "tool.log")
         deadline = time.monotonic() + 60
         while "tool server listening" not in (tmp_path / "tool.log").read_text():
-            assert tool_server.poll() is None and time.monotonic() < deadline, (tmp_path / "tool.log").read_text()
+            assert tool_server.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "tool.log"
+            ).read_text()
             time.sleep(0.2)
     learner = start(["bin/learner", *common], tmp_path / "learner.log")
-    server = start(["bin/rollout-server", *common, "rollout_server.server_id=rs0"], tmp_path / "rollout.log")
+    server = start(
+        ["bin/rollout-server", *common, "rollout_server.server_id=rs0"], tmp_path / "rollout.log"
+    )
     try:
         rc = learner.wait(420)
-        assert rc == 0, (tmp_path / "learner.log").read_text()[-4000:] + (tmp_path / "rollout.log").read_text()[-3000:]
+        assert rc == 0, (tmp_path / "learner.log").read_text()[-4000:] + (
+            tmp_path / "rollout.log"
+        ).read_text()[-3000:]
     finally:
-        for proc, log in ((learner, "learner.log"), (server, "rollout.log"), (tool_server, "tool.log")):
+        for proc, log in (
+            (learner, "learner.log"),
+            (server, "rollout.log"),
+            (tool_server, "tool.log"),
+        ):
             if proc is not None:
                 stop(proc, tmp_path / log)
 
@@ -82,10 +103,18 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
     trajs = [t for _, batch in read_recording(run / "recordings" / "rs0") for t in batch]
     kinds = Counter((t.agent_type, t.data_source) for t in trajs)
     for t in trajs:
-        assert len(t.response_ids) == len(t.response_mask) == len(t.rollout_logprobs) == len(t.versions)
+        assert (
+            len(t.response_ids)
+            == len(t.response_mask)
+            == len(t.rollout_logprobs)
+            == len(t.versions)
+        )
         assert (t.rollout_logprobs[t.response_mask == 0] == 0).all()
-    expected = {"tiny_statelm": {("statelm", "longdoc")}, "tiny_code": {("code", "code")},
-                "tiny_mixed": {("tool_agent", "arithmetic"), ("tool_agent", "qa"), ("code", "code")}}[name]
+    expected = {
+        "tiny_statelm": {("statelm", "longdoc")},
+        "tiny_code": {("code", "code")},
+        "tiny_mixed": {("tool_agent", "arithmetic"), ("tool_agent", "qa"), ("code", "code")},
+    }[name]
     assert set(kinds) == expected, kinds
     if name == "tiny_mixed":  # 4/3/3 prompts per batch of 10, so about that share of trajectories
         assert kinds[("tool_agent", "arithmetic")] > kinds[("code", "code")] / 2

@@ -21,19 +21,36 @@ from rollout_service.engine.base import Generation, SamplingSettings
 
 
 def call(name: str, **args: Any) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
-def make(renderer: ChatRenderer, engine: ScriptedEngine, tools: list[EchoTool], agent: str = "tool_agent",
-         **limits: Any) -> Any:
+def make(
+    renderer: ChatRenderer,
+    engine: ScriptedEngine,
+    tools: list[EchoTool],
+    agent: str = "tool_agent",
+    **limits: Any,
+) -> Any:
     lim = {"response_length": 400, "max_model_len": 2048, **limits}
-    deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=1),
-                     limits=AgentLimits(**lim), tools={t.name: t for t in tools}, parser=HermesParser())
+    deps = AgentDeps(
+        engine=engine,
+        renderer=renderer,
+        sampling=SamplingSettings(max_tokens=1),
+        limits=AgentLimits(**lim),
+        tools={t.name: t for t in tools},
+        parser=HermesParser(),
+    )
     return AGENTS.get(agent)(deps)
 
 
 def episode() -> Episode:
-    return Episode("ep1", "g1", {"question": "what is 6*7?", "answer": "42"}, data_source="arith", agent_type="tool_agent")
+    return Episode(
+        "ep1",
+        "g1",
+        {"question": "what is 6*7?", "answer": "42"},
+        data_source="arith",
+        agent_type="tool_agent",
+    )
 
 
 def check_aligned(ep: Episode) -> None:
@@ -66,10 +83,15 @@ def test_misaligned_engine_output_is_refused() -> None:
 # -- parser -------------------------------------------------------------------------------------------
 def test_hermes_parser_finds_calls_and_reports_malformed_ones() -> None:
     p = PARSERS.get("hermes")()
-    out = p.parse('think <tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call> and '
-                  '<tool_call>{"name": "calc", "arguments": "{\\"expr\\": \\"2\\"}"}</tool_call>'
-                  '<tool_call>{not json}</tool_call><tool_call>{"arguments": {}}</tool_call>')
-    assert [(c.name, c.arguments) for c in out.calls] == [("calc", {"expr": "1+1"}), ("calc", {"expr": "2"})]
+    out = p.parse(
+        'think <tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call> and '
+        '<tool_call>{"name": "calc", "arguments": "{\\"expr\\": \\"2\\"}"}</tool_call>'
+        '<tool_call>{not json}</tool_call><tool_call>{"arguments": {}}</tool_call>'
+    )
+    assert [(c.name, c.arguments) for c in out.calls] == [
+        ("calc", {"expr": "1+1"}),
+        ("calc", {"expr": "2"}),
+    ]
     assert len(out.errors) == 2 and "not valid JSON" in out.errors[0] and "'name'" in out.errors[1]
     assert out.content.startswith("think")
     assert p.parse("no calls here").attempted == 0
@@ -87,21 +109,35 @@ def test_truncation_sides() -> None:
 
 # -- agents -------------------------------------------------------------------------------------------
 @pytest.mark.anyio
-async def test_tool_episode_masks_tool_tokens_and_ends_on_finish(renderer: ChatRenderer, tokenizer: Any) -> None:
-    engine = ScriptedEngine(tokenizer, [call("echo", text="hello tool"), call("finish", answer="42")])
+async def test_tool_episode_masks_tool_tokens_and_ends_on_finish(
+    renderer: ChatRenderer, tokenizer: Any
+) -> None:
+    engine = ScriptedEngine(
+        tokenizer, [call("echo", text="hello tool"), call("finish", answer="42")]
+    )
     echo, finish = EchoTool(), EchoTool(name="finish", text="42", terminal=True)
     ep = episode()
     await make(renderer, engine, [echo, finish]).run(ep)
     assert ep.state is State.TERMINATED and ep.termination == "answered" and ep.final_answer == "42"
-    assert ep.turns == 2 and ep.tool_calls == 2 and ep.tool_errors == 0 and echo.seen == [{"text": "hello tool"}]
+    assert (
+        ep.turns == 2
+        and ep.tool_calls == 2
+        and ep.tool_errors == 0
+        and echo.seen == [{"text": "hello tool"}]
+    )
     check_aligned(ep)
     # Layout: [model turn 1 | tool delta | model turn 2]; tool span is exactly the rendered delta.
-    turn1 = [*tokenizer.encode(call("echo", text="hello tool"), add_special_tokens=False), tokenizer.eos_token_id]
+    turn1 = [
+        *tokenizer.encode(call("echo", text="hello tool"), add_special_tokens=False),
+        tokenizer.eos_token_id,
+    ]
     delta = renderer.tool_delta_ids([{"role": "tool", "content": "hello tool"}])
     assert ep.response_ids[: len(turn1)] == turn1 and ep.mask[: len(turn1)] == [1] * len(turn1)
-    assert ep.response_ids[len(turn1): len(turn1) + len(delta)] == delta
-    assert ep.mask[len(turn1): len(turn1) + len(delta)] == [0] * len(delta)
-    assert "hello tool" in renderer.decode(delta) and renderer.decode(delta).endswith("<|im_start|>assistant\n")
+    assert ep.response_ids[len(turn1) : len(turn1) + len(delta)] == delta
+    assert ep.mask[len(turn1) : len(turn1) + len(delta)] == [0] * len(delta)
+    assert "hello tool" in renderer.decode(delta) and renderer.decode(delta).endswith(
+        "<|im_start|>assistant\n"
+    )
     # The second generation saw the whole context: prompt + turn 1 + tool delta.
     assert engine.calls[1][0] == ep.prompt_ids + turn1 + delta
     # Token-level context equals what the chat template renders for the transcript.
@@ -118,10 +154,14 @@ async def test_no_tool_call_ends_episode(renderer: ChatRenderer, tokenizer: Any)
 
 
 @pytest.mark.anyio
-async def test_tool_errors_become_responses_then_end_the_episode(renderer: ChatRenderer, tokenizer: Any) -> None:
+async def test_tool_errors_become_responses_then_end_the_episode(
+    renderer: ChatRenderer, tokenizer: Any
+) -> None:
     turns = [call("nope"), call("boom"), "<tool_call>{bad json}</tool_call>"]
     ep = episode()
-    await make(renderer, ScriptedEngine(tokenizer, turns), [EchoTool(name="boom", raises=True)]).run(ep)
+    await make(
+        renderer, ScriptedEngine(tokenizer, turns), [EchoTool(name="boom", raises=True)]
+    ).run(ep)
     assert ep.termination == "tool_error" and ep.tool_errors == 3 and ep.turns == 3
     text = renderer.decode(ep.response_ids)
     assert "unknown tool 'nope'" in text and "RuntimeError: tool bug" in text
@@ -129,7 +169,9 @@ async def test_tool_errors_become_responses_then_end_the_episode(renderer: ChatR
 
 
 @pytest.mark.anyio
-async def test_parallel_call_limit_refuses_extra_calls(renderer: ChatRenderer, tokenizer: Any) -> None:
+async def test_parallel_call_limit_refuses_extra_calls(
+    renderer: ChatRenderer, tokenizer: Any
+) -> None:
     echo = EchoTool()
     turns = [call("echo", text="a") + call("echo", text="b") + call("echo", text="c"), "done"]
     ep = episode()
@@ -142,7 +184,9 @@ async def test_parallel_call_limit_refuses_extra_calls(renderer: ChatRenderer, t
 async def test_max_turns_and_budgets(renderer: ChatRenderer, tokenizer: Any) -> None:
     loop = [call("echo", text="x")] * 10
     ep = episode()
-    await make(renderer, ScriptedEngine(tokenizer, loop), [EchoTool()], max_assistant_turns=2).run(ep)
+    await make(renderer, ScriptedEngine(tokenizer, loop), [EchoTool()], max_assistant_turns=2).run(
+        ep
+    )
     assert ep.termination == "max_turns" and ep.turns == 2
 
     ep = episode()
@@ -152,7 +196,11 @@ async def test_max_turns_and_budgets(renderer: ChatRenderer, tokenizer: Any) -> 
     ep = episode()
     engine = ScriptedEngine(tokenizer, ["a long answer " * 20])
     await make(renderer, engine, [], agent="single_turn", max_tokens_per_turn=5).run(ep)
-    assert ep.termination == "length" and len(ep.response_ids) == 5 and engine.calls[0][1].max_tokens == 5
+    assert (
+        ep.termination == "length"
+        and len(ep.response_ids) == 5
+        and engine.calls[0][1].max_tokens == 5
+    )
 
 
 @pytest.mark.anyio
@@ -165,17 +213,26 @@ async def test_long_tool_response_is_truncated(renderer: ChatRenderer, tokenizer
 
 
 @pytest.mark.anyio
-async def test_aborted_generation_terminates_as_aborted(renderer: ChatRenderer, tokenizer: Any) -> None:
+async def test_aborted_generation_terminates_as_aborted(
+    renderer: ChatRenderer, tokenizer: Any
+) -> None:
     ep = episode()
-    await make(renderer, ScriptedEngine(tokenizer, [Generation([5, 6], [-1.0, -2.0], [3, 3], "abort")]),
-               [EchoTool()]).run(ep)
+    await make(
+        renderer,
+        ScriptedEngine(tokenizer, [Generation([5, 6], [-1.0, -2.0], [3, 3], "abort")]),
+        [EchoTool()],
+    ).run(ep)
     assert ep.termination == "aborted" and ep.versions == [3, 3]
 
 
 @pytest.mark.anyio
 async def test_trajectories_carry_the_episode(renderer: ChatRenderer, tokenizer: Any) -> None:
     ep = episode()
-    await make(renderer, ScriptedEngine(tokenizer, [call("echo", text="t"), "fin"], version=7), [EchoTool()]).run(ep)
+    await make(
+        renderer,
+        ScriptedEngine(tokenizer, [call("echo", text="t"), "fin"], version=7),
+        [EchoTool()],
+    ).run(ep)
     (t,) = ep.to_trajectories(reward=1.0, reward_extras={"acc": 1.0}, source_server="s1")
     assert t.trajectory_id == "ep1" and t.group_uid == "g1" and t.termination == "no_tool_call"
     assert t.num_turns == 2 and t.reward == 1.0 and t.versions.tolist() == [7] * len(t.versions)
@@ -186,18 +243,34 @@ async def test_trajectories_carry_the_episode(renderer: ChatRenderer, tokenizer:
 texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(replies=st.lists(st.tuples(texts, st.booleans()), min_size=1, max_size=4),
-       budget=st.integers(min_value=20, max_value=400), parallel=st.integers(1, 3))
-def test_buffers_stay_aligned_whatever_tools_return(renderer: ChatRenderer, tokenizer: Any,
-                                                    replies: list[tuple[str, bool]], budget: int, parallel: int) -> None:
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    replies=st.lists(st.tuples(texts, st.booleans()), min_size=1, max_size=4),
+    budget=st.integers(min_value=20, max_value=400),
+    parallel=st.integers(1, 3),
+)
+def test_buffers_stay_aligned_whatever_tools_return(
+    renderer: ChatRenderer,
+    tokenizer: Any,
+    replies: list[tuple[str, bool]],
+    budget: int,
+    parallel: int,
+) -> None:
     import anyio
 
     tools = [EchoTool(name=f"t{i}", text=text, ok=ok) for i, (text, ok) in enumerate(replies)]
     turns = ["".join(call(t.name) for t in tools)] * 3 + ["end"]
     ep = episode()
-    agent = make(renderer, ScriptedEngine(tokenizer, turns), tools, response_length=budget,
-                 max_parallel_calls=parallel, max_tool_response_length=120)
+    agent = make(
+        renderer,
+        ScriptedEngine(tokenizer, turns),
+        tools,
+        response_length=budget,
+        max_parallel_calls=parallel,
+        max_tool_response_length=120,
+    )
     anyio.run(agent.run, ep)
     assert ep.state is State.TERMINATED
     check_aligned(ep)
@@ -219,12 +292,26 @@ def test_remax_group_carries_the_greedy_episodes_reward(renderer: ChatRenderer) 
     engine = ScriptedEngine(renderer.tok, [])
     # sampled episodes answer wrong, the greedy one right: the baseline is 1, the rewards 0
     engine.respond = lambda _ctx: "42" if engine.calls[-1][1].temperature == 0 else "41"
-    deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=8),
-                     limits=AgentLimits(response_length=64, max_model_len=512))
+    deps = AgentDeps(
+        engine=engine,
+        renderer=renderer,
+        sampling=SamplingSettings(max_tokens=8),
+        limits=AgentLimits(response_length=64, max_model_len=512),
+    )
     row = {"question": "what is 6*7?", "answer": "42"}
-    res = anyio.run(lambda: run_group(group_uid="g", row=row, n=3, agent_type="single_turn",
-                                      data_source="arith", deps=deps, rewards=RewardChoice("math"),
-                                      server_id="s", remax=True))
+    res = anyio.run(
+        lambda: run_group(
+            group_uid="g",
+            row=row,
+            n=3,
+            agent_type="single_turn",
+            data_source="arith",
+            deps=deps,
+            rewards=RewardChoice("math"),
+            server_id="s",
+            remax=True,
+        )
+    )
     assert len(res.trajectories) == 3
     assert [t.reward for t in res.trajectories] == [0.0, 0.0, 0.0]
     assert all(t.reward_extras[REMAX_BASELINE] == 1.0 for t in res.trajectories)

@@ -18,16 +18,31 @@ from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.tools.base import TOOLS
 
-TAGS = CodeAgentConfig(code_start_tag="[[py]]", code_end_tag="[[/py]]", result_start_tag="<<out>>",
-                       result_end_tag="<</out>>", answer_start_tag="<<ans>>", answer_end_tag="<</ans>>")
+TAGS = CodeAgentConfig(
+    code_start_tag="[[py]]",
+    code_end_tag="[[/py]]",
+    result_start_tag="<<out>>",
+    result_end_tag="<</out>>",
+    answer_start_tag="<<ans>>",
+    answer_end_tag="<</ans>>",
+)
 
 
-def agent(renderer: ChatRenderer, engine: Any, options: CodeAgentConfig = TAGS, **limits: Any) -> CodeAgent:
+def agent(
+    renderer: ChatRenderer, engine: Any, options: CodeAgentConfig = TAGS, **limits: Any
+) -> CodeAgent:
     load_builtin_agents()
     lim = {"response_length": 600, "max_model_len": 2048, "max_assistant_turns": 6, **limits}
-    return CodeAgent(AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=1),
-                               limits=AgentLimits(**lim), tools={"python": TOOLS.get("python")(timeout_s=5.0)},
-                               options=options))
+    return CodeAgent(
+        AgentDeps(
+            engine=engine,
+            renderer=renderer,
+            sampling=SamplingSettings(max_tokens=1),
+            limits=AgentLimits(**lim),
+            tools={"python": TOOLS.get("python")(timeout_s=5.0)},
+            options=options,
+        )
+    )
 
 
 def episode() -> Episode:
@@ -53,17 +68,24 @@ async def test_code_runs_mid_turn_and_the_answer_ends_the_episode(renderer: Chat
     await agent(renderer, engine).run(ep)
     assert ep.termination == "answered" and ep.final_answer == "42"
     assert ep.tool_calls == 1 and ep.tool_errors == 0
-    assert spans(ep, renderer) == [(1, turns[0]), (0, "\n<<out>>\n42\n<</out>>\n"),
-                                   (1, turns[1] + renderer.tok.eos_token)]
+    assert spans(ep, renderer) == [
+        (1, turns[0]),
+        (0, "\n<<out>>\n42\n<</out>>\n"),
+        (1, turns[1] + renderer.tok.eos_token),
+    ]
     # The continuation is generated from the same turn: prompt + code + output, no template tokens.
     (p0, s0), (p1, _) = engine.calls
     assert "[[/py]]" in s0.stop
-    assert p1 == p0 + ep.response_ids[:len(p1) - len(p0)] and len(p1) - len(p0) < len(ep.response_ids)
+    assert p1 == p0 + ep.response_ids[: len(p1) - len(p0)] and len(p1) - len(p0) < len(
+        ep.response_ids
+    )
     assert ep.messages[-1]["content"] == turns[0] + "\n<<out>>\n42\n<</out>>\n" + turns[1]
 
 
 @pytest.mark.anyio
-async def test_errors_are_shown_and_repeated_failures_end_the_episode(renderer: ChatRenderer) -> None:
+async def test_errors_are_shown_and_repeated_failures_end_the_episode(
+    renderer: ChatRenderer,
+) -> None:
     turns = ["[[py]]1/0[[/py]]", "[[py]]print(undefined)[[/py]]", "[[/py]]"]
     ep = episode()
     await agent(renderer, ScriptedEngine(renderer.tok, turns)).run(ep)
@@ -84,7 +106,10 @@ async def test_a_turn_without_code_or_answer_ends_as_no_tool_call(renderer: Chat
 @pytest.mark.anyio
 async def test_state_masking_takes_marked_spans_out_of_the_loss(renderer: ChatRenderer) -> None:
     options = TAGS.model_copy(update={"mask_spans": [MaskSpan(start="<state>", end="</state>")]})
-    turns = ["Plan <state>x=6, y=7</state> then [[py]]print(6 * 7)[[/py]]", "Done <<ans>>42<</ans>>"]
+    turns = [
+        "Plan <state>x=6, y=7</state> then [[py]]print(6 * 7)[[/py]]",
+        "Done <<ans>>42<</ans>>",
+    ]
     ep = episode()
     await agent(renderer, ScriptedEngine(renderer.tok, turns), options).run(ep)
     runs = spans(ep, renderer)
@@ -102,5 +127,11 @@ def test_char_spans() -> None:
 
 def test_the_code_agent_needs_the_python_tool(renderer: ChatRenderer) -> None:
     with pytest.raises(ValueError, match="python tool"):
-        CodeAgent(AgentDeps(engine=None, renderer=renderer, sampling=SamplingSettings(max_tokens=1),
-                            limits=AgentLimits(response_length=10, max_model_len=100)))
+        CodeAgent(
+            AgentDeps(
+                engine=None,
+                renderer=renderer,
+                sampling=SamplingSettings(max_tokens=1),
+                limits=AgentLimits(response_length=10, max_model_len=100),
+            )
+        )

@@ -36,15 +36,25 @@ def test_stats_line_shows_rates_over_the_interval_and_levels() -> None:
     stats = _busy_stats(clock)
     clock.now += 2.0
     line = stats.stats_line()
-    for part in ["episodes 2.00/s", "gen 500.0 tok/s", "turns 3.00/episode", "tools 8 calls 4 errors",
-                 "in flight 1", "unacked 3 (spool 2)", "version 6", "staleness drops 2",
-                 "shipped 8 trajectories"]:
+    for part in [
+        "episodes 2.00/s",
+        "gen 500.0 tok/s",
+        "turns 3.00/episode",
+        "tools 8 calls 4 errors",
+        "in flight 1",
+        "unacked 3 (spool 2)",
+        "version 6",
+        "staleness drops 2",
+        "shipped 8 trajectories",
+    ]:
         assert part in line, (part, line)
     clock.now += 10.0
     stats.episode_finished(generated_tokens=100, turns=1)
     line = stats.stats_line()  # rates are over the last interval only; totals and levels persist
     assert "episodes 0.10/s" in line and "gen 10.0 tok/s" in line and "turns 1.00/episode" in line
-    assert "tools 0 calls 0 errors" in line and "in flight 0" in line and "staleness drops 0" in line
+    assert (
+        "tools 0 calls 0 errors" in line and "in flight 0" in line and "staleness drops 0" in line
+    )
 
 
 @pytest.mark.anyio
@@ -75,11 +85,17 @@ def test_prometheus_endpoint_serves_the_values_from_its_own_registry() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             body = r.read().decode()
         expected = {
-            "rollout_episodes_finished_total": 4.0, "rollout_generated_tokens_total": 1000.0,
-            "rollout_turns_total": 12.0, "rollout_tool_calls_total": 8.0, "rollout_tool_errors_total": 4.0,
-            "rollout_staleness_drops_total": 2.0, "rollout_trajectories_shipped_total": 8.0,
-            "rollout_episodes_in_flight": 1.0, "rollout_spool_batches": 2.0,
-            "rollout_unacked_batches": 3.0, "rollout_weight_version": 6.0,
+            "rollout_episodes_finished_total": 4.0,
+            "rollout_generated_tokens_total": 1000.0,
+            "rollout_turns_total": 12.0,
+            "rollout_tool_calls_total": 8.0,
+            "rollout_tool_errors_total": 4.0,
+            "rollout_staleness_drops_total": 2.0,
+            "rollout_trajectories_shipped_total": 8.0,
+            "rollout_episodes_in_flight": 1.0,
+            "rollout_spool_batches": 2.0,
+            "rollout_unacked_batches": 3.0,
+            "rollout_weight_version": 6.0,
         }
         for name, value in expected.items():
             assert f'{name}{{server_id="rs-7"}} {value}' in body, name

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.anyio
 
 
 def episode(text: str = "", final_answer: str | None = None) -> EpisodeView:
-    return EpisodeView(response_text=text, final_answer=final_answer, messages=[], termination="stop", num_turns=1)
+    return EpisodeView(
+        response_text=text, final_answer=final_answer, messages=[], termination="stop", num_turns=1
+    )
 
 
 async def score(name: str, view: EpisodeView, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -72,7 +74,9 @@ async def test_math_wrong(text: str, gold: str) -> None:
         (episode(r"\boxed{" + "(" * 3000 + "}"), {"answer": "1"}, ""),
     ],
 )
-async def test_math_odd_input_scores_zero_without_raising(view: EpisodeView, row: dict[str, Any], reason: str) -> None:
+async def test_math_odd_input_scores_zero_without_raising(
+    view: EpisodeView, row: dict[str, Any], reason: str
+) -> None:
     s, extras = await score("math", view, row)
     assert s == 0.0
     assert reason in str(extras.get("reason", ""))
@@ -93,13 +97,19 @@ def test_overlap_f1() -> None:
 
 
 async def test_qa_f1_takes_the_best_reference() -> None:
-    s, extras = await score("qa_f1", episode(final_answer="the Eiffel Tower in Paris"), {"answer": ["Paris", "Eiffel Tower"]})
+    s, extras = await score(
+        "qa_f1",
+        episode(final_answer="the Eiffel Tower in Paris"),
+        {"answer": ["Paris", "Eiffel Tower"]},
+    )
     assert s == pytest.approx(2 * (2 / 4) * 1 / (2 / 4 + 1))
     assert extras["recall"] == 1.0 and extras["em"] == 0.0
 
 
 async def test_qa_em_with_normalisation_and_answer_tag() -> None:
-    s, extras = await score("qa_em", episode("reasoning\n<answer>The Beatles.</answer>"), {"answer": ["beatles"]})
+    s, extras = await score(
+        "qa_em", episode("reasoning\n<answer>The Beatles.</answer>"), {"answer": ["beatles"]}
+    )
     assert s == 1.0 and extras["f1"] == 1.0 and extras["answer_source"] == "answer_tag"
     s, _ = await score("qa_em", episode(final_answer="Rolling Stones"), {"answer": "The Beatles"})
     assert s == 0.0
@@ -122,7 +132,11 @@ async def test_code_passes() -> None:
 
 
 async def test_code_from_final_answer_and_string_tests() -> None:
-    s, _ = await score("code", episode(final_answer="def add(a, b):\n    return a + b"), {"tests": "\n".join(TESTS)})
+    s, _ = await score(
+        "code",
+        episode(final_answer="def add(a, b):\n    return a + b"),
+        {"tests": "\n".join(TESTS)},
+    )
     assert s == 1.0
 
 
@@ -149,7 +163,11 @@ async def test_code_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("view", "row"),
-    [(episode("no code"), {"tests": TESTS}), (episode(GOOD), {}), (episode(GOOD), {"tests": [1, 2]})],
+    [
+        (episode("no code"), {"tests": TESTS}),
+        (episode(GOOD), {}),
+        (episode(GOOD), {"tests": [1, 2]}),
+    ],
 )
 async def test_code_odd_input_scores_zero(view: EpisodeView, row: dict[str, Any]) -> None:
     s, extras = await score("code", view, row)

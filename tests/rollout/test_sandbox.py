@@ -58,7 +58,9 @@ async def test_cpu_limit_kills_a_busy_loop() -> None:
     assert res.wall_s < 5.0
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="processes are only limited and tracked under a dropped uid")
+@pytest.mark.skipif(
+    not AS_ROOT, reason="processes are only limited and tracked under a dropped uid"
+)
 async def test_fork_bomb_is_contained_and_every_process_killed() -> None:
     # Children leave the process group (setsid) so that killing the group alone would miss them.
     code = (

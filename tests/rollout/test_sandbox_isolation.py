@@ -29,8 +29,12 @@ needs_root = pytest.mark.skipif(not AS_ROOT, reason="a private mount namespace n
 
 @needs_root
 async def test_checkout_and_home_are_unreadable() -> None:
-    targets = [CHECKOUT / "README.md", CHECKOUT / "pyproject.toml",
-               Path(__file__), Path.home() / ".bashrc"]
+    targets = [
+        CHECKOUT / "README.md",
+        CHECKOUT / "pyproject.toml",
+        Path(__file__),
+        Path.home() / ".bashrc",
+    ]
     code = (
         "import os, sys\n"
         f"for path in {[str(t) for t in targets]!r}:\n"
@@ -62,7 +66,7 @@ async def test_nothing_is_left_in_shared_directories() -> None:
         f"    os.mkdir(os.path.join(d, {token!r} + '-dir'))\n"
         # A background process that outlives main.py and keeps writing.
         "subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True:\\n"
-        f"    open(\"/run/lock/{token}-bg\", \"w\").write(\"x\"); time.sleep(0.01)'],\n"
+        f'    open("/run/lock/{token}-bg", "w").write("x"); time.sleep(0.01)\'],\n'
         "                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
         # A System V shared memory segment outlives its creator unless the IPC namespace goes.
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -97,11 +101,15 @@ async def test_code_still_has_a_writable_home_and_temp_dir() -> None:
 
 
 @needs_root
-async def test_fallback_without_a_private_view_warns_and_still_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fallback_without_a_private_view_warns_and_still_sweeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A directory to hide that cannot be mounted on (it does not exist under the new /tmp) makes
     # the filesystem isolation fail part-way: the run goes on under its dropped uid, as it would on
     # a machine that refuses tmpfs mounts, and says so.
-    monkeypatch.setattr(sandbox, "_hidden_dirs", lambda covered: [f"/tmp/absent-{uuid.uuid4().hex}"])
+    monkeypatch.setattr(
+        sandbox, "_hidden_dirs", lambda covered: [f"/tmp/absent-{uuid.uuid4().hex}"]
+    )
     monkeypatch.setattr(sandbox, "_warned_unisolated", False)
     stray = Path("/run/lock") / f"sandbox-fallback-{uuid.uuid4().hex}"
     with capture_logs() as logs:
@@ -109,7 +117,9 @@ async def test_fallback_without_a_private_view_warns_and_still_sweeps(monkeypatc
     assert res.ok, res
     assert not res.fs_isolated and res.uid is not None
     assert "filesystem isolation failed" in res.extras.get("notes", "")
-    assert [e["log_level"] for e in logs if "no private filesystem view" in e["event"]] == ["warning"]
+    assert [e["log_level"] for e in logs if "no private filesystem view" in e["event"]] == [
+        "warning"
+    ]
     assert not stray.exists()  # swept by uid instead
 
 

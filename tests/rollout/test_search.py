@@ -16,13 +16,27 @@ from rollout_service.tools.search import SearchTool, corpus_index
 CTX = ToolContext(episode_id="ep-search")
 
 DOCS = [
-    {"id": "cat", "title": "Domestic cat", "text": "The cat is a small carnivorous mammal kept as a pet."},
-    {"id": "erebus", "title": "Mount Erebus",
-     "text": "Mount Erebus is the southernmost active volcano on Earth, with a persistent lava lake "
-             "in its summit crater on Ross Island, Antarctica. " + "It erupts often. " * 40},
-    {"id": "tea", "title": "Tea", "text": "Tea is an aromatic beverage made from the leaves of Camellia sinensis."},
+    {
+        "id": "cat",
+        "title": "Domestic cat",
+        "text": "The cat is a small carnivorous mammal kept as a pet.",
+    },
+    {
+        "id": "erebus",
+        "title": "Mount Erebus",
+        "text": "Mount Erebus is the southernmost active volcano on Earth, with a persistent lava lake "
+        "in its summit crater on Ross Island, Antarctica. " + "It erupts often. " * 40,
+    },
+    {
+        "id": "tea",
+        "title": "Tea",
+        "text": "Tea is an aromatic beverage made from the leaves of Camellia sinensis.",
+    },
     {"id": 7, "text": "A volcano is a rupture in the crust through which lava escapes."},
-    {"title": "Glacier", "text": "A glacier is a persistent body of dense ice moving under its own weight."},
+    {
+        "title": "Glacier",
+        "text": "A glacier is a persistent body of dense ice moving under its own weight.",
+    },
 ]
 
 

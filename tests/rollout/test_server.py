@@ -30,7 +30,9 @@ async def serve_groups(config: Any, run_dir: Path, engine: Any, groups: int) -> 
 
 
 @pytest.mark.anyio
-async def test_server_ships_whole_groups_and_commits_prompts(tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+async def test_server_ships_whole_groups_and_commits_prompts(
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
@@ -51,14 +53,19 @@ async def test_server_ships_whole_groups_and_commits_prompts(tmp_path: Path, tin
     assert sorted(len(v) for v in groups.values()) == [2, 2, 2]
     first = got[0]
     assert set(np.unique(first.response_mask)) == {0, 1}  # a tool span was masked out
-    assert first.source_server == "rs-test" and first.data_source == "arith" and first.agent_type == "tool_agent"
+    assert (
+        first.source_server == "rs-test"
+        and first.data_source == "arith"
+        and first.agent_type == "tool_agent"
+    )
     assert server.source.cursor[1] == 3  # the three acknowledged prompts are committed
     assert not list((tmp_path / "run" / "spool").glob("*.msgpack"))  # spool empty once acknowledged
 
 
 @pytest.mark.anyio
-async def test_pushed_weights_reach_the_engine_and_are_acknowledged(tmp_path: Path, tiny_model: Path,
-                                                                    echo_tool: Any) -> None:
+async def test_pushed_weights_reach_the_engine_and_are_acknowledged(
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
     from transformers import AutoTokenizer
 
     from protocol.reference import reference_weights
@@ -67,8 +74,9 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(tmp_path: Pa
     learner = ReferenceLearner()
     async with anyio.create_task_group() as tg:
         address = await tg.start(learner.serve)
-        config = make_config(tmp_path, tiny_model, address,
-                             **{"actor_rollout_ref.rollout.on_weight_update": "drain"})
+        config = make_config(
+            tmp_path, tiny_model, address, **{"actor_rollout_ref.rollout.on_weight_update": "drain"}
+        )
         engine = ScriptedEngine(tok, ["no tools, 42"])
         engine.repeat_last = True
         from rollout_service.server import RolloutServer
@@ -95,12 +103,21 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(tmp_path: Pa
     assert max(int(t.versions.max()) for t in learner.received) == 1
 
 
-def test_unknown_names_are_refused_before_the_engine_starts(tmp_path: Path, tiny_model: Path) -> None:
+def test_unknown_names_are_refused_before_the_engine_starts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     from rollout_service.server import RolloutServer, StartupError
 
-    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1", **{
-        "actor_rollout_ref.rollout.multi_turn.tools": ["calc"], "rollout_server.reward_fn": "mathh",
-        "data.agent_type": "tool_agnet"})
+    config = make_config(
+        tmp_path,
+        tiny_model,
+        "tcp://127.0.0.1:1",
+        **{
+            "actor_rollout_ref.rollout.multi_turn.tools": ["calc"],
+            "rollout_server.reward_fn": "mathh",
+            "data.agent_type": "tool_agnet",
+        },
+    )
     with pytest.raises(StartupError) as e:
         RolloutServer(config, tmp_path / "run")
     msg = str(e.value)
@@ -109,7 +126,9 @@ def test_unknown_names_are_refused_before_the_engine_starts(tmp_path: Path, tiny
     assert "agent type 'tool_agnet'" in msg
 
 
-def test_a_second_server_on_the_same_shard_is_refused(tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+def test_a_second_server_on_the_same_shard_is_refused(
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
     from rollout_service.server import RolloutServer, StartupError
 
     config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
@@ -136,7 +155,8 @@ def test_stale_groups_are_dropped_whole() -> None:
 
 @pytest.mark.anyio
 async def test_admission_waits_while_weights_lag_and_stale_groups_are_not_shipped(
-        tmp_path: Path, tiny_model: Path, echo_tool: Any) -> None:
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
     from transformers import AutoTokenizer
 
     from protocol.reference import reference_weights
@@ -146,8 +166,15 @@ async def test_admission_waits_while_weights_lag_and_stale_groups_are_not_shippe
     learner = ReferenceLearner()
     async with anyio.create_task_group() as tg:
         address = await tg.start(learner.serve)
-        config = make_config(tmp_path, tiny_model, address, **{"actor_rollout_ref.rollout.max_staleness": 0,
-                                                               "rollout_server.max_concurrent_episodes": 2})
+        config = make_config(
+            tmp_path,
+            tiny_model,
+            address,
+            **{
+                "actor_rollout_ref.rollout.max_staleness": 0,
+                "rollout_server.max_concurrent_episodes": 2,
+            },
+        )
         engine = ScriptedEngine(tok, ["answer 42"])
         engine.repeat_last, engine.delay_s, engine.load_gate = True, 0.3, anyio.Event()
         server = RolloutServer(config, tmp_path / "run", engine=engine)

@@ -28,12 +28,23 @@ pytestmark = pytest.mark.slow
 @contextmanager
 def rollout_server(tmp: Path, model: Path, address: str, *extra: str) -> Iterator[subprocess.Popen]:
     data = make_tiny_data(tmp / "data", train=64, val=4)
-    cmd = [sys.executable, str(REPO / "bin" / "rollout-server"), "--config", str(REPO / "configs" / "rollout_tiny.yaml"),
-           f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.jsonl'}",
-           f"rollout_server.learner_address={address}", f"trainer.run_dir={tmp / 'run'}",
-           "rollout_server.server_id=rs0", "actor_rollout_ref.rollout.n=2",
-           "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "rollout_server.stats_interval_s=1",
-           "transport.heartbeat_interval_s=0.5", "transport.heartbeat_timeout_s=5", *extra]
+    cmd = [
+        sys.executable,
+        str(REPO / "bin" / "rollout-server"),
+        "--config",
+        str(REPO / "configs" / "rollout_tiny.yaml"),
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"rollout_server.learner_address={address}",
+        f"trainer.run_dir={tmp / 'run'}",
+        "rollout_server.server_id=rs0",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24",
+        "rollout_server.stats_interval_s=1",
+        "transport.heartbeat_interval_s=0.5",
+        "transport.heartbeat_timeout_s=5",
+        *extra,
+    ]
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -55,7 +66,9 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_server_streams_valid_episodes_and_stops_cleanly(tmp_path: Path, tiny_model: Path, signum: int) -> None:
+def test_server_streams_valid_episodes_and_stops_cleanly(
+    tmp_path: Path, tiny_model: Path, signum: int
+) -> None:
     learner = ReferenceLearner()
     with start_blocking_portal() as portal:
         serving, address = portal.start_task(learner.serve)
@@ -78,8 +91,17 @@ def test_server_streams_valid_episodes_and_stops_cleanly(tmp_path: Path, tiny_mo
     by_group: dict[str, int] = {}
     for t in received:
         by_group[t.group_uid] = by_group.get(t.group_uid, 0) + 1
-        assert len(t.response_ids) == len(t.response_mask) == len(t.rollout_logprobs) == len(t.versions)
-        assert t.agent_type == "tool_agent" and t.source_server == "rs0" and t.data_source == "arithmetic"
+        assert (
+            len(t.response_ids)
+            == len(t.response_mask)
+            == len(t.rollout_logprobs)
+            == len(t.versions)
+        )
+        assert (
+            t.agent_type == "tool_agent"
+            and t.source_server == "rs0"
+            and t.data_source == "arithmetic"
+        )
         assert (t.rollout_logprobs[t.response_mask == 1] < 0).all() or len(t.response_ids) == 0
         assert (t.rollout_logprobs[t.response_mask == 0] == 0).all()
     assert set(by_group.values()) == {2}  # whole groups only
@@ -90,17 +112,36 @@ def test_server_streams_valid_episodes_and_stops_cleanly(tmp_path: Path, tiny_mo
 def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: Path) -> None:
     target = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     with rollout_server(tmp_path, tiny_model, target) as proc:
-        cli = subprocess.Popen([sys.executable, str(REPO / "bin" / "conformance"), "--role", "rollout-server",
-                                "--target", target, "--json", "--timeout", "5", "--wait", "240",
-                                "--weights-from", str(tiny_model)],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cli = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "bin" / "conformance"),
+                "--role",
+                "rollout-server",
+                "--target",
+                target,
+                "--json",
+                "--timeout",
+                "5",
+                "--wait",
+                "240",
+                "--weights-from",
+                str(tiny_model),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         children: list[psutil.Process] = []
         while cli.poll() is None and not children:  # remember the engine processes while they run
             children = descendants(proc.pid)
             time.sleep(0.5)
         out, err = cli.communicate(timeout=420)
         doc = json.loads(out) if out.strip().startswith("{") else {}
-        failed = {c["name"]: c.get("reason") for c in doc.get("checks", []) if c["status"] != "PASS"}
+        failed = {
+            c["name"]: c.get("reason") for c in doc.get("checks", []) if c["status"] != "PASS"
+        }
         server_log = (tmp_path / "server.log").read_text()
         assert cli.returncode == 0 and not failed, (failed, err[-3000:], server_log[-3000:])
         # The suite's last check refuses the server with a fatal VERSION_MISMATCH: it exits by

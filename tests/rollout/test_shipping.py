@@ -47,8 +47,12 @@ _rng = np.random.default_rng(0)
 
 
 def group(uid: str, n: int = 3) -> list[Trajectory]:
-    return [dataclasses.replace(synthetic_trajectory(_rng, server="rs", prompt_len=8, response_len=12),
-                                group_uid=uid) for _ in range(n)]
+    return [
+        dataclasses.replace(
+            synthetic_trajectory(_rng, server="rs", prompt_len=8, response_len=12), group_uid=uid
+        )
+        for _ in range(n)
+    ]
 
 
 def dead_address() -> str:
@@ -58,8 +62,13 @@ def dead_address() -> str:
 
 
 def make_client(address: str, **conn_kw: object) -> RolloutClient:
-    conn = RolloutConnection(peer_id="rs-test", epoch=uuid.uuid4().hex, model=REFERENCE_MODEL,
-                             tokenizer=REFERENCE_TOKENIZER, **conn_kw)  # type: ignore[arg-type]
+    conn = RolloutConnection(
+        peer_id="rs-test",
+        epoch=uuid.uuid4().hex,
+        model=REFERENCE_MODEL,
+        tokenizer=REFERENCE_TOKENIZER,
+        **conn_kw,
+    )  # type: ignore[arg-type]
     return RolloutClient(conn, client_factory(address), reconnect_delay_s=0.05)
 
 
@@ -79,8 +88,9 @@ async def learner_up() -> AsyncIterator[ReferenceLearner]:
 
 
 @asynccontextmanager
-async def shipper_running(client: RolloutClient, spool: Path, events: list[Event] | None = None,
-                          **kw: object) -> AsyncIterator[Shipper]:
+async def shipper_running(
+    client: RolloutClient, spool: Path, events: list[Event] | None = None, **kw: object
+) -> AsyncIterator[Shipper]:
     """Runs a shipper and reads its events; leaving the block cancels it, like a killed process."""
     shipper = Shipper(client, spool_dir=spool, server_id="rs-test", **kw)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
@@ -103,8 +113,12 @@ async def test_groups_arrive_once_spool_empties_and_callbacks_run(tmp_path: Path
     spool, acked = tmp_path / "spool", []
     stats = RolloutStats(server_id="rs-test")
     groups = [group(f"g{i}") for i in range(7)]
-    async with learner_up() as learner, \
-            shipper_running(make_client(learner.address), spool, groups_per_batch=2, stats=stats) as shipper:
+    async with (
+        learner_up() as learner,
+        shipper_running(
+            make_client(learner.address), spool, groups_per_batch=2, stats=stats
+        ) as shipper,
+    ):
         for i, g in enumerate(groups):
             await shipper.ship_group(g, on_acked=lambda i=i: acked.append(i))
         await shipper.drain()  # the 7th group goes out alone on the flush
@@ -119,13 +133,17 @@ async def test_groups_arrive_once_spool_empties_and_callbacks_run(tmp_path: Path
         assert (stats.gauges.spool_batches, stats.gauges.unacked_batches) == (0, 0)
 
 
-async def test_killed_shipper_spools_and_next_one_resends_each_trajectory_once(tmp_path: Path) -> None:
+async def test_killed_shipper_spools_and_next_one_resends_each_trajectory_once(
+    tmp_path: Path,
+) -> None:
     spool, acked = tmp_path / "spool", []
     groups = [group(f"g{i}", n=2) for i in range(8)]
     async with shipper_running(make_client(dead_address()), spool, max_unacked_batches=3) as first:
         async with anyio.create_task_group() as tg:
             for i, g in enumerate(groups):  # eight episodes finish at once
-                tg.start_soon(lambda i=i, g=g: first.ship_group(g, on_acked=lambda: acked.append(i)))
+                tg.start_soon(
+                    lambda i=i, g=g: first.ship_group(g, on_acked=lambda: acked.append(i))
+                )
             await until(lambda: len(spool_files(spool)) == 3)
             with anyio.move_on_after(0.3):  # back-pressure: no fourth batch while three are unacked
                 await until(lambda: len(spool_files(spool)) > 3)
@@ -134,8 +152,12 @@ async def test_killed_shipper_spools_and_next_one_resends_each_trajectory_once(t
     assert acked == [] and len(spool_files(spool)) == 3
 
     recovered: list[str] = []
-    async with learner_up() as learner, \
-            shipper_running(make_client(learner.address), spool, on_recovered_acked=recovered.extend) as second:
+    async with (
+        learner_up() as learner,
+        shipper_running(
+            make_client(learner.address), spool, on_recovered_acked=recovered.extend
+        ) as second,
+    ):
         assert second.recovered_group_uids == {"g0", "g1", "g2"}  # scheduled first
         extra = group("new")
         await second.ship_group(extra)
@@ -157,8 +179,13 @@ async def test_resent_batch_already_delivered_is_deduplicated(tmp_path: Path) ->
             await first.ship_group(g)
             await first.drain()
         # The learner got it but the process died before the ACK reached it: the file is back.
-        write_batch_file(spool / "batch-0000000007.msgpack", encode_batch(7, g), server_id="rs-test",
-                         seq=7, durable=True)
+        write_batch_file(
+            spool / "batch-0000000007.msgpack",
+            encode_batch(7, g),
+            server_id="rs-test",
+            seq=7,
+            durable=True,
+        )
         async with shipper_running(make_client(learner.address), spool) as second:
             await second.drain()
             assert spool_files(spool) == []
@@ -173,7 +200,10 @@ async def test_damaged_spool_file_is_set_aside(tmp_path: Path) -> None:
     spool.mkdir()
     (spool / "batch-0000000001.msgpack").write_bytes(b"\x93garbage")
     (spool / ".batch-0000000002.msgpack.tmp-99").write_bytes(b"half")  # a crash mid-write
-    async with learner_up() as learner, shipper_running(make_client(learner.address), spool) as shipper:
+    async with (
+        learner_up() as learner,
+        shipper_running(make_client(learner.address), spool) as shipper,
+    ):
         assert shipper.unacked == 0
         assert (spool / "corrupt" / "batch-0000000001.msgpack").exists()
         assert not (spool / ".batch-0000000002.msgpack.tmp-99").exists()
@@ -198,10 +228,15 @@ async def test_weights_and_connection_events_reach_the_owner(tmp_path: Path) -> 
 
 async def test_refused_handshake_stops_the_shipper_with_an_error(tmp_path: Path) -> None:
     async with learner_up() as learner:
-        shipper = Shipper(make_client(learner.address, version=ProtocolVersion(99, 0)),
-                          spool_dir=tmp_path / "spool", server_id="rs-test")
-        with pytest.raises(ShippingError, match=r"learner refused this server: .*protocol 99\.0"), \
-                anyio.fail_after(10):
+        shipper = Shipper(
+            make_client(learner.address, version=ProtocolVersion(99, 0)),
+            spool_dir=tmp_path / "spool",
+            server_id="rs-test",
+        )
+        with (
+            pytest.raises(ShippingError, match=r"learner refused this server: .*protocol 99\.0"),
+            anyio.fail_after(10),
+        ):
             await shipper.run()  # the few events (the ERROR) fit the buffer unread
         with pytest.raises(ShippingError):
             await shipper.ship_group(group("late"))
@@ -209,20 +244,35 @@ async def test_refused_handshake_stops_the_shipper_with_an_error(tmp_path: Path)
 
 async def test_recording_round_trips_through_read_recording(tmp_path: Path) -> None:
     rec_dir, groups = tmp_path / "rec", [group(f"r{i}") for i in range(4)]
-    async with learner_up() as learner, \
-            shipper_running(make_client(learner.address), tmp_path / "spool", groups_per_batch=2,
-                            recorder=Recorder(rec_dir, "rs-test")) as shipper:
+    async with (
+        learner_up() as learner,
+        shipper_running(
+            make_client(learner.address),
+            tmp_path / "spool",
+            groups_per_batch=2,
+            recorder=Recorder(rec_dir, "rs-test"),
+        ) as shipper,
+    ):
         for g in groups:
             await shipper.ship_group(g)
         await shipper.drain()
     batches = list(read_recording(rec_dir))
-    assert [(m.seq, m.server_id, m.format) for m, _ in batches] == [(1, "rs-test", 1), (2, "rs-test", 1)]
+    assert [(m.seq, m.server_id, m.format) for m, _ in batches] == [
+        (1, "rs-test", 1),
+        (2, "rs-test", 1),
+    ]
     replayed = [t for _, ts in batches for t in ts]
     shipped = [t for g in groups for t in g]
     assert [t.trajectory_id for t in replayed] == [t.trajectory_id for t in shipped]
     for a, b in zip(replayed, shipped, strict=True):
-        assert np.array_equal(a.prompt_ids, b.prompt_ids) and np.array_equal(a.rollout_logprobs, b.rollout_logprobs)
-        assert (a.reward, a.group_uid, a.reward_extras) == (pytest.approx(b.reward), b.group_uid, b.reward_extras)
+        assert np.array_equal(a.prompt_ids, b.prompt_ids) and np.array_equal(
+            a.rollout_logprobs, b.rollout_logprobs
+        )
+        assert (a.reward, a.group_uid, a.reward_extras) == (
+            pytest.approx(b.reward),
+            b.group_uid,
+            b.reward_extras,
+        )
     # A second recorder on the same directory appends after the existing files.
     assert Recorder(rec_dir, "rs-test")._next == 3
     bad = rec_dir / "batch-0000000009.msgpack"
@@ -235,7 +285,9 @@ async def test_server_restart_with_data_cursor_ships_every_prompt_once(tmp_path:
     """The data cursor and the spool together: prompts whose groups were spooled by the dead
     process are neither rerun nor lost; those in flight (not spooled) are rerun."""
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": i}) + "\n" for i in range(6)))
+    data.write_text(
+        "".join(json.dumps({"question": f"q{i}?", "answer": i}) + "\n" for i in range(6))
+    )
     state, spool = tmp_path / "state", tmp_path / "spool"
 
     def source() -> PromptSource:
@@ -245,8 +297,11 @@ async def test_server_restart_with_data_cursor_ships_every_prompt_once(tmp_path:
     async with shipper_running(make_client(dead_address()), spool, max_unacked_batches=2) as first:
         async with anyio.create_task_group() as tg:
             for item in list(first_source)[:4]:  # four episodes finish; the learner is down
-                tg.start_soon(lambda item=item: first.ship_group(
-                    group(item.group_uid), on_acked=lambda: first_source.commit(item)))
+                tg.start_soon(
+                    lambda item=item: first.ship_group(
+                        group(item.group_uid), on_acked=lambda: first_source.commit(item)
+                    )
+                )
             await until(lambda: len(spool_files(spool)) == 2)
             tg.cancel_scope.cancel()
 
@@ -259,14 +314,20 @@ async def test_server_restart_with_data_cursor_ships_every_prompt_once(tmp_path:
         for uid in uids:
             second_source.commit_group(uid)
 
-    async with learner_up() as learner, shipper_running(
-            make_client(learner.address), spool, on_recovered_acked=recovered_acked) as second:
+    async with (
+        learner_up() as learner,
+        shipper_running(
+            make_client(learner.address), spool, on_recovered_acked=recovered_acked
+        ) as second,
+    ):
         # Their ACKs may already be in: those count as done rather than held.
         assert second_source.hold_groups(second.recovered_group_uids) == 2 - len(settled)
         rest = list(second_source)
         assert len(rest) == 4 and not {it.group_uid for it in rest} & second.recovered_group_uids
         for item in rest:
-            await second.ship_group(group(item.group_uid), on_acked=lambda item=item: second_source.commit(item))
+            await second.ship_group(
+                group(item.group_uid), on_acked=lambda item=item: second_source.commit(item)
+            )
         await second.drain()
         await until(lambda: len(learner.received) >= 18)
         uids = [t.group_uid for t in learner.received]

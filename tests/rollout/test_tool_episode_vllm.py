@@ -36,7 +36,9 @@ def anyio_backend() -> str:
     return "asyncio"  # vLLM
 
 
-def teach(model_dir: Path, out: Path, renderer: ChatRenderer, tools: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+def teach(
+    model_dir: Path, out: Path, renderer: ChatRenderer, tools: list[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
     """Train the model on the one episode; returns (prompt ids, full response ids)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -89,22 +91,41 @@ async def test_multi_turn_tool_episode_on_vllm(tmp_path: Path, tiny_model: Path)
     load_builtin_rewards()
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(tiny_model)))
     taught = tmp_path / "taught"
-    prompt, expected_response = teach(tiny_model, taught, renderer, [t.schema for t in tools.values()])
+    prompt, expected_response = teach(
+        tiny_model, taught, renderer, [t.schema for t in tools.values()]
+    )
 
-    engine = await VllmEngine.start(VllmEngineSettings(model=str(taught), max_model_len=1024, max_num_seqs=4,
-                                                       initial_version=5))
+    engine = await VllmEngine.start(
+        VllmEngineSettings(model=str(taught), max_model_len=1024, max_num_seqs=4, initial_version=5)
+    )
     try:
-        deps = AgentDeps(engine=engine, renderer=renderer, sampling=SamplingSettings(max_tokens=1, temperature=1.0, seed=1234),
-                         limits=AgentLimits(response_length=300, max_model_len=1024, max_assistant_turns=4),
-                         tools=tools, parser=HermesParser())
-        ep = Episode("ep", "g", {"question": QUESTION, "answer": "42"}, data_source="arith", agent_type="tool_agent")
+        deps = AgentDeps(
+            engine=engine,
+            renderer=renderer,
+            sampling=SamplingSettings(max_tokens=1, temperature=1.0, seed=1234),
+            limits=AgentLimits(response_length=300, max_model_len=1024, max_assistant_turns=4),
+            tools=tools,
+            parser=HermesParser(),
+        )
+        ep = Episode(
+            "ep",
+            "g",
+            {"question": QUESTION, "answer": "42"},
+            data_source="arith",
+            agent_type="tool_agent",
+        )
         await ToolAgent(deps).run(ep)
         reward = await score(ep, renderer, RewardChoice("math"))
     finally:
         await engine.shutdown()
 
     assert ep.prompt_ids == prompt
-    assert ep.turns == 2 and ep.tool_calls == 1 and ep.tool_errors == 0 and ep.termination == "no_tool_call"
+    assert (
+        ep.turns == 2
+        and ep.tool_calls == 1
+        and ep.tool_errors == 0
+        and ep.termination == "no_tool_call"
+    )
     assert ep.response_ids == expected_response, renderer.decode(ep.response_ids)
     turn1 = len(renderer.tok.encode(CALL, add_special_tokens=False)) + 1
     delta = len(renderer.tool_delta_ids([{"role": "tool", "content": "42"}]))
@@ -115,8 +136,16 @@ async def test_multi_turn_tool_episode_on_vllm(tmp_path: Path, tiny_model: Path)
 
     model = AutoModelForCausalLM.from_pretrained(str(taught), dtype=torch.float32)
     with torch.no_grad():
-        logits = model(torch.tensor([ep.prompt_ids + ep.response_ids])).logits[0, len(ep.prompt_ids) - 1 : -1]
-    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ep.response_ids)[:, None])[:, 0].numpy()
+        logits = model(torch.tensor([ep.prompt_ids + ep.response_ids])).logits[
+            0, len(ep.prompt_ids) - 1 : -1
+        ]
+    expected = (
+        torch.log_softmax(logits, -1)
+        .gather(1, torch.tensor(ep.response_ids)[:, None])[:, 0]
+        .numpy()
+    )
     sampled = np.array(ep.mask) == 1
-    np.testing.assert_allclose(np.array(ep.logprobs)[sampled], expected[sampled], atol=2e-4, rtol=1e-3)
+    np.testing.assert_allclose(
+        np.array(ep.logprobs)[sampled], expected[sampled], atol=2e-4, rtol=1e-3
+    )
     assert (np.array(ep.logprobs)[~sampled] == 0).all()

@@ -35,12 +35,23 @@ def make_config(tmp: Path, *overrides: str) -> Config:
     corpus = tmp / "corpus.jsonl"
     if not corpus.exists():
         corpus.write_text(
-            json.dumps({"title": "Mount Erebus", "text": "An active volcano with a lava lake."}) + "\n"
-            + json.dumps({"title": "Tea", "text": "An aromatic beverage from Camellia leaves."}) + "\n"
+            json.dumps({"title": "Mount Erebus", "text": "An active volcano with a lava lake."})
+            + "\n"
+            + json.dumps({"title": "Tea", "text": "An aromatic beverage from Camellia leaves."})
+            + "\n"
         )
-    return load_config(None, [
-        "actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", f"tools.search.corpus={corpus}",
-        "tools.python.timeout_s=5", "tools.python.max_output_chars=300", *overrides], check_paths=False)
+    return load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=m",
+            "data.train_files=t.jsonl",
+            f"tools.search.corpus={corpus}",
+            "tools.python.timeout_s=5",
+            "tools.python.max_output_chars=300",
+            *overrides,
+        ],
+        check_paths=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +67,11 @@ def test_local_tools_get_their_options_from_the_config(tmp_path: Path) -> None:
     tools = build_local_tools(config, ["python", "search", "calculator", "python"])
     assert list(tools) == ["python", "search", "calculator"]
     python, search = tools["python"], tools["search"]
-    assert isinstance(python, PythonTool) and python.limits.timeout_s == 5 and python.max_output_chars == 300
+    assert (
+        isinstance(python, PythonTool)
+        and python.limits.timeout_s == 5
+        and python.max_output_chars == 300
+    )
     assert isinstance(search, SearchTool) and search.top_k == 2
     assert set(TOOL_OPTIONS) >= {"python", "search"}
 
@@ -66,12 +81,20 @@ async def test_remote_and_local_tools_are_interchangeable(served: tuple[str, Pat
     url, tmp = served
     names = ["python", "search", "calculator", "finish"]
     local = build_tools(make_config(tmp), names)
-    remote = build_tools(make_config(tmp, f"tools.remote.url={url}", "tools.remote.names=[python,search]"), names)
-    everything = build_tools(make_config(tmp, f"tools.remote.url={url}"), names)  # names empty: all served
+    remote = build_tools(
+        make_config(tmp, f"tools.remote.url={url}", "tools.remote.names=[python,search]"), names
+    )
+    everything = build_tools(
+        make_config(tmp, f"tools.remote.url={url}"), names
+    )  # names empty: all served
     try:
         assert not any(isinstance(t, RemoteTool) for t in local.values())
         assert [n for n, t in remote.items() if isinstance(t, RemoteTool)] == ["python", "search"]
-        assert [n for n, t in everything.items() if isinstance(t, RemoteTool)] == ["python", "search", "calculator"]
+        assert [n for n, t in everything.items() if isinstance(t, RemoteTool)] == [
+            "python",
+            "search",
+            "calculator",
+        ]
         assert remote["python"].client is remote["search"].client  # type: ignore[attr-defined]  # one client
         for tools in (remote, everything):
             assert list(tools) == names
@@ -80,7 +103,11 @@ async def test_remote_and_local_tools_are_interchangeable(served: tuple[str, Pat
             for name, args in CALLS:
                 here, there = await local[name].call(args, CTX), await tools[name].call(args, CTX)
                 assert (here.text, here.ok, here.terminal, here.answer) == (
-                    there.text, there.ok, there.terminal, there.answer), (name, args)
+                    there.text,
+                    there.ok,
+                    there.terminal,
+                    there.answer,
+                ), (name, args)
                 assert here.metrics.keys() == there.metrics.keys()
     finally:
         await close_tools(remote)
@@ -89,7 +116,10 @@ async def test_remote_and_local_tools_are_interchangeable(served: tuple[str, Pat
 
 
 def test_unknown_tool_names_the_key_and_the_known_tools(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.multi_turn\.tools: unknown tool\(s\) 'serch'; known: .*search") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref\.rollout\.multi_turn\.tools: unknown tool\(s\) 'serch'; known: .*search",
+    ) as info:
         build_tools(make_config(tmp_path), ["python", "serch"])
     assert "calculator" in str(info.value)
     with pytest.raises(ValueError, match=r"tool_server\.tools: unknown tool\(s\) 'nope'"):
@@ -105,11 +135,19 @@ def test_search_without_corpus_names_the_key(tmp_path: Path) -> None:
 
 def test_remote_errors_name_the_key(tmp_path: Path, served: tuple[str, Path]) -> None:
     url, _ = served
-    with pytest.raises(ValueError, match=r"tools\.remote\.names: 'statelm' not served by the tool server"):
-        build_tools(make_config(tmp_path, f"tools.remote.url={url}", "tools.remote.names=[statelm]"), ["statelm"])
+    with pytest.raises(
+        ValueError, match=r"tools\.remote\.names: 'statelm' not served by the tool server"
+    ):
+        build_tools(
+            make_config(tmp_path, f"tools.remote.url={url}", "tools.remote.names=[statelm]"),
+            ["statelm"],
+        )
     dead = "http://127.0.0.1:9"  # discard port: nothing answers
     with pytest.raises(ValueError, match=rf"tools\.remote\.url: tool server {dead} unreachable"):
         build_tools(make_config(tmp_path, f"tools.remote.url={dead}"), ["python"])
     # Remote names that this tool set does not use: the server is not even asked.
-    local = build_tools(make_config(tmp_path, f"tools.remote.url={dead}", "tools.remote.names=[search]"), ["calculator"])
+    local = build_tools(
+        make_config(tmp_path, f"tools.remote.url={dead}", "tools.remote.names=[search]"),
+        ["calculator"],
+    )
     assert list(local) == ["calculator"]

@@ -40,13 +40,20 @@ PY_TIMEOUT_S = 1.5
 def write_config(tmp: Path, **python: Any) -> Path:
     corpus = tmp / "corpus.jsonl"
     corpus.write_text(
-        json.dumps({"id": "erebus", "title": "Mount Erebus", "text": "An active volcano with a lava lake."}) + "\n"
-        + json.dumps({"id": "tea", "title": "Tea", "text": "An aromatic beverage from Camellia leaves."}) + "\n"
+        json.dumps(
+            {"id": "erebus", "title": "Mount Erebus", "text": "An active volcano with a lava lake."}
+        )
+        + "\n"
+        + json.dumps(
+            {"id": "tea", "title": "Tea", "text": "An aromatic beverage from Camellia leaves."}
+        )
+        + "\n"
     )
     py = ", ".join(f"{k}: {v}" for k, v in {"timeout_s": PY_TIMEOUT_S, **python}.items())
     path = tmp / "tools.yaml"
     # The tool server never reads the model or the data: any path will do (no path checks).
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         actor_rollout_ref:
           model: {{path: {tmp}/no-model}}
         data: {{train_files: train.jsonl}}
@@ -56,17 +63,30 @@ def write_config(tmp: Path, **python: Any) -> Path:
         tools:
           python: {{{py}}}
           search: {{corpus: {corpus}}}
-        """))
+        """)
+    )
     return path
 
 
 @contextmanager
-def tool_server(tmp: Path, *overrides: str, **python: Any) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+def tool_server(
+    tmp: Path, *overrides: str, **python: Any
+) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """Start bin/tool-server on a free port; yield the process, its URL (read from its log) and
     its output lines so far (a thread keeps draining the pipe)."""
-    cmd = [sys.executable, str(TOOL_SERVER), "--config", str(write_config(tmp, **python)),
-           "--log-format", "console", "tool_server.port=0", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        str(TOOL_SERVER),
+        "--config",
+        str(write_config(tmp, **python)),
+        "--log-format",
+        "console",
+        "tool_server.port=0",
+        *overrides,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[str] = []
     found: list[str] = []
     ready = threading.Event()
@@ -103,12 +123,16 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with tool_server(tmp_path_factory.mktemp("toolserver"), "tool_server.max_concurrent_calls=2") as (_, url, _):
+    with tool_server(
+        tmp_path_factory.mktemp("toolserver"), "tool_server.max_concurrent_calls=2"
+    ) as (_, url, _):
         yield url
 
 
 def client_for(url: str, **options: Any) -> RemoteToolClient:
-    return RemoteToolClient(url, **{"timeout_s": 10.0, "retries": 1, "backoff_s": 0.05, "max_concurrent": 8, **options})
+    return RemoteToolClient(
+        url, **{"timeout_s": 10.0, "retries": 1, "backoff_s": 0.05, "max_concurrent": 8, **options}
+    )
 
 
 def remote_tools(url: str, client: RemoteToolClient) -> dict[str, RemoteTool]:
@@ -116,7 +140,10 @@ def remote_tools(url: str, client: RemoteToolClient) -> dict[str, RemoteTool]:
 
 
 def test_health_and_schemas(server: str) -> None:
-    assert httpx.get(f"{server}/health").json() == {"ok": True, "tools": ["python", "search", "calculator"]}
+    assert httpx.get(f"{server}/health").json() == {
+        "ok": True,
+        "tools": ["python", "search", "calculator"],
+    }
     schemas = fetch_schemas(server)
     assert list(schemas) == ["python", "search", "calculator"]
     assert schemas["python"]["function"]["parameters"]["required"] == ["code"]
@@ -126,7 +153,9 @@ def test_health_and_schemas(server: str) -> None:
 async def test_python_search_and_calculator_over_http(server: str) -> None:
     async with client_for(server) as client:
         tools = remote_tools(server, client)
-        py = await tools["python"].call({"code": "import sys\nprint(sum(range(10)), sys.stdin.read())", "stdin": "in"}, CTX)
+        py = await tools["python"].call(
+            {"code": "import sys\nprint(sum(range(10)), sys.stdin.read())", "stdin": "in"}, CTX
+        )
         assert py.ok and py.text == "45 in" and py.metrics["sandbox_timed_out"] == 0.0
         crash = await tools["python"].call({"code": "1 / 0"}, CTX)
         assert not crash.ok and "ZeroDivisionError" in crash.text
@@ -166,7 +195,9 @@ async def test_unknown_tool_fails_at_once_naming_it(server: str) -> None:
         (b'{"arguments": {}, "episode_id": 5}', "field 'episode_id'"),
     ],
 )
-def test_malformed_body_is_a_400_naming_the_problem(server: str, content: bytes, field: str) -> None:
+def test_malformed_body_is_a_400_naming_the_problem(
+    server: str, content: bytes, field: str
+) -> None:
     response = httpx.post(f"{server}/call/calculator", content=content)
     assert response.status_code == 400 and field in response.json()["error"]
     ok = httpx.post(f"{server}/call/calculator", json={"arguments": {"expression": "1+1"}})
@@ -195,8 +226,12 @@ async def test_concurrency_limit_is_honoured(server: str) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_finishes_running_calls_then_exits_0(tmp_path: Path, signum: int) -> None:
     with tool_server(tmp_path) as (proc, url, lines), ThreadPoolExecutor(1) as pool:
-        running = pool.submit(httpx.post, f"{url}/call/python", timeout=20,
-                              json={"arguments": {"code": "import time; time.sleep(1); print('finished')"}})
+        running = pool.submit(
+            httpx.post,
+            f"{url}/call/python",
+            timeout=20,
+            json={"arguments": {"code": "import time; time.sleep(1); print('finished')"}},
+        )
         children = wait_for_children(proc.pid)
         proc.send_signal(signum)
         assert proc.wait(20) == 0, "".join(lines)
@@ -208,8 +243,12 @@ def test_stop_signal_finishes_running_calls_then_exits_0(tmp_path: Path, signum:
 
 def test_call_outlasting_the_grace_period_is_killed(tmp_path: Path) -> None:
     with tool_server(tmp_path, timeout_s=60) as (proc, url, lines), ThreadPoolExecutor(1) as pool:
-        running = pool.submit(httpx.post, f"{url}/call/python", timeout=30,
-                              json={"arguments": {"code": "import time; time.sleep(60)"}})
+        running = pool.submit(
+            httpx.post,
+            f"{url}/call/python",
+            timeout=30,
+            json={"arguments": {"code": "import time; time.sleep(60)"}},
+        )
         children = wait_for_children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, "".join(lines)
@@ -237,9 +276,13 @@ async def test_unreachable_server_fails_after_retries_with_backoff() -> None:
         tool = RemoteTool("python", function_schema("python", "run code", {}, []), client)
         res = await tool.call({}, CTX)
         elapsed = time.monotonic() - start
-    assert not res.ok and res.text.startswith(f"error: tool server {url} unreachable after 3 attempts")
+    assert not res.ok and res.text.startswith(
+        f"error: tool server {url} unreachable after 3 attempts"
+    )
     assert 0.1 + 0.2 <= elapsed < 2.0, elapsed
-    with pytest.raises(ValueError, match=rf"tools\.remote\.url: tool server {re.escape(url)} unreachable"):
+    with pytest.raises(
+        ValueError, match=rf"tools\.remote\.url: tool server {re.escape(url)} unreachable"
+    ):
         fetch_schemas(url, timeout_s=1.0, attempts=2)
 
 
@@ -252,8 +295,20 @@ def flaky_server(failures: int) -> Iterator[tuple[str, list[float]]]:
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             arrivals.append(time.monotonic())
-            status, body = (503, {"error": "busy"}) if len(arrivals) <= failures else (
-                200, {"text": "finally", "ok": True, "terminal": False, "answer": None, "metrics": {}})
+            status, body = (
+                (503, {"error": "busy"})
+                if len(arrivals) <= failures
+                else (
+                    200,
+                    {
+                        "text": "finally",
+                        "ok": True,
+                        "terminal": False,
+                        "answer": None,
+                        "metrics": {},
+                    },
+                )
+            )
             data = json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -265,7 +320,9 @@ def flaky_server(failures: int) -> Iterator[tuple[str, list[float]]]:
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    )
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}", arrivals
@@ -303,12 +360,19 @@ class Exploding:
 @pytest.mark.anyio
 async def test_a_tool_that_raises_is_a_failed_call_not_a_dead_server() -> None:
     app = make_app({"explode": Exploding()}, max_concurrent_calls=1)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tools") as http:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://tools"
+    ) as http:
         response = await http.post("/call/explode", json={"arguments": {}, "episode_id": "ep-9"})
         assert response.status_code == 200
-        assert response.json()["ok"] is False and "RuntimeError: kaboom in ep-9" in response.json()["text"]
+        assert (
+            response.json()["ok"] is False
+            and "RuntimeError: kaboom in ep-9" in response.json()["text"]
+        )
         nan = await http.post("/call/explode", json={"arguments": {"nan": True}})
-        assert nan.status_code == 200 and nan.json()["ok"] is False  # not JSON-safe: reported, not a 500
+        assert (
+            nan.status_code == 200 and nan.json()["ok"] is False
+        )  # not JSON-safe: reported, not a 500
         assert (await http.get("/health")).json() == {"ok": True, "tools": ["explode"]}
 
 
@@ -326,13 +390,22 @@ async def test_token_is_required_and_sent_by_the_client(tmp_path: Path) -> None:
         # Without (or with a wrong) token: 401 with a clear error before the body is read; the
         # health check says only that the server lives.
         assert httpx.get(f"{url}/health").json() == {"ok": True}
-        for headers in ({}, {"Authorization": "Bearer wrong-token-of-some-length"}, {"Authorization": TOKEN}):
-            for response in (httpx.get(f"{url}/tools", headers=headers),
-                             httpx.post(f"{url}/call/calculator", headers=headers, content=b"x" * 100)):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong-token-of-some-length"},
+            {"Authorization": TOKEN},
+        ):
+            for response in (
+                httpx.get(f"{url}/tools", headers=headers),
+                httpx.post(f"{url}/call/calculator", headers=headers, content=b"x" * 100),
+            ):
                 assert response.status_code == 401, (headers, response.text)
                 assert "unauthorized" in response.json()["error"]
                 assert "tool_server.token" in response.json()["error"]
-        with pytest.raises(ValueError, match=r"tool_server\.token: tool server .* requires a token and none is configured"):
+        with pytest.raises(
+            ValueError,
+            match=r"tool_server\.token: tool server .* requires a token and none is configured",
+        ):
             fetch_schemas(url, attempts=1)
         with pytest.raises(ValueError, match=r"tool_server\.token: .* the token sent was refused"):
             fetch_schemas(url, attempts=1, token="another-token-0123456789")
@@ -342,24 +415,36 @@ async def test_token_is_required_and_sent_by_the_client(tmp_path: Path) -> None:
             assert not res.ok and "refused" in res.text and "tool_server.token" in res.text
             assert time.monotonic() - start < 0.5  # a refusal is final: not retried with backoff
         # With it: the same calls work.
-        assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["tools"]
+        assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
+            "tools"
+        ]
         async with client_for(url, token=TOKEN) as client:
-            tools = {n: RemoteTool(n, s, client) for n, s in fetch_schemas(url, token=TOKEN).items()}
+            tools = {
+                n: RemoteTool(n, s, client) for n, s in fetch_schemas(url, token=TOKEN).items()
+            }
             res = await tools["calculator"].call({"expression": "6*7"}, CTX)
         assert res.ok and "42" in res.text
 
 
 def test_non_loopback_bind_without_a_token_warns(tmp_path: Path) -> None:
     with tool_server(tmp_path, "tool_server.host=0.0.0.0") as (_, _url, lines):
-        assert any("without a token" in line and "tool_server.token" in line for line in lines), lines
+        assert any("without a token" in line and "tool_server.token" in line for line in lines), (
+            lines
+        )
     from rollout_service.tool_server import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2") and not is_loopback("toolhost")
+    assert (
+        not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2") and not is_loopback("toolhost")
+    )
 
 
 def test_a_short_token_is_refused_by_the_config() -> None:
     from common.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"tool_server\.token"):
-        load_config(None, ["actor_rollout_ref.model.path=/nowhere", "tool_server.token=short"], check_paths=False)
+        load_config(
+            None,
+            ["actor_rollout_ref.model.path=/nowhere", "tool_server.token=short"],
+            check_paths=False,
+        )

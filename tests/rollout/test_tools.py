@@ -125,7 +125,9 @@ def test_check_args_types() -> None:
 @pytest.mark.anyio
 async def test_python_tool_runs_code() -> None:
     tool = TOOLS.get("python")(timeout_s=5.0)
-    res = await tool.call({"code": "import sys; print(sum(range(10)), sys.stdin.read())", "stdin": "in"}, CTX)
+    res = await tool.call(
+        {"code": "import sys; print(sum(range(10)), sys.stdin.read())", "stdin": "in"}, CTX
+    )
     assert res.ok and res.text == "45 in"
 
 
@@ -146,7 +148,9 @@ async def test_python_tool_truncates_long_output_keeping_the_tail() -> None:
     tool = TOOLS.get("python")(max_output_chars=200)
     res = await tool.call({"code": "for i in range(1000): print(i)\nprint('LAST')"}, CTX)
     assert res.ok and len(res.text) <= 200
-    assert res.text.startswith("0\n1\n") and res.text.endswith("LAST") and "characters cut" in res.text
+    assert (
+        res.text.startswith("0\n1\n") and res.text.endswith("LAST") and "characters cut" in res.text
+    )
 
 
 def test_truncate_middle() -> None:

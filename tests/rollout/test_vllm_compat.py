@@ -8,10 +8,18 @@ import pytest
 from rollout_service.engine.vllm_compat import SUPPORTED, VllmInfo, resolve_dtype, vllm_info
 
 
-@pytest.mark.parametrize(("version", "platform", "ok"), [
-    ("0.24.0", "cuda", True), ("0.24.3", "cuda", True), ("0.32.0", "cpu", True),
-    ("0.25.0", "cuda", False), ("0.240.0", "cuda", False), ("0.24.0", "cpu", False), ("0.32.0", "rocm", False),
-])
+@pytest.mark.parametrize(
+    ("version", "platform", "ok"),
+    [
+        ("0.24.0", "cuda", True),
+        ("0.24.3", "cuda", True),
+        ("0.32.0", "cpu", True),
+        ("0.25.0", "cuda", False),
+        ("0.240.0", "cuda", False),
+        ("0.24.0", "cpu", False),
+        ("0.32.0", "rocm", False),
+    ],
+)
 def test_supported_versions(version: str, platform: str, ok: bool) -> None:
     assert VllmInfo(version, platform, weight_version_spans=False).supported is ok
 

@@ -300,7 +300,9 @@ async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.anyio
 @pytest.mark.slow
-async def test_file_hand_over_loads_in_place_and_checks_the_header(rig: Rig, tmp_path: Path) -> None:
+async def test_file_hand_over_loads_in_place_and_checks_the_header(
+    rig: Rig, tmp_path: Path
+) -> None:
     """load_weights_file: the learner's safetensors file is reloaded as it lies (no staging); a file
     whose header does not fit the model is refused before anything is touched; a later failed
     reload rolls back to that file."""
@@ -321,10 +323,16 @@ async def test_file_hand_over_loads_in_place_and_checks_the_header(rig: Rig, tmp
     (tmp_path / "bad").mkdir()
     save_file({**new, name: new[name][:-1]}, str(tmp_path / "bad" / "model.safetensors"))
     with pytest.raises(WeightUpdateError, match="shape"):
-        await engine.load_weights_file(version + 1, str(tmp_path / "bad" / "model.safetensors"), mode="keep")
+        await engine.load_weights_file(
+            version + 1, str(tmp_path / "bad" / "model.safetensors"), mode="keep"
+        )
     with pytest.raises(WeightUpdateError, match="cannot read"):
-        await engine.load_weights_file(version + 1, str(tmp_path / "missing.safetensors"), mode="keep")
-    assert engine.policy_version == version and await greedy(engine, PROMPT, 16, "file-same") == after
+        await engine.load_weights_file(
+            version + 1, str(tmp_path / "missing.safetensors"), mode="keep"
+        )
+    assert (
+        engine.policy_version == version and await greedy(engine, PROMPT, 16, "file-same") == after
+    )
 
 
 @pytest.mark.anyio

@@ -21,28 +21,39 @@ def test_help_is_instant_and_imports_no_zmq() -> None:
     out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True)
     assert time.monotonic() - t0 < 5 and "--out" in out.stdout and "--name" in out.stdout
     probe = "import sys; import tools.curve_keys; print('zmq' in sys.modules)"
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     assert loaded.stdout.strip() == "False"
 
 
 def test_cli_writes_a_loadable_key_pair(tmp_path: Path) -> None:
     import zmq.auth
 
-    out = subprocess.run([*CLI, "--out", str(tmp_path / "k"), "--name", "learner"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [*CLI, "--out", str(tmp_path / "k"), "--name", "learner"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     public, secret = tmp_path / "k" / "learner.key", tmp_path / "k" / "learner.key_secret"
     assert str(public) in out.stdout and str(secret) in out.stdout
     pub_from_public, none = zmq.auth.load_certificate(public)
     pub_from_secret, sec = zmq.auth.load_certificate(secret)
     assert none is None and sec and pub_from_public == pub_from_secret
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["learner.key", "learner.key_secret"]
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == [
+        "learner.key",
+        "learner.key_secret",
+    ]
 
 
 def test_existing_keys_are_kept_unless_forced(tmp_path: Path) -> None:
     _, secret = make_keys(tmp_path, "rollout-0")
     before = secret.read_text()
-    refused = subprocess.run([*CLI, "--out", str(tmp_path), "--name", "rollout-0"], capture_output=True, text=True)
+    refused = subprocess.run(
+        [*CLI, "--out", str(tmp_path), "--name", "rollout-0"], capture_output=True, text=True
+    )
     assert refused.returncode == 1 and "--force" in refused.stderr and secret.read_text() == before
     make_keys(tmp_path, "rollout-0", force=True)
     assert secret.read_text() != before

@@ -21,7 +21,10 @@ from rollout_service.recording import read_recording
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # ~2-3 min alone; a busy 2-core machine takes longer
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]  # ~2-3 min alone; a busy 2-core machine takes longer
 
 
 def mean(xs: list[float]) -> float:
@@ -30,13 +33,23 @@ def mean(xs: list[float]) -> float:
 
 def test_demo_learns_to_use_the_calculator(tmp_path: Path) -> None:
     env = {**os.environ, "DEMO_DIR": str(tmp_path), "DEMO_STEPS": str(STEPS)}
-    proc = subprocess.Popen(["bin/demo", "trainer.test_freq=12"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bin/demo", "trainer.test_freq=12"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out, _ = proc.communicate(timeout=1500)
     assert proc.returncode == 0, out[-5000:]
     run = tmp_path / "demo"
     assert (run / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
     assert not leftovers, [p.info["cmdline"][:3] for p in leftovers]
 
     metrics = [m for m in read_metrics(run) if "reward/mean" in m]
@@ -48,11 +61,15 @@ def test_demo_learns_to_use_the_calculator(tmp_path: Path) -> None:
     episodes += [t for _, batch in read_recording(run / "recordings" / "rs1") for t in batch]
     assert {t.source_server for t in episodes} == {"rs0", "rs1"}
     multi_turn = [t for t in episodes if t.num_turns >= 2 and (t.response_mask == 0).any()]
-    assert len(multi_turn) > len(episodes) / 5, "episodes should call the calculator and answer after it"
+    assert len(multi_turn) > len(episodes) / 5, (
+        "episodes should call the calculator and answer after it"
+    )
 
     reward = [m["reward/mean"] for m in metrics]
     turns = [m["episode/turns_mean"] for m in metrics]
     first, last = reward[:4], reward[-4:]
-    summary = json.dumps({"reward": [round(r, 3) for r in reward], "turns": [round(t, 2) for t in turns]})
+    summary = json.dumps(
+        {"reward": [round(r, 3) for r in reward], "turns": [round(t, 2) for t in turns]}
+    )
     assert mean(last) >= mean(first) + 0.1, summary
     assert mean(turns[-4:]) > mean(turns[:4]), summary

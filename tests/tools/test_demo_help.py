@@ -15,9 +15,16 @@ def test_demo_help_touches_nothing(tmp_path: Path) -> None:
     (last_run / "metrics.jsonl").write_text('{"step": 1}\n')
     for flag in ("--help", "-h"):
         env = {**os.environ, "DEMO_DIR": str(tmp_path)}
-        result = subprocess.run([str(REPO / "bin" / "demo"), "trainer.total_training_steps=2", flag], env=env,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [str(REPO / "bin" / "demo"), "trainer.total_training_steps=2", flag],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
         assert "DEMO_DIR" in result.stdout and "usage: train" in result.stdout
-        assert (last_run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the last run is still there
+        assert (
+            last_run / "metrics.jsonl"
+        ).read_text() == '{"step": 1}\n'  # the last run is still there
         assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no model or data made

@@ -18,12 +18,28 @@ import e2e  # noqa: E402
 
 def test_read_metrics_and_summary(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    recs = [{"step": s, "timing/step_s": 10.0 if s == 1 else 2.0, "timing/wait_s": 1.0, "reward/mean": 0.1 * s,
-             "episode/turns_mean": 1.5, "weights/applied_s": 0.5 * s} for s in (1, 2, 3)]
-    lines = [json.dumps(r) for r in recs] + [json.dumps({"step": 0, "val/reward/mean": 0.2}), '{"step": 4, "tim']
+    recs = [
+        {
+            "step": s,
+            "timing/step_s": 10.0 if s == 1 else 2.0,
+            "timing/wait_s": 1.0,
+            "reward/mean": 0.1 * s,
+            "episode/turns_mean": 1.5,
+            "weights/applied_s": 0.5 * s,
+        }
+        for s in (1, 2, 3)
+    ]
+    lines = [json.dumps(r) for r in recs] + [
+        json.dumps({"step": 0, "val/reward/mean": 0.2}),
+        '{"step": 4, "tim',
+    ]
     path.write_text("\n".join(lines))
     got = e2e.read_metrics(path)
-    assert [r["step"] for r in got] == [1, 2, 3]  # the validation record and the half line are skipped
+    assert [r["step"] for r in got] == [
+        1,
+        2,
+        3,
+    ]  # the validation record and the half line are skipped
     s = e2e.summarize(got)
     assert s["steps_done"] == 3 and s["mean_over_steps"] == [2, 3]
     assert s["means"]["timing/step_s"] == 2.0 and s["means"]["timing/prepare_s"] is None
@@ -38,7 +54,9 @@ def test_refusal_watch(tmp_path: Path) -> None:
     log = tmp_path / "learner.log"
     watch = e2e.RefusalWatch(log)
     assert not watch.poll()  # no file yet
-    log.write_text("ok\n" + "x [warning] invalid message error='token id outside'\n" * 19 + "invalid mess")
+    log.write_text(
+        "ok\n" + "x [warning] invalid message error='token id outside'\n" * 19 + "invalid mess"
+    )
     assert not watch.poll() and watch.count == 19 and "token id outside" in watch.first
     with log.open("a") as f:
         f.write("age again\n")

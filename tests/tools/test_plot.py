@@ -25,10 +25,20 @@ def write_metrics(run: Path, records: list[dict[str, object]]) -> Path:
 
 
 def full_record(step: int) -> dict[str, object]:
-    return {"step": step, "time": 1.7e9 + step, "reward/mean": 0.1 * step, "reward/mean/arith": 0.2 * step,
-            "reward/mean/qa": 0.05 * step, "actor/kl_loss": 0.001 * step, "kl_in_reward/kl": 0.002,
-            "actor/entropy": 3.0 - 0.1 * step, "staleness/mean": 0.5, "staleness/max": 1,
-            "perf/tokens_per_s": 1000.0 + step, "perf/update_tokens_per_s": None}
+    return {
+        "step": step,
+        "time": 1.7e9 + step,
+        "reward/mean": 0.1 * step,
+        "reward/mean/arith": 0.2 * step,
+        "reward/mean/qa": 0.05 * step,
+        "actor/kl_loss": 0.001 * step,
+        "kl_in_reward/kl": 0.002,
+        "actor/entropy": 3.0 - 0.1 * step,
+        "staleness/mean": 0.5,
+        "staleness/max": 1,
+        "perf/tokens_per_s": 1000.0 + step,
+        "perf/update_tokens_per_s": None,
+    }
 
 
 def panel(title: str):  # type: ignore[no-untyped-def]
@@ -38,7 +48,9 @@ def panel(title: str):  # type: ignore[no-untyped-def]
 def test_full_metrics_draw_a_png(tmp_path: Path) -> None:
     run = tmp_path / "run"
     records = [full_record(s) for s in range(1, 6)]
-    records.append({"step": 5, "time": 1.7e9, "val/reward/mean": 0.4})  # validation, logged at step 5
+    records.append(
+        {"step": 5, "time": 1.7e9, "val/reward/mean": 0.4}
+    )  # validation, logged at step 5
     write_metrics(run, records)
     out = plot_run(run)
     assert out == run / "training_curves.png"
@@ -60,7 +72,13 @@ def test_series_per_panel() -> None:
 
 def test_missing_metrics_leave_panels_empty(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    write_metrics(run, [{"step": 1, "time": 1.0, "reward/mean": 0.0}, {"step": 2, "time": 2.0, "reward/mean": math.nan}])
+    write_metrics(
+        run,
+        [
+            {"step": 1, "time": 1.0, "reward/mean": 0.0},
+            {"step": 2, "time": 2.0, "reward/mean": math.nan},
+        ],
+    )
     records = load_records(run)
     assert panel_series(records, panel("entropy")) == {}
     assert panel_series(records, panel("reward")) == {"reward/mean": ([1.0], [0.0])}
@@ -79,19 +97,32 @@ def test_bin_plot(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_metrics(run, [full_record(1), full_record(2)])
     out = tmp_path / "c.png"
-    ok = subprocess.run([sys.executable, str(REPO / "bin" / "plot"), str(run), "--out", str(out)],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "plot"), str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == str(out) and out.read_bytes()[:8] == PNG_MAGIC
-    missing = subprocess.run([sys.executable, str(REPO / "bin" / "plot"), str(tmp_path / "nope")],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, str(REPO / "bin" / "plot"), str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1
     assert "metrics.jsonl" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_tool_use_panel_draws_turns_per_episode() -> None:
     """The demo's story, the tool-call rate, has its own panel (training and validation)."""
-    records = [{"step": 1, "episode/turns_mean": 1.3, "val/episode/turns_mean": 1.2},
-               {"step": 2, "episode/turns_mean": 1.8}]
+    records = [
+        {"step": 1, "episode/turns_mean": 1.3, "val/episode/turns_mean": 1.2},
+        {"step": 2, "episode/turns_mean": 1.8},
+    ]
     series = panel_series(records, panel("tool use"))
-    assert series == {"episode/turns_mean": ([1.0, 2.0], [1.3, 1.8]), "val/episode/turns_mean": ([1.0], [1.2])}
+    assert series == {
+        "episode/turns_mean": ([1.0, 2.0], [1.3, 1.8]),
+        "val/episode/turns_mean": ([1.0], [1.2]),
+    }

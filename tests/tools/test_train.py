@@ -28,21 +28,46 @@ STOP_TIMEOUT_S = 30
 
 def test_help_and_check_are_instant(tmp_path: Path) -> None:
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and "key=value" in out.stdout
     assert time.perf_counter() - start < 1.0
-    bad = subprocess.run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "default.yaml"),
-                          "launch.rollout_servers=0", "launch.bogus=1", "--check"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--config",
+            str(REPO / "configs" / "default.yaml"),
+            "launch.rollout_servers=0",
+            "launch.bogus=1",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2
     assert "launch.rollout_servers" in bad.stderr and "launch.bogus" in bad.stderr
 
 
 def test_missing_model_names_the_command_that_makes_it(tmp_path: Path) -> None:
     """configs/gpu_e2e.yaml's model is written by bench/e2e.py: the error says so."""
-    out = subprocess.run([sys.executable, str(TRAIN), "--config", str(REPO / "configs" / "gpu_e2e.yaml"), "--check",
-                          f"actor_rollout_ref.model.path={tmp_path / 'absent'}"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--config",
+            str(REPO / "configs" / "gpu_e2e.yaml"),
+            "--check",
+            f"actor_rollout_ref.model.path={tmp_path / 'absent'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 2
     assert "made by: python3 bench/e2e.py --workload calc --prepare-only" in out.stderr
 
@@ -53,19 +78,32 @@ def test_auto_port_binds_port_zero_only_on_loopback() -> None:
     from common.config import load_config
     from launcher.plan import launch_overrides
 
-    base = ["actor_rollout_ref.model.path=m", "data.train_files=t.jsonl", "trainer.logger=[console]"]
-    cfg = load_config(None, [*base, "learner.bind_address=tcp://127.0.0.1:5555", "launch.tool_server=true"],
-                      check_paths=False)
+    base = [
+        "actor_rollout_ref.model.path=m",
+        "data.train_files=t.jsonl",
+        "trainer.logger=[console]",
+    ]
+    cfg = load_config(
+        None,
+        [*base, "learner.bind_address=tcp://127.0.0.1:5555", "launch.tool_server=true"],
+        check_paths=False,
+    )
     decided = launch_overrides(cfg, Path("/r/{x}"))
     over = decided.overrides
-    assert over[0] == 'trainer.run_dir="/r/{{x}}"' and over[1] == 'trainer.logger=["console", "jsonl"]'
+    assert (
+        over[0] == 'trainer.run_dir="/r/{{x}}"' and over[1] == 'trainer.logger=["console", "jsonl"]'
+    )
     assert 'learner.bind_address="tcp://127.0.0.1:0"' in over and "tool_server.port=0" in over
     assert decided.learner_auto_port and decided.tool_auto_port and decided.tool_remote
     assert decided.tool_health_url is None  # known once the tool server reports its port
-    assert not any(o.startswith(("rollout_server.learner_address", "tools.remote.url")) for o in over)
+    assert not any(
+        o.startswith(("rollout_server.learner_address", "tools.remote.url")) for o in over
+    )
     cfg = load_config(None, [*base, "learner.bind_address=tcp://0.0.0.0:5555"], check_paths=False)
     decided = launch_overrides(cfg, Path("/r"))
-    assert not decided.learner_auto_port and not any(o.startswith("learner.") for o in decided.overrides)
+    assert not decided.learner_auto_port and not any(
+        o.startswith("learner.") for o in decided.overrides
+    )
 
 
 def test_events_and_connections(tmp_path: Path) -> None:
@@ -88,7 +126,11 @@ def test_events_and_connections(tmp_path: Path) -> None:
         emit(Kind.CONNECTED, "rs1")
         with events.open("a") as f:
             f.write(Event(Kind.DISCONNECTED, "rs1", 0.0).to_json()[:20])  # half a line: not yet
-        assert conns.poll() == [("listening", "tcp://127.0.0.1:40001"), ("ready", ""), ("joined", "rs1")]
+        assert conns.poll() == [
+            ("listening", "tcp://127.0.0.1:40001"),
+            ("ready", ""),
+            ("joined", "rs1"),
+        ]
         assert conns.learner_address == "tcp://127.0.0.1:40001"
         with events.open("a") as f:
             f.write(Event(Kind.DISCONNECTED, "rs1", 0.0).to_json()[20:] + "\n")
@@ -130,12 +172,21 @@ def job_config(tmp: Path, assets: tuple[Path, Path]) -> Path:
 
 def overrides(tmp: Path, servers: int, steps: int = 3) -> list[str]:
     return [
-        f"launch.rollout_servers={servers}", f"launch.stop_timeout_s={STOP_TIMEOUT_S}", "launch.connect_timeout_s=300",
-        f"trainer.total_training_steps={steps}", "trainer.n_gpus_per_node=1", "trainer.logger=[console,jsonl]",
-        "trainer.resume_mode=disable", f"trainer.run_dir={tmp / 'run'}", "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32", "rollout_server.max_concurrent_episodes=8",
-        "actor_rollout_ref.rollout.max_staleness=1000", "transport.heartbeat_timeout_s=5",
+        f"launch.rollout_servers={servers}",
+        f"launch.stop_timeout_s={STOP_TIMEOUT_S}",
+        "launch.connect_timeout_s=300",
+        f"trainer.total_training_steps={steps}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[console,jsonl]",
+        "trainer.resume_mode=disable",
+        f"trainer.run_dir={tmp / 'run'}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32",
+        "rollout_server.max_concurrent_episodes=8",
+        "actor_rollout_ref.rollout.max_staleness=1000",
+        "transport.heartbeat_timeout_s=5",
     ]
 
 
@@ -148,9 +199,14 @@ class Job:
         self.run = tmp / "run"
         self.out = tmp / "train.out"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, str(TRAIN), "--config", str(config), *args], cwd=REPO,
-                                     stdout=self.out.open("wb"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TRAIN), "--config", str(config), *args],
+            cwd=REPO,
+            stdout=self.out.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.me = psutil.Process(self.proc.pid)
         self.seen: dict[int, float] = {}
 
@@ -173,7 +229,9 @@ class Job:
         path = self.run / "metrics.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+        return [
+            json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")
+        ]
 
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -182,7 +240,9 @@ class Job:
             if cond():
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"bin/train exited ({self.proc.returncode}) before {what}\n{self.output()[-5000:]}")
+                raise AssertionError(
+                    f"bin/train exited ({self.proc.returncode}) before {what}\n{self.output()[-5000:]}"
+                )
             time.sleep(0.3)
         raise AssertionError(f"timed out waiting for {what}\n{self.output()[-5000:]}")
 
@@ -192,7 +252,9 @@ class Job:
             self.record()
             time.sleep(0.3)
         if self.proc.poll() is None:
-            raise AssertionError(f"bin/train still running after {timeout} s\n{self.output()[-5000:]}")
+            raise AssertionError(
+                f"bin/train still running after {timeout} s\n{self.output()[-5000:]}"
+            )
         return self.proc.returncode
 
     def leftovers(self) -> list[str]:
@@ -206,7 +268,11 @@ class Job:
                 if p.status() == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
                     continue
                 ours = self.seen.get(p.pid) == p.create_time()
-                if ours or p.environ().get("AGENTRL_LAUNCH_ID") == launch_id or str(self.run) in " ".join(p.cmdline()):
+                if (
+                    ours
+                    or p.environ().get("AGENTRL_LAUNCH_ID") == launch_id
+                    or str(self.run) in " ".join(p.cmdline())
+                ):
                     left.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
             except psutil.Error:
                 continue
@@ -289,6 +355,8 @@ def test_learner_death_stops_the_run(job, tmp_path: Path) -> None:  # type: igno
     code = j.wait_exit(STOP_TIMEOUT_S + 30)
     out = j.output()
     assert code == 1, out[-5000:]
-    assert "learner failed (killed by SIGKILL)" in out and str(j.run / "logs" / "learner.log") in out
+    assert (
+        "learner failed (killed by SIGKILL)" in out and str(j.run / "logs" / "learner.log") in out
+    )
     assert "last 20 lines of" in out
     j.assert_nothing_left()

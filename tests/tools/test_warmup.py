@@ -48,7 +48,9 @@ def renderer_and_tools(model_dir: Path) -> tuple[object, dict]:
     from rollout_service.tools import load_builtin_tools
 
     registry = load_builtin_tools()
-    return ChatRenderer(AutoTokenizer.from_pretrained(model_dir)), {n: registry.get(n)() for n in TOOLS}
+    return ChatRenderer(AutoTokenizer.from_pretrained(model_dir)), {
+        n: registry.get(n)() for n in TOOLS
+    }
 
 
 def file_hash(path: Path) -> str:
@@ -68,14 +70,18 @@ def test_demonstrations_mask_exactly_the_model_tokens(tiny: Path, data: Path) ->
     demos = build_demonstrations(rows, renderer, tools)
     tok = renderer.tok
     for row, demo in zip(rows, demos, strict=True):
-        prompt = renderer.prompt_ids([{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()])
+        prompt = renderer.prompt_ids(
+            [{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()]
+        )
         assert demo.ids[: len(prompt)] == prompt and demo.answer == row["answer"]
         trained = [demo.ids[i + 1] for i, t in enumerate(demo.train) if t]
         text = tok.decode(trained)
         # Exactly the two model turns (each with its end token); nothing of the prompt or the tool.
         call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{demo.expression}"}}}}\n</tool_call>'
         assert text == f"{call}<|im_end|>The answer is \\boxed{{{row['answer']}}}.<|im_end|>"
-        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in tok.decode(demo.ids)  # the real calculator
+        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in tok.decode(
+            demo.ids
+        )  # the real calculator
 
 
 def test_demonstrations_refuse_a_row_whose_answer_is_wrong(tiny: Path) -> None:
@@ -93,8 +99,13 @@ def test_warmup_writes_a_loadable_model_dir(tiny: Path, warm: tuple[Path, dict])
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.dtype == torch.float32
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert file_hash(out / name) == file_hash(tiny / name), name
     assert not (out / "tiny_model.json").exists()  # its hashes describe the untrained weights
     assert file_hash(out / "model.safetensors") != file_hash(tiny / "model.safetensors")
@@ -114,23 +125,36 @@ def test_warmed_model_opens_with_a_calculator_call(warm: tuple[Path, dict], data
     renderer, tools = renderer_and_tools(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     for row in load_rows(data, 2):  # training questions
-        prompt = renderer.prompt_ids([{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()])
+        prompt = renderer.prompt_ids(
+            [{"role": "user", "content": row["question"]}], [t.schema for t in tools.values()]
+        )
         with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=48, do_sample=False, eos_token_id=renderer.eos_id,
-                                 pad_token_id=renderer.tok.pad_token_id)
-        text = renderer.turn_text(ids[0, len(prompt):].tolist())
+            ids = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=48,
+                do_sample=False,
+                eos_token_id=renderer.eos_id,
+                pad_token_id=renderer.tok.pad_token_id,
+            )
+        text = renderer.turn_text(ids[0, len(prompt) :].tolist())
         parsed = HermesParser().parse(text)
         assert parsed.calls and not parsed.errors, text
-        assert parsed.calls[0].name == "calculator" and set(parsed.calls[0].arguments) == {"expression"}, text
+        assert parsed.calls[0].name == "calculator" and set(parsed.calls[0].arguments) == {
+            "expression"
+        }, text
 
 
 def test_same_seed_gives_the_same_weights(tiny: Path, data: Path, tmp_path: Path) -> None:
     a = warmup(tiny, data, tmp_path / "a", steps=3, examples=8, seed=3, target=None)
     b = warmup(tiny, data, tmp_path / "b", steps=3, examples=8, seed=3, target=None)
     assert a["final_loss"] == b["final_loss"]
-    assert file_hash(tmp_path / "a" / "model.safetensors") == file_hash(tmp_path / "b" / "model.safetensors")
-    warmup(tiny, data, tmp_path / "a", steps=1, examples=8, seed=3, target=None)  # rewriting its own output is fine
+    assert file_hash(tmp_path / "a" / "model.safetensors") == file_hash(
+        tmp_path / "b" / "model.safetensors"
+    )
+    warmup(
+        tiny, data, tmp_path / "a", steps=1, examples=8, seed=3, target=None
+    )  # rewriting its own output is fine
 
 
 def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> None:
@@ -143,14 +167,30 @@ def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> N
 def test_cli_refuses_a_foreign_out_dir(tiny: Path, data: Path, tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    out = subprocess.run([sys.executable, str(CLI), "--model", str(tiny), "--data", str(data),
-                          "--out", str(tmp_path / "taken"), "--steps", "1"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(CLI),
+            "--model",
+            str(tiny),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "taken"),
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "not a warm-up output" in out.stderr
 
 
 def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(CLI), "--help"], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(CLI), "--help"], check=True, capture_output=True, text=True
+    )
     elapsed = time.perf_counter() - start
     assert "--out" in out.stdout and "--target" in out.stdout
     assert elapsed < 1.0, f"--help took {elapsed:.2f} s"
@@ -166,7 +206,9 @@ def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
         print(sorted(heavy & set(sys.modules)))
         """
     )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True
+    )
     assert out.stdout.splitlines()[-1] == "[]"
 
 
@@ -177,9 +219,29 @@ def test_warmup_check_reports_on_vllm(warm: tuple[Path, dict], data: Path) -> No
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "tools.warmup_check", "--model", str(warm[0]), "--data", str(data),
-                          "--rows", "2", "--n", "2"], cwd=Path(__file__).resolve().parents[2],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.warmup_check",
+            "--model",
+            str(warm[0]),
+            "--data",
+            str(data),
+            "--rows",
+            "2",
+            "--n",
+            "2",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["episodes"] == 4 and 0.0 <= summary["mean_reward"] <= 1.0 and "tool_call_rate" in summary
+    assert (
+        summary["episodes"] == 4
+        and 0.0 <= summary["mean_reward"] <= 1.0
+        and "tool_call_rate" in summary
+    )

@@ -46,18 +46,33 @@ def valid_encodings() -> list[Frames]:
     """At least one valid encoding of every message type (batches of several shapes)."""
     rng = np.random.default_rng(11)
     w = np.arange(40, dtype=np.float32)
-    announce, chunks = plan_transfer(1, [NamedBuffer("w", "float32", (40,), memoryview(w).cast("B"))],
-                                     chunk_bytes=64, transfer_id="fuzz-tx")
+    announce, chunks = plan_transfer(
+        1,
+        [NamedBuffer("w", "float32", (40,), memoryview(w).cast("B"))],
+        chunk_bytes=64,
+        transfer_id="fuzz-tx",
+    )
     msgs: list[Any] = [
         Hello([1, 0], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, 0, ["x"]),
         Hello([1, 3], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, -1),
-        Hello([1, 3], "fuzz-peer", "rollout-server", "fuzz-epoch", MODEL, TOKENIZER, 0, ["admission"], slots=8),
+        Hello(
+            [1, 3],
+            "fuzz-peer",
+            "rollout-server",
+            "fuzz-epoch",
+            MODEL,
+            TOKENIZER,
+            0,
+            ["admission"],
+            slots=8,
+        ),
         Welcome([1, 0], "learner", "s", 4, 0, 1, 1.0, 10.0, Limits(1 << 20, 64, 4096)),
         TrajectoryBatch(1, make_batch(1, rng=rng, tag="fz")),
         TrajectoryBatch(2, make_batch(3, prompt_len=4, response_len=12, rng=rng, tag="fz")),
         TrajectoryBatch(3, make_batch(2, prompt_len=1, response_len=0, rng=rng, tag="fz")),
         Ack([1, 2], 3, [2]),
-        announce, *chunks,
+        announce,
+        *chunks,
         WeightsApplied(1, "fuzz-tx", False, "no", 0.5),
         Heartbeat(1.5, 2),
         Error(3, "bad", False, "HELLO.peer_id", 1, 0),
@@ -65,17 +80,48 @@ def valid_encodings() -> list[Frames]:
         ValidateRequest("fuzz-val", 1, 5.0),
         Admit(4, 1),
         Heartbeat(2.5, 1, 300),
-        ValidateResult("fuzz-val", 1, sources=[SourceMetrics("s", 2, 1.0, 0.5, 3.0, 1.0, {"answered": 2},
-                                                             {"acc": 0.5}, {"acc": 2})]),
+        ValidateResult(
+            "fuzz-val",
+            1,
+            sources=[
+                SourceMetrics("s", 2, 1.0, 0.5, 3.0, 1.0, {"answered": 2}, {"acc": 0.5}, {"acc": 2})
+            ],
+        ),
     ]
     out = [wire(codec.encode(m)) for m in msgs]
     assert {f[0][0] for f in out} == {int(t) for t in MsgType}
     return out
 
 
-_WRONG = [None, True, False, -1, 0, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, -0.0, float("nan"), float("inf"),
-          "", "x", "answered", "int32", "prompt_ids", b"\x00", [], {}, [1], [[1]], ["int32"], {"a": 1},
-          {"k": [1]}, [None, None], msgpack.ExtType(1, b"e")]
+_WRONG = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    1.5,
+    -0.0,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "answered",
+    "int32",
+    "prompt_ids",
+    b"\x00",
+    [],
+    {},
+    [1],
+    [[1]],
+    ["int32"],
+    {"a": 1},
+    {"k": [1]},
+    [None, None],
+    msgpack.ExtType(1, b"e"),
+]
 
 
 def _wrong(rng: random.Random) -> Any:
@@ -138,11 +184,17 @@ def _frame_surgery(rng: random.Random, frames: Frames) -> Frames:
     elif op == 6:  # duplicate or insert a frame
         f.insert(i, f[i] if rng.random() < 0.5 else _random_bytes(rng, rng.randrange(32)))
     elif op == 7:  # another type byte (known or not)
-        f[0] = bytes((rng.randrange(256),)) if rng.random() < 0.8 else _random_bytes(rng, rng.choice([0, 2]))
+        f[0] = (
+            bytes((rng.randrange(256),))
+            if rng.random() < 0.8
+            else _random_bytes(rng, rng.choice([0, 2]))
+        )
     else:  # overwrite a byte of the header with a msgpack type marker
         if len(f) > 1 and f[1]:
             b = bytearray(f[1])
-            b[rng.randrange(len(b))] = rng.choice([0xC1, 0xC4, 0xC7, 0xD4, 0xD9, 0xDB, 0xDD, 0xDF, 0xFF, 0x00])
+            b[rng.randrange(len(b))] = rng.choice(
+                [0xC1, 0xC4, 0xC7, 0xD4, 0xD9, 0xDB, 0xDD, 0xDF, 0xFF, 0x00]
+            )
             f[1] = bytes(b)
     return f
 
@@ -155,7 +207,12 @@ def _huge(rng: random.Random, valid: list[Frames]) -> Frames:
         marker = rng.choice([b"\xdb", b"\xc6", b"\xdd", b"\xdf", b"\xc9"])
         body = marker + b"\xff\xff\xff\xff" + (b"\x01" if marker == b"\xc9" else b"")
         return [t, body if rng.random() < 0.5 else b"\x81\xa3seq" + body]
-    batch = next(f for f in valid if f[0] == bytes((MsgType.TRAJECTORY_BATCH,)) and len(_unpack(f[1])["meta"]["trajectory_id"]) == 3)
+    batch = next(
+        f
+        for f in valid
+        if f[0] == bytes((MsgType.TRAJECTORY_BATCH,))
+        and len(_unpack(f[1])["meta"]["trajectory_id"]) == 3
+    )
     hdr = _unpack(batch[1])
     if kind == 1:
         field = rng.choice(["prompt_len", "response_len"])
@@ -172,10 +229,25 @@ def _huge(rng: random.Random, valid: list[Frames]) -> Frames:
         h["parts"][0]["nbytes"] = rng.choice([2**40, 2**63 - 1])
         return [chunk[0], _pack(h), *chunk[2:]]
     elif kind == 5:  # announce of an absurd tensor
-        return [bytes((MsgType.WEIGHTS_ANNOUNCE,)), _pack({
-            "version": 1, "transfer_id": "x", "num_chunks": 2**40,
-            "tensors": [{"name": "w", "dtype": "float32", "shape": [2**40, 2**40], "nbytes": 2**62, "checksum": 0}],
-        })]
+        return [
+            bytes((MsgType.WEIGHTS_ANNOUNCE,)),
+            _pack(
+                {
+                    "version": 1,
+                    "transfer_id": "x",
+                    "num_chunks": 2**40,
+                    "tensors": [
+                        {
+                            "name": "w",
+                            "dtype": "float32",
+                            "shape": [2**40, 2**40],
+                            "nbytes": 2**62,
+                            "checksum": 0,
+                        }
+                    ],
+                }
+            ),
+        ]
     elif kind == 6:  # a frame claims less than the header says
         return [batch[0], batch[1], *(f[: len(f) // 2] for f in batch[2:])]
     else:
@@ -204,7 +276,10 @@ def _ext(rng: random.Random, valid: list[Frames]) -> Frames:
 
 def _non_map(rng: random.Random) -> Frames:
     t = bytes((rng.choice(list(MsgType)),))
-    return [t, _pack(rng.choice([None, 1, -5, 1.25, "hello", b"bin", [1, 2], [], True, [{"seq": 1}]]))]
+    return [
+        t,
+        _pack(rng.choice([None, 1, -5, 1.25, "hello", b"bin", [1, 2], [], True, [{"seq": 1}]])),
+    ]
 
 
 def _too_large(rng: random.Random, max_message_bytes: int) -> Frames:
@@ -218,8 +293,14 @@ def cases(seed: int, n: int, *, max_message_bytes: int) -> Iterator[tuple[str, F
     rng = random.Random(seed)
     valid = valid_encodings()
     makers: list[tuple[float, str, Callable[[], Frames]]] = [
-        (0.18, "random-frames", lambda: [_random_bytes(rng, rng.choice([0, 1, 1, 2, 8, 40, 300]))
-                                         for _ in range(rng.randint(1, 7))]),
+        (
+            0.18,
+            "random-frames",
+            lambda: [
+                _random_bytes(rng, rng.choice([0, 1, 1, 2, 8, 40, 300]))
+                for _ in range(rng.randint(1, 7))
+            ],
+        ),
         (0.34, "frame-surgery", lambda: _repeat(rng, _frame_surgery, rng.choice(valid))),
         (0.26, "wrong-types", lambda: _wrong_types(rng, rng.choice(valid))),
         (0.06, "huge-lengths", lambda: _huge(rng, valid)),
@@ -234,7 +315,9 @@ def cases(seed: int, n: int, *, max_message_bytes: int) -> Iterator[tuple[str, F
         yield name, make()
 
 
-def _repeat(rng: random.Random, op: Callable[[random.Random, Frames], Frames], frames: Frames) -> Frames:
+def _repeat(
+    rng: random.Random, op: Callable[[random.Random, Frames], Frames], frames: Frames
+) -> Frames:
     for _ in range(rng.randint(1, 3)):
         frames = op(rng, frames)
     return frames

@@ -30,7 +30,10 @@ pytestmark = pytest.mark.anyio
 
 async def test_handshake() -> None:
     hub = MemoryHub()
-    async with learner_running(hub.server(), max_credits_per_peer=3) as lh, client_running(hub.connect) as ch:
+    async with (
+        learner_running(hub.server(), max_credits_per_peer=3) as lh,
+        client_running(hub.connect) as ch,
+    ):
         await ch.watch.until(lambda: ch.connected() == 1)
         welcome = ch.watch.of(Connected)[0].welcome
         assert welcome.credits == 3 and welcome.next_seq == 1
@@ -42,8 +45,10 @@ async def test_handshake() -> None:
 
 async def test_credits_pace_the_sender_and_every_batch_arrives_once() -> None:
     hub = MemoryHub()
-    async with learner_running(hub.server(), capacity=4, max_credits_per_peer=2, consume=False) as lh, \
-            client_running(hub.connect) as ch:
+    async with (
+        learner_running(hub.server(), capacity=4, max_credits_per_peer=2, consume=False) as lh,
+        client_running(hub.connect) as ch,
+    ):
         seqs = await submit_all(ch.client, [make_batch(3, tag=f"b{i}") for i in range(30)])
         # Nothing consumed: the learner has room for 4 batches but promises at most 2 per peer.
         await lh.watch.until(lambda: len(lh.received) == 4 * 3)
@@ -63,8 +68,10 @@ async def test_credits_pace_the_sender_and_every_batch_arrives_once() -> None:
 async def test_one_way_outage_reconnects_and_resends_without_duplicates() -> None:
     hub = MemoryHub()
     conn_kw = {"heartbeat_timeout_s": 1.0}
-    async with learner_running(hub.server(), heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as lh, \
-            client_running(hub.connect, conn_kw=conn_kw) as ch:
+    async with (
+        learner_running(hub.server(), heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as lh,
+        client_running(hub.connect, conn_kw=conn_kw) as ch,
+    ):
         await ch.watch.until(lambda: ch.connected() == 1)
         hub.drop_to_clients = True  # batches still reach the learner; its ACKs are lost
         batches = [make_batch(2, tag=f"o{i}") for i in range(10)]
@@ -84,7 +91,9 @@ async def test_learner_restart_client_rehandshakes_and_resends() -> None:
     hub = MemoryHub()
     batches = [make_batch(2, tag=f"r{i}") for i in range(20)]
     async with client_running(hub.connect) as ch:
-        async with learner_running(hub.server(), capacity=4, max_credits_per_peer=2, consume=False) as first:
+        async with learner_running(
+            hub.server(), capacity=4, max_credits_per_peer=2, consume=False
+        ) as first:
             seqs = await submit_all(ch.client, batches)
             await first.watch.until(lambda: len(first.received) == 8)
             first.crash()  # no BYE; its buffered batches are lost with it... but they were ACKed
@@ -102,14 +111,18 @@ async def test_learner_restart_client_rehandshakes_and_resends() -> None:
 async def test_weights_reach_the_client_and_are_applied() -> None:
     hub = MemoryHub()
     arrays = {"a": np.arange(50_000, dtype=np.float32), "b": np.ones((3, 7), dtype=np.int64)}
-    tensors = [NamedBuffer(k, str(v.dtype), v.shape, memoryview(v).cast("B")) for k, v in arrays.items()]
+    tensors = [
+        NamedBuffer(k, str(v.dtype), v.shape, memoryview(v).cast("B")) for k, v in arrays.items()
+    ]
     async with learner_running(hub.server()) as lh, client_running(hub.connect) as ch:
         await lh.watch.until(lambda: lh.joined() == 1)
         lh.server.publish_weights(7, tensors, chunk_bytes=64 << 10)
         await ch.watch.until(lambda: bool(ch.watch.of(WeightsReceived)))
         w = ch.watch.of(WeightsReceived)[0].weights
         assert w.version == 7
-        assert {s.name: bytes(b) for s, b in w.tensors} == {k: v.tobytes() for k, v in arrays.items()}
+        assert {s.name: bytes(b) for s, b in w.tensors} == {
+            k: v.tobytes() for k, v in arrays.items()
+        }
         ch.client.weights_applied(w.version, w.transfer_id, ok=True)
         await lh.watch.until(lambda: bool(lh.watch.of(PeerWeightsApplied)))
         assert lh.watch.of(PeerWeightsApplied)[0].applied.version == 7
@@ -135,8 +148,12 @@ async def test_learner_bye_sends_the_client_back_to_reconnect() -> None:
     async with learner_running(hub.server()) as lh, client_running(hub.connect) as ch:
         await ch.watch.until(lambda: ch.connected() == 1)
         await lh.close()
-        await ch.watch.until(lambda: [e.reason for e in ch.watch.of(PeerClosed)] == ["learner shutting down"])
+        await ch.watch.until(
+            lambda: [e.reason for e in ch.watch.of(PeerClosed)] == ["learner shutting down"]
+        )
         with anyio.fail_after(5):
-            while ch.client.connections < 2:  # the driver opened a fresh channel and said HELLO again
+            while (
+                ch.client.connections < 2
+            ):  # the driver opened a fresh channel and said HELLO again
                 await anyio.sleep(0.01)
         assert ch.conn.state is not SenderState.CLOSED

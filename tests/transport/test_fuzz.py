@@ -72,14 +72,20 @@ async def test_live_learner_survives_fuzzing_and_still_serves() -> None:
     codes: collections.Counter[str] = collections.Counter()
     replies_by_type: collections.Counter[str] = collections.Counter()
     t0 = time.monotonic()
-    async with learner_running(server, limits=LIMITS, heartbeat_interval_s=5.0, heartbeat_timeout_s=60.0) as lh:
+    async with learner_running(
+        server, limits=LIMITS, heartbeat_interval_s=5.0, heartbeat_timeout_s=60.0
+    ) as lh:
         w = bytearray(range(256)) * 4
-        lh.server.publish_weights(0, [NamedBuffer("w", "uint8", (1024,), memoryview(w))], chunk_bytes=300)
+        lh.server.publish_weights(
+            0, [NamedBuffer("w", "uint8", (1024,), memoryview(w))], chunk_bytes=300
+        )
         dealer = net.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(server.address)
         try:
-            for i, (category, frames) in enumerate(cases(SEED, N_CASES, max_message_bytes=LIMITS.max_message_bytes)):
+            for i, (category, frames) in enumerate(
+                cases(SEED, N_CASES, max_message_bytes=LIMITS.max_message_bytes)
+            ):
                 stats[category] += 1
                 await dealer.send_multipart(frames, copy=len(frames[-1]) < 65536)
                 await dealer.send_multipart(_probe(i))
@@ -119,8 +125,13 @@ async def test_live_learner_survives_fuzzing_and_still_serves() -> None:
     assert stats["answer:rejected-locally"] > N_CASES // 2 and len(codes) >= 5
 
 
-def _check_answers(category: str, frames: Frames, errors: list[Error], stats: collections.Counter[str],
-                   codes: collections.Counter[str]) -> None:
+def _check_answers(
+    category: str,
+    frames: Frames,
+    errors: list[Error],
+    stats: collections.Counter[str],
+    codes: collections.Counter[str],
+) -> None:
     for e in errors:
         codes[ErrorCode(e.code).name] += 1
     local = _local_verdict(frames)
@@ -131,7 +142,11 @@ def _check_answers(category: str, frames: Frames, errors: list[Error], stats: co
             return
         assert len(errors) == 1, f"{category}: expected one ERROR for {local}, got {errors}"
         (e,) = errors
-        assert (e.code, e.ref_type, e.ref_seq) == (local.code, local.ref_type, local.ref_seq), (category, e, local)
+        assert (e.code, e.ref_type, e.ref_seq) == (local.code, local.ref_type, local.ref_seq), (
+            category,
+            e,
+            local,
+        )
         assert e.fatal == local.code.fatal
         return
     stats["answer:decodable"] += 1
@@ -143,22 +158,58 @@ def _check_answers(category: str, frames: Frames, errors: list[Error], stats: co
 
 # -- hypothesis, sans sockets ----------------------------------------------------------------------
 VALID = valid_encodings()
-FUZZ_SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=[HealthCheck.too_slow])
+FUZZ_SETTINGS = settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-    | st.binary(max_size=12) | st.sampled_from(["int32", "float32", "uint8", "answered", "rollout-server"]),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12)
+    | st.sampled_from(["int32", "float32", "uint8", "answered", "rollout-server"]),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 random_frames = st.lists(st.binary(max_size=48), min_size=0, max_size=7)
 structured = st.builds(
     lambda t, hdr, payload: [bytes((t,)), msgpack.packb(hdr, use_bin_type=True), *payload],
-    st.integers(0, 12), msgpack_values | st.dictionaries(st.sampled_from(
-        ["seq", "meta", "columns", "parts", "transfer_id", "version", "index", "code", "message", "time",
-         "protocol_version", "peer_id", "role", "epoch", "model", "tokenizer", "seqs", "credits"]),
-        msgpack_values, max_size=6),
+    st.integers(0, 12),
+    msgpack_values
+    | st.dictionaries(
+        st.sampled_from(
+            [
+                "seq",
+                "meta",
+                "columns",
+                "parts",
+                "transfer_id",
+                "version",
+                "index",
+                "code",
+                "message",
+                "time",
+                "protocol_version",
+                "peer_id",
+                "role",
+                "epoch",
+                "model",
+                "tokenizer",
+                "seqs",
+                "credits",
+            ]
+        ),
+        msgpack_values,
+        max_size=6,
+    ),
     st.lists(st.binary(max_size=16), max_size=6),
 )
 

@@ -63,15 +63,19 @@ def _tasks() -> set[asyncio.Task]:
 
 async def test_handshake_and_many_batches_exactly_once(net: ZmqNet, address: str) -> None:
     server = net.server(address)
-    async with learner_running(server, capacity=8, max_credits_per_peer=4) as lh, \
-            client_running(net.connector(server.address)) as ch:
+    async with (
+        learner_running(server, capacity=8, max_credits_per_peer=4) as lh,
+        client_running(net.connector(server.address)) as ch,
+    ):
         await ch.watch.until(lambda: ch.connected() == 1)
         assert ch.watch.of(Connected)[0].welcome.credits == 4
         batches = [make_batch(4, tag=f"m{i}") for i in range(200)]
         seqs = await submit_all(ch.client, batches)
         await ch.watch.until(lambda: ch.acked() == set(seqs), timeout=20)
         await lh.watch.until(lambda: len(lh.received) == 800)
-        assert lh.received_ids == [t.trajectory_id for b in batches for t in b]  # in order, once each
+        assert lh.received_ids == [
+            t.trajectory_id for b in batches for t in b
+        ]  # in order, once each
         assert lh.proto.stats["batches"] == 200 and lh.proto.stats["duplicate_batches"] == 0
         assert not lh.watch.of(ProtocolViolation) and not ch.peer_errors()
         assert ch.conn.pending == 0 and ch.connected() == 1
@@ -100,17 +104,23 @@ async def test_learner_restart_client_rehandshakes_and_resends(net: ZmqNet, addr
             assert ch.connected() == 2
     union = set(first.received_ids) | set(second.received_ids)
     assert union == {t.trajectory_id for b in first_batches + later_batches for t in b}
-    assert len(second.received_ids) == len(set(second.received_ids)), "the new learner got a batch twice"
+    assert len(second.received_ids) == len(set(second.received_ids)), (
+        "the new learner got a batch twice"
+    )
     assert {t.trajectory_id for b in later_batches for t in b} <= set(second.received_ids)
 
 
-async def test_client_reconnect_to_same_learner_delivers_no_duplicates(net: ZmqNet, address: str) -> None:
+async def test_client_reconnect_to_same_learner_delivers_no_duplicates(
+    net: ZmqNet, address: str
+) -> None:
     """Cut learner -> client until the client gives up on the session; it reconnects and resends."""
     server = net.server(address)
     hole = Blackhole(net.connector(server.address))
     batches = [make_batch(2, tag=f"o{i}") for i in range(40)]
-    async with learner_running(server, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as lh, \
-            client_running(hole.connect, conn_kw={"heartbeat_timeout_s": 1.0}) as ch:
+    async with (
+        learner_running(server, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as lh,
+        client_running(hole.connect, conn_kw={"heartbeat_timeout_s": 1.0}) as ch,
+    ):
         seqs = await submit_all(ch.client, batches[:20])
         await ch.watch.until(lambda: ch.acked() == set(seqs))
         hole.drop_incoming = True  # ACKs and heartbeats are lost; batches still arrive
@@ -123,7 +133,9 @@ async def test_client_reconnect_to_same_learner_delivers_no_duplicates(net: ZmqN
         assert lh.proto.peers and len(lh.proto.peers) == 1  # the old session was replaced, not kept
 
 
-async def test_restarted_sender_resending_in_a_new_epoch_is_deduplicated(net: ZmqNet, address: str) -> None:
+async def test_restarted_sender_resending_in_a_new_epoch_is_deduplicated(
+    net: ZmqNet, address: str
+) -> None:
     """A rollout server that restarts (new epoch) and replays spooled trajectories delivers nothing new."""
     server = net.server(address)
     batches = [make_batch(3, tag=f"s{i}") for i in range(8)]
@@ -140,17 +152,23 @@ async def test_restarted_sender_resending_in_a_new_epoch_is_deduplicated(net: Zm
 
 async def test_multi_megabyte_weights_over_tcp(net: ZmqNet) -> None:
     rng = np.random.default_rng(1)
-    arrays = {"embed": rng.standard_normal((2048, 2048), dtype=np.float32),  # 16 MiB
-              "proj": rng.standard_normal((1000, 1571), dtype=np.float32),  # odd size: chunk edges move
-              "bias": np.arange(1234, dtype=np.int64)}
-    tensors = [NamedBuffer(k, str(v.dtype), v.shape, memoryview(v).cast("B")) for k, v in arrays.items()]
+    arrays = {
+        "embed": rng.standard_normal((2048, 2048), dtype=np.float32),  # 16 MiB
+        "proj": rng.standard_normal((1000, 1571), dtype=np.float32),  # odd size: chunk edges move
+        "bias": np.arange(1234, dtype=np.int64),
+    }
+    tensors = [
+        NamedBuffer(k, str(v.dtype), v.shape, memoryview(v).cast("B")) for k, v in arrays.items()
+    ]
     server = net.server("tcp://127.0.0.1:0")
     async with learner_running(server) as lh, client_running(net.connector(server.address)) as ch:
         await ch.watch.until(lambda: ch.connected() == 1)
         lh.server.publish_weights(3, tensors, chunk_bytes=4 << 20)
         await ch.watch.until(lambda: bool(ch.watch.of(WeightsReceived)), timeout=20)
         # A rollout server joining later asks for the current weights in its HELLO.
-        async with client_running(net.connector(server.address), peer_id="late", request_weights=True) as late:
+        async with client_running(
+            net.connector(server.address), peer_id="late", request_weights=True
+        ) as late:
             await late.watch.until(lambda: bool(late.watch.of(WeightsReceived)), timeout=20)
             for h in (ch, late):
                 w = h.watch.of(WeightsReceived)[0].weights
@@ -167,19 +185,26 @@ async def test_bye_and_clean_shutdown(net: ZmqNet, address: str) -> None:
     before = _tasks()  # the test runner's own
     server = net.server(address)
     async with learner_running(server) as lh:
-        async with client_running(net.connector(server.address), peer_id="leaving") as leaving, \
-                client_running(net.connector(server.address), peer_id="staying") as staying:
+        async with (
+            client_running(net.connector(server.address), peer_id="leaving") as leaving,
+            client_running(net.connector(server.address), peer_id="staying") as staying,
+        ):
             seqs = await submit_all(leaving.client, [make_batch(2) for _ in range(5)])
             await leaving.watch.until(lambda: leaving.acked() == set(seqs))
             await staying.watch.until(lambda: staying.connected() == 1)
             await leaving.close()  # BYE; RolloutClient.run returns
-            await lh.watch.until(lambda: [e.peer_id for e in lh.watch.of(PeerClosed)] == ["leaving"])
+            await lh.watch.until(
+                lambda: [e.peer_id for e in lh.watch.of(PeerClosed)] == ["leaving"]
+            )
             assert lh.proto.ready_peers() == ["staying"]
             await lh.close()  # BYE to the remaining peer; LearnerServer.run returns
             # The learner's BYE sends the client back to reconnect (a restart must not end it);
             # closing it ourselves ends it.
             await staying.watch.until(
-                lambda: [e.reason for e in staying.watch.of(PeerClosed)] == ["learner shutting down"])
+                lambda: (
+                    [e.reason for e in staying.watch.of(PeerClosed)] == ["learner shutting down"]
+                )
+            )
             await staying.close()
             with anyio.fail_after(5):
                 await staying.done.wait()
@@ -187,4 +212,6 @@ async def test_bye_and_clean_shutdown(net: ZmqNet, address: str) -> None:
     assert not net.open_sockets()
     assert not _tasks() - before, "a driver task outlived its owner"
     if address.startswith("ipc://"):
-        assert not Path(address.removeprefix("ipc://")).exists(), "the ipc socket file was left behind"
+        assert not Path(address.removeprefix("ipc://")).exists(), (
+            "the ipc socket file was left behind"
+        )

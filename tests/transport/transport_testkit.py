@@ -32,21 +32,33 @@ MODEL = Identity("transport-test-model", "01" * 32, 1000)
 _ids = itertools.count()
 
 
-def make_batch(n: int, *, prompt_len: int = 5, response_len: int = 9, tag: str = "t",
-               rng: np.random.Generator | None = None) -> list[Trajectory]:
+def make_batch(
+    n: int,
+    *,
+    prompt_len: int = 5,
+    response_len: int = 9,
+    tag: str = "t",
+    rng: np.random.Generator | None = None,
+) -> list[Trajectory]:
     """``n`` valid trajectories with unique ids (a tool span masked out in each response)."""
     rng = rng or np.random.default_rng(0)
     out = []
     for _ in range(n):
         mask = np.ones(response_len, np.uint8)
         mask[response_len // 3 : response_len // 2] = 0
-        out.append(Trajectory(
-            trajectory_id=f"{tag}-{next(_ids)}", group_uid="g",
-            prompt_ids=rng.integers(0, 1000, prompt_len, dtype=np.int32),
-            response_ids=rng.integers(0, 1000, response_len, dtype=np.int32),
-            response_mask=mask, rollout_logprobs=(-rng.random(response_len, dtype=np.float32) * mask),
-            versions=np.zeros(response_len, np.int32), reward=1.0, source_server="test",
-        ))
+        out.append(
+            Trajectory(
+                trajectory_id=f"{tag}-{next(_ids)}",
+                group_uid="g",
+                prompt_ids=rng.integers(0, 1000, prompt_len, dtype=np.int32),
+                response_ids=rng.integers(0, 1000, response_len, dtype=np.int32),
+                response_mask=mask,
+                rollout_logprobs=(-rng.random(response_len, dtype=np.float32) * mask),
+                versions=np.zeros(response_len, np.int32),
+                reward=1.0,
+                source_server="test",
+            )
+        )
     return out
 
 
@@ -120,8 +132,9 @@ class LearnerHandle:
 
 
 @asynccontextmanager
-async def learner_running(channel: ServerChannel, *, consume: bool = True, close_channel: bool = True,
-                          **proto_kw: Any) -> AsyncIterator[LearnerHandle]:
+async def learner_running(
+    channel: ServerChannel, *, consume: bool = True, close_channel: bool = True, **proto_kw: Any
+) -> AsyncIterator[LearnerHandle]:
     proto_kw.setdefault("heartbeat_interval_s", 0.2)
     proto_kw.setdefault("heartbeat_timeout_s", 2.0)
     proto = LearnerProtocol(tokenizer=TOKENIZER, **proto_kw)
@@ -174,15 +187,22 @@ class ClientHandle:
             await self.done.wait()
 
 
-def rollout_connection(peer_id: str = "rollout-0", epoch: str = "epoch-1", **kw: Any) -> RolloutConnection:
+def rollout_connection(
+    peer_id: str = "rollout-0", epoch: str = "epoch-1", **kw: Any
+) -> RolloutConnection:
     kw.setdefault("heartbeat_timeout_s", 2.0)  # handshake timeout until WELCOME sets the learner's
     return RolloutConnection(peer_id=peer_id, epoch=epoch, model=MODEL, tokenizer=TOKENIZER, **kw)
 
 
 @asynccontextmanager
-async def client_running(connect: Callable[[], Awaitable[ClientChannel]], *, peer_id: str = "rollout-0",
-                         epoch: str = "epoch-1", request_weights: bool = False,
-                         conn_kw: dict[str, Any] | None = None) -> AsyncIterator[ClientHandle]:
+async def client_running(
+    connect: Callable[[], Awaitable[ClientChannel]],
+    *,
+    peer_id: str = "rollout-0",
+    epoch: str = "epoch-1",
+    request_weights: bool = False,
+    conn_kw: dict[str, Any] | None = None,
+) -> AsyncIterator[ClientHandle]:
     conn = rollout_connection(peer_id, epoch, **(conn_kw or {}))
     client = RolloutClient(conn, connect, reconnect_delay_s=0.05, request_weights=request_weights)
     h = ClientHandle(client, conn)

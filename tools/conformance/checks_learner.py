@@ -82,22 +82,34 @@ async def check_handshake(t: LearnerTarget) -> None:
     w = await t.peer("handshake").hello()
     problems = []
     if w.protocol_version[:1] != [PROTOCOL_VERSION.major]:
-        problems.append(f"WELCOME.protocol_version {w.protocol_version}, this suite speaks {PROTOCOL_VERSION}")
+        problems.append(
+            f"WELCOME.protocol_version {w.protocol_version}, this suite speaks {PROTOCOL_VERSION}"
+        )
     if w.credits < 1:
         problems.append(f"WELCOME.credits is {w.credits}, a new session needs at least 1")
     if not w.session_id:
         problems.append("WELCOME.session_id is empty")
     lim = w.limits
-    if min(lim.max_message_bytes, lim.max_trajectories_per_batch, lim.max_tokens_per_trajectory) < 1:
+    if (
+        min(lim.max_message_bytes, lim.max_trajectories_per_batch, lim.max_tokens_per_trajectory)
+        < 1
+    ):
         problems.append(f"WELCOME.limits must all be >= 1: {lim}")
     if not (0 < w.heartbeat_interval_s < w.heartbeat_timeout_s):
-        problems.append(f"WELCOME heartbeat needs 0 < interval < timeout, got interval "
-                        f"{w.heartbeat_interval_s} s, timeout {w.heartbeat_timeout_s} s")
+        problems.append(
+            f"WELCOME heartbeat needs 0 < interval < timeout, got interval "
+            f"{w.heartbeat_interval_s} s, timeout {w.heartbeat_timeout_s} s"
+        )
     if w.next_seq != 1:
         problems.append(f"WELCOME.next_seq is {w.next_seq} for a new epoch, expected 1")
-    t.details.update(credits=w.credits, session_id=w.session_id, policy_version=w.policy_version,
-                     heartbeat_interval_s=w.heartbeat_interval_s, heartbeat_timeout_s=w.heartbeat_timeout_s,
-                     limits=dataclasses.asdict(lim))
+    t.details.update(
+        credits=w.credits,
+        session_id=w.session_id,
+        policy_version=w.policy_version,
+        heartbeat_interval_s=w.heartbeat_interval_s,
+        heartbeat_timeout_s=w.heartbeat_timeout_s,
+        limits=dataclasses.asdict(lim),
+    )
     if problems:
         raise CheckFailed("; ".join(problems))
 
@@ -107,11 +119,15 @@ async def check_version_mismatch(t: LearnerTarget) -> None:
     """HELLO with major+1 -> ERROR VERSION_MISMATCH, fatal, naming both versions."""
     p = t.peer("version")
     theirs = [PROTOCOL_VERSION.major + 1, PROTOCOL_VERSION.minor]
-    await p.send_msg(wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer, version=theirs))
+    await p.send_msg(
+        wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer, version=theirs)
+    )
     rec = await p.expect("ERROR VERSION_MISMATCH", lambda r: _is_error(r) or r.is_(Welcome))
     if isinstance(rec.msg, Welcome):
-        raise CheckFailed(f"HELLO with protocol {theirs[0]}.{theirs[1]} was accepted (WELCOME, protocol "
-                          f"{'.'.join(map(str, rec.msg.protocol_version))}): expected ERROR VERSION_MISMATCH")
+        raise CheckFailed(
+            f"HELLO with protocol {theirs[0]}.{theirs[1]} was accepted (WELCOME, protocol "
+            f"{'.'.join(map(str, rec.msg.protocol_version))}): expected ERROR VERSION_MISMATCH"
+        )
     err = rec.msg
     assert isinstance(err, Error)
     problems = []
@@ -119,9 +135,14 @@ async def check_version_mismatch(t: LearnerTarget) -> None:
         problems.append(f"expected ERROR VERSION_MISMATCH, got {rec.describe()}")
     if not err.fatal:
         problems.append("the ERROR is not marked fatal")
-    if not (wire.mentions_version(err.message, theirs[0]) and wire.mentions_version(err.message, PROTOCOL_VERSION.major)):
-        problems.append(f"the message does not name both versions ({theirs[0]}.x and "
-                        f"{PROTOCOL_VERSION.major}.x): {err.message!r}")
+    if not (
+        wire.mentions_version(err.message, theirs[0])
+        and wire.mentions_version(err.message, PROTOCOL_VERSION.major)
+    ):
+        problems.append(
+            f"the message does not name both versions ({theirs[0]}.x and "
+            f"{PROTOCOL_VERSION.major}.x): {err.message!r}"
+        )
     if problems:
         raise CheckFailed("; ".join(problems))
 
@@ -131,7 +152,9 @@ async def check_minor_version_compat(t: LearnerTarget) -> None:
     """HELLO with minor+1 and unknown header keys -> WELCOME; a batch with unknown keys -> ACK."""
     p = t.peer("minor")
     newer = [PROTOCOL_VERSION.major, PROTOCOL_VERSION.minor + 1]
-    base = codec.encode(wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer, version=newer))
+    base = codec.encode(
+        wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer, version=newer)
+    )
 
     def future_hello(h: dict) -> None:
         h["x_future_field"] = {"nested": [1, 2, 3], "flag": True}
@@ -155,7 +178,9 @@ async def check_hello_required(t: LearnerTarget) -> None:
     await p.send(t.batch(7))
     err = await _error_for(p, "ERROR HELLO_REQUIRED for a batch sent before HELLO", 7)
     if err.code != ErrorCode.HELLO_REQUIRED or err.ref_seq != 7:
-        raise CheckFailed(f"expected ERROR HELLO_REQUIRED with ref_seq=7, got {wire.describe_message(err)}")
+        raise CheckFailed(
+            f"expected ERROR HELLO_REQUIRED with ref_seq=7, got {wire.describe_message(err)}"
+        )
 
 
 @register("learner")
@@ -165,7 +190,9 @@ async def check_batch_ack(t: LearnerTarget) -> None:
     await p.hello()
     ack = await _send_and_ack(t, p, 1)
     if 1 in ack.duplicates:
-        raise CheckFailed(f"the first batch of a new epoch was reported as a duplicate: {wire.describe_message(ack)}")
+        raise CheckFailed(
+            f"the first batch of a new epoch was reported as a duplicate: {wire.describe_message(ack)}"
+        )
 
 
 @register("learner")
@@ -180,7 +207,9 @@ async def check_duplicate_batch(t: LearnerTarget) -> None:
     await p.send_batch(frames)
     ack = await _ack_of(p, 1, "ACK for a resent batch")
     if 1 not in ack.duplicates:
-        raise CheckFailed(f"resent batch 1 was ACKed but not listed as a duplicate: {wire.describe_message(ack)}")
+        raise CheckFailed(
+            f"resent batch 1 was ACKed but not listed as a duplicate: {wire.describe_message(ack)}"
+        )
 
 
 @register("learner")
@@ -195,14 +224,18 @@ async def check_reconnect_resend(t: LearnerTarget) -> None:
     b = t.peer("reconnect", peer_id=a.peer_id, epoch=a.epoch)
     w = await b.hello()
     if w.next_seq != 3:
-        raise CheckFailed(f"after batches 1 and 2 were ACKed, WELCOME.next_seq on reconnect is {w.next_seq}, "
-                          "expected 3")
+        raise CheckFailed(
+            f"after batches 1 and 2 were ACKed, WELCOME.next_seq on reconnect is {w.next_seq}, "
+            "expected 3"
+        )
     await b.await_credit()
     await b.send_batch(t.batch(1))
     ack = await _ack_of(b, 1, "ACK for batch 1 resent after the reconnect")
     if 1 not in ack.duplicates:
-        raise CheckFailed(f"batch 1 resent on the new socket was not reported as a duplicate: "
-                          f"{wire.describe_message(ack)}")
+        raise CheckFailed(
+            f"batch 1 resent on the new socket was not reported as a duplicate: "
+            f"{wire.describe_message(ack)}"
+        )
 
 
 @register("learner")
@@ -219,8 +252,12 @@ async def check_credit_limit(t: LearnerTarget) -> None:
     for s in seqs:
         await p.send_batch(t.batch(s))
     r = await _verdicts(p, w.credits, seqs)
-    t.details.update(welcome_credits=w.credits, burst=len(seqs), rejected=r.rejected,
-                     credits_granted_during_burst=r.granted_later)
+    t.details.update(
+        welcome_credits=w.credits,
+        burst=len(seqs),
+        rejected=r.rejected,
+        credits_granted_during_burst=r.granted_later,
+    )
     if r.rejected:
         t.note(f"batches {r.rejected} of {len(seqs)} were beyond the window and rejected")
         return
@@ -233,13 +270,19 @@ async def check_credit_limit(t: LearnerTarget) -> None:
             rq = await _verdicts(q, 0, [1])  # fails if accepted without a grant seen before it
             t.details.update(extra_sessions=i + 1)
             if rq.rejected:
-                t.note(f"window refilled during the burst; session {i + 2} got 0 credits and its batch "
-                       "was rejected")
+                t.note(
+                    f"window refilled during the burst; session {i + 2} got 0 credits and its batch "
+                    "was rejected"
+                )
             else:
-                t.note(f"not exercised: session {i + 2} got 0 credits, then a grant before its batch")
+                t.note(
+                    f"not exercised: session {i + 2} got 0 credits, then a grant before its batch"
+                )
             return
-    t.note(f"not exercised: the learner refilled the window during the burst and gave credits to "
-           f"{MAX_EXTRA_PEERS} extra sessions")
+    t.note(
+        f"not exercised: the learner refilled the window during the burst and gave credits to "
+        f"{MAX_EXTRA_PEERS} extra sessions"
+    )
 
 
 async def _verdicts(p: Peer, initial: int, seqs: list[int]) -> credit_window.Replay:
@@ -279,27 +322,46 @@ def _malformed_cases(t: LearnerTarget) -> list[tuple[str, Frames, ErrorCode, int
         ("one frame only", [hb], ErrorCode.MALFORMED, 0),
         ("garbage header", [hb, b"\xc1\xc1 not msgpack"], ErrorCode.MALFORMED, 0),
         ("header is a list", [hb, wire.pack([1.0, 0])], ErrorCode.MALFORMED, 0),
-        ("msgpack ext type", [hb, wire.pack({"time": msgpack.ExtType(42, b"\x00"), "policy_version": 0})],
-         ErrorCode.MALFORMED, 0),
+        (
+            "msgpack ext type",
+            [hb, wire.pack({"time": msgpack.ExtType(42, b"\x00"), "policy_version": 0})],
+            ErrorCode.MALFORMED,
+            0,
+        ),
     ]
 
     def set_first(value: float) -> Callable[[np.ndarray], np.ndarray]:
         def edit(a: np.ndarray) -> np.ndarray:
             a[0] = value  # token 0 of the response is a model token (mask 1)
             return a
+
         return edit
 
-    result = codec.encode(ValidateResult("conformance-bad", 0, sources=[
-        SourceMetrics("conformance", 1, 1.0, 1.0, terminations={"answered": 1})]))
-    cases.append(("VALIDATE_RESULT with count -1",
-                  wire.with_header(result, lambda h: h["sources"][0].update(count=-1)), ErrorCode.INVALID_FIELD, 0))
+    result = codec.encode(
+        ValidateResult(
+            "conformance-bad",
+            0,
+            sources=[SourceMetrics("conformance", 1, 1.0, 1.0, terminations={"answered": 1})],
+        )
+    )
+    cases.append(
+        (
+            "VALIDATE_RESULT with count -1",
+            wire.with_header(result, lambda h: h["sources"][0].update(count=-1)),
+            ErrorCode.INVALID_FIELD,
+            0,
+        )
+    )
     seq = 100
     batch_cases = [
         ("mask value 2", lambda f: wire.with_column(f, "response_mask", set_first(2))),
         ("positive logprob", lambda f: wire.with_column(f, "rollout_logprobs", set_first(0.5))),
         ("NaN logprob", lambda f: wire.with_column(f, "rollout_logprobs", set_first(math.nan))),
         ("length mismatch", lambda f: _truncated(f, wire.COLUMN_FRAME["response_ids"], 4)),
-        ("missing trajectory_id", lambda f: wire.with_header(f, lambda h: h["meta"].pop("trajectory_id"))),
+        (
+            "missing trajectory_id",
+            lambda f: wire.with_header(f, lambda h: h["meta"].pop("trajectory_id")),
+        ),
     ]
     for name, corrupt in batch_cases:
         seq += 1
@@ -343,21 +405,27 @@ async def check_oversize(t: LearnerTarget) -> None:
     lim = (await p.hello()).limits
     problems = []
     if lim.max_message_bytes > BIG_MESSAGE_SKIP_BYTES:
-        t.note(f"byte-size variant skipped: max_message_bytes is {lim.max_message_bytes / 2**20:.0f} MiB "
-               f"(> {BIG_MESSAGE_SKIP_BYTES >> 20} MiB)")
+        t.note(
+            f"byte-size variant skipped: max_message_bytes is {lim.max_message_bytes / 2**20:.0f} MiB "
+            f"(> {BIG_MESSAGE_SKIP_BYTES >> 20} MiB)"
+        )
     else:
         # One trajectory whose prompt alone makes the message 1 byte too big (zero pages: no copy).
         frames = t.batch(1)
         other = sum(memoryview(f).nbytes for i, f in enumerate(frames) if i != 2)
-        n_prompt = max(1, math.ceil((lim.max_message_bytes + 1 - other) / 4))  # the header only grows
+        n_prompt = max(
+            1, math.ceil((lim.max_message_bytes + 1 - other) / 4)
+        )  # the header only grows
         frames = wire.with_header(frames, lambda h: h["meta"].__setitem__("prompt_len", [n_prompt]))
         frames[2] = np.zeros(n_prompt, np.int32)
         size = codec.frame_bytes(frames)
         await p.send(frames)
         err = await _error_for(p, f"ERROR TOO_LARGE for a {size}-byte message", 1)
         if err.code != ErrorCode.TOO_LARGE:
-            problems.append(f"message of {size} bytes (limit {lim.max_message_bytes}): expected TOO_LARGE, "
-                            f"got {wire.describe_message(err)}")
+            problems.append(
+                f"message of {size} bytes (limit {lim.max_message_bytes}): expected TOO_LARGE, "
+                f"got {wire.describe_message(err)}"
+            )
         t.details["oversize_message_bytes"] = size
     n = lim.max_trajectories_per_batch + 1
     if n > MAX_COUNT_VARIANT:
@@ -365,13 +433,17 @@ async def check_oversize(t: LearnerTarget) -> None:
     else:
         frames = wire.batch_frames(2, t.trajectories(n, prompt_len=1, response_len=1))
         if codec.frame_bytes(frames) > lim.max_message_bytes:
-            t.note("count variant skipped: a batch of that many trajectories exceeds max_message_bytes")
+            t.note(
+                "count variant skipped: a batch of that many trajectories exceeds max_message_bytes"
+            )
         else:
             await p.send(frames)
             err = await _error_for(p, f"ERROR TOO_LARGE for a batch of {n} trajectories", 2)
             if err.code != ErrorCode.TOO_LARGE:
-                problems.append(f"batch of {n} trajectories (limit {n - 1}): expected TOO_LARGE, "
-                                f"got {wire.describe_message(err)}")
+                problems.append(
+                    f"batch of {n} trajectories (limit {n - 1}): expected TOO_LARGE, "
+                    f"got {wire.describe_message(err)}"
+                )
     if problems:
         raise CheckFailed("; ".join(problems))
 
@@ -389,9 +461,14 @@ async def check_heartbeat(t: LearnerTarget) -> None:
     limit = 2 * interval + max(0.25, 0.1 * interval)
     last, gaps = p.welcome_at, []
     for i in range(2):
-        rec = await p.expect(f"HEARTBEAT #{i + 1} (interval {interval} s)", lambda r: r.is_(Heartbeat),
-                             timeout=limit, deadline=last + limit, keepalive_s=interval,
-                             fail_on_error="while idle")
+        rec = await p.expect(
+            f"HEARTBEAT #{i + 1} (interval {interval} s)",
+            lambda r: r.is_(Heartbeat),
+            timeout=limit,
+            deadline=last + limit,
+            keepalive_s=interval,
+            fail_on_error="while idle",
+        )
         gaps.append(round(rec.at - last, 3))
         last = rec.at
     t.details.update(heartbeat_interval_s=interval, gaps_s=gaps)
@@ -402,8 +479,11 @@ async def check_weights(t: LearnerTarget) -> None:
     """HELLO with policy_version -1 -> WEIGHTS_ANNOUNCE + all chunks; checksums verify; WEIGHTS_APPLIED ok."""
     p = t.peer("weights")
     await p.hello(policy_version=-1)
-    rec = await p.expect("WEIGHTS_ANNOUNCE after HELLO with policy_version -1", lambda r: r.is_(WeightsAnnounce),
-                         fail_on_error="weights")
+    rec = await p.expect(
+        "WEIGHTS_ANNOUNCE after HELLO with policy_version -1",
+        lambda r: r.is_(WeightsAnnounce),
+        fail_on_error="weights",
+    )
     ann = rec.msg
     assert isinstance(ann, WeightsAnnounce)
     asm, done, chunks = WeightAssembler(), None, 0
@@ -411,16 +491,23 @@ async def check_weights(t: LearnerTarget) -> None:
     try:
         done = asm.announce(ann)
         while done is None:
-            rec = await p.expect(f"WEIGHTS_CHUNK {chunks + 1}/{ann.num_chunks} of version {ann.version}",
-                                 lambda r: isinstance(r.msg, WeightsChunk) and r.msg.transfer_id == ann.transfer_id,
-                                 fail_on_error="weights")
+            rec = await p.expect(
+                f"WEIGHTS_CHUNK {chunks + 1}/{ann.num_chunks} of version {ann.version}",
+                lambda r: isinstance(r.msg, WeightsChunk) and r.msg.transfer_id == ann.transfer_id,
+                fail_on_error="weights",
+            )
             assert isinstance(rec.msg, WeightsChunk)
             chunks += 1
             done = asm.chunk(rec.msg)
     except ProtocolError as e:
         raise CheckFailed(f"weights of version {ann.version} do not verify: {e}") from None
-    t.details.update(version=ann.version, tensors=len(ann.tensors), chunks=ann.num_chunks,
-                     bytes=sum(s.nbytes for s in ann.tensors), transfer_s=round(time.monotonic() - started, 3))
+    t.details.update(
+        version=ann.version,
+        tensors=len(ann.tensors),
+        chunks=ann.num_chunks,
+        bytes=sum(s.nbytes for s in ann.tensors),
+        transfer_s=round(time.monotonic() - started, 3),
+    )
     await p.send_msg(WeightsApplied(ann.version, ann.transfer_id, True, "", 0.0))
     # Barrier: the learner answers in order, so an ACK for a later batch means no ERROR is coming.
     await p.await_credit()
@@ -445,35 +532,48 @@ async def check_validation_request(t: LearnerTarget) -> None:
     deadline, rec = started + p.timeout, None
     while rec is None and time.monotonic() < deadline:  # in slices: both sessions are kept alive
         try:
-            rec = await p.expect("VALIDATE_REQUEST", lambda r: r.is_(ValidateRequest),
-                                 deadline=min(deadline, time.monotonic() + w.heartbeat_interval_s),
-                                 fail_on_error="while waiting for a VALIDATE_REQUEST")
+            rec = await p.expect(
+                "VALIDATE_REQUEST",
+                lambda r: r.is_(ValidateRequest),
+                deadline=min(deadline, time.monotonic() + w.heartbeat_interval_s),
+                fail_on_error="while waiting for a VALIDATE_REQUEST",
+            )
         except CheckFailed as e:
             if not e.reason.startswith("no VALIDATE_REQUEST within"):
                 raise
             for q in (p, plain):
                 await q.send_msg(Heartbeat(time.time()))
     if rec is None:
-        t.note(f"not exercised: no VALIDATE_REQUEST within {p.timeout:.1f} s (the learner validates on its "
-               "own schedule)")
+        t.note(
+            f"not exercised: no VALIDATE_REQUEST within {p.timeout:.1f} s (the learner validates on its "
+            "own schedule)"
+        )
     else:
         req = rec.msg
         assert isinstance(req, ValidateRequest)
-        t.details.update(request_id=req.request_id, policy_version=req.policy_version, timeout_s=req.timeout_s,
-                         after_s=round(time.monotonic() - started, 3))
+        t.details.update(
+            request_id=req.request_id,
+            policy_version=req.policy_version,
+            timeout_s=req.timeout_s,
+            after_s=round(time.monotonic() - started, 3),
+        )
         from protocol.reference import synthetic_validation
 
         await p.send_msg(synthetic_validation(req, req.policy_version))
         try:
             await _send_and_ack(t, p, 1)
         except CheckFailed as e:
-            raise CheckFailed(f"after a VALIDATE_RESULT answering {req.request_id!r}: {e.reason}") from None
+            raise CheckFailed(
+                f"after a VALIDATE_RESULT answering {req.request_id!r}: {e.reason}"
+            ) from None
         t.note(f"request {req.request_id!r} for policy version {req.policy_version} answered")
     await _send_and_ack(t, plain, 1)  # barrier: everything sent to it before this ACK has arrived
     stray = [r for r in plain.log if r.type == MsgType.VALIDATE_REQUEST]
     if stray:
-        raise CheckFailed(f"a peer whose HELLO did not offer {VALIDATION_CAPABILITY!r} was sent "
-                          f"{stray[0].describe()}")
+        raise CheckFailed(
+            f"a peer whose HELLO did not offer {VALIDATION_CAPABILITY!r} was sent "
+            f"{stray[0].describe()}"
+        )
 
 
 @register("learner")
@@ -507,4 +607,6 @@ async def check_bye(t: LearnerTarget) -> None:
     await p.send(t.batch(1))
     err = await _error_for(p, "ERROR HELLO_REQUIRED for a batch sent after BYE", 1)
     if err.code != ErrorCode.HELLO_REQUIRED:
-        raise CheckFailed(f"expected ERROR HELLO_REQUIRED for a batch after BYE, got {wire.describe_message(err)}")
+        raise CheckFailed(
+            f"expected ERROR HELLO_REQUIRED for a batch after BYE, got {wire.describe_message(err)}"
+        )

@@ -32,26 +32,56 @@ exit status: 0 all passed, 1 a check failed, 2 usage or set-up error.
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="conformance", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="conformance",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="Protocol conformance suite: checks a live learner or rollout server against protocol/.",
     )
-    ap.add_argument("--target", metavar="tcp://HOST:PORT",
-                    help="learner role: the learner's address; rollout-server role: address to bind")
-    ap.add_argument("--role", required=True, choices=["learner", "rollout-server"],
-                    help="which kind of endpoint is under test")
-    ap.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                    help="seconds to wait for each expected reply (default 5)")
-    ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only this check (repeatable, or comma-separated); see --list")
+    ap.add_argument(
+        "--target",
+        metavar="tcp://HOST:PORT",
+        help="learner role: the learner's address; rollout-server role: address to bind",
+    )
+    ap.add_argument(
+        "--role",
+        required=True,
+        choices=["learner", "rollout-server"],
+        help="which kind of endpoint is under test",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for each expected reply (default 5)",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this check (repeatable, or comma-separated); see --list",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
     ap.add_argument("--list", action="store_true", help="list the checks of --role and exit")
-    ap.add_argument("--wait", type=float, default=30.0, metavar="S",
-                    help="rollout-server role: seconds to wait for the server to connect (default 30)")
-    ap.add_argument("--weights-from", metavar="DIR",
-                    help="rollout-server role: transfer the *.safetensors weights in DIR (the model the "
-                         "server serves) instead of a small synthetic set")
-    ap.add_argument("--model-dir", metavar="DIR",
-                    help="learner role: send this model's and tokenizer's identity in HELLO")
+    ap.add_argument(
+        "--wait",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="rollout-server role: seconds to wait for the server to connect (default 30)",
+    )
+    ap.add_argument(
+        "--weights-from",
+        metavar="DIR",
+        help="rollout-server role: transfer the *.safetensors weights in DIR (the model the "
+        "server serves) instead of a small synthetic set",
+    )
+    ap.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        help="learner role: send this model's and tokenizer's identity in HELLO",
+    )
     return ap
 
 
@@ -77,15 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(c.name) for c in checks)
 
     def on_listening(address: str) -> None:
-        print(f"conformance: listening on {address}; waiting up to {args.wait:g} s for a rollout server",
-              file=sys.stderr, flush=True)
+        print(
+            f"conformance: listening on {address}; waiting up to {args.wait:g} s for a rollout server",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def on_result(r: runner.Result) -> None:
         if not args.json:
             print(report.line(r, width), flush=True)
 
-    opts = runner.SuiteOptions(role=args.role, target=args.target, timeout=args.timeout, only=only,
-                               wait=args.wait, weights_from=args.weights_from, model_dir=args.model_dir)
+    opts = runner.SuiteOptions(
+        role=args.role,
+        target=args.target,
+        timeout=args.timeout,
+        only=only,
+        wait=args.wait,
+        weights_from=args.weights_from,
+        model_dir=args.model_dir,
+    )
     import zmq
 
     try:

@@ -64,7 +64,8 @@ def replay(initial: int, seqs: Sequence[int], records: Iterable[Received]) -> Re
                         r.problems.append(
                             f"batch {s} was ACKed although the learner had granted no credit for it "
                             f"(WELCOME.credits={initial}, ACK credits so far {r.granted_later}, "
-                            f"{len(r.accepted) - 1} batches accepted before it)")
+                            f"{len(r.accepted) - 1} batches accepted before it)"
+                        )
                     else:
                         r.window -= 1
             r.window += msg.credits
@@ -75,12 +76,16 @@ def replay(initial: int, seqs: Sequence[int], records: Iterable[Received]) -> Re
                 r.problems.append(f"unexpected {rec.describe()}")
                 continue
             if msg.ref_seq not in ours:
-                r.problems.append(f"CREDIT_EXCEEDED names ref_seq={msg.ref_seq}, not one of the batches sent "
-                                  f"{list(seqs)}")
+                r.problems.append(
+                    f"CREDIT_EXCEEDED names ref_seq={msg.ref_seq}, not one of the batches sent "
+                    f"{list(seqs)}"
+                )
                 continue
             if verdict(msg.ref_seq, "CREDIT_EXCEEDED") and r.window > 0:
-                r.problems.append(f"batch {msg.ref_seq} was rejected with CREDIT_EXCEEDED although "
-                                  f"{r.window} granted credit(s) were unused")
+                r.problems.append(
+                    f"batch {msg.ref_seq} was rejected with CREDIT_EXCEEDED although "
+                    f"{r.window} granted credit(s) were unused"
+                )
         elif rec.msg is None:
             r.problems.append(f"the learner sent an {rec.describe()}")
     missing = [s for s in seqs if s not in r.verdicts]

@@ -63,12 +63,23 @@ class Session:
 
 
 class FakeLearner(CheckContext):
-    def __init__(self, zctx: zmq.asyncio.Context, target: str, *, timeout: float, wait: float,
-                 heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 1.0,
-                 weights_from: str | None = None) -> None:
+    def __init__(
+        self,
+        zctx: zmq.asyncio.Context,
+        target: str,
+        *,
+        timeout: float,
+        wait: float,
+        heartbeat_interval_s: float = 0.2,
+        heartbeat_timeout_s: float = 1.0,
+        weights_from: str | None = None,
+    ) -> None:
         super().__init__(timeout=timeout)
         self.wait, self.weights_from = wait, weights_from
-        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = (
+            heartbeat_interval_s,
+            heartbeat_timeout_s,
+        )
         self.limits = codec.CodecLimits()  # advertised in WELCOME, enforced on every batch
         self.sock = zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -116,8 +127,12 @@ class FakeLearner(CheckContext):
             if len(parts) < 2:
                 continue  # an identity without content: nothing to answer
             vocab = self.first_hello.tokenizer.vocab_size if self.first_hello else 0
-            limits = codec.CodecLimits(self.limits.max_message_bytes, self.limits.max_trajectories_per_batch,
-                                       self.limits.max_tokens_per_trajectory, vocab_size=vocab)
+            limits = codec.CodecLimits(
+                self.limits.max_message_bytes,
+                self.limits.max_trajectories_per_batch,
+                self.limits.max_tokens_per_trajectory,
+                vocab_size=vocab,
+            )
             rec = wire.decode(parts[1:], limits, identity=parts[0])
             self._book(rec)
             self.inbox.put_nowait(rec)
@@ -131,13 +146,16 @@ class FakeLearner(CheckContext):
             return
         s = self.sessions.get(rec.identity)
         if s is None:
-            self.violations.append(f"TRAJECTORY_BATCH from a connection that was never sent WELCOME "
-                                   f"({rec.describe()})")
+            self.violations.append(
+                f"TRAJECTORY_BATCH from a connection that was never sent WELCOME ({rec.describe()})"
+            )
             return
         s.received += 1
         if s.received > s.granted:
-            self.violations.append(f"{rec.describe()} arrived without a credit (granted {s.granted}, "
-                                   f"received {s.received})")
+            self.violations.append(
+                f"{rec.describe()} arrived without a credit (granted {s.granted}, "
+                f"received {s.received})"
+            )
         if isinstance(rec.msg, TrajectoryBatch):
             s.batches.setdefault(rec.msg.seq, rec.msg)
             problem = batch_problem(rec.msg)
@@ -164,13 +182,24 @@ class FakeLearner(CheckContext):
         assert isinstance(rec.msg, Hello)
         s = Session(rec.identity, rec.msg, credits)
         self.sessions[rec.identity] = self.session = s
-        await self.send_msg(rec.identity, Welcome(
-            protocol_version=list(PROTOCOL_VERSION), peer_id="conformance-learner", session_id=uuid.uuid4().hex,
-            credits=credits, policy_version=self.policy_version, next_seq=next_seq,
-            heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-            limits=Limits(self.limits.max_message_bytes, self.limits.max_trajectories_per_batch,
-                          self.limits.max_tokens_per_trajectory),
-        ))
+        await self.send_msg(
+            rec.identity,
+            Welcome(
+                protocol_version=list(PROTOCOL_VERSION),
+                peer_id="conformance-learner",
+                session_id=uuid.uuid4().hex,
+                credits=credits,
+                policy_version=self.policy_version,
+                next_seq=next_seq,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+                limits=Limits(
+                    self.limits.max_message_bytes,
+                    self.limits.max_trajectories_per_batch,
+                    self.limits.max_tokens_per_trajectory,
+                ),
+            ),
+        )
         self.pump = True
         return s
 
@@ -180,27 +209,38 @@ class FakeLearner(CheckContext):
         s.acked.update(seqs)
         await self.send_msg(s.identity, Ack(seqs, credits))
 
-    async def error(self, identity: bytes, code: ErrorCode, message: str, *, ref: Received | None = None) -> None:
+    async def error(
+        self, identity: bytes, code: ErrorCode, message: str, *, ref: Received | None = None
+    ) -> None:
         seq = ref.msg.seq if ref is not None and isinstance(ref.msg, TrajectoryBatch) else 0
-        await self.send_msg(identity, Error(int(code), message, code.fatal, "", (ref.type or 0) if ref else 0, seq))
+        await self.send_msg(
+            identity, Error(int(code), message, code.fatal, "", (ref.type or 0) if ref else 0, seq)
+        )
 
     def require_session(self) -> Session:
         if self.session is None or self.session.closed:
-            raise CheckFailed("not run: no open session with the rollout server (an earlier check failed)")
+            raise CheckFailed(
+                "not run: no open session with the rollout server (an earlier check failed)"
+            )
         return self.session
 
     # -- receiving -----------------------------------------------------------------------------------
-    async def next(self, what: str, pred: Pred, *, timeout: float | None = None,
-                   fail_if: Pred | None = None) -> Received:
+    async def next(
+        self, what: str, pred: Pred, *, timeout: float | None = None, fail_if: Pred | None = None
+    ) -> Received:
         """The next received message matching ``pred``; ``fail_if`` matches fail at once."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         skipped: list[Received] = []
         while True:
             try:
-                rec = await asyncio.wait_for(self.inbox.get(), max(0.0, deadline - time.monotonic()))
+                rec = await asyncio.wait_for(
+                    self.inbox.get(), max(0.0, deadline - time.monotonic())
+                )
             except TimeoutError:
-                raise CheckFailed(f"no {what} within {timeout:.1f} s (received: {wire.describe(skipped)})") from None
+                raise CheckFailed(
+                    f"no {what} within {timeout:.1f} s (received: {wire.describe(skipped)})"
+                ) from None
             if pred(rec):
                 return rec
             if fail_if is not None and fail_if(rec):
@@ -231,6 +271,8 @@ def batch_problem(batch: TrajectoryBatch) -> str:
         mask = np.asarray(t.response_mask).astype(bool)
         lp = np.asarray(t.rollout_logprobs)
         if np.any(lp[~mask] != 0):
-            return (f"TRAJECTORY_BATCH seq {batch.seq}: trajectories[{i}].rollout_logprobs is not 0 where "
-                    "response_mask is 0")
+            return (
+                f"TRAJECTORY_BATCH seq {batch.seq}: trajectories[{i}].rollout_logprobs is not 0 where "
+                "response_mask is 0"
+            )
     return ""

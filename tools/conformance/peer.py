@@ -30,8 +30,17 @@ Pred = Callable[[Received], bool]
 
 
 class Peer:
-    def __init__(self, zctx: zmq.asyncio.Context, target: str, *, peer_id: str, epoch: str,
-                 model: Identity, tokenizer: Identity, timeout: float) -> None:
+    def __init__(
+        self,
+        zctx: zmq.asyncio.Context,
+        target: str,
+        *,
+        peer_id: str,
+        epoch: str,
+        model: Identity,
+        tokenizer: Identity,
+        timeout: float,
+    ) -> None:
         self.peer_id, self.epoch, self.timeout = peer_id, epoch, timeout
         self.model, self.tokenizer = model, tokenizer
         self.sock = zctx.socket(zmq.DEALER)
@@ -60,18 +69,35 @@ class Peer:
         self.credits -= 1
         await self.send(frames)
 
-    async def hello(self, *, policy_version: int = 0, frames: Frames | None = None,
-                    capabilities: tuple[str, ...] = ()) -> Welcome:
+    async def hello(
+        self,
+        *,
+        policy_version: int = 0,
+        frames: Frames | None = None,
+        capabilities: tuple[str, ...] = (),
+    ) -> Welcome:
         """HELLO -> WELCOME, or CheckFailed naming what came back instead."""
         if frames is None:
-            frames = codec.encode(wire.hello(self.peer_id, self.epoch, model=self.model, tokenizer=self.tokenizer,
-                                             policy_version=policy_version, capabilities=capabilities))
+            frames = codec.encode(
+                wire.hello(
+                    self.peer_id,
+                    self.epoch,
+                    model=self.model,
+                    tokenizer=self.tokenizer,
+                    policy_version=policy_version,
+                    capabilities=capabilities,
+                )
+            )
         await self.send(frames)
         try:
-            rec = await self.expect("WELCOME", lambda r: r.is_(Welcome), fail_on_error="HELLO refused")
+            rec = await self.expect(
+                "WELCOME", lambda r: r.is_(Welcome), fail_on_error="HELLO refused"
+            )
         except CheckFailed as e:
             if "INCOMPATIBLE_MODEL" in e.reason:
-                raise CheckFailed(e.reason + " (pass --model-dir with the learner's model)") from None
+                raise CheckFailed(
+                    e.reason + " (pass --model-dir with the learner's model)"
+                ) from None
             raise
         assert isinstance(rec.msg, Welcome)
         return rec.msg
@@ -104,9 +130,16 @@ class Peer:
         elif isinstance(rec.msg, Ack):
             self.credits += rec.msg.credits
 
-    async def expect(self, what: str, pred: Pred, *, timeout: float | None = None,
-                     fail_on_error: str | None = None, keepalive_s: float | None = None,
-                     deadline: float | None = None) -> Received:
+    async def expect(
+        self,
+        what: str,
+        pred: Pred,
+        *,
+        timeout: float | None = None,
+        fail_on_error: str | None = None,
+        keepalive_s: float | None = None,
+        deadline: float | None = None,
+    ) -> Received:
         """The first received message matching ``pred``; non-matching ones are skipped.
 
         ``fail_on_error``: an ERROR that does not match fails at once, the reason prefixed by it.
@@ -127,7 +160,9 @@ class Peer:
                     await self.send_msg(Heartbeat(time.time()))
                     next_keepalive = time.monotonic() + (keepalive_s or 0.0)
                     continue
-                raise CheckFailed(f"no {what} within {shown:.1f} s (received: {wire.describe(skipped)})")
+                raise CheckFailed(
+                    f"no {what} within {shown:.1f} s (received: {wire.describe(skipped)})"
+                )
             if pred(rec):
                 return rec
             if fail_on_error is not None and rec.error_code() is not None:
@@ -136,7 +171,9 @@ class Peer:
                 raise CheckFailed(f"{fail_on_error}: the learner sent an {rec.describe()}")
             skipped.append(rec)
 
-    async def collect(self, duration: float, until: Callable[[list[Received]], bool] | None = None) -> list[Received]:
+    async def collect(
+        self, duration: float, until: Callable[[list[Received]], bool] | None = None
+    ) -> list[Received]:
         """Everything received within ``duration`` (or until ``until(records)`` holds), in order."""
         deadline = time.monotonic() + duration
         out: list[Received] = []
@@ -151,14 +188,25 @@ class Peer:
         """Wait until the learner has granted a credit we have not spent."""
         if self.credits > 0:
             return
-        await self.expect("ACK granting a credit", lambda r: self.credits > 0, fail_on_error="while waiting for a credit")
+        await self.expect(
+            "ACK granting a credit",
+            lambda r: self.credits > 0,
+            fail_on_error="while waiting for a credit",
+        )
 
 
 class LearnerTarget(CheckContext):
     """Context of one learner-role check: fresh peers on the target, cleaned up afterwards."""
 
-    def __init__(self, zctx: zmq.asyncio.Context, target: str, *, timeout: float, model: Identity,
-                 tokenizer: Identity) -> None:
+    def __init__(
+        self,
+        zctx: zmq.asyncio.Context,
+        target: str,
+        *,
+        timeout: float,
+        model: Identity,
+        tokenizer: Identity,
+    ) -> None:
         super().__init__(timeout=timeout)
         self.zctx, self.target = zctx, target
         self.model, self.tokenizer = model, tokenizer
@@ -168,9 +216,15 @@ class LearnerTarget(CheckContext):
         self._ntraj = 0
 
     def peer(self, tag: str, *, peer_id: str | None = None, epoch: str | None = None) -> Peer:
-        p = Peer(self.zctx, self.target, peer_id=peer_id or f"conformance-{tag}-{uuid.uuid4().hex[:8]}",
-                 epoch=epoch or uuid.uuid4().hex, model=self.model, tokenizer=self.tokenizer,
-                 timeout=self.timeout)
+        p = Peer(
+            self.zctx,
+            self.target,
+            peer_id=peer_id or f"conformance-{tag}-{uuid.uuid4().hex[:8]}",
+            epoch=epoch or uuid.uuid4().hex,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            timeout=self.timeout,
+        )
         self.peers.append(p)
         return p
 
@@ -178,8 +232,11 @@ class LearnerTarget(CheckContext):
         out = []
         for _ in range(n):
             self._ntraj += 1
-            out.append(wire.tiny_trajectory(f"conformance-{uuid.uuid4().hex[:12]}-{self._ntraj}",
-                                            vocab=self.vocab, **kw))
+            out.append(
+                wire.tiny_trajectory(
+                    f"conformance-{uuid.uuid4().hex[:12]}-{self._ntraj}", vocab=self.vocab, **kw
+                )
+            )
         return out
 
     def batch(self, seq: int, n: int = 1) -> Frames:

@@ -27,10 +27,23 @@ def summary(report: SuiteReport) -> str:
 
 def as_dict(report: SuiteReport) -> dict[str, Any]:
     return {
-        "role": report.role, "target": report.target, "address": report.address,
-        "passed": report.passed, "failed": report.failed, "duration_s": report.duration_s,
-        "checks": [{"name": r.name, "status": "PASS" if r.passed else "FAIL", "reason": r.reason,
-                    "notes": r.notes, "duration_s": r.duration_s, "details": r.details} for r in report.results],
+        "role": report.role,
+        "target": report.target,
+        "address": report.address,
+        "passed": report.passed,
+        "failed": report.failed,
+        "duration_s": report.duration_s,
+        "checks": [
+            {
+                "name": r.name,
+                "status": "PASS" if r.passed else "FAIL",
+                "reason": r.reason,
+                "notes": r.notes,
+                "duration_s": r.duration_s,
+                "details": r.details,
+            }
+            for r in report.results
+        ],
     }
 
 

@@ -83,8 +83,14 @@ async def _run_one(check: Check, ctx: CheckContext, limit: float) -> Result:
     except Exception as e:
         passed, reason = False, f"error in the conformance suite itself: {type(e).__name__}: {e}"
         details["traceback"] = traceback.format_exc()
-    return Result(check.name, passed, reason, list(ctx.notes), round(time.monotonic() - started, 3),
-                  {**ctx.details, **details})
+    return Result(
+        check.name,
+        passed,
+        reason,
+        list(ctx.notes),
+        round(time.monotonic() - started, 3),
+        {**ctx.details, **details},
+    )
 
 
 def _identities(model_dir: str | None) -> tuple[Identity, Identity]:
@@ -95,8 +101,12 @@ def _identities(model_dir: str | None) -> tuple[Identity, Identity]:
     return wire_identities(model_dir)
 
 
-async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] | None = None,
-                    on_result: Callable[[Result], None] | None = None) -> SuiteReport:
+async def run_suite(
+    opts: SuiteOptions,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+    on_result: Callable[[Result], None] | None = None,
+) -> SuiteReport:
     """Run the selected checks. ``on_listening(address)``: rollout role, once the ROUTER is bound."""
     checks = select(opts.role, opts.only)
     limit = _safety_limit(opts)
@@ -114,14 +124,18 @@ async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] |
             from tools.conformance.peer import LearnerTarget
 
             model, tokenizer = _identities(opts.model_dir)
-            probe = zctx.socket(zmq.DEALER)  # a malformed address is a set-up error, not 13 failures
+            probe = zctx.socket(
+                zmq.DEALER
+            )  # a malformed address is a set-up error, not 13 failures
             try:
                 probe.connect(opts.target)
             finally:
                 probe.close(linger=0)
             address = opts.target
             for check in checks:
-                ctx = LearnerTarget(zctx, opts.target, timeout=opts.timeout, model=model, tokenizer=tokenizer)
+                ctx = LearnerTarget(
+                    zctx, opts.target, timeout=opts.timeout, model=model, tokenizer=tokenizer
+                )
                 try:
                     done(await _run_one(check, ctx, limit))
                 finally:
@@ -129,7 +143,13 @@ async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] |
         else:
             from tools.conformance.fake_learner import FakeLearner
 
-            fl = FakeLearner(zctx, opts.target, timeout=opts.timeout, wait=opts.wait, weights_from=opts.weights_from)
+            fl = FakeLearner(
+                zctx,
+                opts.target,
+                timeout=opts.timeout,
+                wait=opts.wait,
+                weights_from=opts.weights_from,
+            )
             address = fl.address
             await fl.start()
             try:
@@ -149,7 +169,9 @@ async def run_suite(opts: SuiteOptions, *, on_listening: Callable[[str], None] |
                 await fl.aclose()
     finally:
         zctx.destroy(linger=500)  # closes whatever a failed set-up left open, then terminates
-    return SuiteReport(opts.role, opts.target, address, results, round(time.monotonic() - started, 3))
+    return SuiteReport(
+        opts.role, opts.target, address, results, round(time.monotonic() - started, 3)
+    )
 
 
 def run(opts: SuiteOptions, **kw: Callable) -> SuiteReport:

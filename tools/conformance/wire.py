@@ -79,7 +79,9 @@ class Received:
     def error_code(self) -> ErrorCode | None:
         """The code of a received ERROR message (not of a decoding failure)."""
         if isinstance(self.msg, Error):
-            return ErrorCode(self.msg.code) if self.msg.code in ErrorCode._value2member_map_ else None
+            return (
+                ErrorCode(self.msg.code) if self.msg.code in ErrorCode._value2member_map_ else None
+            )
         return None
 
     def describe(self) -> str:
@@ -108,8 +110,14 @@ def describe_message(msg: Message) -> str:
             dups = f", duplicates={msg.duplicates}" if msg.duplicates else ""
             return f"ACK(seqs={_clip(str(msg.seqs), 40)}, credits={msg.credits}{dups})"
         case Error():
-            code = ErrorCode(msg.code).name if msg.code in ErrorCode._value2member_map_ else str(msg.code)
-            extra = "".join(f", {k}={v}" for k, v in (("ref_seq", msg.ref_seq), ("field", msg.field)) if v)
+            code = (
+                ErrorCode(msg.code).name
+                if msg.code in ErrorCode._value2member_map_
+                else str(msg.code)
+            )
+            extra = "".join(
+                f", {k}={v}" for k, v in (("ref_seq", msg.ref_seq), ("field", msg.field)) if v
+            )
             return f"ERROR({code}{extra}: {_clip(msg.message, 60)})"
         case Welcome():
             return f"WELCOME(credits={msg.credits}, next_seq={msg.next_seq})"
@@ -118,7 +126,9 @@ def describe_message(msg: Message) -> str:
         case WeightsApplied():
             return f"WEIGHTS_APPLIED(version={msg.version}, ok={msg.ok})"
         case Hello():
-            return f"HELLO(peer_id={msg.peer_id}, version={'.'.join(map(str, msg.protocol_version))})"
+            return (
+                f"HELLO(peer_id={msg.peer_id}, version={'.'.join(map(str, msg.protocol_version))})"
+            )
         case ValidateRequest():
             return f"VALIDATE_REQUEST(request_id={_clip(msg.request_id, 30)}, version={msg.policy_version})"
         case ValidateResult():
@@ -144,7 +154,9 @@ def describe(records: Iterable[Received]) -> str:
             out.append([d, 1])
     if not out:
         return "nothing"
-    parts = [_batches(n) if d == "TRAJECTORY_BATCH" else d if n == 1 else f"{d} x{n}" for d, n in out]
+    parts = [
+        _batches(n) if d == "TRAJECTORY_BATCH" else d if n == 1 else f"{d} x{n}" for d, n in out
+    ]
     if len(parts) > 8:
         parts = [*parts[:7], f"... {len(parts) - 7} more"]
     return ", ".join(parts)
@@ -166,27 +178,51 @@ def mentions_version(text: str, major: int) -> bool:
 
 
 # -- building valid traffic ---------------------------------------------------------------------------
-def hello(peer_id: str, epoch: str, *, model: Identity = DEFAULT_MODEL, tokenizer: Identity = DEFAULT_TOKENIZER,
-          policy_version: int = 0, version: Sequence[int] = PROTOCOL_VERSION,
-          capabilities: Sequence[str] = ()) -> Hello:
+def hello(
+    peer_id: str,
+    epoch: str,
+    *,
+    model: Identity = DEFAULT_MODEL,
+    tokenizer: Identity = DEFAULT_TOKENIZER,
+    policy_version: int = 0,
+    version: Sequence[int] = PROTOCOL_VERSION,
+    capabilities: Sequence[str] = (),
+) -> Hello:
     # PROBE_CAPABILITY: the learner acknowledges these batches and never trains them (a live run stays as it was)
-    return Hello(protocol_version=list(version), peer_id=peer_id, role="rollout-server", epoch=epoch,
-                 model=model, tokenizer=tokenizer, policy_version=policy_version,
-                 capabilities=[PROBE_CAPABILITY, *capabilities])
+    return Hello(
+        protocol_version=list(version),
+        peer_id=peer_id,
+        role="rollout-server",
+        epoch=epoch,
+        model=model,
+        tokenizer=tokenizer,
+        policy_version=policy_version,
+        capabilities=[PROBE_CAPABILITY, *capabilities],
+    )
 
 
-def tiny_trajectory(tid: str, *, vocab: int = 100, prompt_len: int = 4, response_len: int = 6) -> Trajectory:
+def tiny_trajectory(
+    tid: str, *, vocab: int = 100, prompt_len: int = 4, response_len: int = 6
+) -> Trajectory:
     """A small valid trajectory: token ids below ``vocab``, a tool span (mask 0) in the response."""
     rng = np.random.default_rng(zlib.crc32(tid.encode()))
     mask = np.ones(response_len, np.uint8)
     mask[response_len // 3 : response_len // 3 + max(1, response_len // 3)] = 0
-    lp = np.where(mask == 1, -rng.random(response_len, dtype=np.float32) - 0.01, 0.0).astype(np.float32)
+    lp = np.where(mask == 1, -rng.random(response_len, dtype=np.float32) - 0.01, 0.0).astype(
+        np.float32
+    )
     return Trajectory(
-        trajectory_id=tid, group_uid=f"group-{tid}",
+        trajectory_id=tid,
+        group_uid=f"group-{tid}",
         prompt_ids=rng.integers(0, vocab, prompt_len, dtype=np.int32),
         response_ids=rng.integers(0, vocab, response_len, dtype=np.int32),
-        response_mask=mask, rollout_logprobs=lp, versions=np.zeros(response_len, np.int32),
-        reward=1.0, source_server="conformance", data_source="conformance", agent_type="conformance",
+        response_mask=mask,
+        rollout_logprobs=lp,
+        versions=np.zeros(response_len, np.int32),
+        reward=1.0,
+        source_server="conformance",
+        data_source="conformance",
+        agent_type="conformance",
     )
 
 
@@ -214,7 +250,9 @@ def with_column(frames: Frames, column: str, edit: Callable[[np.ndarray], np.nda
     """Frames with one token column replaced by ``edit(copy of that column)``."""
     i = COLUMN_FRAME[column]
     dtype = dict(header_of(frames)["columns"])[column]
-    arr = np.frombuffer(bytes(memoryview(frames[i]).cast("B")), dtype=np.dtype(dtype).newbyteorder("<")).copy()
+    arr = np.frombuffer(
+        bytes(memoryview(frames[i]).cast("B")), dtype=np.dtype(dtype).newbyteorder("<")
+    ).copy()
     out = list(frames)
     out[i] = edit(arr).tobytes()
     return out

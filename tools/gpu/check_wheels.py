@@ -55,12 +55,28 @@ TORCH = ["torch", "torchvision", "torchaudio", "triton"]
 # project's `learner` extra); its other requirements are listed, not counted as missing.
 NO_DEPS = ["verl"]
 # Versions seen on the image (KINDS.md 'pip list' row): requirements on them are checked as notes.
-IMAGE_VERSIONS = {"accelerate": "1.15.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2", "safetensors": "0.8.0",
-                  "tokenizers": "0.23.2", "transformers": "5.17.0"}
-ENV = {"implementation_name": "cpython", "implementation_version": "3.12.3", "os_name": "posix",
-       "platform_machine": "x86_64", "platform_python_implementation": "CPython", "platform_release": "",
-       "platform_system": "Linux", "platform_version": "", "python_full_version": "3.12.3",
-       "python_version": "3.12", "sys_platform": "linux", "extra": ""}
+IMAGE_VERSIONS = {
+    "accelerate": "1.15.0",
+    "huggingface-hub": "1.33.0",
+    "numpy": "2.5.2",
+    "safetensors": "0.8.0",
+    "tokenizers": "0.23.2",
+    "transformers": "5.17.0",
+}
+ENV = {
+    "implementation_name": "cpython",
+    "implementation_version": "3.12.3",
+    "os_name": "posix",
+    "platform_machine": "x86_64",
+    "platform_python_implementation": "CPython",
+    "platform_release": "",
+    "platform_system": "Linux",
+    "platform_version": "",
+    "python_full_version": "3.12.3",
+    "python_version": "3.12",
+    "sys_platform": "linux",
+    "extra": "",
+}
 
 
 def norm(name: str) -> str:
@@ -94,7 +110,11 @@ def main(dirs: list[str]) -> int:
             if n not in staged and n not in provided:
                 no_deps.setdefault(n, []).append(owner)
             continue
-        if n in IMAGE_VERSIONS and r.specifier and not r.specifier.contains(IMAGE_VERSIONS[n], prereleases=True):
+        if (
+            n in IMAGE_VERSIONS
+            and r.specifier
+            and not r.specifier.contains(IMAGE_VERSIONS[n], prereleases=True)
+        ):
             image_notes.append(f"{owner} wants {text}; the image has {n} {IMAGE_VERSIONS[n]}")
         if n in HEAVY_N and n not in staged:
             heavy.setdefault(n, []).append(owner)
@@ -106,11 +126,15 @@ def main(dirs: list[str]) -> int:
     dup = sorted(set(staged) & provided)
     print(f"check_wheels: {len(wheels)} wheels, {len(reqs)} requirements read")
     for n in dup:
-        print(f"  note: {n} {staged[n]} is staged although the image has it (the staged one wins on PYTHONPATH)")
+        print(
+            f"  note: {n} {staged[n]} is staged although the image has it (the staged one wins on PYTHONPATH)"
+        )
     for n, owners in sorted(no_deps.items()):
         print(f"  ignored (installed --no-deps): {n} <- {', '.join(sorted(set(owners)))}")
     for n, owners in sorted(heavy.items()):
-        print(f"  left out on purpose (heavy optional kernel/tool, imported lazily): {n} <- {', '.join(sorted(set(owners)))}")
+        print(
+            f"  left out on purpose (heavy optional kernel/tool, imported lazily): {n} <- {', '.join(sorted(set(owners)))}"
+        )
     for line in image_notes:
         print(f"  note: {line}")
     for line in bad_version:
@@ -118,7 +142,11 @@ def main(dirs: list[str]) -> int:
     for n, owners in sorted(missing.items()):
         print(f"  MISSING: {n} <- {'; '.join(owners)}")
     ok = not missing and not bad_version
-    print("check_wheels: clean" if ok else f"check_wheels: {len(missing)} missing, {len(bad_version)} version conflicts")
+    print(
+        "check_wheels: clean"
+        if ok
+        else f"check_wheels: {len(missing)} missing, {len(bad_version)} version conflicts"
+    )
     return 0 if ok else 1
 
 

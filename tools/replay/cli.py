@@ -30,52 +30,106 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="replay", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-                                 description="Recorded trajectories for offline debugging: show them, stream them "
-                                             "to a learner, or rerun their episodes and compare.")
+    ap = argparse.ArgumentParser(
+        prog="replay",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        description="Recorded trajectories for offline debugging: show them, stream them "
+        "to a learner, or rerun their episodes and compare.",
+    )
     sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,stream,rerun}")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("path", metavar="PATH", help="run directory, recording directory or batch file")
-        p.add_argument("--model", metavar="DIR", help="model directory (tokenizer) instead of the run's "
-                                                      "actor_rollout_ref.model.path")
-        p.add_argument("--config", metavar="FILE", help="the rollout server's config instead of the saved one")
+        p.add_argument(
+            "path", metavar="PATH", help="run directory, recording directory or batch file"
+        )
+        p.add_argument(
+            "--model",
+            metavar="DIR",
+            help="model directory (tokenizer) instead of the run's actor_rollout_ref.model.path",
+        )
+        p.add_argument(
+            "--config", metavar="FILE", help="the rollout server's config instead of the saved one"
+        )
 
-    p = sub.add_parser("inspect", help="show recorded trajectories (terminal, plain text or HTML)",
-                       description="Show recorded trajectories: a header per trajectory, the prompt, and the "
-                                   "response with model tokens (mask 1) and tool/context tokens (mask 0) told "
-                                   "apart by colour, or by [model]...[/model] / [tool]...[/tool] markers when "
-                                   "the output is not a terminal or with --no-color.")
+    p = sub.add_parser(
+        "inspect",
+        help="show recorded trajectories (terminal, plain text or HTML)",
+        description="Show recorded trajectories: a header per trajectory, the prompt, and the "
+        "response with model tokens (mask 1) and tool/context tokens (mask 0) told "
+        "apart by colour, or by [model]...[/model] / [tool]...[/tool] markers when "
+        "the output is not a terminal or with --no-color.",
+    )
     common(p)
-    p.add_argument("--trajectory", metavar="ID", help="only this trajectory (an episode id shows all its segments)")
+    p.add_argument(
+        "--trajectory",
+        metavar="ID",
+        help="only this trajectory (an episode id shows all its segments)",
+    )
     p.add_argument("--group", metavar="UID", help="only this group (prompt)")
-    p.add_argument("--limit", type=int, metavar="N", help="show at most N trajectories (default 20; all with --html)")
-    p.add_argument("--html", metavar="OUT", help="write one self-contained HTML page to OUT instead")
-    p.add_argument("--no-color", action="store_true", help="plain text with markers even on a terminal")
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="show at most N trajectories (default 20; all with --html)",
+    )
+    p.add_argument(
+        "--html", metavar="OUT", help="write one self-contained HTML page to OUT instead"
+    )
+    p.add_argument(
+        "--no-color", action="store_true", help="plain text with markers even on a terminal"
+    )
 
-    p = sub.add_parser("stream", help="send a recording to a learner as its rollout server did",
-                       description="Send the recorded batches, in order, to a learner over the real protocol "
-                                   "(same trajectory ids), respecting credits and waiting for every "
-                                   "acknowledgement. Exit 0 when all are acknowledged, 1 otherwise.")
+    p = sub.add_parser(
+        "stream",
+        help="send a recording to a learner as its rollout server did",
+        description="Send the recorded batches, in order, to a learner over the real protocol "
+        "(same trajectory ids), respecting credits and waiting for every "
+        "acknowledgement. Exit 0 when all are acknowledged, 1 otherwise.",
+    )
     common(p)
     p.add_argument("--to", required=True, metavar="tcp://HOST:PORT", help="the learner's address")
-    p.add_argument("--server-id", metavar="ID", help="peer id to connect as (default replay-<recorded server id>)")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                   help="give up after S seconds without an acknowledgement (default 120)")
-    p.add_argument("--window", type=int, default=8, metavar="N",
-                   help="batches held unacknowledged at most (default 8)")
+    p.add_argument(
+        "--server-id",
+        metavar="ID",
+        help="peer id to connect as (default replay-<recorded server id>)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="give up after S seconds without an acknowledgement (default 120)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="batches held unacknowledged at most (default 8)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
-    p = sub.add_parser("rerun", help="rerun the recorded episodes (real agents, tools, rewards) and compare",
-                       description="Rerun every recorded episode through the agent loop, tools and reward "
-                                   "functions of the run's config with an engine that plays back the recorded "
-                                   "model tokens, and compare with the recording. Exit 0 when nothing "
-                                   "diverged, 1 on any divergence or episode that could not be rerun. Tools on "
-                                   "a tool server (tools.remote.url) need that server running.")
+    p = sub.add_parser(
+        "rerun",
+        help="rerun the recorded episodes (real agents, tools, rewards) and compare",
+        description="Rerun every recorded episode through the agent loop, tools and reward "
+        "functions of the run's config with an engine that plays back the recorded "
+        "model tokens, and compare with the recording. Exit 0 when nothing "
+        "diverged, 1 on any divergence or episode that could not be rerun. Tools on "
+        "a tool server (tools.remote.url) need that server running.",
+    )
     common(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--concurrency", type=int, default=8, metavar="N", help="groups rerun at once (default 8)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. tools.remote.url=...")
+    p.add_argument(
+        "--concurrency", type=int, default=8, metavar="N", help="groups rerun at once (default 8)"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. tools.remote.url=...",
+    )
     return ap
 
 
@@ -86,23 +140,46 @@ def main(argv: list[str] | None = None) -> int:
 
     # Agents and tools log through structlog; only what goes wrong belongs next to a report.
     configure_logging("console", "warning", component="replay", stream=sys.stderr)
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a warning per call about its own timeouts
+    logging.getLogger("math_verify").setLevel(
+        logging.ERROR
+    )  # a warning per call about its own timeouts
     try:
         if args.command == "inspect":
             from tools.replay import show
 
-            return show.run(args.path, trajectory=args.trajectory, group=args.group, limit=args.limit,
-                            html_out=args.html, model=args.model, config=args.config,
-                            color=False if args.no_color else None)
+            return show.run(
+                args.path,
+                trajectory=args.trajectory,
+                group=args.group,
+                limit=args.limit,
+                html_out=args.html,
+                model=args.model,
+                config=args.config,
+                color=False if args.no_color else None,
+            )
         if args.command == "stream":
             from tools.replay import stream
 
-            return stream.run(args.path, to=args.to, server_id=args.server_id, model=args.model, config=args.config,
-                              timeout_s=args.timeout, window=args.window, as_json=args.json)
+            return stream.run(
+                args.path,
+                to=args.to,
+                server_id=args.server_id,
+                model=args.model,
+                config=args.config,
+                timeout_s=args.timeout,
+                window=args.window,
+                as_json=args.json,
+            )
         from tools.replay import rerun
 
-        return rerun.run(args.path, config=args.config, model=args.model, overrides=args.overrides,
-                         as_json=args.json, concurrency=args.concurrency)
+        return rerun.run(
+            args.path,
+            config=args.config,
+            model=args.model,
+            overrides=args.overrides,
+            as_json=args.json,
+            concurrency=args.concurrency,
+        )
     except ReplayError as e:
         print(f"replay {args.command}: error: {e}", file=sys.stderr)
         return 2

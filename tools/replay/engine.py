@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 def episode_of(trajectory_id: str, group_uid: str) -> tuple[str, int | None]:
     """(episode id, segment number or None) of a trajectory id: ``<uid>-<i>`` or ``<uid>-<i>-<k>``.
     An id of another shape is taken as its own episode."""
-    rest = trajectory_id[len(group_uid) + 1:] if trajectory_id.startswith(group_uid + "-") else ""
+    rest = trajectory_id[len(group_uid) + 1 :] if trajectory_id.startswith(group_uid + "-") else ""
     parts = rest.split("-")
     if len(parts) == 1 and parts[0].isdigit():
         return f"{group_uid}-{parts[0]}", None
@@ -65,16 +65,22 @@ class RecordedEpisode:
     @property
     def index(self) -> int | None:
         """Its number in the group (``<uid>-<i>``), None for a foreign id."""
-        tail = self.episode_id[len(self.group_uid) + 1:]
-        return int(tail) if self.episode_id.startswith(self.group_uid + "-") and tail.isdigit() else None
+        tail = self.episode_id[len(self.group_uid) + 1 :]
+        return (
+            int(tail)
+            if self.episode_id.startswith(self.group_uid + "-") and tail.isdigit()
+            else None
+        )
 
     def problem(self) -> str | None:
         """Why the recording cannot drive a rerun of this episode; None when it can."""
         idx = [t.snapshot_index for t in self.segments]
         total = self.segments[-1].reward_extras.get("segments", len(self.segments))
         if idx != list(range(len(idx))) or total != len(idx) or self.segments[-1].is_snapshot:
-            return (f"only segments {idx} of {total} were recorded (agents.statelm.max_segments keeps "
-                    "some): the model turns of the others are unknown")
+            return (
+                f"only segments {idx} of {total} were recorded (agents.statelm.max_segments keeps "
+                "some): the model turns of the others are unknown"
+            )
         return None
 
     @property
@@ -121,13 +127,21 @@ class ReplayEngine:
     weight_manifest: ModelManifest | None = None
     last_update_timings: Mapping[str, float] = {}
 
-    def __init__(self, episodes: dict[str, RecordedEpisode], renderer: Any, *, stop_token_ids: Iterable[int] = (),
-                 extend_masked: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        episodes: dict[str, RecordedEpisode],
+        renderer: Any,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        extend_masked: Iterable[str] = (),
+    ) -> None:
         self.episodes, self.renderer = episodes, renderer
         self.stop_token_ids = set(stop_token_ids) | {renderer.eos_id}
         self.extend_masked = set(extend_masked)
         self.cursors: dict[str, _Cursor] = {}
-        versions = [int(t.versions.max()) for e in episodes.values() for t in e.segments if len(t.versions)]
+        versions = [
+            int(t.versions.max()) for e in episodes.values() for t in e.segments if len(t.versions)
+        ]
         self._version = max(versions, default=0)
 
     @property
@@ -137,7 +151,9 @@ class ReplayEngine:
     async def abort(self, request_ids: Sequence[str]) -> None:
         pass
 
-    async def load_weights(self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode) -> float:
+    async def load_weights(
+        self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode
+    ) -> float:
         raise WeightUpdateError("a replay plays back recorded tokens; it takes no weights")
 
     async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
@@ -150,12 +166,14 @@ class ReplayEngine:
         """Recorded model tokens (mask 1) no generate call returned."""
         ep, cur = self.episodes[episode_id], self.cursors.get(episode_id, _Cursor())
         left = 0
-        for k, t in enumerate(ep.segments[cur.segment:], start=cur.segment):
-            mask = t.response_mask[cur.position:] if k == cur.segment else t.response_mask
+        for k, t in enumerate(ep.segments[cur.segment :], start=cur.segment):
+            mask = t.response_mask[cur.position :] if k == cur.segment else t.response_mask
             left += int(mask.sum())
         return left
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
         episode_id = request_id.rpartition("-t")[0]
         ep = self.episodes.get(episode_id)
         if ep is None:
@@ -191,8 +209,14 @@ class ReplayEngine:
             finish = _FINISH_OF_TERMINATION.get(t.termination, "stop")
         else:
             finish = "stop"
-        return Generation(ids, t.rollout_logprobs[start:end].tolist(), t.versions[start:end].tolist(), finish,
-                          stop_token_included=finish == "stop", stop_string=stop_string)
+        return Generation(
+            ids,
+            t.rollout_logprobs[start:end].tolist(),
+            t.versions[start:end].tolist(),
+            finish,
+            stop_token_included=finish == "stop",
+            stop_string=stop_string,
+        )
 
     # -- helpers -------------------------------------------------------------------------------------
     @staticmethod
@@ -219,7 +243,9 @@ class ReplayEngine:
             p = len(ctx) - n
             if (k, p) < (cur.segment, cur.position) or not 0 <= p < len(t.response_ids):
                 continue
-            if np.array_equal(ctx[:n], t.prompt_ids) and np.array_equal(ctx[n:], t.response_ids[:p]):
+            if np.array_equal(ctx[:n], t.prompt_ids) and np.array_equal(
+                ctx[n:], t.response_ids[:p]
+            ):
                 cur.segment, cur.position = k, p
                 return True
         return False

@@ -81,17 +81,24 @@ def find(path: str | Path) -> list[Recording]:
         d = p.parent
         return [Recording(d, [p], _run_dir_of(d))]
     if (p / "recordings").is_dir():
-        found = [Recording(d, [f for _, f in batch_files(d)], p)
-                 for d in sorted((p / "recordings").iterdir()) if d.is_dir() and batch_files(d)]
+        found = [
+            Recording(d, [f for _, f in batch_files(d)], p)
+            for d in sorted((p / "recordings").iterdir())
+            if d.is_dir() and batch_files(d)
+        ]
         if not found:
-            raise ReplayError(f"{p / 'recordings'}: no batch files in any server's directory "
-                              "(was the run started with rollout_server.record=true?)")
+            raise ReplayError(
+                f"{p / 'recordings'}: no batch files in any server's directory "
+                "(was the run started with rollout_server.record=true?)"
+            )
         return found
     files = [f for _, f in batch_files(p)]
     if files:
         return [Recording(p, files, _run_dir_of(p))]
-    raise ReplayError(f"{p}: not a recording: expected a run directory holding recordings/, a directory "
-                      "of batch-*.msgpack files (RUN_DIR/recordings/<server_id>), or one such file")
+    raise ReplayError(
+        f"{p}: not a recording: expected a run directory holding recordings/, a directory "
+        "of batch-*.msgpack files (RUN_DIR/recordings/<server_id>), or one such file"
+    )
 
 
 def config_file(rec: Recording, explicit: str | Path | None = None) -> Path | None:
@@ -103,7 +110,10 @@ def config_file(rec: Recording, explicit: str | Path | None = None) -> Path | No
         return p
     if rec.run_dir is None:
         return None
-    for candidate in (rec.run_dir / "rollout-server" / rec.server_id / RESOLVED, rec.run_dir / RESOLVED):
+    for candidate in (
+        rec.run_dir / "rollout-server" / rec.server_id / RESOLVED,
+        rec.run_dir / RESOLVED,
+    ):
         if candidate.is_file():
             return candidate
     return None
@@ -112,8 +122,10 @@ def config_file(rec: Recording, explicit: str | Path | None = None) -> Path | No
 def _where_looked(rec: Recording) -> str:
     if rec.run_dir is None:
         return f"{rec.label} is not inside RUN_DIR/recordings/<server_id>, so no saved config can be found"
-    return (f"looked for {rec.run_dir / 'rollout-server' / rec.server_id / RESOLVED} and "
-            f"{rec.run_dir / RESOLVED}")
+    return (
+        f"looked for {rec.run_dir / 'rollout-server' / rec.server_id / RESOLVED} and "
+        f"{rec.run_dir / RESOLVED}"
+    )
 
 
 def model_dir(rec: Recording, *, model: str | Path | None, config: str | Path | None) -> Path:
@@ -126,30 +138,43 @@ def model_dir(rec: Recording, *, model: str | Path | None, config: str | Path | 
 
         cfg = config_file(rec, config)
         if cfg is None:
-            raise ReplayError(f"no config for the recording of {rec.server_id}: {_where_looked(rec)}; "
-                              "pass --model DIR (or --config FILE)")
+            raise ReplayError(
+                f"no config for the recording of {rec.server_id}: {_where_looked(rec)}; "
+                "pass --model DIR (or --config FILE)"
+            )
         try:
             tree = yaml.safe_load(cfg.read_text(encoding="utf-8")) or {}
             path = Path(tree["actor_rollout_ref"]["model"]["path"])
         except (KeyError, TypeError, yaml.YAMLError) as e:
-            raise ReplayError(f"{cfg}: no actor_rollout_ref.model.path ({type(e).__name__}: {e}); "
-                              "pass --model DIR") from None
+            raise ReplayError(
+                f"{cfg}: no actor_rollout_ref.model.path ({type(e).__name__}: {e}); "
+                "pass --model DIR"
+            ) from None
         origin = f"actor_rollout_ref.model.path in {cfg}"
     if not path.is_dir():
-        raise ReplayError(f"model directory {path} ({origin}) does not exist here; relative paths are "
-                          f"relative to the directory the server ran in (now: {Path.cwd()}); pass --model DIR")
+        raise ReplayError(
+            f"model directory {path} ({origin}) does not exist here; relative paths are "
+            f"relative to the directory the server ran in (now: {Path.cwd()}); pass --model DIR"
+        )
     return path
 
 
-def load_run_config(rec: Recording, *, config: str | Path | None, model: str | Path | None,
-                    overrides: list[str] | tuple[str, ...] = ()) -> Any:
+def load_run_config(
+    rec: Recording,
+    *,
+    config: str | Path | None,
+    model: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Any:
     """The validated ``Config`` the server ran with, plus overrides (``--model`` is one)."""
     from common.config import ConfigError, load_config
 
     cfg = config_file(rec, config)
     if cfg is None:
-        raise ReplayError(f"no config for the recording of {rec.server_id}: {_where_looked(rec)}; "
-                          "pass --config FILE (the rollout server's config)")
+        raise ReplayError(
+            f"no config for the recording of {rec.server_id}: {_where_looked(rec)}; "
+            "pass --config FILE (the rollout server's config)"
+        )
     extra = [*overrides, *([f"actor_rollout_ref.model.path={model}"] if model is not None else [])]
     try:
         loaded = load_config(cfg, extra, check_paths=False)
@@ -157,7 +182,9 @@ def load_run_config(rec: Recording, *, config: str | Path | None, model: str | P
         raise ReplayError(str(e)) from None
     path = Path(loaded.actor_rollout_ref.model.path)
     if not path.is_dir():
-        raise ReplayError(f"model directory {path} (actor_rollout_ref.model.path in {cfg}) does not exist "
-                          f"here; relative paths are relative to the directory the server ran in (now: "
-                          f"{Path.cwd()}); pass --model DIR")
+        raise ReplayError(
+            f"model directory {path} (actor_rollout_ref.model.path in {cfg}) does not exist "
+            f"here; relative paths are relative to the directory the server ran in (now: "
+            f"{Path.cwd()}); pass --model DIR"
+        )
     return loaded

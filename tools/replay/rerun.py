@@ -68,7 +68,9 @@ def _group_problem(episodes: list[RecordedEpisode]) -> str | None:
     return None
 
 
-async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency: int = 8) -> dict[str, Any]:
+async def rerun_recording(
+    rec: locate.Recording, config: Config, *, concurrency: int = 8
+) -> dict[str, Any]:
     """Rerun every episode of one server's recording; the report as a JSON-able dict."""
     import anyio
     from transformers import AutoTokenizer
@@ -100,16 +102,23 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
         groups.setdefault(ep.group_uid, []).append(ep)
     server = config.rollout_server
     try:
-        source = PromptSource.from_config(config.data, shard_index=server.shard_index,
-                                          shard_count=server.shard_count, state_dir=None)
+        source = PromptSource.from_config(
+            config.data,
+            shard_index=server.shard_index,
+            shard_count=server.shard_count,
+            state_dir=None,
+        )
     except DataError as e:
         raise locate.ReplayError(f"cannot load the run's data: {e}") from None
     rows: dict[str, RowInfo] = {}
     skipped: dict[str, str] = {}  # episode id -> why it is not rerun
     for uid, eps in groups.items():
         info = find_row(source, uid)
-        why = (f"no data row for group {uid!r} in the configured data (data.train_files / data.datasets)"
-               if info is None else _group_problem(eps))
+        why = (
+            f"no data row for group {uid!r} in the configured data (data.train_files / data.datasets)"
+            if info is None
+            else _group_problem(eps)
+        )
         if info is None or why is not None:
             skipped |= {ep.episode_id: why or "" for ep in eps}  # never "": no row, or a problem
             continue
@@ -122,9 +131,15 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
     except StartupError as e:
         raise locate.ReplayError(str(e)) from None
     masking = bool(config.agents.code.mask_spans)
-    extend = {ep.episode_id for uid, info in rows.items() if info.agent_type == "code" and masking
-              for ep in groups[uid]}
-    engine = ReplayEngine(episodes, renderer, stop_token_ids=stop_ids(model_dir, renderer), extend_masked=extend)
+    extend = {
+        ep.episode_id
+        for uid, info in rows.items()
+        if info.agent_type == "code" and masking
+        for ep in groups[uid]
+    }
+    engine = ReplayEngine(
+        episodes, renderer, stop_token_ids=stop_ids(model_dir, renderer), extend_masked=extend
+    )
     limits_cfg = config.tools.rate_limits
     with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
         # Real limits share their state with the run (same buckets); without any, touch nothing of it.
@@ -132,14 +147,22 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
         limiter = GlobalRateLimiter.from_config(limits_cfg, state_root)
         set_shared(limiter)
         mt = config.actor_rollout_ref.rollout.multi_turn
-        base = AgentDeps(engine=engine, renderer=renderer, sampling=sampling_settings(config),
-                         limits=agent_limits(config), parser=PARSERS.get(mt.format)())
+        base = AgentDeps(
+            engine=engine,
+            renderer=renderer,
+            sampling=sampling_settings(config),
+            limits=agent_limits(config),
+            parser=PARSERS.get(mt.format)(),
+        )
         try:
             deps = build_agent_deps(config, base, agent_types, limiter) if agent_types else {}
         except (ValueError, OSError) as e:
             set_shared(None)
-            hint = (f" (tools.remote.url={config.tools.remote.url}: is the tool server running?)"
-                    if config.tools.remote.url else "")
+            hint = (
+                f" (tools.remote.url={config.tools.remote.url}: is the tool server running?)"
+                if config.tools.remote.url
+                else ""
+            )
             raise locate.ReplayError(f"cannot build the run's tools: {e}{hint}") from None
         rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
         results: dict[str, Any] = {}
@@ -149,9 +172,16 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
             async with limit:
                 try:
                     results[uid] = await run_group(
-                        group_uid=uid, row=info.row, n=len(groups[uid]), agent_type=info.agent_type,
-                        data_source=info.data_source, deps=deps[info.agent_type], rewards=rewards,
-                        server_id=groups[uid][0].segments[0].source_server or rec.server_id, remax=False)
+                        group_uid=uid,
+                        row=info.row,
+                        n=len(groups[uid]),
+                        agent_type=info.agent_type,
+                        data_source=info.data_source,
+                        deps=deps[info.agent_type],
+                        rewards=rewards,
+                        server_id=groups[uid][0].segments[0].source_server or rec.server_id,
+                        remax=False,
+                    )
                 except Exception as e:  # reported for its episodes; the other groups go on
                     results[uid] = e
 
@@ -166,55 +196,111 @@ async def rerun_recording(rec: locate.Recording, config: Config, *, concurrency:
     return _report(rec, batches, recorded, groups, results, skipped, engine, renderer)
 
 
-def _report(rec: locate.Recording, batches: int, recorded: list[Any], groups: dict[str, list[RecordedEpisode]],
-            results: dict[str, Any], skipped: dict[str, str], engine: ReplayEngine, renderer: Any) -> dict[str, Any]:
+def _report(
+    rec: locate.Recording,
+    batches: int,
+    recorded: list[Any],
+    groups: dict[str, list[RecordedEpisode]],
+    results: dict[str, Any],
+    skipped: dict[str, str],
+    engine: ReplayEngine,
+    renderer: Any,
+) -> dict[str, Any]:
     entries = []
     for uid, eps in groups.items():
         result = results.get(uid)
-        rerun_eps = {e.episode_id: e for e in result.episodes} if result is not None and \
-            not isinstance(result, Exception) else {}
+        rerun_eps = (
+            {e.episode_id: e for e in result.episodes}
+            if result is not None and not isinstance(result, Exception)
+            else {}
+        )
         for ep in eps:
-            entry: dict[str, Any] = {"episode_id": ep.episode_id, "group_uid": uid,
-                                     "trajectories": [t.trajectory_id for t in ep.segments],
-                                     "turns": ep.segments[-1].num_turns, "tool_calls": None}
+            entry: dict[str, Any] = {
+                "episode_id": ep.episode_id,
+                "group_uid": uid,
+                "trajectories": [t.trajectory_id for t in ep.segments],
+                "turns": ep.segments[-1].num_turns,
+                "tool_calls": None,
+            }
             if ep.episode_id in skipped:
                 entry |= {"status": "not rerun", "reason": skipped[ep.episode_id]}
             elif result is None:  # its group was never run
                 entry |= {"status": "not rerun", "reason": f"no rerun result for group {uid!r}"}
             elif isinstance(result, Exception):
-                entry |= {"status": "diverged", "divergences": [Divergence(
-                    ep.episode_id, ep.episode_id, "error", f"the rerun raised {type(result).__name__}: {result}"
-                ).to_json()]}
+                entry |= {
+                    "status": "diverged",
+                    "divergences": [
+                        Divergence(
+                            ep.episode_id,
+                            ep.episode_id,
+                            "error",
+                            f"the rerun raised {type(result).__name__}: {result}",
+                        ).to_json()
+                    ],
+                }
             else:
-                mine = [t for t in result.trajectories if t.trajectory_id == ep.episode_id
-                        or t.trajectory_id.startswith(ep.episode_id + "-")]
+                mine = [
+                    t
+                    for t in result.trajectories
+                    if t.trajectory_id == ep.episode_id
+                    or t.trajectory_id.startswith(ep.episode_id + "-")
+                ]
                 found = compare_episode(ep.episode_id, ep.segments, mine, renderer.decode)
                 cur = engine.cursors.get(ep.episode_id)
                 if cur is not None and cur.beyond:
-                    found.append(Divergence(ep.episode_id, ep.episode_id, "model_turns",
-                                            f"the rerun asked for {cur.beyond} model turn(s) more than recorded"))
+                    found.append(
+                        Divergence(
+                            ep.episode_id,
+                            ep.episode_id,
+                            "model_turns",
+                            f"the rerun asked for {cur.beyond} model turn(s) more than recorded",
+                        )
+                    )
                 if unused := engine.unused_model_tokens(ep.episode_id):
-                    found.append(Divergence(ep.episode_id, ep.episode_id, "model_turns",
-                                            f"{unused} recorded model tokens were never asked for (the rerun "
-                                            "episode ended earlier)"))
-                entry["tool_calls"] = rerun_eps[ep.episode_id].tool_calls if ep.episode_id in rerun_eps else None
+                    found.append(
+                        Divergence(
+                            ep.episode_id,
+                            ep.episode_id,
+                            "model_turns",
+                            f"{unused} recorded model tokens were never asked for (the rerun "
+                            "episode ended earlier)",
+                        )
+                    )
+                entry["tool_calls"] = (
+                    rerun_eps[ep.episode_id].tool_calls if ep.episode_id in rerun_eps else None
+                )
                 entry["status"] = "diverged" if found else "same"
                 if found:
                     entry["divergences"] = [d.to_json() for d in found]
             entries.append(entry)
     summary = {
-        "batches": batches, "trajectories": len(recorded), "episodes": len(entries),
+        "batches": batches,
+        "trajectories": len(recorded),
+        "episodes": len(entries),
         "multi_turn_episodes": sum(e["turns"] >= 2 for e in entries),
         "tool_calls": sum(e["tool_calls"] or 0 for e in entries),
         "diverged": sum(e["status"] == "diverged" for e in entries),
         "divergences": sum(len(e.get("divergences", [])) for e in entries),
         "not_rerun": sum(e["status"] == "not rerun" for e in entries),
     }
-    return {"recording": rec.label, "server_id": rec.server_id, "summary": summary, "episodes": entries}
+    return {
+        "recording": rec.label,
+        "server_id": rec.server_id,
+        "summary": summary,
+        "episodes": entries,
+    }
 
 
-def run(path: str, *, config: str | None = None, model: str | None = None, overrides: list[str] | None = None,
-        as_json: bool = False, concurrency: int = 8, out: TextIO | None = None) -> int:
+def run(
+    path: str,
+    *,
+    config: str | None = None,
+    model: str | None = None,
+    overrides: list[str] | None = None,
+    as_json: bool = False,
+    concurrency: int = 8,
+    out: TextIO | None = None,
+) -> int:
     """Rerun every recording ``path`` names; exit status 0 when nothing diverged and all reran."""
     import json
 
@@ -224,9 +310,19 @@ def run(path: str, *, config: str | None = None, model: str | None = None, overr
     reports = []
     for rec in locate.find(path):
         cfg = locate.load_run_config(rec, config=config, model=model, overrides=overrides or [])
-        reports.append(anyio.run(functools.partial(rerun_recording, rec, cfg, concurrency=concurrency)))
-    keys = ("batches", "trajectories", "episodes", "multi_turn_episodes", "tool_calls", "diverged", "divergences",
-            "not_rerun")
+        reports.append(
+            anyio.run(functools.partial(rerun_recording, rec, cfg, concurrency=concurrency))
+        )
+    keys = (
+        "batches",
+        "trajectories",
+        "episodes",
+        "multi_turn_episodes",
+        "tool_calls",
+        "diverged",
+        "divergences",
+        "not_rerun",
+    )
     total = {k: sum(r["summary"][k] for r in reports) for k in keys}
     if as_json:
         json.dump({"summary": total, "recordings": reports}, out, indent=1, default=str)

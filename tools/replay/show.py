@@ -65,7 +65,9 @@ def make_view(t: Any, meta: Any, renderer: Any, parser: Any) -> View:
         pieces.append(Piece("model" if value else "tool", renderer.decode(ids)))
         if value and parser is not None:
             parsed = parser.parse(renderer.turn_text(ids))
-            calls += [f"{c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in parsed.calls]
+            calls += [
+                f"{c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in parsed.calls
+            ]
             calls += [f"malformed call: {e}" for e in parsed.errors]
     sampled = t.versions[t.response_mask == 1]
     model_tokens = int(sum(mask))
@@ -75,13 +77,26 @@ def make_view(t: Any, meta: Any, renderer: Any, parser: Any) -> View:
         ("agent", t.agent_type or "-"),
         ("data source", t.data_source or "-"),
         ("reward", f"{t.reward:g}"),
-        ("reward extras", json.dumps(t.reward_extras, sort_keys=True, ensure_ascii=False) if t.reward_extras else "-"),
+        (
+            "reward extras",
+            json.dumps(t.reward_extras, sort_keys=True, ensure_ascii=False)
+            if t.reward_extras
+            else "-",
+        ),
         ("termination", t.termination),
         ("turns", str(t.num_turns)),
         ("segment", f"{t.snapshot_index} ({'snapshot' if t.is_snapshot else 'final'})"),
-        ("policy versions", f"{int(sampled.min())}..{int(sampled.max())}" if len(sampled) else "- (no sampled tokens)"),
-        ("tokens", f"prompt {len(t.prompt_ids)}, response {len(resp)} (model {model_tokens}, "
-                   f"tool/context {len(resp) - model_tokens})"),
+        (
+            "policy versions",
+            f"{int(sampled.min())}..{int(sampled.max())}"
+            if len(sampled)
+            else "- (no sampled tokens)",
+        ),
+        (
+            "tokens",
+            f"prompt {len(t.prompt_ids)}, response {len(resp)} (model {model_tokens}, "
+            f"tool/context {len(resp) - model_tokens})",
+        ),
         ("batch", f"{meta.path.name} (wire seq {meta.seq})"),
     ]
     return View(t.trajectory_id, header, renderer.decode(t.prompt_ids.tolist()), pieces, calls)
@@ -114,7 +129,10 @@ def render_rich(views: list[View], out: TextIO) -> None:
     console.print(legend)
     for v in views:
         console.print(Rule(Text(f"trajectory {v.trajectory_id}", style="bold")))
-        for key, value in [*v.header, ("tool calls", "; ".join(v.tool_calls) if v.tool_calls else "-")]:
+        for key, value in [
+            *v.header,
+            ("tool calls", "; ".join(v.tool_calls) if v.tool_calls else "-"),
+        ]:
             console.print(Text.assemble((f"  {key:<16}", "bold"), value))
         console.print(Text("prompt", style="bold underline"))
         console.print(Text(v.prompt, style=RICH_STYLES["prompt"]))
@@ -141,20 +159,36 @@ section { margin-bottom: 2.5em; border-top: 2px solid #888; padding-top: .5em; }
 
 def render_html(views: list[View], title: str) -> str:
     e = html.escape
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             f"<title>{e(title)}</title><style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
-             '<p class="legend">' + " ".join(f'<span class="{k}">{e(k)}</span>{e(v)}' for k, v in LEGEND.items())
-             + "</p>", "<ol>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        '<p class="legend">'
+        + " ".join(f'<span class="{k}">{e(k)}</span>{e(v)}' for k, v in LEGEND.items())
+        + "</p>",
+        "<ol>",
+    ]
     parts += [f'<li><a href="#t{i}">{e(v.trajectory_id)}</a></li>' for i, v in enumerate(views)]
     parts.append("</ol>")
     for i, v in enumerate(views):
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(val)}</td></tr>" for k, val in
-                       [*v.header, ("tool calls", "; ".join(v.tool_calls) if v.tool_calls else "-")])
+        rows = "".join(
+            f"<tr><td>{e(k)}</td><td>{e(val)}</td></tr>"
+            for k, val in [
+                *v.header,
+                ("tool calls", "; ".join(v.tool_calls) if v.tool_calls else "-"),
+            ]
+        )
         response = "".join(f'<span class="{p.kind}">{e(p.text)}</span>' for p in v.response)
-        parts += [f'<section id="t{i}"><h2>trajectory {e(v.trajectory_id)}</h2>',
-                  f'<table class="header">{rows}</table>', "<h3>prompt</h3>",
-                  f'<pre class="prompt">{e(v.prompt)}</pre>', "<h3>response</h3>", f"<pre>{response}</pre>",
-                  "</section>"]
+        parts += [
+            f'<section id="t{i}"><h2>trajectory {e(v.trajectory_id)}</h2>',
+            f'<table class="header">{rows}</table>',
+            "<h3>prompt</h3>",
+            f'<pre class="prompt">{e(v.prompt)}</pre>',
+            "<h3>response</h3>",
+            f"<pre>{response}</pre>",
+            "</section>",
+        ]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
@@ -164,14 +198,25 @@ def render_html(views: list[View], title: str) -> str:
 
 def _matches(t: Any, trajectory: str | None, group: str | None) -> bool:
     # An episode id (or any id prefix ending before a dash) selects all its segments.
-    if trajectory is not None and not (t.trajectory_id == trajectory or t.trajectory_id.startswith(trajectory + "-")):
+    if trajectory is not None and not (
+        t.trajectory_id == trajectory or t.trajectory_id.startswith(trajectory + "-")
+    ):
         return False
     return group is None or t.group_uid == group
 
 
-def run(path: str, *, trajectory: str | None = None, group: str | None = None, limit: int | None = None,
-        html_out: str | None = None, model: str | None = None, config: str | None = None,
-        color: bool | None = None, out: TextIO | None = None) -> int:
+def run(
+    path: str,
+    *,
+    trajectory: str | None = None,
+    group: str | None = None,
+    limit: int | None = None,
+    html_out: str | None = None,
+    model: str | None = None,
+    config: str | None = None,
+    color: bool | None = None,
+    out: TextIO | None = None,
+) -> int:
     """Show (or write as HTML) the matching trajectories; exit status (1: nothing matched)."""
     from transformers import AutoTokenizer
 
@@ -198,8 +243,15 @@ def run(path: str, *, trajectory: str | None = None, group: str | None = None, l
                 if limit is None or len(views) < limit:
                     views.append(make_view(t, meta, renderers[mdir], parser))
     if not matched:
-        what = " and ".join(x for x in (trajectory and f"trajectory {trajectory!r}", group and f"group {group!r}") if x)
-        print(f"replay inspect: no trajectory{' matches ' + what if what else ''} in {path}", file=sys.stderr)
+        what = " and ".join(
+            x
+            for x in (trajectory and f"trajectory {trajectory!r}", group and f"group {group!r}")
+            if x
+        )
+        print(
+            f"replay inspect: no trajectory{' matches ' + what if what else ''} in {path}",
+            file=sys.stderr,
+        )
         return 1
     if html_out is not None:
         Path(html_out).write_text(render_html(views, f"replay: {path}"), encoding="utf-8")
@@ -209,6 +261,9 @@ def run(path: str, *, trajectory: str | None = None, group: str | None = None, l
     else:
         render_plain(views, out)
     if matched > len(views):
-        print(f"({matched - len(views)} more matching trajectories not shown: --limit N, --trajectory ID, "
-              "--group UID)", file=out)
+        print(
+            f"({matched - len(views)} more matching trajectories not shown: --limit N, --trajectory ID, "
+            "--group UID)",
+            file=out,
+        )
     return 0

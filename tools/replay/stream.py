@@ -70,9 +70,19 @@ def prescan(files: list[Path]) -> tuple[int, int]:
     return n, newest
 
 
-async def stream(files: list[Path], address: str, *, peer_id: str, model_dir: Path, curve: Any = None,
-                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0, timeout_s: float = 120.0,
-                 window: int = 8, progress: Any = None) -> StreamResult:
+async def stream(
+    files: list[Path],
+    address: str,
+    *,
+    peer_id: str,
+    model_dir: Path,
+    curve: Any = None,
+    heartbeat_interval_s: float = 1.0,
+    heartbeat_timeout_s: float = 10.0,
+    timeout_s: float = 120.0,
+    window: int = 8,
+    progress: Any = None,
+) -> StreamResult:
     """Send ``files`` (batch files, in order) to the learner at ``address`` and wait for every ACK."""
     import anyio
 
@@ -94,8 +104,14 @@ async def stream(files: list[Path], address: str, *, peer_id: str, model_dir: Pa
     res = StreamResult(batches=len(files))
     res.trajectories, newest = await anyio.to_thread.run_sync(prescan, files)
     model, tokenizer = wire_identities(model_dir)
-    conn = RolloutConnection(peer_id=peer_id, epoch=uuid.uuid4().hex, model=model, tokenizer=tokenizer,
-                             heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s)
+    conn = RolloutConnection(
+        peer_id=peer_id,
+        epoch=uuid.uuid4().hex,
+        model=model,
+        tokenizer=tokenizer,
+        heartbeat_interval_s=heartbeat_interval_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
     conn.policy_version = newest
     client = RolloutClient(conn, client_factory(address, curve=curve))
     pending: dict[int, tuple[Path, int]] = {}  # wire seq -> (file, trajectories)
@@ -121,9 +137,15 @@ async def stream(files: list[Path], address: str, *, peer_id: str, model_dir: Pa
         while True:
             await anyio.sleep(0.25)
             if time.monotonic() - last_progress > timeout_s:
-                state = "no session with the learner" if conn.state is not SenderState.READY else "session open"
-                fail(f"timed out: nothing acknowledged for {timeout_s:g} s ({res.acked} of {res.batches} batches "
-                     f"acknowledged; {state}); is a learner listening at {address}?")
+                state = (
+                    "no session with the learner"
+                    if conn.state is not SenderState.READY
+                    else "session open"
+                )
+                fail(
+                    f"timed out: nothing acknowledged for {timeout_s:g} s ({res.acked} of {res.batches} batches "
+                    f"acknowledged; {state}); is a learner listening at {address}?"
+                )
                 await client.close("replay: timed out")
                 scope.cancel()
                 return
@@ -150,7 +172,9 @@ async def stream(files: list[Path], address: str, *, peer_id: str, model_dir: Pa
                     await client.close("replay done")
             elif isinstance(ev, BatchRejected):
                 path = pending.get(ev.seq, ("?", 0))[0]
-                fail(f"the learner refused {path} ({_code(ErrorCode, ev.error.code)}: {ev.error.message})")
+                fail(
+                    f"the learner refused {path} ({_code(ErrorCode, ev.error.code)}: {ev.error.message})"
+                )
                 await client.close("replay: a batch was refused")
             elif isinstance(ev, WeightsReceived):
                 res.weight_versions.append(ev.weights.version)  # dropped: see the module docstring
@@ -158,8 +182,10 @@ async def stream(files: list[Path], address: str, *, peer_id: str, model_dir: Pa
                 res.weight_versions.append(-1)
             elif isinstance(ev, PeerClosed) and (pending or not submitted.is_set()):
                 left = res.batches - res.acked
-                fail(f"the learner closed the connection ({ev.reason or 'no reason given'}) with {left} "
-                     "batches not acknowledged")
+                fail(
+                    f"the learner closed the connection ({ev.reason or 'no reason given'}) with {left} "
+                    "batches not acknowledged"
+                )
                 await client.close("replay: learner left")
         tg.cancel_scope.cancel()
     if conn.state is SenderState.FAILED and conn.fatal_error is not None:
@@ -175,16 +201,28 @@ def _code(codes: Any, code: int) -> str:
     return codes(code).name if code in codes._value2member_map_ else f"error {code}"
 
 
-def run(path: str, *, to: str, server_id: str | None = None, model: str | None = None, config: str | None = None,
-        timeout_s: float = 120.0, window: int = 8, as_json: bool = False, out: TextIO | None = None) -> int:
+def run(
+    path: str,
+    *,
+    to: str,
+    server_id: str | None = None,
+    model: str | None = None,
+    config: str | None = None,
+    timeout_s: float = 120.0,
+    window: int = 8,
+    as_json: bool = False,
+    out: TextIO | None = None,
+) -> int:
     """Stream the recording(s) ``path`` names to the learner at ``to``; exit status."""
     import anyio
 
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     recordings = locate.find(path)
     if len(recordings) > 1 and server_id is not None:
-        raise locate.ReplayError("--server-id names one peer: give one recording directory, not a run with "
-                                 f"{len(recordings)} servers' recordings")
+        raise locate.ReplayError(
+            "--server-id names one peer: give one recording directory, not a run with "
+            f"{len(recordings)} servers' recordings"
+        )
     results = []
     for rec in recordings:
         mdir = locate.model_dir(rec, model=model, config=config)
@@ -193,26 +231,56 @@ def run(path: str, *, to: str, server_id: str | None = None, model: str | None =
         peer = server_id or f"replay-{rec.server_id}"
         progress, finish = _progress(rec, out, quiet=as_json)
         try:
-            res = anyio.run(functools.partial(
-                stream, rec.files, to, peer_id=peer, model_dir=mdir, curve=curve, heartbeat_interval_s=hb[0],
-                heartbeat_timeout_s=hb[1], timeout_s=timeout_s, window=window, progress=progress))
+            res = anyio.run(
+                functools.partial(
+                    stream,
+                    rec.files,
+                    to,
+                    peer_id=peer,
+                    model_dir=mdir,
+                    curve=curve,
+                    heartbeat_interval_s=hb[0],
+                    heartbeat_timeout_s=hb[1],
+                    timeout_s=timeout_s,
+                    window=window,
+                    progress=progress,
+                )
+            )
         finally:
             finish()
         results.append((rec, peer, res))
         if not as_json:
             status = "ok" if res.ok else f"FAILED: {res.error}"
             versions = ", ".join(map(str, res.weight_versions)) or "none"
-            print(f"{rec.label} -> {to} as {peer}: {res.acked}/{res.batches} batches ({res.acked_trajectories}/"
-                  f"{res.trajectories} trajectories) acknowledged, {res.duplicates} resent batches the learner already had, in "
-                  f"{res.seconds:.1f} s; weights received (dropped): {versions}; {status}", file=out)
+            print(
+                f"{rec.label} -> {to} as {peer}: {res.acked}/{res.batches} batches ({res.acked_trajectories}/"
+                f"{res.trajectories} trajectories) acknowledged, {res.duplicates} resent batches the learner already had, in "
+                f"{res.seconds:.1f} s; weights received (dropped): {versions}; {status}",
+                file=out,
+            )
         if not res.ok:
             break
     if as_json:
-        json.dump({"ok": all(r.ok for _, _, r in results), "streams": [
-            {"recording": rec.label, "peer_id": peer, **{k: v for k, v in vars(r).items()}, "ok": r.ok}
-            for rec, peer, r in results]}, out, indent=1)
+        json.dump(
+            {
+                "ok": all(r.ok for _, _, r in results),
+                "streams": [
+                    {
+                        "recording": rec.label,
+                        "peer_id": peer,
+                        **{k: v for k, v in vars(r).items()},
+                        "ok": r.ok,
+                    }
+                    for rec, peer, r in results
+                ],
+            },
+            out,
+            indent=1,
+        )
         out.write("\n")
-    return 0 if results and all(r.ok for _, _, r in results) and len(results) == len(recordings) else 1
+    return (
+        0 if results and all(r.ok for _, _, r in results) and len(results) == len(recordings) else 1
+    )
 
 
 def _transport(cfg: Path | None) -> tuple[Any, tuple[float, float]]:
@@ -223,13 +291,18 @@ def _transport(cfg: Path | None) -> tuple[Any, tuple[float, float]]:
 
     tree = yaml.safe_load(cfg.read_text(encoding="utf-8")) or {}
     transport = tree.get("transport") or {}
-    hb = (float(transport.get("heartbeat_interval_s", 1.0)), float(transport.get("heartbeat_timeout_s", 10.0)))
+    hb = (
+        float(transport.get("heartbeat_interval_s", 1.0)),
+        float(transport.get("heartbeat_timeout_s", 10.0)),
+    )
     curve = transport.get("curve") or {}
     if not curve.get("enabled"):
         return None, hb
     from protocol.zmq_transport import CurveClientKeys
 
-    return CurveClientKeys(Path(curve["secret_key_file"]), Path(curve["server_public_key_file"])), hb
+    return CurveClientKeys(
+        Path(curve["secret_key_file"]), Path(curve["server_public_key_file"])
+    ), hb
 
 
 def _progress(rec: locate.Recording, out: TextIO, *, quiet: bool) -> tuple[Any, Any]:
@@ -238,8 +311,13 @@ def _progress(rec: locate.Recording, out: TextIO, *, quiet: bool) -> tuple[Any, 
         return None, lambda: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[file]}"))
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[file]}"),
+    )
     task = bar.add_task(f"streaming {rec.server_id}", total=len(rec.files), file="")
     bar.start()
 

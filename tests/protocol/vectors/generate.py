@@ -54,31 +54,49 @@ TRANSFER_ID = "0123456789abcdef0123456789abcdef"
 
 
 def hello() -> Hello:
-    return Hello([1, 0], "rollout-0", "rollout-server", "epoch-0001", MODEL, TOKENIZER, 3, ["weights-v1"])
+    return Hello(
+        [1, 0], "rollout-0", "rollout-server", "epoch-0001", MODEL, TOKENIZER, 3, ["weights-v1"]
+    )
 
 
 def weight_tensors() -> list[NamedBuffer]:
     a = np.array([0.5, -1.0, 2.0], dtype="<f4")  # 12 bytes
     b = np.array([[1, -2], [3, -4]], dtype="<i4")  # 16 bytes
-    return [NamedBuffer("layer0.bias", "float32", (3,), memoryview(a).cast("B")),
-            NamedBuffer("layer1.index", "int32", (2, 2), memoryview(b).cast("B"))]
+    return [
+        NamedBuffer("layer0.bias", "float32", (3,), memoryview(a).cast("B")),
+        NamedBuffer("layer1.index", "int32", (2, 2), memoryview(b).cast("B")),
+    ]
 
 
 def trajectories() -> list[Trajectory]:
     t1 = Trajectory(
-        trajectory_id="traj-0001", group_uid="group-01",
-        prompt_ids=np.array([1, 2, 3], dtype="<i4"), response_ids=np.array([10, 11, 12, 13], dtype="<i4"),
+        trajectory_id="traj-0001",
+        group_uid="group-01",
+        prompt_ids=np.array([1, 2, 3], dtype="<i4"),
+        response_ids=np.array([10, 11, 12, 13], dtype="<i4"),
         response_mask=np.array([1, 1, 0, 1], dtype="u1"),
         rollout_logprobs=np.array([-0.5, -0.25, 0.0, -1.5], dtype="<f4"),
-        versions=np.array([3, 3, 3, 4], dtype="<i4"), reward=1.0, source_server="rollout-0",
-        data_source="gsm8k", agent_type="tool", termination="answered", num_turns=2,
-        reward_extras={"correct": True, "score": 0.75, "judge": "exact"}, timings={"generate_s": 1.5},
+        versions=np.array([3, 3, 3, 4], dtype="<i4"),
+        reward=1.0,
+        source_server="rollout-0",
+        data_source="gsm8k",
+        agent_type="tool",
+        termination="answered",
+        num_turns=2,
+        reward_extras={"correct": True, "score": 0.75, "judge": "exact"},
+        timings={"generate_s": 1.5},
     )
     t2 = Trajectory(
-        trajectory_id="traj-0002", group_uid="group-01",
-        prompt_ids=np.array([1, 2], dtype="<i4"), response_ids=np.array([20, 21], dtype="<i4"),
-        response_mask=np.array([1, 1], dtype="u1"), rollout_logprobs=np.array([-2.0, -0.125], dtype="<f4"),
-        versions=np.array([4, 4], dtype="<i4"), reward=-0.5, snapshot_index=1, is_snapshot=True,
+        trajectory_id="traj-0002",
+        group_uid="group-01",
+        prompt_ids=np.array([1, 2], dtype="<i4"),
+        response_ids=np.array([20, 21], dtype="<i4"),
+        response_mask=np.array([1, 1], dtype="u1"),
+        rollout_logprobs=np.array([-2.0, -0.125], dtype="<f4"),
+        versions=np.array([4, 4], dtype="<i4"),
+        reward=-0.5,
+        snapshot_index=1,
+        is_snapshot=True,
         termination="length",
     )
     return [t1, t2]
@@ -89,25 +107,58 @@ def messages() -> dict[str, Any]:
     assert len(chunks[0].parts) == 2  # the first chunk spans both tensors
     return {
         "hello": hello(),
-        "welcome": Welcome([1, 0], "learner", "session-0001", 4, 7, 3, 1.0, 10.0,
-                           Limits(256 << 20, 4096, 1 << 20), []),
+        "welcome": Welcome(
+            [1, 0],
+            "learner",
+            "session-0001",
+            4,
+            7,
+            3,
+            1.0,
+            10.0,
+            Limits(256 << 20, 4096, 1 << 20),
+            [],
+        ),
         "trajectory_batch": TrajectoryBatch(42, trajectories()),
         "ack": Ack([41, 42], 2, [41]),
         "weights_announce": announce,
         "weights_chunk": chunks[0],
         "weights_applied": WeightsApplied(7, TRANSFER_ID, True, "", 0.25),
         "heartbeat": Heartbeat(1234.5, 7),
-        "error": Error(int(ErrorCode.INVALID_FIELD),
-                       "trajectories[1].rollout_logprobs[0]: logprobs must be finite and <= 0",
-                       False, "trajectories[1].rollout_logprobs[0]", int(MsgType.TRAJECTORY_BATCH), 42),
+        "error": Error(
+            int(ErrorCode.INVALID_FIELD),
+            "trajectories[1].rollout_logprobs[0]: logprobs must be finite and <= 0",
+            False,
+            "trajectories[1].rollout_logprobs[0]",
+            int(MsgType.TRAJECTORY_BATCH),
+            42,
+        ),
         "bye": Bye("rollout server shutting down"),
         "validate_request": ValidateRequest("step2-0a1b2c", 7, 600.0),
         "validate_result": ValidateResult(
-            "step2-0a1b2c", 7, True, "",
-            [SourceMetrics("arithmetic", 4, 1.5, 0.375, 21.25, 1.5, {"answered": 3, "length": 1},
-                           {"correct": 0.25}, {"correct": 4}),
-             SourceMetrics("gsm8k", 0, 0.0, 0.0)],
-            0, 2, 3, 12.5),
+            "step2-0a1b2c",
+            7,
+            True,
+            "",
+            [
+                SourceMetrics(
+                    "arithmetic",
+                    4,
+                    1.5,
+                    0.375,
+                    21.25,
+                    1.5,
+                    {"answered": 3, "length": 1},
+                    {"correct": 0.25},
+                    {"correct": 4},
+                ),
+                SourceMetrics("gsm8k", 0, 0.0, 0.0),
+            ],
+            0,
+            2,
+            3,
+            12.5,
+        ),
         "admit": Admit(8, 7),
         "heartbeat_dropped": Heartbeat(1234.5, 7, 4096),
     }
@@ -139,11 +190,17 @@ def container(frames: list[bytes]) -> bytes:
 
 def manifest(vectors: dict[str, list[bytes]]) -> str:
     files = {
-        f"{name}.bin": {"type": codec.peek_type(frames).name, "frames": len(frames),
-                        "sha256": hashlib.sha256(container(frames)).hexdigest()}
+        f"{name}.bin": {
+            "type": codec.peek_type(frames).name,
+            "frames": len(frames),
+            "sha256": hashlib.sha256(container(frames)).hexdigest(),
+        }
         for name, frames in sorted(vectors.items())
     }
-    doc = {"format": "msgpack array of bin frames: [type byte, msgpack header, *payload]", "files": files}
+    doc = {
+        "format": "msgpack array of bin frames: [type byte, msgpack header, *payload]",
+        "files": files,
+    }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
@@ -156,16 +213,23 @@ def write(out: Path = HERE) -> None:
 
 def differences(out: Path = HERE) -> list[str]:
     vectors = build()
-    bad = [f"{n}.bin" for n, f in vectors.items()
-           if not (out / f"{n}.bin").is_file() or (out / f"{n}.bin").read_bytes() != container(f)]
-    if not (out / "manifest.json").is_file() or (out / "manifest.json").read_text() != manifest(vectors):
+    bad = [
+        f"{n}.bin"
+        for n, f in vectors.items()
+        if not (out / f"{n}.bin").is_file() or (out / f"{n}.bin").read_bytes() != container(f)
+    ]
+    if not (out / "manifest.json").is_file() or (out / "manifest.json").read_text() != manifest(
+        vectors
+    ):
         bad.append("manifest.json")
     return bad
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    ap.add_argument(
+        "--check", action="store_true", help="compare instead of writing; exit 1 on a difference"
+    )
     args = ap.parse_args()
     if args.check:
         bad = differences()
