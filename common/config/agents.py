@@ -151,7 +151,7 @@ class RateLimitsConfig(Section):
 
     state_dir: str | None = None
     """Directory of the lock and state files; null: <run_dir>/ratelimit. Put it on a shared
-    filesystem to share limits across hosts (see README, Rate limits)."""
+    filesystem to share limits across hosts (see docs/rollout-server.md, Rate limits)."""
     acquire_timeout_s: float = Field(default=300.0, gt=0)
     """Longest wait for a token before the call fails with a rate-limit error."""
     limits: dict[str, RateLimit] = Field(default_factory=dict)
