@@ -35,8 +35,9 @@ class LaunchConfig(Section):
     stop_timeout_s: float = Field(default=60.0, gt=0)
     """Grace between SIGTERM and SIGKILL when the processes are stopped."""
     auto_port: bool = True
-    """Pick free ports for the learner (and the tool server) when they bind a loopback address, so
-    two runs on one machine do not collide; other addresses are used as configured."""
+    """The learner (and the tool server) bind port 0 when they bind a loopback address and report
+    the port they got in RUN_DIR/events.jsonl, so two runs on one machine never collide; other
+    addresses are used as configured."""
     learner_gpus: list[Annotated[int, Field(ge=0)]] | None = None
     """GPUs of the learner (CUDA ordinals of this machine), its CUDA_VISIBLE_DEVICES: its local Ray
     cluster sees only these and places one worker on each. At least trainer.n_gpus_per_node of them
