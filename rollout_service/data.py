@@ -4,9 +4,10 @@ Files (JSON list, JSONL, parquet) are read whole and every row is checked at loa
 row stops the server at start-up with the file, the row and the field named, not hours later in an
 agent loop. Bytes that are not UTF-8 are reported with the file and line, and a row bigger than
 ``data.max_row_bytes`` with its size and the limit (a JSONL line is refused without reading it
-whole). ``load_rows(..., limit=n)`` reads only the first rows, as ``--check`` does. A row needs ``question`` (str) and ``answer`` (str, number or list); ``data_source``
-and ``agent`` are optional; every other field is kept for reward functions (``tests``,
-``documents``...).
+whole). ``load_rows(..., limit=n)`` reads only the first rows, as ``--check`` does. Each row is
+adapted by its layout (``rollout_service.layouts``: ours and AgentFly's question/answer rows,
+verl's chat-prompt rows with ``reward_model.ground_truth``), which names the field a bad row lacks;
+every other field is kept for reward functions (``tests``, ``documents``, ``extra_info``...).
 
 ``PromptSource`` concatenates the configured sources; a row's *global index* is its place in that
 concatenation, stable across epochs and restarts. Each epoch is a permutation of all global
@@ -45,7 +46,10 @@ import numpy as np
 
 from common.config.training import DataConfig
 from common.fileio import atomic_write_bytes
+from rollout_service.layouts import DEFAULT_LAYOUT, DataError, LayoutOptions, adapt_row
 from rollout_service.mixing import MixedSchedule, batch_counts, smallest_fitting_batch_size
+
+__all__ = ["DataError", "LayoutOptions", "PromptItem", "PromptSource", "Source", "layout_options"]
 
 STATE_FILE = "data_cursor.json"
 STATE_FORMAT = 1
@@ -53,10 +57,6 @@ _GROUP_UID = re.compile(
     r"^e(\d+)-([im])(\d+)$"
 )  # i: row index (plain), m: slot in the epoch (mixed)
 _MIX_KEYS = ("ratios", "batch_size", "source_rows")  # in the cursor's fingerprint when mixing
-
-
-class DataError(ValueError):
-    """A data file or row is unusable; the message names the file, the row and the field."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,14 @@ def load_rows(
     *,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     limit: int | None = None,
+    options: LayoutOptions = DEFAULT_LAYOUT,
 ) -> list[dict[str, Any]]:
-    """Every row of one file (the first ``limit`` only, when given), validated. Raises
-    ``DataError`` naming the file, the line or row, and the field or limit."""
-    return [row for _, row in located_rows(path, max_row_bytes=max_row_bytes, limit=limit)]
+    """Every row of one file (the first ``limit`` only, when given), adapted from its layout and
+    validated. Raises ``DataError`` naming the file, the line or row, and the field or limit."""
+    return [
+        row
+        for _, row in located_rows(path, max_row_bytes=max_row_bytes, limit=limit, options=options)
+    ]
 
 
 def located_rows(
@@ -110,6 +114,7 @@ def located_rows(
     *,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     limit: int | None = None,
+    options: LayoutOptions = DEFAULT_LAYOUT,
 ) -> list[tuple[str, dict[str, Any]]]:
     """``load_rows`` with where each row is in its file ("line 3", "row 2"), for messages."""
     p = Path(path)
@@ -121,9 +126,10 @@ def located_rows(
             f"{p}: unknown data file type {p.suffix.lower()!r} "
             f"(expected {', '.join(sorted(_READERS))})"
         )
-    rows = reader(p, max_row_bytes, limit)
-    for where, row in rows:
-        _check_row(row, f"{p}: {where}")
+    rows = [
+        (where, adapt_row(row, f"{p}: {where}", options))
+        for where, row in reader(p, max_row_bytes, limit)
+    ]
     if not rows:
         raise DataError(f"{p}: the file holds no rows")
     return rows
@@ -249,36 +255,6 @@ _READERS: dict[str, Reader] = {
 """File suffix -> its reader."""
 
 
-def _check_row(row: Any, where: str) -> None:
-    if not isinstance(row, dict):
-        raise DataError(
-            f"{where}: expected an object with 'question' and 'answer', got {type(row).__name__}"
-        )
-    question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        raise DataError(
-            f"{where}: field 'question': expected a non-empty string, got {_show(question)}"
-        )
-    answer = row.get("answer")
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float | list):
-        raise DataError(
-            f"{where}: field 'answer': expected a string, number or list, got {_show(answer)}"
-        )
-    for key in ("data_source", "agent"):
-        value = row.get(key)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise DataError(
-                f"{where}: field {key!r}: expected a non-empty string, got {_show(value)}"
-            )
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "nothing (missing or null)"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
-
-
 # -- the prompt stream -----------------------------------------------------------------------------
 
 
@@ -287,6 +263,11 @@ class _Row:
     row: dict[str, Any]
     data_source: str
     agent_type: str
+
+
+def layout_options(data: DataConfig) -> LayoutOptions:
+    """The ``data.*`` keys that shape how rows are read."""
+    return LayoutOptions(prompt_key=data.prompt_key)
 
 
 def sources_from_config(data: DataConfig) -> list[Source]:
@@ -318,13 +299,14 @@ class PromptSource:
         max_epochs: int | None = None,
         batch_size: int | None = None,
         max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+        options: LayoutOptions = DEFAULT_LAYOUT,
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise DataError(f"shard_index {shard_index} is not in [0, shard_count={shard_count})")
         self.shard_index, self.shard_count = shard_index, shard_count
         self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
         self.rows, self.source_rows = _load_sources(
-            sources, default_agent_type, max_row_bytes=max_row_bytes
+            sources, default_agent_type, max_row_bytes=max_row_bytes, options=options
         )
         self.ratios = [s.ratio for s in sources]
         self.mix = _mixed_schedule(
@@ -374,6 +356,7 @@ class PromptSource:
             max_epochs=max_epochs,
             batch_size=data.train_batch_size,
             max_row_bytes=data.max_row_bytes,
+            options=layout_options(data),
         )
 
     # -- iteration ---------------------------------------------------------------------------------
@@ -554,6 +537,7 @@ def _load_sources(
     default_agent_type: str,
     *,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    options: LayoutOptions = DEFAULT_LAYOUT,
 ) -> tuple[list[_Row], list[int]]:
     """Every source's rows, concatenated, and how many rows each source has."""
     rows: list[_Row] = []
@@ -562,7 +546,7 @@ def _load_sources(
         before = len(rows)
         for path in source.paths:
             fallback_name = source.name or Path(path).stem
-            for row in load_rows(path, max_row_bytes=max_row_bytes):
+            for row in load_rows(path, max_row_bytes=max_row_bytes, options=options):
                 # A dataset's name is authoritative (metrics and rewards group by it); plain
                 # train_files keep each row's own data_source. The agent is the most specific one
                 # named: the row's own, else the dataset's, else data.agent_type.

@@ -4,8 +4,8 @@ staleness; the unit a rollout server ships (GRPO needs the whole group in one ba
 Design: this module knows agents, rewards and the staleness rule, and nothing about sockets or
 data files, so the server composes it with the data source and the shipper, and tests drive it
 with a scripted engine. Reward functions are chosen per row (its ``reward_fn``), else per data
-source, else the default; a reward function that raises scores the episode 0 with the error in
-its extras instead of losing the group.
+source (the config's table, else verl's: ``rewards.data_sources``), else the default; a reward
+function that raises scores the episode 0 with the error in its extras instead of losing the group.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from protocol.trajectory import Trajectory
 from rollout_service.agents.base import AGENTS, AgentDeps
 from rollout_service.agents.episode import Episode
 from rollout_service.rewards.base import REWARDS, EpisodeView, RewardResult
+from rollout_service.rewards.data_sources import reward_for_data_source
 
 log = get_logger("rollout_service.groups")
 
@@ -34,7 +35,8 @@ class RewardChoice:
         own = row.get("reward_fn")
         if isinstance(own, str) and own:
             return own
-        return self.by_data_source.get(data_source, self.default)
+        mapped = self.by_data_source.get(data_source) or reward_for_data_source(data_source)
+        return mapped or self.default
 
 
 def episode_view(ep: Episode, renderer: Any) -> EpisodeView:

@@ -3,8 +3,8 @@
 Design: the config loader checks types, ranges and paths; whether a name exists in a registry, and
 whether a data file's rows are usable, is known only to the rollout service. ``check_issues``
 answers both without an engine, a model or the network: it reads the first ``PEEK_ROWS`` rows of
-every data file (``data.located_rows(limit=...)``, so encoding, row size and field errors name
-the file and line), checks the agent types those rows and the config name against the registry
+every data file (``data.located_rows(limit=...)``, so encoding, row size, layout and field errors
+name the file, the line or row and the field; the layouts are ``rollout_service.layouts``), checks the agent types those rows and the config name against the registry
 (naming the row or key), then runs the rollout server's own start-up check (``server.check_names``:
 reward functions, the agents' tools) and checks the tool options and the rows' own ``reward_fn``. Each problem becomes an ``Issue`` naming its config key, and ``--check`` exits 2 on
 any, as the real start would refuse them. Only warnings: a data file missing on this machine (data
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.errors import Issue
-from rollout_service.data import DataError, located_rows, sources_from_config
+from rollout_service.data import DataError, layout_options, located_rows, sources_from_config
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -56,7 +56,12 @@ def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: boo
             )
             continue
         try:
-            rows = located_rows(path, max_row_bytes=data.max_row_bytes, limit=PEEK_ROWS)
+            rows = located_rows(
+                path,
+                max_row_bytes=data.max_row_bytes,
+                limit=PEEK_ROWS,
+                options=layout_options(data),
+            )
         except DataError as e:
             problems.append(Issue(file_key, str(e)))
             continue

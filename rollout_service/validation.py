@@ -33,7 +33,7 @@ import anyio
 from protocol.messages import ValidateResult
 from protocol.validation import EpisodeOutcome, summarize
 from rollout_service.agents.base import AgentDeps
-from rollout_service.data import DataError, Source, _load_sources
+from rollout_service.data import DataError, Source, _load_sources, layout_options
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.groups import RewardChoice, run_group
 
@@ -55,7 +55,10 @@ def load_val_rows(data: Any, *, shard_index: int, shard_count: int) -> list[ValR
     if not data.val_files:
         return []
     rows, _ = _load_sources(
-        [Source(tuple(data.val_files))], data.agent_type, max_row_bytes=data.max_row_bytes
+        [Source(tuple(data.val_files))],
+        data.agent_type,
+        max_row_bytes=data.max_row_bytes,
+        options=layout_options(data),
     )
     return [
         ValRow(i, r.row, r.data_source, r.agent_type)

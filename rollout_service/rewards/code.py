@@ -1,10 +1,11 @@
 """The ``code`` reward: does the model's program pass the row's tests?
 
 Design: the program (the finish/answer tool's answer, else the last fenced Python block of the
-response) and the tests (``row["tests"]``: one string of asserts or a list of them) run as one
-file in the sandbox. Passing means the file ran to its end: it must exit 0 *and* print a random
-sentinel appended after the tests, so code that calls ``sys.exit(0)`` or ``os._exit(0)`` before
-the tests run does not pass. Score 1.0 or 0.0; a timeout or kill is a failure.
+response) and the tests (``row["tests"]``, else ``row["extra_info"]["tests"]``: one string of
+asserts or a list of them) run as one file in the sandbox. Passing means the file ran to its end:
+it must exit 0 *and* print a random sentinel appended after the tests, so code that calls
+``sys.exit(0)`` or ``os._exit(0)`` before the tests run does not pass. Score 1.0 or 0.0; a
+timeout or kill is a failure.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def extract_code(view: EpisodeView) -> str | None:
 
 def _tests(row: dict[str, Any]) -> str | None:
     tests = row.get("tests")
+    extra = row.get("extra_info")
+    if tests is None and isinstance(extra, dict):  # a verl row keeps its extras in extra_info
+        tests = extra.get("tests")
     if isinstance(tests, str) and tests.strip():
         return tests
     if isinstance(tests, list | tuple) and tests and all(isinstance(t, str) for t in tests):
