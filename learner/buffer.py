@@ -15,12 +15,21 @@ stale once stays stale and is dropped as soon as it is seen.
 Room: the protocol counts room per received batch, not per group. The buffer therefore counts, per
 record, the groups not yet finished (queued, or taken and not yet trained); the record's room is
 freed (``batch_consumed``) by whoever finishes its last group, trained or dropped, exactly once.
+
+Mixed batches (``data.datasets``): ``mixed_pick`` chooses a step's groups in the configured counts
+per data source (``common.mixing.batch_counts``, the rounding the rollout servers' schedules use),
+earliest deadline first within each source. Deadlines come first: while what the pick leaves behind
+does not fit (a group would grow too stale, or admission's feasibility fails), the latest-deadline
+group picked gives its place to the earliest-deadline group left, so mixing never makes a group
+stale that plain earliest-deadline-first would have trained. A source with too few groups queued
+leaves its places empty (the caller waits) unless ``fill``: then they go to the other sources,
+earliest deadline first. ``learner.intake`` decides when to fill (``learner.mix_wait_s``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +72,11 @@ class Group:
         return float("inf") if self.oldest_version is None else float(self.oldest_version)
 
     @property
+    def source(self) -> str:
+        """The data source of the group's prompt (``Trajectory.data_source``)."""
+        return self.trajectories[0].data_source if self.trajectories else ""
+
+    @property
     def sampled_tokens(self) -> int:
         """Response tokens the policy generated (mask 1): what training on the group uses."""
         return sum(int(np.count_nonzero(t.response_mask)) for t in self.trajectories)
@@ -78,6 +92,54 @@ def split_groups(record_id: int, trajectories: Sequence[Trajectory]) -> list[Gro
         olds = [v for v in map(oldest_version, trajs) if v is not None]
         groups.append(Group((record_id, uid), trajs, min(olds) if olds else None))
     return groups
+
+
+def mixed_pick(
+    queued: Sequence[Group],
+    quotas: Mapping[str, int],
+    *,
+    fill: bool,
+    fits: Callable[[list[Group]], bool],
+) -> list[Group] | None:
+    """The groups of one mixed step: ``quotas[source]`` groups of each source (``sum(quotas)`` in
+    all) out of ``queued`` (earliest deadline first, as ``GroupBuffer.by_deadline``), in that order.
+    None when a source has too few groups and not ``fill``; with ``fill`` the empty places go to the
+    groups of any source (one without a quota included), earliest deadline first, and fewer are
+    returned only if fewer are queued. Then, while ``fits(left behind)`` is false, the latest-deadline
+    group picked is swapped for the earliest-deadline one left (only ever for a strictly earlier
+    deadline): at worst the pick ends as earliest-deadline-first would have made it."""
+    n = sum(quotas.values())
+    order = {g: i for i, g in enumerate(queued)}
+    want = dict(quotas)
+    pick: list[Group] = []
+    for g in queued:
+        if want.get(g.source, 0) > 0:
+            want[g.source] -= 1
+            pick.append(g)
+    if len(pick) < n:
+        if not fill:
+            return None
+        chosen = set(pick)
+        pick += [g for g in queued if g not in chosen][: n - len(pick)]
+    chosen = set(pick)
+    rest = [g for g in queued if g not in chosen]
+    while rest and not fits(rest):
+        late = max(pick, key=lambda g: (g.deadline_key, order[g]))
+        early = rest[0]
+        if late.deadline_key <= early.deadline_key:
+            break  # nothing earlier to take instead: as good as earliest-deadline-first
+        pick[pick.index(late)] = early
+        rest = sorted([*rest[1:], late], key=order.__getitem__)
+    return sorted(pick, key=order.__getitem__)
+
+
+def mix_shortfall(groups: Iterable[Group], quotas: Mapping[str, int]) -> int:
+    """Places of the configured mix that ``groups`` fill with another source's groups (or leave
+    empty): ``sum over sources of max(0, quota - groups of that source)``."""
+    have: dict[str, int] = {}
+    for g in groups:
+        have[g.source] = have.get(g.source, 0) + 1
+    return sum(max(0, q - have.get(s, 0)) for s, q in quotas.items())
 
 
 @dataclass
@@ -157,6 +219,14 @@ class GroupBuffer:
         for g in self.by_deadline()[:n_groups]:
             self._inflight[g.key] = self._queue.pop(g.key)
             out.groups.append(g)
+        return out
+
+    def take_these(self, groups: Iterable[Group]) -> list[Group]:
+        """Take exactly ``groups`` (queued ones, e.g. a ``mixed_pick``): in flight until ``finish``."""
+        out = []
+        for g in groups:
+            self._inflight[g.key] = self._queue.pop(g.key)
+            out.append(g)
         return out
 
     def by_deadline(self) -> list[Group]:

@@ -29,6 +29,20 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
   earliest deadline first. ``waste_metrics`` reports the share of generated tokens never trained
   (dropped here as stale, or dropped by the servers themselves and reported in heartbeats).
 
+- Mixed batches (``data.datasets``, ``configure_mix``). Each step takes exactly the configured
+  count of groups per data source (``common.mixing.batch_counts`` of the ratios, the counts every
+  rollout server's schedule already holds), earliest deadline first within each source
+  (``learner.buffer.mixed_pick``). The rule: a step first waits as it does without mixing (enough
+  groups, and with admission a feasible remainder). If a source then has too few groups buffered,
+  the step waits for them at most ``learner.mix_wait_s`` from that moment, or not at all when
+  nothing more can arrive (the buffer is full, or with admission nothing is generating), and then
+  fills the missing places from the other sources, earliest deadline first. Deadlines come before
+  the mix: a group that would be too stale after the step, or that admission's feasibility needs
+  trained now, takes the place of the latest-deadline group picked, so groups of one source never
+  go stale waiting behind another's quota. Places not filled by their own source are counted
+  (``TakenBatch.mix_shortfall``, the trainer's ``batch/mix_shortfall``); with every source
+  delivering and no deadline forcing a swap, it is 0 and the batch is exactly the configured mix.
+
 - Validation. ``validate`` asks every connected rollout server that offers validation to run the
   validation set on a policy version and waits (bounded) for their metrics, or for them to leave
   (``learner.validation`` has the round and the metrics). Validation answers carry no trajectories:
@@ -47,7 +61,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +74,9 @@ from common.hostkey import host_key
 from common.identity import embedding_rows, wire_identities
 from common.log_throttle import PeerErrorLog
 from common.logging import get_logger
+from common.mixing import batch_counts
 from learner.admission import Admission
-from learner.buffer import Group, GroupBuffer, GroupKey
+from learner.buffer import Group, GroupBuffer, GroupKey, mix_shortfall, mixed_pick
 from learner.journal import Journal
 from learner.validation import ValidationRound
 from protocol.batch import token_count
@@ -179,6 +194,9 @@ class TakenBatch:
     dropped_stale: int  # groups dropped as stale since the previous batch was taken
     wait_s: float
     keys: list[GroupKey] = field(default_factory=list, repr=False)  # for mark_trained
+    sources: list[str] = field(default_factory=list)  # per group: its data source
+    mix_shortfall: int = 0  # mixed runs: places of the configured mix not filled by their source
+    mix: dict[str, int] = field(default_factory=dict)  # mixed runs: groups per source configured
 
 
 class Intake:
@@ -248,6 +266,9 @@ class Intake:
         )
         self._dropped_reported = 0
         self._admission: Admission | None = None
+        self._mix: dict[str, float] | None = None  # data source -> ratio (configure_mix)
+        self._mix_wait_s = 0.0
+        self._unknown_sources: set[str] = set()  # sources seen that the mix does not name (warned)
         self._remaining = 0  # groups the run can still train (admission grants no more)
         self._tokens = {
             "generated": 0,
@@ -324,33 +345,58 @@ class Intake:
             groups_left=remaining_groups,
         )
 
+    def configure_mix(self, ratios: Mapping[str, float], wait_s: float) -> None:
+        """Take every batch in the mix of ``ratios`` (data source -> ratio, ``data.datasets``),
+        waiting at most ``wait_s`` for a missing source (the module docstring has the rule)."""
+        if not ratios or min(ratios.values()) <= 0 or wait_s < 0:
+            raise ValueError(f"a mix needs ratios above 0 and wait_s >= 0 (got {ratios}, {wait_s})")
+        self._mix, self._mix_wait_s = dict(ratios), wait_s
+        self._log.info("mixed batches", ratios=self._mix, mix_wait_s=wait_s)
+
     async def next_batch(
         self, n_groups: int, policy_version: int, max_staleness: int
     ) -> TakenBatch:
         """Wait until ``n_groups`` fresh groups are buffered and take them, earliest deadline first.
         Groups staler than ``max_staleness`` are dropped whenever they are seen. With admission, also
-        wait for every group still generating that this step must train (it is too stale after)."""
+        wait for every group still generating that this step must train (it is too stale after).
+        With a mix (``configure_mix``), take each source's count, waiting a bounded time for it."""
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1 (got {n_groups})")
         t0 = time.monotonic()
+        quotas = self._quotas(n_groups)
+        ready_since: float | None = None  # when the step could have been taken without the mix
+        mixed: list[Group] | None = None
         while True:
             self._rule = (
                 policy_version,
                 max_staleness,
             )  # also applied to arrivals until the next call
             self._drop_stale(policy_version, max_staleness)
+            wait_for: float | None = None  # until something arrives
             if len(self._buffer) >= n_groups and self._can_take(
                 n_groups, policy_version, max_staleness
             ):
-                break
+                if quotas is None:
+                    break
+                now = time.monotonic()
+                ready_since = now if ready_since is None else ready_since
+                fill = now - ready_since >= self._mix_wait_s or not self._more_can_arrive()
+                mixed = self._mixed_pick(quotas, policy_version, max_staleness, fill=fill)
+                if mixed is not None:
+                    break
+                wait_for = ready_since + self._mix_wait_s - now
             if self._closed:
                 raise IntakeClosed("the intake was closed")
             self._check_starved(n_groups)
             self._arrived = self._arrived or anyio.Event()
-            await self._arrived.wait()
-        out = self._buffer.take(n_groups, policy_version, max_staleness)
-        self._free(out.done_records)  # (nothing is stale here: dropped just above)
-        groups = out.groups
+            with anyio.move_on_after(wait_for):
+                await self._arrived.wait()
+        if mixed is None:
+            out = self._buffer.take(n_groups, policy_version, max_staleness)
+            self._free(out.done_records)  # (nothing is stale here: dropped just above)
+            groups = out.groups
+        else:
+            groups = self._buffer.take_these(mixed)
         dropped, self._dropped_reported = (
             self._buffer.dropped_stale - self._dropped_reported,
             self._buffer.dropped_stale,
@@ -363,7 +409,52 @@ class Intake:
             dropped_stale=dropped,
             wait_s=time.monotonic() - t0,
             keys=[g.key for g in groups],
+            sources=[g.source for g in groups],
+            mix_shortfall=mix_shortfall(groups, quotas) if quotas is not None else 0,
+            mix=dict(quotas or {}),
         )
+
+    def _quotas(self, n_groups: int) -> dict[str, int] | None:
+        """Groups per source in a mixed step of ``n_groups`` (None: no mix)."""
+        if self._mix is None:
+            return None
+        counts = batch_counts(list(self._mix.values()), n_groups)
+        return dict(zip(self._mix, counts, strict=True))
+
+    def _mixed_pick(
+        self, quotas: dict[str, int], policy_version: int, max_staleness: int, *, fill: bool
+    ) -> list[Group] | None:
+        """``mixed_pick`` of the buffer: what it leaves behind must not be due now (it would be
+        dropped after this step) and, with admission, must still be trainable in time."""
+
+        def fits(left: list[Group]) -> bool:
+            deadlines = [
+                g.oldest_version + max_staleness for g in left if g.oldest_version is not None
+            ]
+            if any(d <= policy_version for d in deadlines):
+                return False
+            return self._admission is None or self._admission.can_take(deadlines, policy_version)
+
+        queued = self._buffer.by_deadline()
+        unknown = {g.source for g in queued} - set(quotas) - self._unknown_sources
+        if unknown:
+            self._unknown_sources |= unknown
+            self._log.warning(
+                "groups of a data source the mix does not name: they only fill places of others",
+                sources=sorted(unknown),
+                mix=sorted(quotas),
+            )
+        return mixed_pick(queued, quotas, fill=fill, fits=fits)
+
+    def _more_can_arrive(self) -> bool:
+        """Whether waiting can bring more groups: not when the buffer holds all the room there is,
+        nor, with admission, when nothing is generating and every server takes grants."""
+        buf, proto = self._buffer, self._proto
+        if buf.records >= proto.capacity and proto.buffered == buf.records:
+            return False
+        if self._admission is not None and not self._admission.generating:
+            return not set(proto.ready_peers()) <= set(proto.admission_peers())
+        return True
 
     def mark_trained(self, taken: TakenBatch) -> None:
         """``taken`` was trained on: batches whose groups are now all trained free their room, and

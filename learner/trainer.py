@@ -344,6 +344,10 @@ class Trainer:
         timer.lap("wait")
         trajs = list(taken.trajectories)
         metrics = batch_metrics(trajs, taken.staleness, self.version)
+        if taken.mix:  # mixed run: groups per source, and places another source filled
+            metrics["batch/mix_shortfall"] = float(taken.mix_shortfall)
+            for src in sorted({*taken.mix, *taken.sources}):
+                metrics[f"batch/groups/{src or 'unknown'}"] = float(taken.sources.count(src))
         samples = to_samples(trajs)
         metrics |= await self._prepare(trajs, samples)
         timer.lap("prepare")
@@ -429,6 +433,11 @@ class Trainer:
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
             self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
+        if self.config.data.datasets:  # each step in the configured mix (learner/intake.py)
+            self.intake.configure_mix(
+                {d.name: d.ratio for d in self.config.data.datasets},
+                self.config.learner.mix_wait_s,
+            )
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
         publisher = self.publisher = WeightPublisher.open(self.config, self.intake, self.ledger, v0)

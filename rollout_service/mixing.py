@@ -22,32 +22,15 @@ reach a large source's rows past the first ``D``. Inside a batch the rows are sh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
+# The counts have one home, shared with the learner's batch assembly (learner/buffer.py).
+from common.mixing import batch_counts as batch_counts
+from common.mixing import smallest_fitting_batch_size as smallest_fitting_batch_size
+
 _POOL, _BATCH = 1, 2  # seed tags: pool passes and in-batch shuffles draw from separate streams
-
-
-def batch_counts(ratios: Sequence[float], batch_size: int) -> list[int]:
-    """Rows per batch for each source: largest-remainder rounding of the normalised ratios."""
-    total = float(sum(ratios))
-    # Rounded so that float noise neither floors 2.9999999 to 2 nor breaks a tie (1/3, 1/3, 1/3).
-    quotas = [round(r / total * batch_size, 9) for r in ratios]
-    counts = [math.floor(q) for q in quotas]
-    # sorted() is stable, so equal remainders keep source order
-    by_remainder = sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])
-    for i in by_remainder[: batch_size - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
-def smallest_fitting_batch_size(ratios: Sequence[float], batch_size: int) -> int:
-    """The smallest batch size from ``batch_size`` on that gives every source at least one row."""
-    # Once B >= 1/min(ratio) every floor is >= 1, so the search ends there at the latest.
-    limit = max(batch_size, math.ceil(sum(ratios) / min(ratios)))
-    return next(b for b in range(batch_size, limit + 1) if min(batch_counts(ratios, b)) > 0)
 
 
 class MixedSchedule:

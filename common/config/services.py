@@ -82,6 +82,11 @@ class LearnerConfig(Section):
     waits for a slow group instead of dropping it. Nothing generated is wasted; ``max_staleness:
     0`` is a synchronous trainer. false: servers generate ahead as credits allow and the learner
     drops what grew too stale (and servers that predate 1.3 always do)."""
+    mix_wait_s: float = Field(default=30.0, ge=0)
+    """Mixed runs (``data.datasets``): each step takes exactly the configured count of groups per
+    source (the servers' schedule counts). When a source has too few groups buffered, the step waits
+    for them at most this long after it could otherwise have been taken, then fills their places
+    from the other sources (``batch/mix_shortfall``). 0: never wait for the mix."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the learner's Prometheus endpoint (``trainer.logger`` includes prometheus); null or
     0: any free port (logged)."""

@@ -1,0 +1,263 @@
+"""Mixed training batches at the learner (``learner.buffer.mixed_pick``, ``Intake.configure_mix``).
+
+Property tests on the selection: with every source delivering its count, a step holds exactly the
+configured counts (the servers' ``batch_counts``), earliest deadline first within each source; what a
+pick leaves behind is never less trainable than what earliest-deadline-first leaves; a short source
+leaves the step waiting unless told to fill. Then the real intake fed by real protocol senders over
+ZeroMQ: groups arriving in any order of sources come out in the exact mix, and a missing source
+delays a step by at most ``mix_wait_s`` and is counted as shortfall.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.mixing import batch_counts
+from learner.admission import feasible
+from learner.buffer import Group, mix_shortfall, mixed_pick
+from learner.intake import Intake
+from protocol.trajectory import Trajectory
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # test_intake's senders (importlib mode)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_intake import make_config, sending, serving, traj
+
+SOURCES = ("math", "qa", "code")
+
+
+def group(i: int, source: str, version: int) -> Group:
+    t = Trajectory(
+        f"g{i}-0",
+        f"g{i}",
+        np.zeros(2, np.int32),
+        np.zeros(3, np.int32),
+        np.ones(3, np.uint8),
+        np.zeros(3, np.float32),
+        np.full(3, version, np.int32),
+        data_source=source,
+    )
+    return Group((i, f"g{i}"), [t], version)
+
+
+def edf(groups: list[Group]) -> list[Group]:
+    return sorted(groups, key=lambda g: g.deadline_key)  # stable: arrival order among equals
+
+
+def quotas_of(ratios: list[int], batch: int) -> dict[str, int]:
+    return dict(zip(SOURCES, batch_counts([float(r) for r in ratios], batch), strict=True))
+
+
+mixes = st.tuples(
+    st.lists(st.integers(1, 9), min_size=3, max_size=3),  # ratios
+    st.integers(1, 16),  # batch size
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    mixes,
+    st.lists(st.tuples(st.sampled_from(SOURCES), st.integers(0, 3)), max_size=40),
+    st.integers(0, 3),
+)
+def test_every_source_delivering_gives_the_exact_mix(
+    mix: tuple[list[int], int], extra: list[tuple[str, int]], base: int
+) -> None:
+    ratios, batch = mix
+    quotas = quotas_of(ratios, batch)
+    # every source has at least its count queued, in an arbitrary arrival order with extras
+    arrivals = [(s, base) for s, q in quotas.items() for _ in range(q)] + extra
+    order = np.random.default_rng(len(extra) + batch).permutation(len(arrivals))
+    queued = edf([group(i, *arrivals[j]) for i, j in enumerate(order)])
+    pick = mixed_pick(queued, quotas, fill=False, fits=lambda left: True)
+    assert pick is not None and mix_shortfall(pick, quotas) == 0
+    assert {s: sum(g.source == s for g in pick) for s in SOURCES} == quotas
+    for s in SOURCES:  # each source's earliest-deadline groups, in the buffer's order
+        mine = [g for g in queued if g.source == s]
+        assert [g for g in pick if g.source == s] == mine[: quotas[s]]
+    assert pick == [g for g in queued if g in set(pick)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    mixes,
+    st.lists(st.tuples(st.sampled_from(SOURCES), st.integers(0, 4)), max_size=40),
+    st.integers(0, 2),  # max staleness
+    st.integers(0, 4),  # policy version
+)
+def test_deadlines_come_before_the_mix(
+    mix: tuple[list[int], int], arrivals: list[tuple[str, int]], k: int, version: int
+) -> None:
+    """What a filled pick leaves behind is trainable in time whenever earliest-deadline-first's
+    would be, nothing due now is left while a later group is picked, and the mix gives way only
+    as far as deadlines need: with room to spare the shortfall is what the queue lacks."""
+    ratios, batch = mix
+    quotas = quotas_of(ratios, batch)
+    queued = edf([group(i, s, min(v, version)) for i, (s, v) in enumerate(arrivals)])
+
+    def deadlines(gs: list[Group]) -> list[int]:
+        return [g.oldest_version + k for g in gs if g.oldest_version is not None]
+
+    def fits(left: list[Group]) -> bool:
+        d = deadlines(left)
+        return not any(x <= version for x in d) and feasible(d, version, batch)
+
+    pick = mixed_pick(queued, quotas, fill=True, fits=fits)
+    assert pick is not None and len(pick) == min(batch, len(queued))
+    left = [g for g in queued if g not in set(pick)]
+    if fits(queued[batch:]):
+        assert fits(left)
+    due = [g for g in left if g.oldest_version is not None and g.oldest_version + k <= version]
+    if due:  # a due group is left only when every picked group is due as well
+        assert all(g.deadline_key <= due[0].deadline_key for g in pick)
+    pure = mixed_pick(queued, quotas, fill=True, fits=lambda _: True)
+    assert pure is not None
+    if fits([g for g in queued if g not in set(pure)]):  # no deadline in the way: no swap
+        lacking = sum(max(0, q - sum(g.source == s for g in queued)) for s, q in quotas.items())
+        assert pick == pure and mix_shortfall(pick, quotas) == lacking
+
+
+@settings(max_examples=200, deadline=None)
+@given(mixes, st.lists(st.sampled_from(SOURCES), max_size=30))
+def test_a_short_source_waits_unless_told_to_fill(
+    mix: tuple[list[int], int], sources: list[str]
+) -> None:
+    ratios, batch = mix
+    quotas = quotas_of(ratios, batch)
+    queued = [group(i, s, 0) for i, s in enumerate(sources)]
+    short = any(sources.count(s) < q for s, q in quotas.items())
+    waiting = mixed_pick(queued, quotas, fill=False, fits=lambda _: True)
+    assert (waiting is None) == short
+    filled = mixed_pick(queued, quotas, fill=True, fits=lambda _: True)
+    assert filled is not None and len(filled) == min(batch, len(queued))
+    for s, q in quotas.items():  # every source still gives what it has, up to its count
+        assert sum(g.source == s for g in filled) >= min(q, sources.count(s))
+
+
+def test_a_source_the_mix_does_not_name_only_fills() -> None:
+    quotas = {"math": 2, "qa": 1}
+    queued = [group(0, "other", 0), group(1, "math", 0), group(2, "qa", 0), group(3, "math", 0)]
+    pick = mixed_pick(queued, quotas, fill=False, fits=lambda _: True)
+    assert pick is not None and [g.uid for g in pick] == ["g1", "g2", "g3"]
+    pick = mixed_pick(queued[:3], quotas, fill=True, fits=lambda _: True)
+    assert pick is not None and [g.uid for g in pick] == ["g0", "g1", "g2"]
+    assert mix_shortfall(pick, quotas) == 1
+
+
+# -- the real intake, real senders --------------------------------------------------------------------
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def source_batch(tag: str, source: str, version: int = 0) -> list[Trajectory]:
+    """One group of two trajectories of ``source``."""
+    out = [traj(f"{tag}-{i}", tag, version=version, seed=i) for i in range(2)]
+    for t in out:
+        t.data_source = source
+    return out
+
+
+MIX = {"math": 0.4, "qa": 0.3, "code": 0.3}  # 4/3/3 of 10
+
+
+@pytest.mark.anyio
+async def test_intake_steps_hold_the_exact_mix_whatever_the_arrival_order(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    intake.configure_mix(MIX, wait_s=30.0)
+    rng = np.random.default_rng(0)
+    # three steps' worth, 12/9/9, sent in clumps: all of math first, then the rest shuffled
+    plan = ["math"] * 12 + list(rng.permutation(["qa"] * 9 + ["code"] * 9))
+    async with serving(intake) as address, sending(address, tiny_model) as s:
+        for i, src in enumerate(plan):
+            await s.client.submit(source_batch(f"b{i}", src))
+        steps: list[Any] = []
+        for _ in range(3):
+            taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+            steps.append(taken)
+            intake.mark_trained(taken)
+    for taken in steps:
+        assert {src: taken.sources.count(src) for src in MIX} == {"math": 4, "qa": 3, "code": 3}
+        assert taken.mix_shortfall == 0 and taken.mix == {"math": 4, "qa": 3, "code": 3}
+        assert len(taken.trajectories) == 20 and taken.wait_s < 30.0
+        assert all(
+            t.data_source == src
+            for t, src in zip(taken.trajectories[::2], taken.sources, strict=True)
+        )
+    # arrival order within a source (all version 0: equal deadlines)
+    assert [
+        int(u[1:])
+        for u, s in zip(steps[0].group_uids, steps[0].sources, strict=True)
+        if s == "math"
+    ] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+
+
+@pytest.mark.anyio
+async def test_a_missing_source_delays_a_step_at_most_mix_wait_s(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    wait_s = 1.0
+    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    intake.configure_mix(MIX, wait_s=wait_s)
+    async with serving(intake) as address, sending(address, tiny_model) as s:
+        for i, src in enumerate(["math"] * 6 + ["qa"] * 6):  # no code at all
+            await s.client.submit(source_batch(f"b{i}", src))
+        await until_buffered(intake, 12)
+        t0 = time.monotonic()
+        taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+        elapsed = time.monotonic() - t0
+        intake.mark_trained(taken)
+        assert (
+            wait_s * 0.9 <= elapsed < wait_s + 2.0
+        )  # waited for code, and no longer than the bound
+        assert taken.mix_shortfall == 3 and len(taken.group_uids) == 10
+        assert taken.sources.count("math") >= 4 and taken.sources.count("qa") >= 3
+        # code arrives late: the next step has it again, in the exact mix
+        for i in range(3):
+            await s.client.submit(source_batch(f"c{i}", "code"))
+        for i in range(5):
+            await s.client.submit(source_batch(f"d{i}", "math" if i < 4 else "qa"))
+        taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+        assert taken.mix_shortfall == 0 and taken.wait_s < wait_s
+        assert {src: taken.sources.count(src) for src in MIX} == {"math": 4, "qa": 3, "code": 3}
+
+
+@pytest.mark.anyio
+async def test_a_group_due_now_is_trained_even_beyond_its_source_count(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Five math groups of version 0 at version 1 with max_staleness 1: all due now. The mix wants
+    only four; the fifth takes the place of a fresher group instead of being dropped."""
+    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    intake.configure_mix(MIX, wait_s=30.0)
+    async with serving(intake) as address, sending(address, tiny_model) as s:
+        for i in range(5):
+            await s.client.submit(source_batch(f"old{i}", "math", version=0))
+        for i, src in enumerate(["math"] * 4 + ["qa"] * 3 + ["code"] * 3):
+            await s.client.submit(source_batch(f"new{i}", src, version=1))
+        await until_buffered(intake, 15)
+        taken = await intake.next_batch(10, policy_version=1, max_staleness=1)
+        assert sum(u.startswith("old") for u in taken.group_uids) == 5
+        assert taken.mix_shortfall == 1 and taken.dropped_stale == 0
+
+
+async def until_buffered(intake: Intake, n: int, timeout: float = 10.0) -> None:
+    import anyio
+
+    with anyio.fail_after(timeout):
+        while intake.stats["buffered_groups"] < n:
+            await anyio.sleep(0.01)
