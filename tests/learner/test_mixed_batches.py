@@ -27,7 +27,7 @@ from learner.intake import Intake
 from protocol.trajectory import Trajectory
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # test_intake's senders (importlib mode)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.append(str(Path(__file__).resolve().parent))
 from test_intake import make_config, sending, serving, traj
 
 SOURCES = ("math", "qa", "code")
