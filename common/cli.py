@@ -89,6 +89,7 @@ def main(
         print(exc, file=sys.stderr)
         return 2
     if args.check:
+        print_aliases(config)
         if preflight is not None and (status := check_preflight(preflight, config)):
             return status
         sys.stdout.write(dump_config(config))
@@ -122,6 +123,13 @@ def main(
         return 1
     log.info("finished", status=result if isinstance(result, int) else 0)
     return result if isinstance(result, int) else 0
+
+
+def print_aliases(config: Config) -> None:
+    """At ``--check``: what each foreign key (AgentFly's ``agent.*``, verl keys named differently
+    here; ``common.config.aliases``) became, one line each on stderr."""
+    for applied in config.applied_aliases:
+        print(f"alias: {applied.describe()}", file=sys.stderr)
 
 
 def check_preflight(target: str, config: Config) -> int:

@@ -45,9 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ROLLOUT_PREFLIGHT,
             TOOL_SERVER_PREFLIGHT,
             check_preflight,
+            print_aliases,
         )
 
         if args.check:
+            print_aliases(config)
             # What the learner (its metric sinks), the rollout servers (names, data) and the tool
             # server would refuse at start.
             preflights = [

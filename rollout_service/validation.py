@@ -122,7 +122,11 @@ class ValidationRunner:
         self.n = config.actor_rollout_ref.rollout.val_kwargs.n
         self.sampling = val_sampling(config)
         self.shard_index, self.shard_count = server.shard_index, server.shard_count
-        self._limit = anyio.CapacityLimiter(max(1, server.max_concurrent_episodes // self.n))
+        # Prompts played at once: what the episode limit holds, at most data.val_batch_size.
+        at_once = max(1, server.max_concurrent_episodes // self.n)
+        if config.data.val_batch_size is not None:
+            at_once = min(at_once, config.data.val_batch_size)
+        self._limit = anyio.CapacityLimiter(at_once)
 
     @classmethod
     def from_config(cls, config: Config, *, server_id: str) -> ValidationRunner:

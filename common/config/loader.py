@@ -18,6 +18,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import AliasChoices, BaseModel, ValidationError
 
+from common.config import aliases
 from common.config.errors import ConfigError, Issue, issues_from_validation_error
 from common.config.root import Config
 
@@ -150,11 +151,44 @@ def load_config(
     tree: dict[str, Any] = read_config_file(path) if path is not None else {}
     overridden: dict[str, str] = {}
     problems: list[Issue] = []
+    applied: list[aliases.Applied] = []
+    # Foreign keys (AgentFly's agent.*, verl keys named differently here) become ours first.
+    for parts, value in aliases.foreign_keys_in_tree(tree):
+        aliases.remove_key(tree, parts)
+        try:
+            done = aliases.translate(parts, value)
+            if done.target is not None:
+                set_key(tree, done.target.split("."), done.converted)
+            applied.append(done)
+        except aliases.AliasError as exc:
+            problems.append(Issue(exc.key, str(exc), source=source))
+        except ConfigError as exc:
+            problems += exc.issues
+    if aliases.AGENT_SECTION in tree and not tree[aliases.AGENT_SECTION]:
+        del tree[aliases.AGENT_SECTION]  # `agent:` with nothing left under it
+    # Key -> (override label, value, set by an alias): an alias and our own key setting one key to
+    # different values is refused rather than one of them silently winning.
+    set_by: dict[str, tuple[str, Any, bool]] = {}
     for text in overrides:
         label = override_label(text)
         try:
             parts, value = parse_override(text)
+            is_alias = aliases.is_foreign(parts)
+            if is_alias:
+                done = aliases.translate(parts, value)
+                applied.append(done)
+                if done.target is None:
+                    continue
+                parts, value = done.target.split("."), done.converted
+            key = ".".join(parts)
+            earlier = set_by.get(key)
+            if earlier and (is_alias or earlier[2]) and earlier[1] != value:
+                _conflict(key, earlier[0])
+            set_by[key] = (label, value, is_alias)
             set_key(tree, parts, value)
+        except aliases.AliasError as exc:
+            problems.append(Issue(exc.key, str(exc), source=label))
+            continue
         except ConfigError as exc:
             problems += exc.with_sources(lambda _i, label=label: label).issues
             continue
@@ -176,7 +210,13 @@ def load_config(
         problems += exc.issues
     if problems or config is None:
         raise ConfigError(problems).with_sources(blame)
+    config.applied_aliases = applied
     return config
+
+
+def _conflict(key: str, other: str) -> None:
+    """An alias and our own key both set ``key``, differently: say so rather than pick one."""
+    raise ConfigError([Issue(key, f"is set both here and by {other}, differently; keep one")])
 
 
 def dump_config(config: Config) -> str:

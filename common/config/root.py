@@ -12,8 +12,9 @@ that exist only on another machine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from common.config.actor_rollout_ref import ActorRolloutRefConfig
 from common.config.agents import AgentsConfig, ToolsConfig, ToolServerConfig
@@ -67,6 +68,17 @@ class Config(Section):
     """bin/tool-server."""
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     """bin/train: the processes of a whole job on this machine."""
+    _applied_aliases: list[Any] = PrivateAttr(default_factory=list)
+
+    @property
+    def applied_aliases(self) -> list[Any]:
+        """The foreign keys the loader read as ours (``common.config.aliases.Applied``), for
+        ``--check`` to print; not part of the config itself (never dumped)."""
+        return self._applied_aliases
+
+    @applied_aliases.setter
+    def applied_aliases(self, value: list[Any]) -> None:
+        self._applied_aliases = list(value)
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> Config:

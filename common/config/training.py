@@ -132,7 +132,8 @@ class DataConfig(Section):
     train_batch_size: int = Field(default=4, gt=0)
     """Prompts per training step (each sampled rollout.n times)."""
     val_batch_size: int | None = Field(default=None, gt=0)
-    """Prompts per validation batch; null: the whole validation set at once."""
+    """Validation prompts a rollout server plays at once (its share of a validation run); null: as
+    many as rollout_server.max_concurrent_episodes holds."""
     max_prompt_length: int = Field(default=256, gt=0)
     """Longest prompt in tokens; longer prompts are filtered out."""
     max_response_length: int = Field(default=128, gt=0)
@@ -142,7 +143,9 @@ class DataConfig(Section):
     seed: int = 0
     """Seed of the data order and the mixed-batch schedule."""
     prompt_key: str = Field(default="prompt", min_length=1)
-    """Field of a data record that holds the prompt (chat messages or text)."""
+    """Field of a verl-layout row that holds the prompt: a chat-message list (rendered with the chat
+    template as given) or a string (one user message). Rows with `question` (ours, AgentFly's) do
+    not use it. See docs/rollout-server.md, Data."""
     max_row_bytes: int = Field(default=4 << 20, gt=0)
     """Largest data row in bytes (a JSONL line; a JSON or parquet row as compact JSON): a bigger one
     stops the load naming the file, the line or row, its size and this limit. 4 MiB holds long
