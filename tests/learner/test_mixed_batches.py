@@ -261,3 +261,141 @@ async def until_buffered(intake: Intake, n: int, timeout: float = 10.0) -> None:
     with anyio.fail_after(timeout):
         while intake.stats["buffered_groups"] < n:
             await anyio.sleep(0.01)
+
+
+# -- a whole run under admission, mixed ---------------------------------------------------------------
+def simulate_mixed(
+    seed: int, ratios: list[int], batch: int, k: int, steps: int, n_servers: int, wait_ticks: int
+) -> list[int]:
+    """``tests/learner/test_admission.py``'s discrete-time run (grants, heavy-tailed generation,
+    versions reaching servers late), with prompts from each server's share of an exact-mix schedule
+    (whole batches dealt round-robin, shuffled inside) and steps chosen by ``mixed_pick``: the step
+    waits ``wait_ticks`` for a missing source once it could otherwise go, or not at all when
+    nothing is generating. Checks the admission guarantees; returns each step's shortfall."""
+    import random
+
+    from learner.admission import Admission
+    from learner.buffer import GroupBuffer
+
+    rng = random.Random(seed)
+    quotas = quotas_of(ratios, batch)
+    adm, buf = Admission(batch, k), GroupBuffer()
+    names = [f"s{i}" for i in range(n_servers)]
+    slots = {s: rng.randint(1, 2 * batch) for s in names}
+    lag = {s: rng.randint(0, 4) for s in names}
+    loaded = dict.fromkeys(names, 0)
+    pending: dict[str, list[tuple[int, int]]] = {s: [] for s in names}
+    grants: dict[str, dict[int, int]] = {s: {} for s in names}
+    running: dict[str, list[tuple[str, str, list[int], list[int]]]] = {s: [] for s in names}
+    prompts: dict[str, list[str]] = {s: [] for s in names}  # each server's schedule, in order
+    for b in range((steps + 1) * n_servers):  # any server may run every group of the run
+        mix = [s for s, q in quotas.items() for _ in range(q)]
+        rng.shuffle(mix)
+        prompts[names[b % n_servers]] += mix
+    for s in names:
+        adm.joined(s, slots[s])
+    remaining, version, uid, record = steps * batch, 0, 0, 0
+    training: tuple[int, list[Group]] | None = None
+    ready_since: int | None = None
+    shortfalls: list[int] = []
+
+    def grant() -> None:
+        for name, n in adm.grants(
+            held=len(buf) + buf.in_flight, remaining=remaining, min_version=version
+        ):
+            grants[name][version] = grants[name].get(version, 0) + n
+
+    def fits(left: list[Group]) -> bool:
+        d = [g.oldest_version + k for g in left if g.oldest_version is not None]
+        return not any(x <= version for x in d) and adm.can_take(d, version)
+
+    grant()
+    for tick in range(100_000):
+        for s in names:
+            while pending[s] and pending[s][0][0] <= tick:
+                loaded[s] = pending[s].pop(0)[1]
+            usable = sorted(m for m, n in grants[s].items() if n and m <= loaded[s])
+            while usable and len(running[s]) < slots[s]:
+                m = usable[0]
+                grants[s][m] -= 1
+                if not grants[s][m]:
+                    usable.pop(0)
+                length = min(400, max(1, int(rng.lognormvariate(2.0, 1.2))))
+                running[s].append((f"g{uid}", prompts[s].pop(0), [length], []))
+                uid += 1
+            for g in list(running[s]):
+                g[3].append(loaded[s])
+                g[2][0] -= 1
+                if not g[2][0]:
+                    running[s].remove(g)
+                    record += 1
+                    n = len(g[3])
+                    t = Trajectory(
+                        f"{g[0]}-0",
+                        g[0],
+                        np.zeros(2, np.int32),
+                        np.zeros(n, np.int32),
+                        np.ones(n, np.uint8),
+                        np.zeros(n, np.float32),
+                        np.array(g[3], np.int32),
+                        data_source=g[1],
+                    )
+                    added = buf.add(record, [t])
+                    assert adm.received(s, added[0].oldest_version)
+                    grant()
+        if training is not None and training[0] <= tick:
+            version += 1
+            for s in names:
+                pending[s].append((tick + lag[s], version))
+            buf.finish([g.key for g in training[1]])
+            remaining -= batch
+            training = None
+            grant()
+        if training is None and len(shortfalls) < steps and len(buf) >= batch:
+            left = [g.oldest_version + k for g in buf.by_deadline()[batch:]]
+            if adm.can_take(left, version):
+                ready_since = tick if ready_since is None else ready_since
+                fill = tick - ready_since >= wait_ticks or not adm.generating
+                pick = mixed_pick(buf.by_deadline(), quotas, fill=fill, fits=fits)
+                if pick is not None:
+                    assert not buf.drop_stale(version, k).dropped, f"tick {tick}: stale groups"
+                    taken = buf.take_these(pick)
+                    assert len(taken) == batch
+                    for g in taken:
+                        assert version - g.oldest_version <= k  # the per-token bound
+                    shortfalls.append(mix_shortfall(taken, quotas))
+                    training = (tick + rng.randint(1, 30), taken)
+                    ready_since = None
+        if len(shortfalls) == steps and training is None:
+            break
+    else:
+        raise AssertionError(f"deadlock: {len(shortfalls)} of {steps} steps")
+    assert buf.dropped_stale == 0
+    assert uid == steps * batch, "groups were generated beyond what the run trains"
+    return shortfalls
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    mix=mixes,
+    k=st.integers(0, 3),
+    steps=st.integers(1, 6),
+    n_servers=st.integers(1, 3),
+    wait_ticks=st.sampled_from([0, 10, 10**9]),
+)
+def test_mixed_steps_keep_admissions_guarantees(
+    seed: int,
+    mix: tuple[list[int], int],
+    k: int,
+    steps: int,
+    n_servers: int,
+    wait_ticks: int,
+) -> None:
+    """Mixing under admission: nothing dropped or generated beyond the run, no token too stale, no
+    deadlock, whatever the wait; with one server, ``max_staleness <= 1`` and the mix waited for, every
+    step is the exact mix."""
+    ratios, batch = mix
+    shortfalls = simulate_mixed(seed, ratios, batch, k, steps, n_servers, wait_ticks)
+    if n_servers == 1 and k <= 1 and wait_ticks == 10**9:
+        assert shortfalls == [0] * steps
