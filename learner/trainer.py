@@ -35,6 +35,7 @@ from common.logging import get_logger
 from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
 from learner import checkpoints, trained_log, versions
+from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
     reduce_worker_metrics,
@@ -92,6 +93,7 @@ def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
         clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
         loss_agg_mode=actor.loss_agg_mode,
+        policy_loss=policy_loss_settings(actor),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,

@@ -1,7 +1,8 @@
 """The loss of one micro-batch for the actor and the critic, as a worker computes it.
 
-Design: the objective is assembled from `learner.algorithms` (PPO clip with dual clip and truncated
-importance weights, entropy bonus, KL loss, clipped value loss); every term is aggregated with the
+Design: the objective is assembled from `learner.algorithms` (verl's policy loss of
+``actor.policy_loss.loss_mode``, PPO clip with dual clip by default, with truncated importance
+weights; entropy bonus, KL loss, clipped value loss); every term is aggregated with the
 mini-batch's global counts (`LossNorm`), so summing micro-batch losses over micro-batches and ranks
 (FSDP averages gradients over ranks; `dp_size` undoes that) gives the loss of the whole mini-batch.
 Metrics are returned as sums for the trainer to reduce across ranks (`learner.prepare.
@@ -22,9 +23,10 @@ from learner.algorithms import (
     LossNorm,
     agg_loss,
     kl_penalty,
-    ppo_policy_loss,
+    policy_loss,
     truncated_is_weights,
     value_loss,
+    verl_actor_config,
 )
 from learner.model import MicroBatch, policy_outputs, value_outputs
 from learner.samples import MiniBatchPlan, OldFromForward
@@ -82,17 +84,15 @@ def actor_micro_loss(
     else:
         old = logp.detach()
         is_weights, out = off_policy_terms(old, b, old_from_forward)
-    pg_loss, m = ppo_policy_loss(
-        old,
-        logp,
-        b.fields["advantages"],
-        mask,
+    config = verl_actor_config(
+        s.policy_loss,
         clip_ratio_low=s.clip_ratio_low,
         clip_ratio_high=s.clip_ratio_high,
         clip_ratio_c=s.clip_ratio_c,
         loss_agg_mode=s.loss_agg_mode,
-        norm=norm,
-        is_weights=is_weights,
+    )
+    pg_loss, m = policy_loss(
+        old, logp, b.fields["advantages"], mask, config=config, norm=norm, is_weights=is_weights
     )
     loss = pg_loss
     ntok = float(mask.sum())
@@ -100,9 +100,9 @@ def actor_micro_loss(
         "pg_loss": float(pg_loss.detach()) / world,
         "tokens": ntok,
         "seqs": float((mask.sum(-1) > 0).sum()),
-        "clipfrac_tok": float(m["clipfrac"]) * ntok,
-        "clipfrac_lower_tok": float(m["clipfrac_lower"]) * ntok,
-        "ppo_kl_tok": float(m["ppo_kl"]) * ntok,
+        "clipfrac_tok": m["clipfrac"] * ntok,
+        "clipfrac_lower_tok": m["clipfrac_lower"] * ntok,
+        "ppo_kl_tok": m["ppo_kl"] * ntok,
         "entropy_tok": float((ent.detach() * mask).sum()),
     }
     if s.entropy_coeff > 0:

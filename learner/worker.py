@@ -17,7 +17,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from learner import checkpoint_io
+from learner.loss_settings import PolicyLossSettings
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
 from learner.worker_api import (
     ForwardRequest,
@@ -66,6 +67,7 @@ class WorkerSettings:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    policy_loss: PolicyLossSettings = field(default_factory=PolicyLossSettings)  # verl's modes
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

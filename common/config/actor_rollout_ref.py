@@ -10,11 +10,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Section
 
 KlType = Literal["kl", "abs", "mse", "low_var_kl"]
+
+POLICY_LOSS_MODES: tuple[str, ...] = (
+    "vanilla",
+    "dppo_tv",
+    "dppo_kl",
+    "gspo",
+    "sapo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "dro",
+    "cispo",
+    "bypass_mode",
+)
+"""verl's ``core_algos.POLICY_LOSS_REGISTRY`` (0.9.1), spelled out so that loading a config imports
+no torch; tests/learner/test_policy_losses.py holds it equal to verl's registry."""
 
 
 class ModelConfig(Section):
@@ -84,6 +101,37 @@ class OffPolicyConfig(Section):
     unchanged (verl does the same). never: always run the separate forward."""
 
 
+class PolicyLossConfig(Section):
+    """Which of verl's policy losses the actor trains with, and its mode-specific parameters (verl's
+    `actor.policy_loss` keys and defaults; learner/algorithms/policy_losses.py calls verl's
+    functions)."""
+
+    loss_mode: str = "vanilla"
+    """verl's policy loss: vanilla (PPO clip with dual clip), dppo_tv, dppo_kl, gspo, sapo, gpg,
+    clip_cov, kl_cov, geo_mean, dro, cispo, bypass_mode (needs off_policy.old_logprobs=rollout)."""
+    clip_cov_ratio: float = Field(default=0.0002, gt=0)
+    """clip_cov: fraction of tokens whose gradient is cut among those of high covariance."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of the tokens that may be cut."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance of the tokens that may be cut."""
+    kl_cov_ratio: float = Field(default=0.0002, gt=0)
+    """kl_cov: fraction of tokens (those of highest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = Field(default=0.1, ge=0)
+    """kl_cov: weight of the |log ratio| penalty on those tokens."""
+    dro_beta: float | None = Field(default=None, gt=0)
+    """dro: weight of the quadratic log-ratio penalty; required with loss_mode=dro."""
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value not in POLICY_LOSS_MODES:
+            raise ValueError(
+                f"unknown policy loss mode {value!r}; valid: {', '.join(POLICY_LOSS_MODES)}"
+            )
+        return value
+
+
 class ActorConfig(Section):
     """PPO-style policy update of the actor."""
 
@@ -112,9 +160,19 @@ class ActorConfig(Section):
     clip_ratio_c: float = Field(default=3.0, gt=1)
     """Dual-clip bound for negative advantages (loss capped at -A * clip_ratio_c)."""
     loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
     ] = "token-mean"
     """How per-token losses are reduced to one number (global token counts across workers)."""
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    """verl's policy loss (loss_mode) and its parameters."""
+    tau_pos: float = Field(default=1.0, gt=0)
+    """sapo: temperature of the soft gate for tokens with positive advantage."""
+    tau_neg: float = Field(default=1.05, gt=0)
+    """sapo: temperature of the soft gate for tokens with non-positive advantage."""
     entropy_coeff: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
@@ -131,6 +189,19 @@ class ActorConfig(Section):
     """FSDP2 settings."""
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     """Correction for stale trajectories."""
+
+    @model_validator(mode="after")
+    def _policy_loss_needs(self) -> ActorConfig:
+        mode = self.policy_loss.loss_mode
+        if mode == "dro" and self.policy_loss.dro_beta is None:
+            raise ValueError("policy_loss.loss_mode=dro needs policy_loss.dro_beta (> 0)")
+        if mode == "bypass_mode" and self.off_policy.old_logprobs != "rollout":
+            raise ValueError(
+                "policy_loss.loss_mode=bypass_mode takes the rollout's logprobs as the old policy:"
+                " set actor.off_policy.old_logprobs=rollout (its IS weights: off_policy.is_level,"
+                " is_cap), or use vanilla with the default decoupled PPO"
+            )
+        return self
 
 
 class MultiTurnConfig(Section):

@@ -1,7 +1,8 @@
 """The learner's RL algorithms as pure torch functions on [B, T] tensors (CPU-testable).
 
 Design: `advantages` (estimators by registry name), `losses` (policy/value/KL losses, their
-aggregation with global counts, truncated importance weights) and `kl` (KL in the reward and its
+aggregation with global counts, truncated importance weights), `policy_losses` (verl's policy
+losses by ``loss_mode``) and `kl` (KL in the reward and its
 coefficient controllers). verl's `core_algos` supplies the numbers wherever it has them; what is
 our own is tested against verl. Importing this package imports verl (~7 s): do it in worker and
 trainer processes, not in CLIs.
@@ -34,12 +35,19 @@ from learner.algorithms.losses import (
     truncated_is_weights,
     value_loss,
 )
+from learner.algorithms.policy_losses import (
+    POLICY_LOSS_MODES,
+    PolicyLossSettings,
+    policy_loss,
+    verl_actor_config,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
     "AdaptiveKLController",
     "AdvantageFn",
     "FixedKLController",
@@ -47,6 +55,7 @@ __all__ = [
     "LossAggMode",
     "LossNorm",
     "MissingAdvantageInput",
+    "PolicyLossSettings",
     "agg_loss",
     "apply_kl_in_reward",
     "compute_advantages",
@@ -54,7 +63,9 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "make_kl_controller",
+    "policy_loss",
     "ppo_policy_loss",
     "truncated_is_weights",
     "value_loss",
+    "verl_actor_config",
 ]
