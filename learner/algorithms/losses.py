@@ -1,8 +1,10 @@
 """Per-token losses of the actor and critic, their aggregation, and the off-policy weights.
 
 Design: pure torch on [B, T] tensors; verl's ``core_algos`` does the aggregation, the value loss
-and the KL estimators. The PPO policy loss and the truncated importance weights are our own
-(verl's take an ActorConfig / return synced Python floats); tests hold them to verl's numbers.
+and the KL estimators. The truncated importance weights are our own, held to verl's numbers by
+tests. The learner's policy loss is verl's, by ``actor.policy_loss.loss_mode``
+(`learner.algorithms.policy_losses`); `ppo_policy_loss` is the hand-written vanilla PPO (dual
+clip) that the tests hold verl's vanilla to, bit for bit.
 Metrics are 0-dim detached tensors so that a micro-batch loop never forces a device sync.
 
 Global normalisation (data parallel + gradient accumulation), what the caller must do:
