@@ -24,6 +24,15 @@ The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions
   long as a synchronous trainer would) instead of being generated and then thrown away, and a fast
   group never waits for a slow one while the window has slack.
 
+Mixed runs (``chunk = B``, ``Intake.configure_mix``): each server's prompt stream holds the exact
+mix in every run of ``B`` consecutive prompts (whole schedule batches), but grants dealt one at a time
+over several servers start a part of one server's batch and a part of another's, so what arrives is
+not in the mix. With a chunk, a server that has started a chunk (its grants of this session are not
+a multiple of ``chunk``) is granted the rest of it first, and a new chunk goes whole to one server
+(the least loaded), so the groups started are whole schedule batches and the learner can take each
+step in the exact mix. Only when fewer grants are free than a chunk (after a server left with some
+of its grants) is a part of a chunk granted.
+
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
 versions outstanding: the learner may wait longer than needed, never too little. A server that
@@ -58,6 +67,8 @@ class Admission:
     _slots: dict[str, int] = field(
         default_factory=dict
     )  # peer -> groups it generates at once (0: unstated)
+    chunk: int = 1  # grants go to a server in runs of this many (mixed runs: B)
+    _issued: dict[str, int] = field(default_factory=dict)  # peer -> grants made in its session
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -80,10 +91,12 @@ class Admission:
         once (0: unstated, no cap), and is never granted more than that outstanding."""
         self._granted[peer] = Counter()
         self._slots[peer] = slots
+        self._issued[peer] = 0
 
     def left(self, peer: str) -> int:
         """``peer``'s session ended; its outstanding grants are void. Returns how many."""
         self._slots.pop(peer, None)
+        self._issued.pop(peer, None)
         return sum(self._granted.pop(peer, Counter()).values())
 
     def received(self, peer: str, oldest_version: int | None) -> bool:
@@ -125,13 +138,20 @@ class Admission:
         free = min(self.window, remaining) - held - self.generating
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
-        for _ in range(max(0, free)):
-            open_ = [p for p in load if not self._slots.get(p) or load[p] < self._slots[p]]
+        while free > 0:
+            # A chunk once started is finished first, even beyond the server's slots.
+            started = [p for p in load if self._issued.get(p, 0) % self.chunk]
+            open_ = started or [
+                p for p in load if not self._slots.get(p) or load[p] < self._slots[p]
+            ]
             if not open_:
                 break
             p = min(open_, key=load.__getitem__)
-            load[p] += 1
-            out[p] += 1
+            n = 1 if self.chunk == 1 else min(free, self.chunk - self._issued[p] % self.chunk)
+            load[p] += n
+            out[p] += n
+            self._issued[p] = self._issued.get(p, 0) + n
+            free -= n
         for p, n in out.items():
             self._granted[p][min_version] += n
         return list(out.items())

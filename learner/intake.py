@@ -42,6 +42,8 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
   go stale waiting behind another's quota. Places not filled by their own source are counted
   (``TakenBatch.mix_shortfall``, the trainer's ``batch/mix_shortfall``); with every source
   delivering and no deadline forcing a swap, it is 0 and the batch is exactly the configured mix.
+  With admission, grants go to servers in whole batches (``Admission.chunk``), so what is generated
+  is whole schedule batches, each in the exact mix, however many servers share the data.
 
 - Validation. ``validate`` asks every connected rollout server that offers validation to run the
   validation set on a policy version and waits (bounded) for their metrics, or for them to leave
@@ -347,10 +349,13 @@ class Intake:
 
     def configure_mix(self, ratios: Mapping[str, float], wait_s: float) -> None:
         """Take every batch in the mix of ``ratios`` (data source -> ratio, ``data.datasets``),
-        waiting at most ``wait_s`` for a missing source (the module docstring has the rule)."""
+        waiting at most ``wait_s`` for a missing source (the module docstring has the rule). With
+        admission (configured first), grants then go to servers in whole batches (``chunk``)."""
         if not ratios or min(ratios.values()) <= 0 or wait_s < 0:
             raise ValueError(f"a mix needs ratios above 0 and wait_s >= 0 (got {ratios}, {wait_s})")
         self._mix, self._mix_wait_s = dict(ratios), wait_s
+        if self._admission is not None:  # grants in whole schedule batches (learner.admission)
+            self._admission.chunk = self._admission.batch_groups
         self._log.info("mixed batches", ratios=self._mix, mix_wait_s=wait_s)
 
     async def next_batch(

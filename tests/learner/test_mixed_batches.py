@@ -265,13 +265,21 @@ async def until_buffered(intake: Intake, n: int, timeout: float = 10.0) -> None:
 
 # -- a whole run under admission, mixed ---------------------------------------------------------------
 def simulate_mixed(
-    seed: int, ratios: list[int], batch: int, k: int, steps: int, n_servers: int, wait_ticks: int
+    seed: int,
+    ratios: list[int],
+    batch: int,
+    k: int,
+    steps: int,
+    n_servers: int,
+    wait_ticks: int,
+    chunk: int,
 ) -> list[int]:
     """``tests/learner/test_admission.py``'s discrete-time run (grants, heavy-tailed generation,
     versions reaching servers late), with prompts from each server's share of an exact-mix schedule
     (whole batches dealt round-robin, shuffled inside) and steps chosen by ``mixed_pick``: the step
     waits ``wait_ticks`` for a missing source once it could otherwise go, or not at all when
-    nothing is generating. Checks the admission guarantees; returns each step's shortfall."""
+    nothing is generating; grants go to servers in runs of ``chunk``. Checks the admission
+    guarantees; returns each step's shortfall."""
     import random
 
     from learner.admission import Admission
@@ -279,7 +287,7 @@ def simulate_mixed(
 
     rng = random.Random(seed)
     quotas = quotas_of(ratios, batch)
-    adm, buf = Admission(batch, k), GroupBuffer()
+    adm, buf = Admission(batch, k, chunk=chunk), GroupBuffer()
     names = [f"s{i}" for i in range(n_servers)]
     slots = {s: rng.randint(1, 2 * batch) for s in names}
     lag = {s: rng.randint(0, 4) for s in names}
@@ -393,9 +401,46 @@ def test_mixed_steps_keep_admissions_guarantees(
     wait_ticks: int,
 ) -> None:
     """Mixing under admission: nothing dropped or generated beyond the run, no token too stale, no
-    deadlock, whatever the wait; with one server, ``max_staleness <= 1`` and the mix waited for, every
-    step is the exact mix."""
+    deadlock, whatever the wait. Grants go in whole batches (``chunk``), so with ``max_staleness <=
+    1`` and the mix waited for every step is the exact mix, however many servers share the data."""
     ratios, batch = mix
-    shortfalls = simulate_mixed(seed, ratios, batch, k, steps, n_servers, wait_ticks)
-    if n_servers == 1 and k <= 1 and wait_ticks == 10**9:
+    shortfalls = simulate_mixed(seed, ratios, batch, k, steps, n_servers, wait_ticks, batch)
+    if k <= 1 and wait_ticks == 10**9:
         assert shortfalls == [0] * steps
+    if k == 0:  # synchronous: every window is whole schedule batches, nothing to wait for
+        assert shortfalls == [0] * steps
+
+
+def test_grants_without_chunks_split_schedule_batches() -> None:
+    """Why grants come in whole batches: dealt one at a time over three servers, what arrives is
+    parts of several servers' batches, and steps fall short of the mix although no deadline forces it."""
+    shortfalls = [
+        sum(simulate_mixed(seed, [4, 3, 3], 10, 1, 6, 3, 10**9, chunk=1)) for seed in range(5)
+    ]
+    assert sum(shortfalls) > 0
+    assert not any(
+        sum(simulate_mixed(seed, [4, 3, 3], 10, 1, 6, 3, 10**9, chunk=10)) for seed in range(5)
+    )
+
+
+def test_chunked_grants_start_whole_batches_per_server() -> None:
+    from learner.admission import Admission
+
+    a = Admission(batch_groups=4, max_staleness=1, chunk=4)
+    a.joined("a", slots=3)
+    a.joined("b")
+    assert sorted(a.grants(held=0, remaining=100, min_version=0)) == [("a", 4), ("b", 4)]
+    for _ in range(4):
+        a.received("a", 0)
+    assert a.grants(held=4, remaining=100, min_version=0) == []  # the window is full
+    assert a.grants(held=0, remaining=100, min_version=1) == [("a", 4)]  # a whole one again
+    assert a.left("b") == 4  # b leaves with its chunk; a is at its slots (4 of 3): no new one
+    assert a.grants(held=0, remaining=100, min_version=1) == []
+    a.received("a", 1)
+    a.received("a", 1)  # 2 generating, below its slots: a new chunk, whole
+    assert a.grants(held=2, remaining=100, min_version=1) == [("a", 4)]
+    a = Admission(batch_groups=4, max_staleness=0, chunk=4)
+    a.joined("a")
+    assert a.grants(held=1, remaining=100, min_version=0) == [("a", 3)]  # fewer free: a part
+    a.joined("b")
+    assert a.grants(held=0, remaining=100, min_version=0) == [("a", 1)]  # a finishes its chunk
