@@ -61,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return status
             sys.stdout.write(dump_config(config))
             return 0
-        if status := check_preflight(LEARNER_PREFLIGHT, config):  # cheap; else it fails after Ray
+        # Cheap, and what would otherwise fail only after Ray started, or in a rollout server that
+        # is restarted over and over on a data file it cannot read.
+        if status := max(
+            check_preflight(p, config) for p in (LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT)
+        ):
             return status
         plan = plan_run(args.config, args.overrides, config, args.log_format)
     except ConfigError as exc:

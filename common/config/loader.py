@@ -166,15 +166,16 @@ def load_config(
             problems += exc.issues
     if aliases.AGENT_SECTION in tree and not tree[aliases.AGENT_SECTION]:
         del tree[aliases.AGENT_SECTION]  # `agent:` with nothing left under it
-    # Key -> (override label, value, set by an alias): an alias and our own key setting one key to
-    # different values is refused rather than one of them silently winning.
-    set_by: dict[str, tuple[str, Any, bool]] = {}
+    # Key -> (override label, value, the key as spelled): two spellings of one key (an alias and
+    # ours) set to different values are refused rather than one silently winning; the same
+    # spelling twice is an ordinary override (the last wins).
+    set_by: dict[str, tuple[str, Any, str]] = {}
     for text in overrides:
         label = override_label(text)
         try:
             parts, value = parse_override(text)
-            is_alias = aliases.is_foreign(parts)
-            if is_alias:
+            spelled = aliases.canonical(parts)
+            if aliases.is_foreign(parts):
                 done = aliases.translate(parts, value)
                 applied.append(done)
                 if done.target is None:
@@ -182,9 +183,9 @@ def load_config(
                 parts, value = done.target.split("."), done.converted
             key = ".".join(parts)
             earlier = set_by.get(key)
-            if earlier and (is_alias or earlier[2]) and earlier[1] != value:
+            if earlier and earlier[2] != spelled and earlier[1] != value:
                 _conflict(key, earlier[0])
-            set_by[key] = (label, value, is_alias)
+            set_by[key] = (label, value, spelled)
             set_key(tree, parts, value)
         except aliases.AliasError as exc:
             problems.append(Issue(exc.key, str(exc), source=label))

@@ -92,6 +92,10 @@ def test_an_alias_and_our_key_disagreeing_is_refused() -> None:
         load_config(
             None, [*BASE, "agent.num_chains=8", "actor_rollout_ref.rollout.n=4"], check_paths=False
         )
+    again = load_config(
+        None, [*BASE, "agent.num_chains=8", "agent.num_chains=2"], check_paths=False
+    )
+    assert again.actor_rollout_ref.rollout.n == 2  # one spelling twice: the last wins
     agreed = load_config(
         None,
         [*BASE, "agent.model_name_or_path=m", "actor_rollout_ref.model.path=m"],
