@@ -135,7 +135,9 @@ class DataConfig(Section):
     """Validation prompts a rollout server plays at once (its share of a validation run); null: as
     many as rollout_server.max_concurrent_episodes holds."""
     max_prompt_length: int = Field(default=256, gt=0)
-    """Longest prompt in tokens; longer prompts are filtered out."""
+    """Prompt token budget (actor_rollout_ref.rollout.prompt_length unless set): with
+    rollout.max_model_len null the engine's context is this plus the response budget. A rendered
+    prompt that does not fit the context ends its episode at once (termination `length`)."""
     max_response_length: int = Field(default=128, gt=0)
     """Token budget of a response (all turns of an episode, tool tokens included)."""
     shuffle: bool = True
