@@ -2,10 +2,11 @@
 ``configure_mix``) and a real rollout server running a three-source mix (``data.datasets``, 4/3/3 of
 10) on a scripted engine whose episodes are long or short at random, so groups of different
 sources arrive out of their schedule's order (with ``max_staleness: 1`` the learner's steps taken in
-arrival order were 3/3/4 and 5/3/2 here). Every step the learner takes must hold exactly the
-configured groups per source, with nothing dropped and no shortfall. With ``max_staleness <= 1`` and
-one server no deadline can force a swap: a step at version ``w`` finds due only groups granted by
-version ``w - 1``, and the earlier steps took exactly each source's count of those.
+arrival order were 3/3/4 and 5/3/2 here), also with two servers sharing the data at different
+speeds (grants then go in whole batches, ``learner.admission``). Every step the learner takes must hold exactly the
+configured groups per source, with nothing dropped and no shortfall. With ``max_staleness <= 1`` no
+deadline can force a swap: a step at version ``w`` finds due only groups granted by version
+``w - 1``, whole schedule batches, and the earlier steps took exactly each source's count of those.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def _source(path: Path, name: str, n: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1])
+@pytest.mark.parametrize(("max_staleness", "n_servers"), [(0, 1), (1, 1), (1, 2)])
 async def test_every_learner_step_holds_the_exact_mix(
-    tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int
+    tmp_path: Path, tiny_model: Path, echo_tool: Any, max_staleness: int, n_servers: int
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -63,33 +64,44 @@ async def test_every_learner_step_holds_the_exact_mix(
         {"name": name, "path": [str(_source(tmp_path / f"{name}.jsonl", name, 40))], "ratio": r}
         for name, r in MIX.items()
     ]
-    config = make_config(
-        tmp_path,
-        tiny_model,
-        "tcp://127.0.0.1:0",
-        **{
-            "learner.bind_address": "tcp://127.0.0.1:0",
-            "actor_rollout_ref.rollout.n": N,
-            "actor_rollout_ref.rollout.max_staleness": max_staleness,
-            "data.train_batch_size": B,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": B * N,
-            "data.train_files": [],
-            "data.datasets": datasets,
-            "learner.weights_file_dir": None,
-        },
-    )
+    configs = [
+        make_config(
+            tmp_path,
+            tiny_model,
+            "tcp://127.0.0.1:0",
+            **{
+                "learner.bind_address": "tcp://127.0.0.1:0",
+                "actor_rollout_ref.rollout.n": N,
+                "actor_rollout_ref.rollout.max_staleness": max_staleness,
+                "data.train_batch_size": B,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": B * N,
+                "data.train_files": [],
+                "data.datasets": datasets,
+                "learner.weights_file_dir": None,
+                "rollout_server.server_id": f"rs-{i}",
+                "rollout_server.shard_index": i,
+                "rollout_server.shard_count": n_servers,
+            },
+        )
+        for i in range(n_servers)
+    ]
+    config = configs[0]
     intake = Intake(config, tmp_path / "learner", fresh=True)
     intake.publish_weights(0, reference_weights(seed=0))
     intake.configure_admission(B, max_staleness, STEPS * B)
     intake.configure_mix({d.name: d.ratio for d in config.data.datasets}, wait_s=60.0)
-    config.rollout_server.learner_address = intake.address
-    engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [])
-    engine.per_request, engine.token_s = long_or_short, 0.004
-    server = RolloutServer(config, tmp_path / "run", engine=engine)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    servers = []
+    for i, c in enumerate(configs):
+        c.rollout_server.learner_address = intake.address
+        engine = ScriptedEngine(tokenizer, [])
+        engine.per_request, engine.token_s = long_or_short, 0.004 * (i + 1)  # unequal speeds
+        servers.append(RolloutServer(c, tmp_path / f"run{i}", engine=engine))
     steps = []
     async with anyio.create_task_group() as tg:
         await tg.start(intake.run)
-        tg.start_soon(server.run)
+        for server in servers:
+            tg.start_soon(server.run)
         with anyio.fail_after(120):
             for version in range(STEPS):
                 taken = await intake.next_batch(B, version, max_staleness)
