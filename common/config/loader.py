@@ -181,6 +181,8 @@ def load_config(
                 if done.target is None:
                     continue
                 parts, value = done.target.split("."), done.converted
+                if isinstance(value, bool | int | float) and _accepts_str(_annotation_at(parts)):
+                    value = text.partition("=")[2].strip()  # a path or name of digits: the text
             key = ".".join(parts)
             earlier = set_by.get(key)
             if earlier and earlier[2] != spelled and earlier[1] != value:

@@ -50,6 +50,10 @@ def test_agentfly_overrides_become_ours() -> None:
         None, [*BASE, "agent.reward_name=qa_em", "agent.agent_type=statelm"], check_paths=False
     )
     assert config.rollout_server.reward_fn == "qa_em" and config.data.agent_type == "statelm"
+    config = load_config(
+        None, ["agent.model_name_or_path=0042", "data.train_files=t.json"], check_paths=False
+    )
+    assert config.actor_rollout_ref.model.path == "0042"  # the text, not the number 42
 
 
 def test_agentfly_yaml_section_becomes_ours(tmp_path: Path) -> None:
