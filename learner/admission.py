@@ -28,10 +28,13 @@ Mixed runs (``chunk = B``, ``Intake.configure_mix``): each server's prompt strea
 mix in every run of ``B`` consecutive prompts (whole schedule batches), but grants dealt one at a time
 over several servers start a part of one server's batch and a part of another's, so what arrives is
 not in the mix. With a chunk, a server that has started a chunk (its grants of this session are not
-a multiple of ``chunk``) is granted the rest of it first, and a new chunk goes whole to one server
-(the least loaded), so the groups started are whole schedule batches and the learner can take each
-step in the exact mix. Only when fewer grants are free than a chunk (after a server left with some
-of its grants) is a part of a chunk granted.
+a multiple of ``chunk``) is granted the rest of it first (within its slots, as always), a new chunk
+goes to one server (the least loaded) and only while the free grants also cover what the started
+chunks still need, so the groups started are whole schedule batches and the learner can take each
+step in the exact mix. Chunks are used only while the window holds one per server (else one server
+would generate while the others wait: ``max_staleness: 0`` with several servers is dealt one at a
+time, and its steps are filled); a part of a chunk is granted only when fewer grants are free than
+a chunk with none started (after a server left with some of its grants).
 
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
@@ -138,19 +141,29 @@ class Admission:
         free = min(self.window, remaining) - held - self.generating
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
+
+        def room(p: str) -> float:
+            return self._slots[p] - load[p] if self._slots.get(p) else float("inf")
+
+        # Whole batches only while the window holds one per server: else one server would do all.
+        chunk = self.chunk if self.window >= self.chunk * len(load) else 1
         while free > 0:
-            # A chunk once started is finished first, even beyond the server's slots.
-            started = [p for p in load if self._issued.get(p, 0) % self.chunk]
-            open_ = started or [
-                p for p in load if not self._slots.get(p) or load[p] < self._slots[p]
-            ]
-            if not open_:
-                break
-            p = min(open_, key=load.__getitem__)
-            n = 1 if self.chunk == 1 else min(free, self.chunk - self._issued[p] % self.chunk)
+            owed = {p: chunk - self._issued[p] % chunk for p in load if self._issued[p] % chunk}
+            finishing = [p for p in owed if room(p) > 0]  # a started batch is finished first
+            if finishing:
+                p = min(finishing, key=load.__getitem__)
+                n = int(min(free, owed[p], room(p)))
+            else:
+                open_ = [p for p in load if room(p) > 0]
+                spare = free - sum(owed.values())  # what the started batches still need is kept
+                if not open_ or (owed and spare < chunk):
+                    break
+                p = min(open_, key=load.__getitem__)
+                # a new batch; fewer grants than one free (a server left with some): a part
+                n = int(min(free, chunk, room(p)))
             load[p] += n
             out[p] += n
-            self._issued[p] = self._issued.get(p, 0) + n
+            self._issued[p] += n
             free -= n
         for p, n in out.items():
             self._granted[p][min_version] += n

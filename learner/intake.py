@@ -42,8 +42,8 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
   go stale waiting behind another's quota. Places not filled by their own source are counted
   (``TakenBatch.mix_shortfall``, the trainer's ``batch/mix_shortfall``); with every source
   delivering and no deadline forcing a swap, it is 0 and the batch is exactly the configured mix.
-  With admission, grants go to servers in whole batches (``Admission.chunk``), so what is generated
-  is whole schedule batches, each in the exact mix, however many servers share the data.
+  With admission, grants go to servers in whole batches (``Admission.chunk``) while the window
+  holds one per server, so what is generated is whole schedule batches, each in the exact mix.
 
 - Validation. ``validate`` asks every connected rollout server that offers validation to run the
   validation set on a policy version and waits (bounded) for their metrics, or for them to leave
