@@ -134,6 +134,10 @@ def policy_loss(
     fn = core_algos.get_policy_loss_fn(mode)
     set_global_batch_info(config, norm)
     mask = response_mask.to(log_prob.dtype)
+    if mode == "bypass_mode" and not bool(mask.any()):
+        # verl's rollout correction refuses a mask with no token; a rank's dummy micro-batch (kept
+        # in step with the others) has none: it contributes nothing, as in every other mode
+        return (log_prob * mask).sum(), {"clipfrac": 0.0, "clipfrac_lower": 0.0, "ppo_kl": 0.0}
     # verl's PolicyLossFn order: old_log_prob, log_prob, advantages, response_mask,
     # loss_agg_mode, config, rollout_is_weights
     loss, verl_metrics = fn(

@@ -196,6 +196,19 @@ def test_micro_batches_with_global_counts_sum_to_the_mini_batch(mode: str, agg: 
     torch.testing.assert_close(grad / 2, whole_grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", POLICY_LOSS_MODES)
+def test_a_micro_batch_with_no_trained_token_adds_nothing(mode: str) -> None:
+    """A rank's dummy micro-batch (kept in step with the other ranks) or a micro-batch of tool-only
+    responses: loss 0, gradient 0, finite metrics (verl's bypass_mode refuses such a mask: skipped)."""
+    norm = LossNorm(dp_size=2, batch_num_tokens=30, global_batch_size=7, loss_scale_factor=9)
+    z = torch.zeros(2, 5)
+    x = {"old": z, "logp": z, "adv": z, "mask": z, "w": z}
+    for agg in AGG_MODES:
+        loss, grad, metrics = _ours(mode, agg, x, norm, weights=True)
+        assert float(loss) == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+        assert all(np.isfinite(v) for v in metrics.values()), metrics
+
+
 # ----------------------------------------------------------------------------------- config
 
 
@@ -267,13 +280,23 @@ def _samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
         ids = rng.integers(0, vocab, p + r).astype(np.int64)
         mask = (rng.random(r) > 0.2).astype(np.float32)
         mask[0] = 1.0
+        if len(out) == 5:
+            mask[:] = 0.0  # a response of tool tokens only: nothing of it is trained
         s = Sample(ids, p, mask)
-        s.old_logprobs = (-rng.random(r) * 3 - 3).astype(np.float32) * mask
-        s.rollout_logprobs = s.old_logprobs
-        s.advantages = np.full(r, rng.normal(), dtype=np.float32) * mask
-        s.is_weights = (rng.random(r) + 0.5).astype(np.float32) * mask
+        s.advantages = np.full(r, rng.normal(), dtype=np.float32) * mask  # one per sequence
         out.append(s)
     return out
+
+
+def _stale(samples: list[Sample], rng: np.random.Generator, bypass: bool) -> None:
+    """Rollout logprobs a little off the old ones, and the truncated IS weights between them, as
+    the trainer makes them (bypass: the rollout's logprobs are the old ones)."""
+    for s in samples:
+        old, mask = s.get("old_logprobs"), s.response_mask
+        s.rollout_logprobs = (old + rng.normal(size=old.shape) * 0.1).astype(np.float32)
+        s.is_weights = np.minimum(np.exp(old - s.rollout_logprobs), 2.0).astype(np.float32) * mask
+        if bypass:
+            s.old_logprobs, s.is_weights = s.rollout_logprobs, None
 
 
 async def _every_mode(model: Path) -> dict[str, Any]:
@@ -287,22 +310,24 @@ async def _every_mode(model: Path) -> dict[str, Any]:
         WorkerSettings(model_path=str(model), lr=1e-3, loss_agg_mode="seq-mean-token-mean"), world
     )
     results: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    # packed, token-capped micro-batches: the layout that most needs sequences kept whole
+    batching = Batching(max_tokens=40, packed=True)
     try:
         await group.start()
         samples = _samples(8)
-        # packed, token-capped micro-batches: the layout that most needs sequences kept whole
-        plans = split_for_ranks(
-            samples, mini_batches=1, ranks=world, batching=Batching(max_tokens=40, packed=True)
-        )
-        assert max(len(p[0].micro_batches) for p in plans) > 1
         for mode in POLICY_LOSS_MODES:
             pl = replace(SETTINGS, loss_mode=mode, clip_cov_lb=-100.0, clip_cov_ub=100.0)
             # the test's own switch of each worker's settings (builtins: nothing of tests/ to import)
             for a in group.actors:
                 s: WorkerSettings = ray.get(a.__ray_call__.remote(getattr, "s"))
                 ray.get(a.__ray_call__.remote(setattr, "s", replace(s, policy_loss=pl)))
-            res = await group.update([UpdateRequest("actor", p) for p in plans])
-            results[mode] = res
+            # a step as the trainer makes it: old logprobs from a forward of the current weights
+            await group.forward("actor", samples, "old_logprobs", batching)
+            _stale(samples, rng, bypass=mode == "bypass_mode")
+            plans = split_for_ranks(samples, mini_batches=1, ranks=world, batching=batching)
+            assert max(len(p[0].micro_batches) for p in plans) > 1
+            results[mode] = await group.update([UpdateRequest("actor", p) for p in plans])
     finally:
         group.shutdown()
     return results
