@@ -248,6 +248,50 @@ def test_modes_missing_their_inputs_are_refused() -> None:
         _actor(policy_loss={"loss_mode": "bypass_mode"})
 
 
+def test_loaded_keys_reach_the_workers(tmp_path: Path) -> None:
+    """verl-style overrides -> the typed config -> the workers' settings -> verl's ActorConfig."""
+    from common.config import load_config
+    from learner.trainer import worker_settings
+
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "run.yaml"
+    model = tmp_path / "model"
+    path.write_text(
+        f"actor_rollout_ref:\n  model:\n    path: {model}\ndata:\n  train_files: train.jsonl\n"
+    )
+    prefix = "actor_rollout_ref.actor."
+    config = load_config(
+        path,
+        [
+            f"{prefix}policy_loss.loss_mode=kl_cov",
+            f"{prefix}policy_loss.kl_cov_ratio=0.01",
+            f"{prefix}policy_loss.ppo_kl_coef=0.5",
+            f"{prefix}tau_neg=2.0",
+            f"{prefix}loss_agg_mode=token-sum",
+            f"{prefix}clip_ratio_high=0.28",
+            f"{prefix}off_policy.is_level=sequence",
+        ],
+        check_paths=False,
+    )
+    s = worker_settings(config, total_steps=1)
+    assert s.policy_loss == PolicyLossSettings(
+        loss_mode="kl_cov",
+        kl_cov_ratio=0.01,
+        ppo_kl_coef=0.5,
+        tau_neg=2.0,
+        rollout_is="sequence",
+    )
+    verl = verl_actor_config(
+        s.policy_loss,
+        clip_ratio_low=s.clip_ratio_low,
+        clip_ratio_high=s.clip_ratio_high,
+        clip_ratio_c=s.clip_ratio_c,
+        loss_agg_mode=s.loss_agg_mode,
+    )
+    assert verl.policy_loss.loss_mode == "kl_cov" and verl.policy_loss.ppo_kl_coef == 0.5
+    assert (verl.loss_agg_mode, verl.clip_ratio_high, verl.tau_neg) == ("token-sum", 0.28, 2.0)
+
+
 def test_check_refuses_an_unknown_mode_with_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
