@@ -78,6 +78,9 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
             "data.train_files": str(data),
             "rollout_server.reward_fn": "math",
             "learner.weights_file_dir": None,
+            # One batch's groups at a time (HELLO slots B): the next batch's start as this one's
+            # finish, so they are mid-generation when this batch is taken and its update lands.
+            "rollout_server.max_concurrent_episodes": B * N,
         },
     )
     base = load_file(str(tiny_model / "model.safetensors"))
@@ -98,6 +101,12 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
                 for version in range(STEPS):
                     taken = await intake.next_batch(B, version, K)
                     steps.append((version, taken))
+                    # Publish while episodes run where any do (a busy machine can make "between
+                    # them" the common case); bounded: when the next batch is already done, nothing
+                    # starts before this one is marked trained.
+                    with anyio.move_on_after(2):
+                        while server.stats.gauges.episodes_in_flight == 0:
+                            await anyio.sleep(0.01)
                     intake.publish_weights(version + 1, weights(base, version + 1))
                     intake.mark_trained(taken)
             waste = intake.waste_metrics()
