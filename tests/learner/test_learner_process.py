@@ -5,16 +5,13 @@ SIGKILL mid-run followed by a restart loses no accepted trajectory and trains no
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from process_testkit import kill_group, read_jsonl, start, wait_for
 
 from launcher.plan import free_port
 
@@ -55,42 +52,6 @@ def write_config(tmp: Path, model: Path, port: int, **trainer: Any) -> Path:
     path = tmp / "learner.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-
-
-def kill_group(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
-    p.wait(timeout=60)
-
-
-def wait_for(cond: Any, timeout: float, what: str, logs: list[Path]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.5)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def trained_by_step(run: Path) -> dict[int, list[str]]:

@@ -9,9 +9,7 @@ SIGKILLed after step 5 with its last checkpoint at step 3, and restarted.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from process_testkit import kill_group, read_jsonl, start, wait_for
 
 from learner import trained_log
 from learner.versions import LEDGER, VersionLedger, resume, resumed_version
@@ -141,42 +140,6 @@ def write_config(tmp: Path, model: Path, port: int, shm: Path) -> Path:
     path = tmp / "learner.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-
-
-def kill_group(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
-    p.wait(timeout=60)
-
-
-def wait_for(cond: Any, timeout: float, what: str, logs: list[Path]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.3)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def feed(tmp: Path, name: str, key: str) -> list[Any]:

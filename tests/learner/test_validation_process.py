@@ -7,16 +7,15 @@ still completes, and the server logged serving the requests."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from process_testkit import read_jsonl, start
 
 from launcher.plan import free_port
 
@@ -58,18 +57,6 @@ def overrides(tmp: Path, model: Path, data: Path, port: int) -> list[str]:
     ]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-
-
 def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
     if p.poll() is None:
         try:
@@ -77,14 +64,6 @@ def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         except ProcessLookupError:
             pass
     p.wait(timeout=60)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if path.exists()
-        else []
-    )
 
 
 def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Path) -> None:
