@@ -143,6 +143,18 @@ class TrainWorker:
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
+
+        def sharded(head: PolicyHead | ValueHead, model: torch.nn.Module) -> torch.nn.Module:
+            return shard(
+                head,
+                model,
+                device=self.device,
+                param_offload=s.param_offload,
+                bf16=bf16,
+                world_size=self.world,
+                keep_gathered=s.keep_gathered,
+            )
+
         lm = _on(
             load_causal_lm(
                 s.model_path,
@@ -151,15 +163,7 @@ class TrainWorker:
             ),
             self.device,
         )
-        self.models["actor"] = shard(
-            PolicyHead(lm, s.temperature),
-            lm,
-            device=self.device,
-            param_offload=s.param_offload,
-            bf16=bf16,
-            world_size=self.world,
-            keep_gathered=s.keep_gathered,
-        )
+        self.models["actor"] = sharded(PolicyHead(lm, s.temperature), lm)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
             ref = _on(
@@ -171,29 +175,13 @@ class TrainWorker:
                 self.device,
             ).eval()
             ref.requires_grad_(False)
-            self.models["ref"] = shard(
-                PolicyHead(ref, s.temperature),
-                ref,
-                device=self.device,
-                param_offload=s.param_offload,
-                bf16=bf16,
-                world_size=self.world,
-                keep_gathered=s.keep_gathered,
-            )
+            self.models["ref"] = sharded(PolicyHead(ref, s.temperature), ref)
         if s.critic_model_path:
             vm = _on(
                 load_value_model(s.critic_model_path, trust_remote_code=s.trust_remote_code),
                 self.device,
             )
-            self.models["critic"] = shard(
-                ValueHead(vm),
-                vm,
-                device=self.device,
-                param_offload=s.param_offload,
-                bf16=bf16,
-                world_size=self.world,
-                keep_gathered=s.keep_gathered,
-            )
+            self.models["critic"] = sharded(ValueHead(vm), vm)
             self._add_optimizer("critic", s.critic_lr, s.critic_weight_decay)
 
     def can_pack(self) -> bool:
