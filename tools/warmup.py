@@ -439,6 +439,7 @@ def warmup(
     grad_clip: float | None = None,
     max_tokens: int | None = None,
     bucket: bool = False,
+    agent: str = "calculator",
 ) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
@@ -450,7 +451,9 @@ def warmup(
     trained from random weights wants 1.0). ``max_tokens``: cut every demonstration to its first
     N tokens (see ``_cut``; None: whole episodes). ``bucket``: batches of demonstrations of similar
     lengths, each run only as wide as its longest (a long-tailed set then costs about its mean
-    length per step, not its longest). Returns the summary (also written to warmup.json)."""
+    length per step, not its longest). ``agent``: whose episodes the demonstrations are
+    (``tools.demos.BUILDERS``; the calculator's by default). Returns the summary (also written to
+    warmup.json)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -458,6 +461,7 @@ def warmup(
 
     from rollout_service.agents.rendering import ChatRenderer
     from rollout_service.tools import load_builtin_tools
+    from tools.demos import build as demos_for
 
     if steps < 1 or examples < 1 or batch_size < 1:
         raise ValueError("steps, examples and batch_size must be >= 1")
@@ -472,7 +476,7 @@ def warmup(
     _prepare_out_dir(model_dir, out)
     registry = load_builtin_tools()
     tool_objs = {name: registry.get(name)() for name in tools}
-    if "calculator" not in tool_objs:
+    if agent == "calculator" and "calculator" not in tool_objs:
         raise ValueError("the demonstrations call the calculator: it must be among the tools")
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model_dir)))
     tok = renderer.tok
@@ -482,8 +486,8 @@ def warmup(
     )  # a short file still keeps some rows out for the probe
     n_train = min(examples, len(rows) - n_probe)
     demos = _cut(
-        build_demonstrations(
-            rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed
+        demos_for(
+            agent, rows[:n_train], renderer, tool_objs, guess_fraction=guess_fraction, seed=seed
         ),
         max_tokens,
     )
@@ -492,7 +496,7 @@ def warmup(
     probe_data = (
         _pack(
             _cut(
-                build_demonstrations(rows[n_train : n_train + n_probe], renderer, tool_objs),
+                demos_for(agent, rows[n_train : n_train + n_probe], renderer, tool_objs),
                 max_tokens,
             ),
             pad,
@@ -735,6 +739,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_TOOLS),
         help="tools whose schemas the prompt shows, in config order (default %(default)s)",
     )
+    p.add_argument(
+        "--agent",
+        default="calculator",
+        help="whose episodes to demonstrate: a name of tools/demos (default %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -762,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             device=a.device,
             grad_clip=a.grad_clip,
             tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()),
+            agent=a.agent,
         )
     except (FileExistsError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"warmup: error: {e}", file=sys.stderr)
