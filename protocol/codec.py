@@ -30,7 +30,7 @@ from protocol.messages import (
     WeightsChunk,
 )
 from protocol.schema import check, from_wire, to_wire
-from protocol.trajectory import COLUMNS, decode_columns
+from protocol.trajectory import COLUMNS, OMITTED_WHEN_EMPTY, decode_columns
 
 Frame = bytes | memoryview | np.ndarray
 _PEEK_HEADER_BYTES = 1 << 20  # an oversized message's header is still read if at most this big
@@ -96,6 +96,14 @@ def _unpack(buf: Frame) -> Any:
         ) from e
 
 
+def _header_meta(meta: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The meta columns as sent: optional maps that are empty for every trajectory are left out
+    (the receiver defaults them), so a batch without agent actions encodes as it did before."""
+    if all(any(meta.get(k, ())) for k in OMITTED_WHEN_EMPTY):
+        return meta
+    return {k: v for k, v in meta.items() if k not in OMITTED_WHEN_EMPTY or any(v)}
+
+
 def encode(msg: Message) -> list[Frame]:
     """Message -> frames. Payload frames are the caller's buffers, not copies."""
     t = TYPE_OF[type(msg)]
@@ -104,7 +112,7 @@ def encode(msg: Message) -> list[Frame]:
         batch = as_columns(msg.trajectories)  # no copy when the producer built columns
         return [
             tb,
-            _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": batch.meta}),
+            _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": _header_meta(batch.meta)}),
             *batch.canonical_arrays(),
         ]
     if isinstance(msg, WeightsChunk):

@@ -26,6 +26,18 @@ from protocol.errors import ErrorCode, ProtocolError
 
 TERMINATIONS = ("answered", "no_tool_call", "length", "max_turns", "tool_error", "aborted")
 
+# ``Trajectory.actions``: what the agent did in the episode, as counts. These names, plus
+# ``tool_calls/<tool>`` per tool; receivers ignore names they do not know.
+ACTION_COUNTS = (
+    "tool_calls",
+    "tool_errors",
+    "snapshots",
+    "deletions",
+    "sandbox_runs",
+    "sandbox_errors",
+)
+TOOL_CALLS_PREFIX = "tool_calls/"
+
 # (column, attribute, canonical dtype, dtypes a receiver accepts)
 COLUMNS: tuple[tuple[str, str, str, frozenset[str]], ...] = (
     ("prompt_ids", "prompt_ids", "int32", frozenset({"int32", "int64"})),
@@ -57,6 +69,10 @@ class Trajectory:
     num_turns: int = 1
     reward_extras: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Counts of the agent's actions over the whole episode (``ACTION_COUNTS``). Only the episode's
+    # final trajectory carries them (StateLM snapshot trajectories carry {}), so summing over a
+    # batch counts each episode once whichever of its segments were kept.
+    actions: dict[str, float] = field(default_factory=dict)
 
     @property
     def oldest_version(self) -> int:
@@ -82,7 +98,11 @@ META_FIELDS: tuple[tuple[str, str, bool, Any], ...] = (
     ("num_turns", "count", False, 1),
     ("reward_extras", "scalars", False, None),
     ("timings", "floats", False, None),
+    ("actions", "counts", False, None),
 )
+# Optional map fields an encoder leaves out of the header when every trajectory's map is empty:
+# agents that do not act cost nothing on the wire, and such a batch encodes as before the field.
+OMITTED_WHEN_EMPTY = ("actions",)
 SCALARS = (
     "trajectory_id",
     "group_uid",
@@ -96,6 +116,7 @@ SCALARS = (
     "num_turns",
     "reward_extras",
     "timings",
+    "actions",
 )
 # protocol.batch builds trajectories positionally (a kwargs dict per trajectory costs more than the rest).
 _POSITIONAL = ("trajectory_id", "group_uid", *(c[1] for c in COLUMNS), *SCALARS[2:])
@@ -124,6 +145,13 @@ _KIND_CHECKS: dict[str, tuple[Any, str]] = {
     "floats": (
         lambda d: type(d) is dict and all(type(k) is str and _is_float(v) for k, v in d.items()),
         "expected a map of numbers",
+    ),
+    "counts": (
+        lambda d: (
+            type(d) is dict
+            and all(type(k) is str and _is_float(v) and v >= 0 for k, v in d.items())
+        ),
+        "expected a map of numbers >= 0",
     ),
 }
 
@@ -156,6 +184,13 @@ def _floats_map(col: list[Any]) -> bool:
     return _types(values) <= {float, int} and _finite_sum(values)
 
 
+def _counts_map(col: list[Any]) -> bool:
+    if not (_types(col) <= {dict} and _str_keys(col)):
+        return False
+    values = _dict_values(col)
+    return _types(values) <= {float, int} and _finite_sum(values) and min(values, default=0) >= 0
+
+
 _TERMINATION_SET = frozenset(TERMINATIONS)
 _FAST_CHECKS: dict[str, Any] = {
     "str": lambda col: _types(col) <= {str},
@@ -169,6 +204,7 @@ _FAST_CHECKS: dict[str, Any] = {
         and _types(_dict_values(col)) <= {int, float, str, bool}
     ),
     "floats": _floats_map,
+    "counts": _counts_map,
 }
 
 

@@ -20,7 +20,7 @@ from protocol_testkit import (
 from protocol import codec
 from protocol.errors import ErrorCode
 from protocol.messages import MESSAGE_TYPES, ChunkPart, MsgType, TrajectoryBatch, WeightsChunk
-from protocol.trajectory import COLUMNS, META_FIELDS, Trajectory
+from protocol.trajectory import COLUMNS, META_FIELDS, OMITTED_WHEN_EMPTY, Trajectory
 
 SAMPLES = sample_messages()
 
@@ -101,7 +101,8 @@ def test_batch_column_layout() -> None:
         ["versions", "int32"],
     ]
     # per-trajectory scalars are columns too: field -> one value per trajectory, lengths included
-    assert set(h["meta"]) == {name for name, *_ in META_FIELDS}
+    # (optional maps that are empty for the whole batch are left out: tests/protocol/test_actions.py)
+    assert set(h["meta"]) == {name for name, *_ in META_FIELDS} - set(OMITTED_WHEN_EMPTY)
     assert h["meta"]["trajectory_id"] == ["a", "b"]
     assert (h["meta"]["prompt_len"], h["meta"]["response_len"]) == ([3, 2], [4, 5])
     assert (h["meta"]["termination"], h["meta"]["num_turns"]) == (["answered", "length"], [1, 3])
