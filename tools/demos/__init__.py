@@ -25,6 +25,7 @@ Builder = Callable[..., "list[Demonstration]"]
 # agent name -> "module:function"; the module is imported on first use
 BUILDERS: dict[str, str] = {
     "calculator": "tools.warmup:build_demonstrations",
+    "statelm": "tools.demos.statelm:build_demonstrations",
     "code": "tools.demos.code:build_demonstrations",
 }
 
