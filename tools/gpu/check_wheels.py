@@ -51,6 +51,12 @@ nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 cud
 humming-kernels tokenspeed-mla tokenspeed-triton z3-solver sentry-sdk fastapi-cloud-cli""".split()
 # Carried by the image itself (stand-ins during resolution), never staged.
 TORCH = ["torch", "torchvision", "torchaudio", "triton"]
+# verl's own trainer (verl.trainer.main_ppo, run by bench/vs_verl.py) imports these beyond verl's core
+# (the image has peft and accelerate). datasets 5.2 wants pyarrow>=24 and fsspec<=2026.9.0, newer or
+# older than what the image may hold: FORCE_STAGED are staged even though the image has them, and the
+# staged copy wins (SITE comes before the image's site-packages on PYTHONPATH).
+VERL_TRAINER = ["datasets==5.2.0", "torchdata==0.11.0", "pyarrow>=24", "fsspec<=2026.9.0"]
+FORCE_STAGED = ["pyarrow", "fsspec"]
 # Installed with --no-deps on purpose: verl 0.9.1 pins transformers<5.11 (its runtime needs are the
 # project's `learner` extra); its other requirements are listed, not counted as missing.
 NO_DEPS = ["verl"]

@@ -14,7 +14,8 @@
 #     extras, plain ray instead of ray[default], no ruff) plus verl (--no-deps, as bin/setup does),
 #     resolved for CPython 3.12 manylinux x86_64 with pip --dry-run --report against stand-in wheels
 #     for torch/torchvision/torchaudio, with vLLM 0.24.0 and the vLLM set's exact versions (constraints),
-#     minus the image's packages (tools/gpu/check_wheels.py IMAGE) and the vLLM set. The fetch script
+#     minus the image's packages (tools/gpu/check_wheels.py IMAGE) and the vLLM set, plus what verl's
+#     own trainer needs at run time (check_wheels.VERL_TRAINER: bench/vs_verl.py runs it). The fetch script
 #     only deletes DEST/part*.d, this script only DEST/xpart*.d.
 # At the end both streams are unpacked from their pieces and tools/gpu/check_wheels.py checks that
 # every staged wheel's requirements are met by the image or the staged wheels (exit 1 if not).
@@ -88,9 +89,11 @@ import sys, tomllib
 from pathlib import Path
 root, stamp, work, vllm = sys.argv[1:]
 sys.path.insert(0, f"{root}/tools/gpu")
+from check_wheels import VERL_TRAINER
 proj = tomllib.loads(Path(root, "pyproject.toml").read_text())["project"]
 reqs = proj["dependencies"] + proj["optional-dependencies"]["learner"] + proj["optional-dependencies"]["dev"]
-reqs = [r.replace("ray[default]", "ray") for r in reqs if not r.startswith("ruff")]  # no dashboard; ruff is a linter
+reqs = [r.replace("ray[default]", "ray") for r in reqs if not r.startswith(("ruff", "basedpyright"))]  # no dashboard; linters
+reqs += VERL_TRAINER  # verl's own trainer (bench/vs_verl.py) imports these beyond what verl's core needs
 reqs += [f"vllm=={vllm}"] + [f"{w.name.split('-')[0]} @ {w.as_uri()}" for w in sorted(Path(work).glob("*/*.whl"))]
 Path(work, "reqs.txt").write_text("\n".join(reqs) + "\n")
 pins = ["{}=={}".format(*line.split()[1].split("-")[:2]) for line in open(stamp) if line.startswith("wheel ")]
@@ -102,8 +105,8 @@ python3 - "$root" "$stamp" "$work" > "$work/specs.txt" <<'PY'
 import json, sys
 root, stamp, work = sys.argv[1:]
 sys.path.insert(0, f"{root}/tools/gpu")
-from check_wheels import HEAVY, IMAGE, TORCH, norm
-skip = {norm(n) for n in IMAGE + HEAVY + TORCH}
+from check_wheels import FORCE_STAGED, HEAVY, IMAGE, TORCH, norm
+skip = {norm(n) for n in IMAGE + HEAVY + TORCH} - {norm(n) for n in FORCE_STAGED}
 skip |= {norm(line.split()[1].split("-")[0]) for line in open(stamp) if line.startswith("wheel ")}
 for item in json.load(open(f"{work}/report.json"))["install"]:
     name, version = item["metadata"]["name"], item["metadata"]["version"]

@@ -1,0 +1,526 @@
+#!/usr/bin/env python3
+"""The same GRPO job on verl's own trainer and on ours, one after the other on the same GPU machine.
+
+What a verl user asks: is this faster than what I run today, for the same job, on the same GPU?
+
+The job: bench/e2e.py's long-tail agentic workload (multi-turn calculator chains, heavy tail of
+episode lengths), the same warmed Qwen2-0.5B-shaped model, the same rows, batch (16 prompts x 8),
+response limits, optimizer (AdamW, lr 2e-5, weight decay 0.01, clip 1.0), KL loss (low_var_kl,
+0.001), mini-batches (64 samples: 2 optimizer steps a step), micro-batches (8) and GPU placement.
+verl expresses the workload as it is: its tool agent loop (``tool_agent``) with our calculator as a
+function tool (bench/verl_plugins/calculator_tool.py: our evaluator, our schema byte for byte, so
+the prompts are the same tokens) and our math reward as its reward function
+(bench/verl_plugins/reward.py). The rows are written as verl's parquet (chat-message ``prompt``,
+``data_source``, ``reward_model.ground_truth``, ``extra_info``, ``agent_name``); ours reads the
+same rows from the JSONL.
+
+Differences that remain, named in the result's ``caveats``: verl caps a turn only by the whole
+response budget (ours also at 64 tokens a turn, a right turn has ~25); verl's reward sees tool outputs
+(only the box counts: no last-number fallback); verl runs its rollout colocated in the training
+process group (sleeping vLLM between phases), ours a separate rollout server sharing the GPU.
+
+Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine:
+- ``prepare``: bench/e2e.py --prepare-only (model, data, warm-up) into ``--work-dir``;
+- ``verl``: ``python3 -m verl.trainer.main_ppo`` (trainer.use_v1, trainer_mode sync) for ``--steps``;
+  its per-step metrics come from verl's file logger (VERL_FILE_LOGGER_PATH);
+- ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
+- ``report``: merges the stages' JSON files of ``--work-dir``: per configuration the step time and
+  its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
+  both sides), peak GPU memory (nvidia-smi, sampled every 0.5 s by this script, the same way for
+  both), the reward against wall-clock (seconds since the end of step 1; step 1 pays start-up), and
+  the ratios ours async / verl sync and ours sync / verl sync per step. One JSON line on stdout,
+  the JSON and a PNG of the reward curves at ``--results``.
+- ``all``: the four in order (a GPU machine with time for it).
+
+    python3 bench/vs_verl.py --stage prepare --work-dir /root/vs
+    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --steps 10
+    python3 bench/vs_verl.py --stage ours --work-dir /root/vs --steps 10 --staleness 0,2
+    python3 bench/vs_verl.py --stage report --work-dir /root/vs --results docs/gpu/h100_vs_verl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = ROOT / "bench" / "verl_plugins"
+VERL_TIMINGS = {  # verl's metric -> our split's name
+    "timing_s/gen": "generate",
+    "timing_s/reward": "reward",
+    "timing_s/old_log_prob": "old_log_prob",
+    "timing_s/ref": "ref",
+    "timing_s/adv": "adv",
+    "timing_s/update_actor": "update",
+    "timing_s/update_weights": "weights",
+    "timing_s/step": "step",
+}
+OUR_TIMINGS = {
+    "timing/wait_s": "wait",
+    "timing/prepare_s": "prepare",
+    "timing/update_s": "update",
+    "timing/broadcast_s": "broadcast",
+    "timing/step_s": "step",
+}
+REWARD_WINDOW = 5
+CAVEATS = [
+    "verl caps a turn only by the whole response budget; ours also at 64 tokens a turn",
+    "verl's reward sees tool outputs: only a \\boxed answer counts (ours falls back to the last number)",
+    "verl runs generation colocated (vLLM sleeps during training); ours runs a rollout server "
+    "process beside the learner on the same GPU",
+]
+
+
+def progress(msg: str) -> None:
+    print(f"[vs_verl {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="vs_verl",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--stage", choices=("prepare", "verl", "ours", "report", "all"), default="all")
+    p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "vs_verl")
+    p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
+    p.add_argument("--staleness", default="0,1,2", help="our runs (default 0,1,2; 0 = sync)")
+    p.add_argument("--timeout-s", type=float, default=560.0, help="limit of a stage's run(s)")
+    p.add_argument("--results", type=Path, default=None, help="report JSON (and .png beside it)")
+    p.add_argument(
+        "--verl-arg", action="append", default=[], help="one more hydra override for verl"
+    )
+    a = p.parse_args(argv)
+    if a.steps < 2:
+        p.error("--steps must be >= 2 (step 1 pays the start-up and is left out of the means)")
+    return a
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+
+def verl_rows(rows: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """Our JSONL rows in verl's RL parquet layout, the agent loop chosen per row."""
+    return [
+        {
+            "data_source": str(r.get("data_source", "longtail")),
+            "prompt": [{"role": "user", "content": str(r["question"])}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(r["answer"])},
+            "extra_info": {"split": split, "index": i},
+            "agent_name": "tool_agent",
+        }
+        for i, r in enumerate(rows)
+    ]
+
+
+def write_verl_data(src: Path, out: Path) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "val"):
+        with (src / f"{split}.jsonl").open(encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        paths[split] = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(verl_rows(rows, split)), paths[split])
+    return paths
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+class GpuMemory:
+    """Peak GPU memory used (MiB, summed over the GPUs), from nvidia-smi every ``interval`` s."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.peak_mib, self.samples = interval, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+                used = sum(float(x) for x in out.split())
+                self.peak_mib, self.samples = max(self.peak_mib, used), self.samples + 1
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return  # no nvidia-smi (a CPU machine): no memory figure
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def run_bounded(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``cmd`` in its own session, output to ``log``; past ``timeout_s`` SIGTERM, then SIGKILL
+    of its whole group. Returns exit status, wall time, whether it timed out and the peak GPU
+    memory seen meanwhile."""
+    t0 = time.monotonic()
+    with log.open("wb") as out, GpuMemory() as mem:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+        )
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.wait()
+    return {
+        "exit_status": rc,
+        "timed_out": timed_out,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "peak_gpu_mib": round(mem.peak_mib) if mem.samples else None,
+    }
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stage_prepare(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "e2e.py"),
+        "--prepare-only",
+        "--work-dir",
+        str(work),
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout_s)
+    sys.stderr.write(out.stderr[-4000:])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if not result.get("ok"):
+        raise RuntimeError(f"bench/e2e.py --prepare-only failed: {result.get('error')}")
+    data = write_verl_data(work / "data-longtail", work / "data-longtail-verl")
+    return {
+        "model": result["model"],
+        "warmup": result.get("warmup"),
+        "verl_data": str(data["train"]),
+    }
+
+
+def verl_overrides(a: argparse.Namespace, model: str, work: Path) -> list[str]:
+    """verl's hydra overrides for the job that configs/longtail_e2e.yaml describes for ours."""
+    data = work / "data-longtail-verl"
+    return [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'val.parquet'}",
+        "data.train_batch_size=16",
+        "data.max_prompt_length=512",
+        "data.max_response_length=1792",
+        "data.return_raw_chat=true",
+        "data.dataloader_num_workers=0",
+        "data.shuffle=true",
+        "data.seed=0",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.optim.lr=2e-5",
+        "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # prompts: 8 x n 8 = our 64 samples
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.35",
+        "actor_rollout_ref.rollout.max_num_seqs=256",
+        "actor_rollout_ref.rollout.max_model_len=2304",
+        "actor_rollout_ref.rollout.enforce_eager=false",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=33",
+        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1",
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=128",
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={PLUGINS / 'calculator_tool.py'}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        f"reward.custom_reward_function.path={PLUGINS / 'reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=2",
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=sync",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={a.steps}",
+        "trainer.total_epochs=100",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=vs_verl",
+        "trainer.experiment_name=longtail",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={work / 'verl-ckpt'}",
+        "ray_kwargs.ray_init.num_cpus=12",
+        *a.verl_arg,
+    ]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return out
+
+
+def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> dict[str, Any]:
+    run_dir = work / "verl-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("HYDRA_FULL_ERROR", "1")
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(a, prep["model"], work)]
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    progress(f"verl: {a.steps} steps, log {run_dir / 'train.log'}")
+    run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
+    records = [{"step": int(r["step"]), **r["data"]} for r in read_jsonl(metrics) if "data" in r]
+    out = {"label": "verl-sync", "side": "verl", **run, **summarize_verl(records)}
+    if records == [] or run["exit_status"] != 0:
+        out["log_tail"] = tail(run_dir / "train.log")
+    return out
+
+
+def _means(records: list[dict[str, Any]], keys: dict[str, str]) -> dict[str, float]:
+    body = records[1:] or records
+    out = {}
+    for key, name in keys.items():
+        vals = [float(r[key]) for r in body if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[name] = round(statistics.fmean(vals), 4)
+    return out
+
+
+def summarize_verl(records: list[dict[str, Any]]) -> dict[str, Any]:
+    if not records:
+        return {"steps_done": 0}
+    body = records[1:] or records
+    tokens = [
+        float(r["perf/total_num_tokens"]) / float(r["timing_s/step"])
+        for r in body
+        if r.get("perf/total_num_tokens") and r.get("timing_s/step")
+    ]
+    clock, t = [], 0.0
+    for i, r in enumerate(records):
+        t += float(r.get("timing_s/step", 0.0)) if i else 0.0
+        clock.append(round(t, 2))
+    return {
+        "steps_done": len(records),
+        "split_s": _means(records, VERL_TIMINGS),
+        "tokens_per_s": round(statistics.fmean(tokens), 1) if tokens else None,
+        "response_length_mean": _means(records, {"response_length/mean": "x"}).get("x"),
+        "reward_curve": [
+            round(float(r.get("critic/score/mean", float("nan"))), 4) for r in records
+        ],
+        "clock_curve": clock,
+        "verl_memory_gb": _means(
+            records,
+            {
+                "perf/max_memory_allocated_gb": "allocated",
+                "perf/max_memory_reserved_gb": "reserved",
+            },
+        ),
+    }
+
+
+def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    results = work / "ours-e2e.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "e2e.py"),
+        "--work-dir",
+        str(work),
+        "--staleness",
+        a.staleness,
+        "--steps",
+        str(a.steps),
+        "--results",
+        str(results),
+        "--deadline-s",
+        str(max(a.timeout_s - 20, 100)),
+    ]
+    progress(f"ours: staleness {a.staleness}, {a.steps} steps each")
+    run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))
+    e2e = json.loads(results.read_text()) if results.exists() else {"runs": []}
+    out = []
+    for r in e2e.get("runs", []):
+        m = r.get("means", {})
+        out.append(
+            {
+                "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
+                "side": "ours",
+                "max_staleness": r["max_staleness"],
+                "exit_status": r.get("exit_status"),
+                "timed_out": r.get("timed_out"),
+                "wall_s": r.get("wall_s"),
+                "steps_done": r.get("steps_done"),
+                "split_s": {n: m[k] for k, n in OUR_TIMINGS.items() if m.get(k) is not None},
+                "tokens_per_s": m.get("perf/tokens_per_s"),
+                "response_length_mean": m.get("response/length_mean"),
+                "reward_curve": r.get("reward_curve"),
+                "clock_curve": r.get("clock_curve"),
+                "waste": r.get("waste"),
+                "staleness_max": r.get("staleness_max"),
+                # one sampler over the whole e2e command: the peak of all its runs
+                "peak_gpu_mib": run["peak_gpu_mib"],
+            }
+        )
+    if not out:
+        out.append(
+            {"label": "ours", "side": "ours", **run, "log_tail": tail(work / "ours-e2e.log")}
+        )
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
+    return round(float(a) / float(b), 3) if ok else None
+
+
+def report(work: Path, results: Path | None) -> dict[str, Any]:
+    stages = {s: _load(work / f"vs_verl-{s}.json") for s in ("prepare", "verl", "ours")}
+    configs = [c for s in ("verl", "ours") for c in (stages[s] or {}).get("configs", [])]
+    verl = next((c for c in configs if c["label"] == "verl-sync" and c.get("steps_done")), None)
+    ratios: dict[str, Any] = {}
+    if verl:
+        vstep = verl["split_s"].get("step")
+        for c in configs:
+            if c is verl or not c.get("steps_done"):
+                continue
+            ratios[c["label"]] = {
+                "verl_step_over_ours": ratio(vstep, c["split_s"].get("step")),
+                "tokens_per_s_vs_verl": ratio(c.get("tokens_per_s"), verl.get("tokens_per_s")),
+            }
+    out = {
+        "bench": "vs_verl",
+        "workload": "longtail",
+        "prepare": stages["prepare"],
+        "configs": configs,
+        "per_step_speedup_vs_verl_sync": ratios,
+        "caveats": CAVEATS,
+    }
+    if results:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        plot(results.with_suffix(".png"), configs)
+    return out
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def plot(path: Path, configs: list[dict[str, Any]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for c in configs:
+            xs, ys = c.get("clock_curve"), c.get("reward_curve")
+            if not xs or not ys:
+                continue
+            trail = [
+                statistics.fmean(ys[max(0, i - REWARD_WINDOW + 1) : i + 1]) for i in range(len(ys))
+            ]
+            (line,) = ax.plot(xs, trail, lw=2, label=f"{c['label']} (mean of {REWARD_WINDOW})")
+            ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
+        ax.set_xlabel("wall-clock since the end of step 1 (s)")
+        ax.set_ylabel("mean reward per step")
+        ax.set_title("bench/vs_verl.py: verl's trainer vs ours, long-tail workload, one GPU")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    except Exception as e:  # the figures are in the JSON
+        progress(f"could not draw {path}: {type(e).__name__}: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    work = a.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    stages = ["prepare", "verl", "ours", "report"] if a.stage == "all" else [a.stage]
+    for stage in stages:
+        t0 = time.monotonic()
+        if stage == "report":
+            out = report(work, a.results)
+            print(json.dumps(out, sort_keys=True))
+            continue
+        if stage == "prepare":
+            saved: dict[str, Any] = stage_prepare(a, work)
+        else:
+            prep = _load(work / "vs_verl-prepare.json")
+            if prep is None:
+                print(
+                    f"vs_verl: run --stage prepare first (no {work}/vs_verl-prepare.json)",
+                    file=sys.stderr,
+                )
+                return 2
+            configs = [stage_verl(a, work, prep)] if stage == "verl" else stage_ours(a, work)
+            saved = {"configs": configs}
+        saved["stage_s"] = round(time.monotonic() - t0, 1)
+        (work / f"vs_verl-{stage}.json").write_text(json.dumps(saved, indent=1) + "\n")
+        progress(f"{stage}: done in {saved['stage_s']} s")
+        print(json.dumps({"stage": stage, **saved}, sort_keys=True)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
