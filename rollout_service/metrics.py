@@ -5,13 +5,17 @@ updates them runs on the loop). The log gets a one-line summary every ``stats_in
 (``run_stats_logger``), with rates over the interval since the previous line. Prometheus gets the
 same numbers through a collector that reads them at scrape time (from the exporter's thread; a
 scrape may see a counter one update old, which is harmless), registered in a ``CollectorRegistry``
-of this object's own, so several servers (or tests) in one process never share or clash.
+of this object's own, so several servers (or tests) in one process never share or clash. Tool
+calls are also counted per tool and per data source (labelled counters): both label sets are
+bounded by the config, tool names being folded into ``other`` by the agents
+(``Episode.record_call``) and data sources being the server's own.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from threading import Thread
 from typing import Any
@@ -21,6 +25,8 @@ import anyio
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from protocol.trajectory import TOOL_CALLS_PREFIX
 
 
 @dataclass
@@ -32,11 +38,19 @@ class Counters:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    snapshots: int = 0
+    deletions: int = 0
+    sandbox_runs: int = 0
+    sandbox_errors: int = 0
     staleness_drops: int = 0
     dropped_tokens: int = 0
     trajectories_shipped: int = 0
     batches_shipped: int = 0
     batches_acked: int = 0
+
+
+# Counters.* fields that ``Episode.action_counts`` names (tool_calls/tool_errors come as arguments).
+_ACTION_COUNTERS = frozenset({"snapshots", "deletions", "sandbox_runs", "sandbox_errors"})
 
 
 @dataclass
@@ -56,6 +70,10 @@ _HELP = {
     "turns": "Model turns over all finished episodes",
     "tool_calls": "Tool calls made by agents",
     "tool_errors": "Tool calls that ended in an error",
+    "snapshots": "StateLM snapshots: segments closed by a context deletion",
+    "deletions": "StateLM messages deleted from the context",
+    "sandbox_runs": "Code executions in the sandbox (python tool, local or on a tool server)",
+    "sandbox_errors": "Sandbox executions that failed (exit status, timeout, limit)",
     "staleness_drops": "Trajectories dropped for being too far behind the current weights",
     "dropped_tokens": "Model tokens of dropped (too stale) groups: generated, never shipped",
     "granted_groups": "Prompt groups the learner granted that have not started yet (-1: the learner grants none)",
@@ -73,6 +91,8 @@ class RolloutStats:
     def __init__(self, *, server_id: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         self.server_id, self._clock = server_id, clock
         self.counters, self.gauges = Counters(), Gauges()
+        self.tool_calls_by_tool: Counter[str] = Counter()
+        self.tool_calls_by_source: Counter[str] = Counter()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(self))
         self._last_time, self._last = clock(), Counters()
@@ -84,14 +104,29 @@ class RolloutStats:
         self.gauges.episodes_in_flight += 1
 
     def episode_finished(
-        self, *, generated_tokens: int, turns: int, tool_calls: int = 0, tool_errors: int = 0
+        self,
+        *,
+        generated_tokens: int,
+        turns: int,
+        tool_calls: int = 0,
+        tool_errors: int = 0,
+        actions: Mapping[str, float] | None = None,
+        data_source: str = "",
     ) -> None:
+        """``actions``: the episode's action counts (``Episode.action_counts``)."""
         c = self.counters
         c.episodes_finished += 1
         c.generated_tokens += generated_tokens
         c.turns += turns
         c.tool_calls += tool_calls
         c.tool_errors += tool_errors
+        for name, n in (actions or {}).items():
+            if name in _ACTION_COUNTERS:
+                setattr(c, name, getattr(c, name) + int(n))
+            elif name.startswith(TOOL_CALLS_PREFIX):
+                self.tool_calls_by_tool[name.removeprefix(TOOL_CALLS_PREFIX)] += int(n)
+        if tool_calls:
+            self.tool_calls_by_source[data_source or "unknown"] += tool_calls
         self.gauges.episodes_in_flight -= 1
 
     def episode_abandoned(self) -> None:
@@ -128,7 +163,18 @@ class RolloutStats:
             f"episodes {episodes / dt:.2f}/s | gen {(c.generated_tokens - last.generated_tokens) / dt:.1f} tok/s"
             f" | turns {turns / episodes if episodes else 0.0:.2f}/episode"
             f" | tools {c.tool_calls - last.tool_calls} calls {c.tool_errors - last.tool_errors} errors"
-            f" | in flight {g.episodes_in_flight}"
+            + (
+                f" | sandbox {c.sandbox_runs - last.sandbox_runs} runs"
+                f" {c.sandbox_errors - last.sandbox_errors} errors"
+                if c.sandbox_runs
+                else ""
+            )
+            + (
+                f" | snapshots {c.snapshots - last.snapshots} deletions {c.deletions - last.deletions}"
+                if c.snapshots or c.deletions
+                else ""
+            )
+            + f" | in flight {g.episodes_in_flight}"
             + (f" | granted {g.granted_groups}" if g.granted_groups >= 0 else "")
             + f" | unacked {g.unacked_batches} (spool {g.spool_batches})"
             f" | version {g.weight_version} | staleness drops {c.staleness_drops - last.staleness_drops}"
@@ -173,6 +219,18 @@ class _StatsCollector(Collector):
             g = GaugeMetricFamily(f"rollout_{f.name}", _HELP[f.name], labels=list(labels))
             g.add_metric(list(labels.values()), getattr(self.stats.gauges, f.name))
             yield g
+        for label, counts, help_text in (
+            ("tool", self.stats.tool_calls_by_tool, "Tool calls made by agents, per tool"),
+            ("data_source", self.stats.tool_calls_by_source, "Tool calls, per data source"),
+        ):
+            m = CounterMetricFamily(
+                f"rollout_tool_calls_by_{label.removeprefix('data_')}",
+                help_text,
+                labels=[*labels, label],
+            )
+            for name, n in sorted(counts.items()):
+                m.add_metric([*labels.values(), name], n)
+            yield m
 
 
 async def run_stats_logger(stats: RolloutStats, interval: float, log: Any) -> None:

@@ -523,6 +523,8 @@ class RolloutServer:
                 turns=ep.turns,
                 tool_calls=ep.tool_calls,
                 tool_errors=ep.tool_errors,
+                actions=ep.action_counts(),
+                data_source=ep.data_source,
             )
         if stale(result.trajectories, self.newest_version, rollout.max_staleness):
             self.stats.staleness_dropped(

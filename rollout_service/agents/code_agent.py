@@ -87,6 +87,7 @@ class CodeAgent:
         self.markers = [(m.start, m.end) for m in o.mask_spans]
 
     async def run(self, ep: Episode) -> None:
+        ep.expect_actions("tool_calls", "tool_errors", "sandbox_runs", "sandbox_errors")
         if not start(ep, self.deps):
             return
         limits, o, failed = self.deps.limits, self.o, 0
@@ -133,7 +134,6 @@ class CodeAgent:
             ep.goto(State.GENERATING)
 
     async def _execute(self, ep: Episode, code: str | None) -> ToolResult:
-        ep.tool_calls += 1
         if code is None or not code.strip():
             result = ToolResult(
                 f"error: no code between {self.o.code_start_tag} and {self.o.code_end_tag}",
@@ -141,7 +141,7 @@ class CodeAgent:
             )
         else:
             result = await self._call_python(ep, code)
-        ep.tool_errors += not result.ok
+        ep.record_call("python", result)  # a sandbox run too when the code reached the sandbox
         text = result.text
         limit = self.o.max_output_chars
         if len(text) > limit:

@@ -6,7 +6,9 @@ in an agent loop fails loudly instead of producing a subtly wrong trajectory. Th
 buffers (ids, mask, logprobs, versions) are only ever appended to together, by ``add_model`` and
 ``add_tool``, so they cannot drift out of alignment whatever the engine or the tools return.
 Agents that cut an episode into segments (StateLM snapshots) call ``cut_segment``; each segment
-becomes one trajectory of the episode's group.
+becomes one trajectory of the episode's group. What the agent did (tool calls per tool, sandbox
+runs, snapshots, deletions) is counted here too (``record_call``, ``count``) and travels as the
+final trajectory's ``actions``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protocol.trajectory import TERMINATIONS, Trajectory
+from protocol.trajectory import TERMINATIONS, TOOL_CALLS_PREFIX, Trajectory
+
+if TYPE_CHECKING:
+    from rollout_service.tools.base import ToolResult
+
+# A tool result that ran code in the sandbox says so with this metric (tools.python_exec sets it,
+# and the tool server passes it on), whichever agent called it and wherever it ran.
+SANDBOX_METRIC = "sandbox_wall_s"
 
 
 class State(enum.Enum):
@@ -70,6 +79,10 @@ class Episode:
     turns: int = 0  # model turns
     tool_calls: int = 0
     tool_errors: int = 0
+    # Action counts beyond tool_calls/tool_errors (``protocol.trajectory.ACTION_COUNTS``). An agent
+    # puts the names it reports in at 0 when it starts (``expect_actions``), so an episode that did
+    # nothing reports 0 rather than nothing.
+    actions: dict[str, float] = field(default_factory=dict)
     termination: str | None = None
     final_answer: str | None = None
     segments: list[Segment] = field(default_factory=list)
@@ -119,6 +132,30 @@ class Episode:
         self.mask[index] = 0
         self.logprobs[index] = 0.0
 
+    # -- actions ------------------------------------------------------------------------------------
+    def expect_actions(self, *names: str) -> None:
+        for name in names:
+            self.actions.setdefault(name, 0)
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.actions[name] = self.actions.get(name, 0) + n
+
+    def record_call(self, tool: str, result: ToolResult) -> None:
+        """One tool call and its result. ``tool`` must be a name the agent offers (or ``other``):
+        it becomes a count name, and the learner folds names outside its config anyway."""
+        self.tool_calls += 1
+        self.tool_errors += not result.ok
+        self.count(TOOL_CALLS_PREFIX + tool)
+        if SANDBOX_METRIC in result.metrics:
+            self.count("sandbox_runs")
+            self.count("sandbox_errors", not result.ok)
+
+    def action_counts(self) -> dict[str, float]:
+        """The episode's ``Trajectory.actions``: {} for an agent that reports none."""
+        if not (self.actions or self.tool_calls):
+            return {}
+        return {**self.actions, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
+
     @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -163,6 +200,10 @@ class Episode:
             raise ValueError(f"{len(rewards)} segment rewards for {len(segments)} segments")
         chosen = sorted(set(keep)) if keep is not None else range(len(segments))
         timings = {**self.timings, "episode_s": time.monotonic() - self.started}
+        # Episode-level counts go on the final segment only (always kept, see StateLM's
+        # select_segments): on every segment they would count an episode once per kept snapshot,
+        # and divided among them they would depend on which segments were kept.
+        actions, final = self.action_counts(), len(segments) - 1
         return [
             Trajectory(
                 trajectory_id=f"{self.episode_id}-{i}" if len(segments) > 1 else self.episode_id,
@@ -182,6 +223,7 @@ class Episode:
                 num_turns=self.turns,
                 reward_extras=dict(reward_extras),
                 timings=dict(timings),
+                actions=dict(actions) if i == final else {},
             )
             for i in chosen
         ]

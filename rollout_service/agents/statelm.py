@@ -61,6 +61,7 @@ class StateLMAgent(ToolAgent):
         return ep.tool_state["statelm"]
 
     def begin(self, ep: Episode) -> bool:
+        ep.expect_actions("snapshots", "deletions")
         sl = StateLMContext(
             self.deps.system_prompt or SYSTEM_PROMPT, str(ep.row["question"]), documents_of(ep.row)
         )
@@ -131,6 +132,11 @@ class StateLMAgent(ToolAgent):
         n = len(ep.segments) + 1
         reward = self.shaped_reward(ep, result.score)
         rewards = [reward] * n if o.reward_split == "broadcast" else [0.0] * (n - 1) + [reward]
+        # Episode facts, counted once: every closed segment is a snapshot (kept or not), and a
+        # deleted message stays in the history as a stub, whichever turn deleted it.
+        ep.actions["snapshots"] = n - 1
+        sl = ep.tool_state.get("statelm")
+        ep.actions["deletions"] = sum(m.deleted for m in sl.history) if sl is not None else 0
         rng = random.Random(zlib.crc32(ep.episode_id.encode()))
         keep = select_segments(n, o.max_segments, o.segment_selection, rng)
         extras: dict[str, Any] = {

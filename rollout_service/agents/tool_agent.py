@@ -82,6 +82,7 @@ class ToolAgent:
         self.schemas = [t.schema for t in deps.tools.values()]
 
     async def run(self, ep: Episode) -> None:
+        ep.expect_actions("tool_calls", "tool_errors")
         if not self.begin(ep):
             return
         limits, failed_turns = self.deps.limits, 0
@@ -168,8 +169,8 @@ class ToolAgent:
             )
             for c in refused
         ]
-        ep.tool_calls += len(out)
-        ep.tool_errors += sum(not r.ok for _, r in out)
+        for name, r in out:  # a name the model made up (or none: unparsable) is counted as other
+            ep.record_call(name if name in self.deps.tools else "other", r)
         return out
 
     async def _call(self, call: ToolCall, ctx: ToolContext) -> ToolResult:
