@@ -149,6 +149,36 @@ _TIMING_SPLIT = (
 )
 
 
+def agent_parts(metrics: Mapping[str, float]) -> list[tuple[str, str]]:
+    """What the agents did (``learner.agent_metrics``), compactly: StateLM's snapshots and
+    deletions and the code agent's sandbox runs whenever their agent ran (so a model that does not
+    act yet shows 0), tool calls per episode only when there were some, with the busiest tools."""
+    out = []
+    if "agent/snapshots_per_episode" in metrics:
+        snap = f"{short(metrics['agent/snapshots_per_episode'])}/ep"
+        if "agent/deletions_per_episode" in metrics:
+            snap += f" (del {short(metrics['agent/deletions_per_episode'])})"
+        out.append(("snap", snap))
+    if "agent/sandbox_runs_per_episode" in metrics:
+        episodes = metrics.get("agent/episodes", 1.0)
+        runs = metrics["agent/sandbox_runs_per_episode"] * episodes
+        errors = metrics.get("agent/sandbox_errors_per_episode", 0.0) * episodes
+        out.append(("sbx", f"{short(round(runs))} ({short(round(errors))} err)"))
+    calls = metrics.get("agent/tool_calls_per_episode", 0.0)
+    if calls > 0:
+        per_tool = sorted(
+            (
+                (v, k.removeprefix("agent/tool_calls/"))
+                for k, v in metrics.items()
+                if k.startswith("agent/tool_calls/") and v > 0
+            ),
+            reverse=True,
+        )
+        busiest = " ".join(f"{name} {short(v)}" for v, name in per_tool[:3])
+        out.append(("tools", f"{short(calls)}/ep" + (f" ({busiest})" if busiest else "")))
+    return out
+
+
 def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) -> Text:
     """The console's line for one step: ``step 3/10  reward 0.5  pg_loss -0.01 ... time 12.3s``."""
     line = Text()
@@ -169,6 +199,8 @@ def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) 
         add("stale", stale)
     if "rollout/waste_frac" in metrics:
         add("waste", short(metrics["rollout/waste_frac"]))
+    for label, figure in agent_parts(metrics):
+        add(label, figure)
     if "perf/tokens_per_s" in metrics:
         add("tok/s", short(metrics["perf/tokens_per_s"]))
     split = " ".join(f"{lab} {short(metrics[k])}" for k, lab in _TIMING_SPLIT if k in metrics)

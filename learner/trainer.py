@@ -35,6 +35,7 @@ from common.logging import get_logger
 from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
 from learner import checkpoints, trained_log, versions
+from learner.agent_metrics import KnownNames, agent_metrics
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
@@ -346,6 +347,7 @@ class Trainer:
         timer.lap("wait")
         trajs = list(taken.trajectories)
         metrics = batch_metrics(trajs, taken.staleness, self.version)
+        metrics |= agent_metrics(trajs, KnownNames.from_config(self.config))
         if taken.mix:  # mixed run: groups per source, and places another source filled
             metrics["batch/mix_shortfall"] = float(taken.mix_shortfall)
             for src in sorted({*taken.mix, *taken.sources}):

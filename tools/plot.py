@@ -29,6 +29,8 @@ class Panel:
     pattern: str | None = None
     """A regular expression: every other metric matching it is drawn too (per-source, validation)."""
     max_series: int = 8
+    only_with_data: bool = False
+    """Left out of the figure when the run logs none of its metrics (instead of saying "no data")."""
 
 
 PANELS = (
@@ -41,6 +43,21 @@ PANELS = (
     Panel("staleness (policy versions)", ("staleness/mean", "staleness/max")),
     Panel("throughput (tokens/s)", ("perf/tokens_per_s", "perf/update_tokens_per_s")),
     Panel("validation reward", (), pattern=r"^val[-/].*reward.*mean"),
+    # What the agents did, per episode (learner.agent_metrics): StateLM's snapshots and deletions,
+    # the code agent's sandbox runs, tool calls per tool and per data source.
+    Panel(
+        "agent actions (per episode)",
+        (
+            "agent/snapshots_per_episode",
+            "agent/deletions_per_episode",
+            "agent/sandbox_runs_per_episode",
+            "agent/sandbox_errors_per_episode",
+            "agent/tool_calls_per_episode",
+        ),
+        pattern=r"^agent/tool_calls(_by_source)?/.+",
+        max_series=10,
+        only_with_data=True,
+    ),
 )
 
 
@@ -100,12 +117,13 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")  # no display; must precede pyplot's import
     import matplotlib.pyplot as plt
 
+    drawn = [(p, panel_series(records, p)) for p in PANELS]
+    drawn = [(p, series) for p, series in drawn if series or not p.only_with_data]
     cols = 3
-    rows = -(-len(PANELS) // cols)
+    rows = -(-len(drawn) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
     try:
-        for ax, panel in zip(axes.flat, PANELS, strict=False):
-            series = panel_series(records, panel)
+        for ax, (panel, series) in zip(axes.flat, drawn, strict=False):
             ax.set_title(panel.title)
             ax.set_xlabel("step")
             ax.grid(True, alpha=0.3)
@@ -125,7 +143,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
                     steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name
                 )
             ax.legend(fontsize="x-small")
-        for ax in list(axes.flat)[len(PANELS) :]:
+        for ax in list(axes.flat)[len(drawn) :]:
             ax.axis("off")
         last = records[-1]["step"]
         fig.suptitle(f"{run_dir.resolve().name}: {len(records)} records, last step {last}")
@@ -141,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="plot",
         description="Draw a run's training curves (reward, tool use, KL, entropy, staleness, "
-        "throughput, validation reward) from RUN_DIR/metrics.jsonl into one PNG.",
+        "throughput, validation reward, agent actions) from RUN_DIR/metrics.jsonl into one PNG.",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
     parser.add_argument(
