@@ -51,6 +51,12 @@ ADMISSION_CAPABILITY = "admission"
 """HELLO capability of a rollout server that starts prompt groups only as ADMIT grants allow, and
 WELCOME capability of a learner that grants them (protocol 1.3)."""
 
+WEIGHT_RELAY_CAPABILITY = "weight_relay"
+"""HELLO capability of a weight relay (``bin/weight-relay``, SPEC §"Weight relays"): it takes no
+credits, receives each version from the learner or from the relay named in WELCOME
+``relay_upstream``, forwards it to the relays behind it and reports the slot file it wrote in
+WEIGHTS_APPLIED ``file``; WELCOME capability of a learner that runs the relay tier (1.4)."""
+
 PROBE_CAPABILITY = "conformance"
 """HELLO capability of a peer whose batches only test the learner (the conformance suite): they are
 acknowledged like any other and never trained, so probing a live learner leaves its run as it was."""
@@ -107,6 +113,8 @@ class Hello:
     host: str = field(default="", metadata=OMIT_DEFAULT)
     # since 1.3: prompt groups the sender generates at once (0: unstated); admission grants at most these
     slots: int = field(default=0, metadata=OMIT_DEFAULT)
+    # since 1.4, a "weight_relay" peer: where relays downstream of it connect (tcp://HOST:PORT)
+    relay_address: str = field(default="", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if len(self.protocol_version) != 2:
@@ -131,6 +139,9 @@ class Welcome:
     heartbeat_timeout_s: float
     limits: Limits
     capabilities: list[str] = field(default_factory=list)
+    # since 1.4, to a "weight_relay" peer only: the relay address it takes weights from ("": the
+    # learner itself). Sent again, unasked, whenever the relay chain changes (a relay left).
+    relay_upstream: str = field(default="", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if len(self.protocol_version) != 2:
@@ -218,6 +229,8 @@ class WeightsApplied:
     ok: bool
     error: str = ""
     apply_time_s: float = 0.0
+    # since 1.4, from a "weight_relay" peer: the verified slot file on its host holding ``version``
+    file: str = field(default="", metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from protocol.messages import (
     PROBE_CAPABILITY,
     TYPE_OF,
     VALIDATION_CAPABILITY,
+    WEIGHT_RELAY_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     Ack,
     Admit,
@@ -78,6 +79,7 @@ from protocol.messages import (
     WeightsApplied,
     Welcome,
 )
+from protocol.relay import RelayTier
 from protocol.trajectory import COLUMNS, Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import NamedBuffer, plan_transfer
@@ -252,6 +254,7 @@ class LearnerProtocol:
         self._seen = RecentIds(dedup_window)
         self._weights: list[Frames] = []  # frames of the latest published version, for joiners
         self._publication: _Publication | None = None
+        self.relays = RelayTier()  # weight relays (1.4, ``protocol.relay``)
         self._out: list[tuple[bytes, Frames]] = []
         self.hold_batches = hold_batches
         self._held: _Held | None = None
@@ -351,11 +354,12 @@ class LearnerProtocol:
         self.policy_version = version
         self._weights = []
         self._publication = _Publication(version, tensors, chunk_bytes, file)
+        specs = [
+            TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0)
+            for t in tensors
+        ]
+        self.relays.published(version, specs)
         if file:
-            specs = [
-                TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0)
-                for t in tensors
-            ]
             announce = WeightsAnnounce(version, uuid.uuid4().hex, specs, 0, file=file)
             self._publication.file_frames, self._publication.file_transfer_id = (
                 codec.encode(announce),
@@ -474,6 +478,7 @@ class LearnerProtocol:
         for ident, p in list(self.peers.items()):
             if now - p.last_recv >= self.heartbeat_timeout_s:
                 del self.peers[ident]
+                self._relay_left(p)
                 if p.hello is not None:
                     events.append(PeerTimedOut(p.name))
                     events += _abandoned(p, "timed out")
@@ -523,6 +528,14 @@ class LearnerProtocol:
             case WeightsApplied():
                 if msg.ok:
                     peer.policy_version = msg.version
+                    if msg.file and (
+                        host := self.relays.completed(peer.identity, msg.version, msg.file)
+                    ):
+                        self._relay_file_ready(host)
+                elif msg.transfer_id in self.relays.transfer_ids:
+                    # The relay's file could not be used: this server takes chunks from now on.
+                    peer.refused_file = True
+                    self._send_weights(peer)
                 elif (
                     pub := self._publication
                 ) is not None and msg.transfer_id == pub.file_transfer_id:
@@ -543,6 +556,7 @@ class LearnerProtocol:
                 return [ValidationReceived(peer.name, msg)]
             case Bye():
                 del self.peers[peer.identity]
+                self._relay_left(peer)
                 self._grant()
                 return [PeerClosed(peer.name, msg.reason), *_abandoned(peer, "closed")]
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a learner")
@@ -561,7 +575,11 @@ class LearnerProtocol:
                 f"role must be 'rollout-server', got {msg.role!r}",
                 field="HELLO.role",
             )
-        if self.tokenizer.sha256 and msg.tokenizer.sha256 != self.tokenizer.sha256:
+        if (
+            self.tokenizer.sha256
+            and msg.tokenizer.sha256 != self.tokenizer.sha256
+            and not RelayTier.is_relay(msg)  # a relay never tokenizes: it forwards bytes
+        ):
             raise ProtocolError(
                 ErrorCode.INCOMPATIBLE_MODEL,
                 f"peer {msg.peer_id} uses tokenizer {msg.tokenizer.name} ({msg.tokenizer.sha256[:12]}), "
@@ -572,10 +590,12 @@ class LearnerProtocol:
         for ident, p in list(self.peers.items()):  # same server, new socket: forget the old one
             if p.hello is not None and (p.hello.peer_id == msg.peer_id or ident == identity):
                 del self.peers[ident]
+                self._relay_left(p)
                 replaced += _abandoned(p, "replaced by a new session")
         peer = self.peers[identity] = _Peer(identity, msg, 0, now, now, msg.policy_version)
         stream = self._streams.setdefault((msg.peer_id, msg.epoch), _Stream())
-        credits = self._take_room(self.max_credits_per_peer)
+        relay = RelayTier.is_relay(msg)
+        credits = 0 if relay else self._take_room(self.max_credits_per_peer)
         peer.credits = credits
         welcome = Welcome(
             protocol_version=list(self.version),
@@ -593,6 +613,9 @@ class LearnerProtocol:
             ),
             capabilities=[ADMISSION_CAPABILITY] if self.admission and peer.admits else [],
         )
+        if relay:  # a weight relay: no credits, a place in the chain (SPEC §"Weight relays")
+            self._reroute(self.relays.join(identity, msg))
+            return [*replaced, PeerJoined(msg.peer_id, msg)]
         self._out.append((identity, codec.encode(welcome)))
         if self._publication and (
             msg.policy_version < 0 or msg.policy_version < self.policy_version
@@ -655,6 +678,8 @@ class LearnerProtocol:
 
     def _top_up(self, peer: _Peer) -> int:
         """Grant ``peer`` credits from free room up to its cap; returns the number granted."""
+        if peer.identity in self.relays.relays:
+            return 0  # a weight relay sends no batches
         n = self._take_room(self.max_credits_per_peer - peer.credits)
         peer.credits += n
         return n
@@ -672,10 +697,85 @@ class LearnerProtocol:
         pub = self._publication
         if pub is None:
             return
+        if peer.identity in self.relays.relays:  # only the head of the chain gets them from here
+            if self.relays.fed_by_learner(peer.identity):
+                self._out.extend((peer.identity, frames) for frames in self._chunk_frames())
+            return
         if pub.file_frames is not None and self._takes_files(peer):
             self._out.append((peer.identity, pub.file_frames))
             return
+        if self._takes_relay_files(peer):
+            assert peer.hello is not None
+            frames = self.relays.file_announce(peer.identity, peer.hello.host, peer.policy_version)
+            if frames is not None:
+                self._out.append((peer.identity, frames))
+            return  # the rest comes when its host's relay has verified it (``_relay_file_ready``)
         self._out.extend((peer.identity, frames) for frames in self._chunk_frames())
+
+    # -- weight relays (1.4) ---------------------------------------------------------------------
+    def _takes_relay_files(self, peer: _Peer) -> bool:
+        h = peer.hello
+        return (
+            h is not None
+            and not peer.refused_file
+            and WEIGHTS_FILE_CAPABILITY in h.capabilities
+            and self.relays.serves(h.host)
+        )
+
+    def _relay_file_ready(self, host: str) -> None:
+        """A relay of ``host`` verified a newer version: hand its file to the servers there."""
+        for p in self.peers.values():
+            if p.hello is not None and p.hello.host == host and self._takes_relay_files(p):
+                if (
+                    frames := self.relays.file_announce(p.identity, host, p.policy_version)
+                ) is not None:
+                    self._out.append((p.identity, frames))
+
+    def _reroute(self, routes: list[tuple[bytes, str]]) -> None:
+        """WELCOME (again) to every relay whose upstream changed, naming it in ``relay_upstream``;
+        one now fed by the learner gets the current version from here if it lacks it."""
+        for ident, upstream in routes:
+            p = self.peers.get(ident)
+            if p is None or p.hello is None:
+                continue
+            welcome = Welcome(
+                protocol_version=list(self.version),
+                peer_id=self.peer_id,
+                session_id=self.session_id,
+                credits=0,
+                policy_version=self.policy_version,
+                next_seq=1,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+                limits=Limits(
+                    self.limits.max_message_bytes,
+                    self.limits.max_trajectories_per_batch,
+                    self.limits.max_tokens_per_trajectory,
+                ),
+                capabilities=[WEIGHT_RELAY_CAPABILITY],
+                relay_upstream=upstream,
+            )
+            self._out.append((ident, codec.encode(welcome)))
+            if upstream == "" and p.policy_version < self.policy_version:
+                self._send_weights(p)
+
+    def _relay_left(self, peer: _Peer) -> None:
+        """``peer`` is gone: as a relay, the chain closes over it, and the servers of a host left
+        without a relay get what they miss as chunks; as a server, its hand-over record goes."""
+        self.relays.forget(peer.identity)
+        if peer.identity not in self.relays.relays:
+            return
+        host = self.relays.relays[peer.identity].host
+        self._reroute(self.relays.leave(peer.identity))
+        if not self.relays.serves(host):
+            for p in self.peers.values():
+                if (
+                    p.hello is not None
+                    and p.hello.host == host
+                    and p.identity not in self.relays.relays
+                    and p.policy_version < self.policy_version
+                ):
+                    self._send_weights(p)
 
     def file_peers_oldest_version(self) -> int | None:
         """The lowest weights version applied by a connected peer that takes weight files (None:

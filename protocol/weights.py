@@ -34,7 +34,7 @@ import math
 import os
 import stat
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -255,7 +255,7 @@ def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> st
 class ReceivedWeights:
     version: int
     transfer_id: str
-    tensors: list[tuple[TensorSpec, bytearray]]
+    tensors: list[tuple[TensorSpec, bytearray | memoryview]]
     file: str = ""  # file hand-over: the tensors (``specs``) lie in this local safetensors file
     specs: list[TensorSpec] = field(default_factory=list)
 
@@ -263,7 +263,8 @@ class ReceivedWeights:
 @dataclass
 class _Transfer:
     announce: WeightsAnnounce
-    buffers: list[bytearray | None]  # allocated by the first chunk that writes into the tensor
+    # allocated by the first chunk that writes into the tensor, or all at once by ``allocate``
+    buffers: list[bytearray | memoryview | None]
     filled: list[int]
     deadline: float  # the whole transfer: timeout_s + bytes / min_bytes_per_s after the announce
     last_progress: float  # when the announce or the last new chunk arrived
@@ -277,7 +278,9 @@ class WeightAssembler:
     ``manifest``: the receiver's model; announces that do not fit it are refused (None: only
     ``max_total_bytes`` bounds them). ``file_roots``: where file announces may point (None: any
     path, unchecked). ``timeout_s`` / ``min_bytes_per_s``: the deadlines (None: no timeout); they
-    only run for callers that pass ``now``.
+    only run for callers that pass ``now``. ``allocate``: gives the buffers of every tensor of a
+    checked chunked announce at once (a weight relay's mapped slot file, so chunks land in the file
+    as they arrive); the default allocates each tensor lazily.
     """
 
     def __init__(
@@ -288,7 +291,9 @@ class WeightAssembler:
         file_roots: Sequence[str] | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S,
+        allocate: Callable[[WeightsAnnounce], Sequence[memoryview]] | None = None,
     ) -> None:
+        self.allocate = allocate
         self.max_total_bytes = manifest.max_bytes if manifest is not None else max_total_bytes
         self.manifest = manifest
         self.file_roots = list(file_roots) if file_roots is not None else None
@@ -356,9 +361,12 @@ class WeightAssembler:
         self._supersede()
         start = math.inf if now is None else now  # no clock: no deadline
         budget = (self.timeout_s or 0.0) + total / self.min_bytes_per_s
+        buffers: list[bytearray | memoryview | None] = [None] * len(msg.tensors)
+        if self.allocate is not None:
+            buffers = list(self.allocate(msg))
         self._current = _Transfer(
             msg,
-            [None] * len(msg.tensors),
+            buffers,
             [0] * len(msg.tensors),
             deadline=start + budget,
             last_progress=start,
@@ -463,7 +471,9 @@ class WeightAssembler:
             return None
         self._current = None
         self._finished.add(cur.announce.transfer_id)
-        buffers = [b if b is not None else bytearray() for b in cur.buffers]
+        buffers: list[bytearray | memoryview] = [
+            b if b is not None else bytearray() for b in cur.buffers
+        ]
         for spec, buf, filled in zip(cur.announce.tensors, buffers, cur.filled, strict=True):
             if (
                 filled != spec.nbytes

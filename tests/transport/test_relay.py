@@ -1,0 +1,262 @@
+"""The weight relay tier (protocol 1.4) over real ZeroMQ on loopback, relays as real child processes
+(``bin/weight-relay``), each standing for one host (``--host``); rollout servers are in-process
+``RolloutClient``s that offer "weights_file" and check every byte of the file they are handed.
+
+Covered: the learner sends a version once and it reaches every host down the chain with every
+checksum verified; a relay SIGKILLed mid-transfer and the relay behind it still getting the
+version; a late joiner and a restarted server getting the newest version at once; a server without
+the capability still served with chunks straight from the learner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from transport_testkit import ClientHandle, ZmqNet, client_running, learner_running
+
+from common.safetensors_buffers import load_file
+from protocol import codec
+from protocol.events import PeerTimedOut, PeerWeightsApplied, WeightsReceived
+from protocol.messages import WEIGHTS_FILE_CAPABILITY, MsgType
+from protocol.weights import NamedBuffer, WeightAssembler, plan_transfer
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def net() -> Iterator[ZmqNet]:
+    n = ZmqNet()
+    yield n
+    n.term()
+
+
+def tensors(version: int, mb: float = 2.0) -> list[NamedBuffer]:
+    rng = np.random.default_rng(version)
+    n = int(mb * (1 << 20)) // 4
+    arrays = {
+        "model.embed.weight": rng.standard_normal(n // 2, dtype=np.float32),
+        "model.layer.0.w": rng.standard_normal(n // 4, dtype=np.float32),
+        "model.layer.0.b": rng.integers(0, 1 << 30, n // 4, dtype=np.int32),
+        "model.norm": rng.standard_normal(7).astype(np.float16),
+    }
+    return [
+        NamedBuffer(k, str(a.dtype), a.shape, memoryview(a).cast("B")) for k, a in arrays.items()
+    ]
+
+
+def num_chunks(ts: list[NamedBuffer]) -> int:
+    return plan_transfer(0, ts, chunk_bytes=CHUNK)[0].num_chunks
+
+
+class CountingChannel:
+    """The learner's channel, counting the WEIGHTS_CHUNK messages it sends to each peer."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.address = inner, inner.address
+        self.chunks: Counter[bytes] = Counter()
+
+    async def send(self, identity: bytes, frames: list[Any]) -> None:
+        if codec.peek_type(frames) is MsgType.WEIGHTS_CHUNK:
+            self.chunks[identity] += 1
+        await self.inner.send(identity, frames)
+
+    async def recv(self) -> tuple[bytes, list[Any]]:
+        return await self.inner.recv()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@asynccontextmanager
+async def relays(
+    lh: Any, hosts: list[str], tmp: Path, **extra: list[str]
+) -> AsyncIterator[dict[str, subprocess.Popen[str]]]:
+    """One relay process per host, started in order, each once the one before it has joined: the
+    chain is ``hosts`` in that order."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for i, h in enumerate(hosts):
+            (tmp / h).mkdir(exist_ok=True)
+            procs[h] = subprocess.Popen(
+                [sys.executable, str(ROOT / "bin/weight-relay"), "--learner", lh.channel.address,
+                 "--bind", "tcp://127.0.0.1:0", "--host", h, "--peer-id", f"relay-{h}",
+                 "--weights-dir", str(tmp / h), *extra.get(h, [])],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp / f"relay-{h}.log", "w"),
+                text=True, start_new_session=True,
+            )  # fmt: skip
+            await lh.watch.until(lambda i=i: len(relay_ids(lh)) == i + 1, 30)
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+@asynccontextmanager
+async def server(
+    net: ZmqNet,
+    address: str,
+    host: str,
+    tmp: Path,
+    *,
+    peer_id: str = "",
+    files: bool = True,
+    mb: float = 2.0,
+) -> AsyncIterator[tuple[ClientHandle, dict[int, str]]]:
+    """A rollout server on ``host`` that applies what it receives once every byte is checked
+    against ``tensors(version)``; yields it and {version: the file it came in ("" chunks)}."""
+    applied: dict[int, str] = {}
+    conn_kw = {
+        "capabilities": [WEIGHTS_FILE_CAPABILITY] if files else [],
+        "host": host,
+        "weights": WeightAssembler(file_roots=[str(tmp / host)]),
+    }
+    async with client_running(
+        net.connector(address), peer_id=peer_id or f"server-{host}", request_weights=True,
+        conn_kw=conn_kw,
+    ) as ch:  # fmt: skip
+
+        async def apply() -> None:
+            done = 0
+            while True:
+                await ch.watch.until(lambda d=done: len(ch.watch.of(WeightsReceived)) > d, 1e9)
+                for ev in ch.watch.of(WeightsReceived)[done:]:
+                    w = ev.weights
+                    if w.file:
+                        got = {t.name: bytes(t.data) for t in load_file(Path(w.file))}
+                    else:
+                        got = {s.name: bytes(b) for s, b in w.tensors}
+                    want = {t.name: bytes(t.data) for t in tensors(w.version, mb)}
+                    assert got == want, f"version {w.version} differs"
+                    applied[w.version] = w.file
+                    ch.client.weights_applied(w.version, w.transfer_id, ok=True)
+                    ch.watch.notify()
+                done = len(ch.watch.of(WeightsReceived))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(apply)
+            yield ch, applied
+            tg.cancel_scope.cancel()
+
+
+def relay_ids(lh: Any) -> dict[str, bytes]:
+    return {r.peer_id: ident for ident, r in lh.proto.relays.relays.items()}
+
+
+async def test_chain_forwards_each_version_once_with_checksums(net: ZmqNet, tmp_path: Path) -> None:
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    hosts = ["hostA", "hostB", "hostC"]
+    async with learner_running(ch, host="learner-host") as lh:
+        async with relays(lh, hosts, tmp_path):
+            chain = list(lh.proto.relays.relays.values())
+            assert [r.upstream for r in chain] == ["", chain[0].address, chain[1].address]
+            async with (
+                server(net, ch.address, "hostA", tmp_path) as (_, a),
+                server(net, ch.address, "hostB", tmp_path) as (_, b),
+                server(net, ch.address, "hostC", tmp_path) as (sc, c),
+            ):
+                for v in (1, 2):
+                    before = sum(ch.chunks.values())
+                    lh.server.publish_weights(v, tensors(v), chunk_bytes=CHUNK)
+                    await lh.watch.until(lambda v=v: all(v in x for x in (a, b, c)), 30)
+                    n = num_chunks(tensors(v))
+                    # sent once, to the head of the chain; every host got it as a verified file
+                    assert sum(ch.chunks.values()) - before == n
+                    for host, got in zip(hosts, (a, b, c), strict=True):
+                        assert f"/{host}/agentrl-weights-" in got[v]
+                assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}
+                await sc.watch.until(lambda: sc.client.conn.policy_version == 2)
+
+
+async def test_relay_killed_mid_transfer_downstream_still_gets_version(
+    net: ZmqNet, tmp_path: Path
+) -> None:
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    extra = {"hostA": ["--stall-after-chunks", "40"]}
+    async with learner_running(ch, host="learner-host") as lh:
+        async with relays(lh, ["hostA", "hostB"], tmp_path, **extra) as procs:
+            async with server(net, ch.address, "hostB", tmp_path, mb=8.0) as (_, b):
+                lh.server.publish_weights(1, tensors(1, mb=8.0), chunk_bytes=CHUNK)
+                out = procs["hostA"].stdout
+                assert out is not None
+                with anyio.fail_after(30):  # the head forwarded 40 chunks and stopped there
+                    while "stalled" not in await anyio.to_thread.run_sync(out.readline):
+                        pass
+                ids = relay_ids(lh)
+                assert ch.chunks[ids["relay-hostB"]] == 0 and 1 not in b
+                os.killpg(procs["hostA"].pid, signal.SIGKILL)
+                await lh.watch.until(lambda: bool(lh.watch.of(PeerTimedOut)), 30)
+                # hostB's relay is the head now: re-attached to the learner, it completes the
+                # version (the 40 chunks it had are skipped) and hands it to its server
+                await lh.watch.until(lambda: 1 in b, 30)
+                assert ch.chunks[ids["relay-hostB"]] == num_chunks(tensors(1, mb=8.0))
+                assert "/hostB/agentrl-weights-" in b[1]
+
+
+async def test_late_joiner_and_restarted_server_get_newest_at_once(
+    net: ZmqNet, tmp_path: Path
+) -> None:
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    async with learner_running(ch, host="learner-host") as lh:
+        async with relays(lh, ["hostA"], tmp_path):
+            for v in (1, 2):
+                lh.server.publish_weights(v, tensors(v), chunk_bytes=CHUNK)
+
+            def relay_has(v: int) -> bool:
+                return any(
+                    isinstance(e, PeerWeightsApplied) and e.applied.version == v and e.applied.file
+                    for e in lh.watch.events
+                )
+
+            await lh.watch.until(lambda: relay_has(2), 30)
+            for attempt in range(2):  # a late joiner, then the same server restarted
+                with anyio.fail_after(5):
+                    async with server(net, ch.address, "hostA", tmp_path) as (s, got):
+                        await s.watch.until(lambda: 2 in got, 5)
+                        assert list(got) == [2], attempt  # the newest, and only it
+                        await s.close()
+            assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}  # no chunks to any server
+
+
+async def test_server_without_capability_gets_chunks_directly(net: ZmqNet, tmp_path: Path) -> None:
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    async with learner_running(ch, host="learner-host") as lh:
+        async with relays(lh, ["hostA"], tmp_path):
+            async with (
+                server(net, ch.address, "hostA", tmp_path, peer_id="old", files=False) as (o, old),
+                server(net, ch.address, "hostA", tmp_path, peer_id="new") as (_, new),
+            ):
+                lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
+                await lh.watch.until(lambda: 1 in old and 1 in new, 30)
+                assert (
+                    old[1] == "" and new[1]
+                )  # chunks to the old peer, the relay's file to the new
+                n = num_chunks(tensors(1))
+                by_peer = {p.name: p.identity for p in lh.proto.peers.values()}
+                assert ch.chunks[by_peer["old"]] == n and by_peer["new"] not in ch.chunks
+                await o.close()
