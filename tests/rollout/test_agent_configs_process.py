@@ -116,6 +116,18 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
         "tiny_mixed": {("tool_agent", "arithmetic"), ("tool_agent", "qa"), ("code", "code")},
     }[name]
     assert set(kinds) == expected, kinds
+    # What the agents did reaches the step metrics (0 is fine for an untrained model), counted on
+    # each episode's final trajectory only.
+    acting = {
+        "tiny_statelm": ["agent/snapshots_per_episode", "agent/deletions_per_episode"],
+        "tiny_code": ["agent/sandbox_runs_per_episode", "agent/sandbox_errors_per_episode"],
+        "tiny_mixed": ["agent/sandbox_runs_per_episode", "agent/tool_calls_by_source/code"],
+    }[name]
+    for m in steps:
+        for key in ["agent/episodes", "agent/tool_calls_per_episode", *acting]:
+            assert isinstance(m.get(key), float) and m[key] >= 0, (key, sorted(m))
+    assert all(t.actions == {} for t in trajs if t.is_snapshot)
+    assert all("tool_calls" in t.actions for t in trajs if not t.is_snapshot)
     if name == "tiny_mixed":  # 4/3/3 prompts per batch of 10, so about that share of trajectories
         assert kinds[("tool_agent", "arithmetic")] > kinds[("code", "code")] / 2
         assert any(k.startswith("batch/count/qa") for m in steps for k in m), steps[0].keys()
