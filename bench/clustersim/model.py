@@ -1,0 +1,463 @@
+"""A discrete-event model of N rollout servers and a learner of W GPUs, driven by the project's own
+policy code.
+
+The policy objects are the real ones, used unchanged:
+- the learner's grants, the EDF take, the feasibility wait and the stale drops come from
+  ``learner.admission.Admission`` and ``learner.buffer.GroupBuffer``, fed real ``Trajectory``
+  objects with per-token versions. The glue between them repeats ``learner.intake``'s few lines
+  (``_admit``, ``_can_take``, ``_received``), because the intake itself owns sockets and a journal;
+- a server starts a group only when ``RolloutServer._may_admit`` says so. ``RolloutServer._grant``
+  picks the grant. Both are the server's own functions, bound to ``SimServer`` here;
+- a finished group is dropped at the server when ``rollout_service.groups.stale`` says so.
+
+Everything else is a cost model:
+- an engine decodes its running sequences in lock-step: one step of ``c`` sequences takes
+  ``GenCosts.step_s(c)``, and every sequence gains one token per step (processor sharing, kept
+  exact with a virtual clock). On a GPU shared with the learner, the engine runs at
+  ``shared_gpu_share`` of its speed while the learner computes. It stops while it reloads weights;
+- an episode is ``turns`` turns of decoding, split evenly over its model tokens, with a tool call
+  (``tool_latency_s``) between turns;
+- the learner's prepare, update and publish take the batch's tokens times the learner's per-token
+  costs, over ``learner_gpus`` GPUs. A new version reaches a server ``applied_s`` after the gather
+  starts, plus the transfer time of the fan-out for servers on other hosts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from bench.clustersim.costs import GenCosts, LearnerCosts, Lengths, WeightCosts
+from learner.admission import Admission
+from learner.buffer import Group, GroupBuffer
+from protocol.trajectory import Trajectory
+from rollout_service.groups import stale
+from rollout_service.server import RolloutServer
+
+
+@dataclass(frozen=True)
+class Setup:
+    servers: int
+    learner_gpus: int
+    batch_groups: int
+    n: int
+    max_staleness: int
+    steps: int
+    max_concurrent_episodes: int
+    lengths: Lengths
+    gen: GenCosts
+    learner: LearnerCosts
+    weights: WeightCosts
+    shared_gpu: bool = False  # one GPU runs the learner and the (single) engine
+    learner_scaling: float = 1.0  # tok/s per learner GPU at W GPUs, as a share of one GPU's
+    transfer_s: Callable[[int], float] = lambda _i: 0.0  # extra delivery time to server i
+    admission: bool = True  # learner.admission (false: servers generate ahead, stale drops)
+
+
+@dataclass
+class StepRecord:
+    end: float
+    wait_s: float
+    learn_s: float
+    tokens: int
+    staleness: list[int]
+    dropped: int
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def after(self, dt: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + dt, fn)
+
+    def run(self, until: Callable[[], bool]) -> None:
+        while self._heap and not until():
+            self.now, _, fn = heapq.heappop(self._heap)
+            self.events += 1
+            fn()
+
+
+class Engine:
+    """One vLLM engine: lock-step decoding of the running sequences (virtual-clock processor
+    sharing: every running sequence has decoded ``vclock - start`` tokens)."""
+
+    def __init__(self, clock: Clock, gen: GenCosts) -> None:
+        self.clock, self.gen = clock, gen
+        self.policy_version = 0
+        self.vclock = 0.0
+        self._last = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._token = 0
+        self.paused = False
+        self.share = 1.0
+
+    def _rate(self) -> float:
+        """Tokens per second of each running sequence."""
+        if self.paused or not self._heap:
+            return 0.0
+        return self.share / self.gen.step_s(len(self._heap))
+
+    def _advance(self) -> None:
+        now = self.clock.now
+        self.vclock += (now - self._last) * self._rate()
+        self._last = now
+
+    def decode(self, tokens: float, done: Callable[[], None]) -> None:
+        self._advance()
+        heapq.heappush(self._heap, (self.vclock + tokens, next(self._seq), done))
+        self._schedule()
+
+    def set(self, *, paused: bool | None = None, share: float | None = None) -> None:
+        self._advance()
+        if paused is not None:
+            self.paused = paused
+        if share is not None:
+            self.share = share
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._token += 1
+        rate = self._rate()
+        if rate <= 0:
+            return
+        token = self._token
+        dt = max(0.0, (self._heap[0][0] - self.vclock) / rate)
+        self.clock.after(dt, lambda: self._fire(token))
+
+    def _fire(self, token: int) -> None:
+        if token != self._token:
+            return  # superseded by a later change of the rate
+        self._advance()
+        finished = []
+        while self._heap and self._heap[0][0] <= self.vclock + 1e-9:
+            finished.append(heapq.heappop(self._heap)[2])
+        self._schedule()
+        for fn in finished:
+            fn()
+
+
+@dataclass
+class Episode:
+    turn_tokens: list[int]
+    response_tokens: int
+    versions: list[int] = field(default_factory=list)  # engine version at each turn's start
+
+
+class SimServer:
+    """A rollout server's admission state, with ``RolloutServer``'s own decision functions."""
+
+    _may_admit = RolloutServer._may_admit  # pyright: ignore[reportAssignmentType]
+    _grant = RolloutServer._grant  # pyright: ignore[reportAssignmentType]
+
+    def __init__(self, sim: Simulation, index: int, engine: Engine) -> None:
+        s = sim.setup
+        self.sim, self.peer, self.engine = sim, f"server-{index}", engine
+        self.index = index
+        self.config = SimpleNamespace(
+            rollout_server=SimpleNamespace(max_concurrent_episodes=s.max_concurrent_episodes),
+            actor_rollout_ref=SimpleNamespace(
+                rollout=SimpleNamespace(max_staleness=s.max_staleness)
+            ),
+        )
+        self._drain_waiting = False
+        self._connected = True
+        self.newest_version = 0
+        self._granted: Counter[int] | None = Counter() if s.admission else None
+        self._running = 0
+        self._groups = itertools.count()
+
+    def admit(self) -> None:
+        """``RolloutServer._admit``'s loop: start groups while the policy allows."""
+        n = self.sim.setup.n
+        while self._may_admit(n):  # pyright: ignore[reportCallIssue]
+            if self._granted is not None:
+                m = self._grant()  # pyright: ignore[reportCallIssue]
+                assert m is not None
+                self._granted[m] -= 1
+                if not self._granted[m]:
+                    del self._granted[m]
+            self._running += n
+            self._start_group()
+
+    def _start_group(self) -> None:
+        sim = self.sim
+        s = sim.setup
+        uid = f"{self.peer}-g{next(self._groups)}"
+        lengths = s.lengths.draw(sim.rng, 1, s.n)[0]
+        left = s.n
+        episodes: list[Episode] = []
+
+        def finished() -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                self._group_done(uid, episodes)
+
+        for turns, model, resp in lengths:
+            t, m = int(turns), int(model)
+            per = [m // t + (1 if i < m % t else 0) for i in range(t)]
+            ep = Episode(per, int(resp))
+            episodes.append(ep)
+            self._turn(ep, 0, finished)
+
+    def _turn(self, ep: Episode, i: int, finished: Callable[[], None]) -> None:
+        ep.versions.append(self.engine.policy_version)
+
+        def decoded() -> None:
+            if i + 1 == len(ep.turn_tokens):
+                finished()
+            else:
+                self.sim.clock.after(
+                    self.sim.setup.gen.tool_latency_s, lambda: self._turn(ep, i + 1, finished)
+                )
+
+        self.engine.decode(max(1, ep.turn_tokens[i]), decoded)
+
+    def _group_done(self, uid: str, episodes: list[Episode]) -> None:
+        s = self.sim.setup
+        trajs = [self.sim.trajectory(uid, j, ep, self.peer) for j, ep in enumerate(episodes)]
+        self._running -= s.n
+        if stale(trajs, self.newest_version, s.max_staleness):
+            self.sim.server_dropped += sum(int(np.count_nonzero(t.response_mask)) for t in trajs)
+        else:
+            self.sim.learner.received(self.peer, trajs)
+        self.admit()
+
+    def announce(self, version: int) -> None:
+        self.newest_version = max(self.newest_version, version)
+        self.admit()
+
+    def applied(self, version: int) -> None:
+        self.engine.policy_version = max(self.engine.policy_version, version)
+        self.engine.set(paused=False)
+        self.announce(version)
+
+
+class Learner:
+    """The trainer's loop (``learner.trainer.train_step``) around the intake's policy objects."""
+
+    def __init__(self, sim: Simulation) -> None:
+        s = sim.setup
+        self.sim = sim
+        self.buffer = GroupBuffer()
+        self.admission = Admission(s.batch_groups, s.max_staleness) if s.admission else None
+        self.version = 0
+        self.remaining = s.steps * s.batch_groups
+        self.waiting_since: float | None = 0.0
+        self.steps: list[StepRecord] = []
+        self._records = itertools.count()
+        self.generated = 0
+        self.dropped_tokens = 0
+        self._scanned = -1  # the version at which the queue was last scanned for stale groups
+
+    # -- the intake's glue (learner/intake.py: _admit, _received, _can_take, _drop_stale) --------
+    def admit(self) -> None:
+        if self.admission is None:
+            return
+        held = len(self.buffer) + self.buffer.in_flight
+        for peer, n in self.admission.grants(
+            held=held, remaining=self.remaining, min_version=self.version
+        ):
+            server = self.sim.servers_by_peer[peer]
+            assert server._granted is not None
+            server._granted[self.version] += n
+            self.sim.clock.after(0.0, server.admit)
+
+    def received(self, peer: str, trajs: list[Trajectory]) -> None:
+        groups = self.buffer.add(next(self._records), trajs)
+        self.generated += sum(g.sampled_tokens for g in groups)
+        self._drop_stale(groups)
+        if self.admission is not None:
+            for g in groups:
+                self.admission.received(peer, g.oldest_version)
+            self.admit()
+        self.try_step()
+
+    def _drop_stale(self, new: list[Group] | None = None) -> None:
+        k = self.sim.setup.max_staleness
+        if self._scanned == self.version and all(g.staleness(self.version) <= k for g in new or []):
+            # The queue was scanned at this version already and nothing new is stale: the scan
+            # would drop nothing (it is O(queue), and arrivals are one group each here).
+            return
+        self._scanned = self.version
+        out = self.buffer.drop_stale(self.version, k)
+        if out.dropped:
+            self.dropped_tokens += sum(g.sampled_tokens for g in out.dropped)
+            self.admit()
+
+    def _can_take(self, n_groups: int) -> bool:
+        if self.admission is None:
+            return True
+        k = self.sim.setup.max_staleness
+        left = [
+            g.oldest_version + k
+            for g in self.buffer.by_deadline()[n_groups:]
+            if g.oldest_version is not None
+        ]
+        return self.admission.can_take(left, self.version)
+
+    # -- the step ------------------------------------------------------------------------------
+    def try_step(self) -> None:
+        s = self.sim.setup
+        if self.waiting_since is None or len(self.steps) >= s.steps:
+            return
+        self._drop_stale()
+        if len(self.buffer) < s.batch_groups or not self._can_take(s.batch_groups):
+            return
+        taken = self.buffer.take(s.batch_groups, self.version, s.max_staleness)
+        wait = self.sim.clock.now - self.waiting_since
+        self.waiting_since = None
+        staleness = [g.staleness(self.version) for g in taken.groups]
+        tokens = sum(
+            len(t.prompt_ids) + len(t.response_ids) for g in taken.groups for t in g.trajectories
+        )
+        lc = s.learner
+        gpus_tok_s = lc.update_tokens_per_s * s.learner_gpus * s.learner_scaling
+        compute = tokens * lc.prepare_s_per_token / (s.learner_gpus * s.learner_scaling)
+        compute += tokens / gpus_tok_s
+        start = self.sim.clock.now
+        self.sim.learner_computing(True)
+
+        def updated() -> None:
+            self.sim.learner_computing(False)
+            self.sim.publish(self.version + 1)
+            self.sim.clock.after(lc.publish_s, published)
+
+        def published() -> None:
+            self.version += 1
+            self.buffer.finish([g.key for g in taken.groups])
+            self.remaining = max(0, self.remaining - len(taken.groups))
+            now = self.sim.clock.now
+            self.steps.append(
+                StepRecord(now, wait, now - start, tokens, staleness, len(taken.dropped))
+            )
+            self.admit()
+            self.waiting_since = now
+            self.try_step()
+
+        self.sim.clock.after(compute, updated)
+
+
+class Simulation:
+    def __init__(self, setup: Setup, seed: int = 0) -> None:
+        self.setup = setup
+        self.rng = np.random.default_rng(seed)
+        self.clock = Clock()
+        self.server_dropped = 0
+        self.learner = Learner(self)
+        self.engines = [Engine(self.clock, setup.gen) for _ in range(setup.servers)]
+        self.servers = [SimServer(self, i, e) for i, e in enumerate(self.engines)]
+        self.servers_by_peer = {s.peer: s for s in self.servers}
+        self._traj_ids = itertools.count()
+
+    def trajectory(self, uid: str, j: int, ep: Episode, peer: str) -> Trajectory:
+        versions = np.repeat(np.asarray(ep.versions, dtype=np.int64), ep.turn_tokens)
+        model = len(versions)
+        tool = max(0, ep.response_tokens - model)
+        # the tool's tokens (mask 0) carry the newest version: only sampled tokens set staleness
+        versions = np.concatenate([versions, np.full(tool, ep.versions[-1], dtype=np.int64)])
+        mask = np.concatenate([np.ones(model, np.uint8), np.zeros(tool, np.uint8)])
+        resp = np.zeros(len(mask), np.int32)
+        prompt = np.zeros(int(self.setup.lengths.prompt_tokens), np.int32)
+        return Trajectory(
+            trajectory_id=f"{uid}-{j}-{next(self._traj_ids)}",
+            group_uid=uid,
+            prompt_ids=prompt,
+            response_ids=resp,
+            response_mask=mask,
+            rollout_logprobs=np.zeros(len(mask), np.float32),
+            versions=versions,
+            source_server=peer,
+        )
+
+    def learner_computing(self, on: bool) -> None:
+        if self.setup.shared_gpu:
+            for e in self.engines:
+                e.set(share=self.setup.gen.shared_gpu_share if on else 1.0)
+
+    def publish(self, version: int) -> None:
+        """The gather of ``version`` starts: announced at once, applied ``applied_s`` later (plus
+        the fan-out's transfer), the engine paused for the reload before that."""
+        w = self.setup.weights
+        for s in self.servers:
+            s.announce(version)
+            done = w.applied_s + self.setup.transfer_s(s.index)
+            pause = max(0.0, done - w.apply_s)
+            self.clock.after(pause, lambda e=s.engine: e.set(paused=True))
+            self.clock.after(done, lambda s=s: s.applied(version))
+
+    def run(self) -> Simulation:
+        if self.learner.admission is not None:
+            for s in self.servers:
+                self.learner.admission.joined(
+                    s.peer, slots=max(1, self.setup.max_concurrent_episodes // self.setup.n)
+                )
+            self.learner.admit()
+        for s in self.servers:
+            self.clock.after(0.0, s.admit)
+        self.clock.run(until=lambda: len(self.learner.steps) >= self.setup.steps)
+        return self
+
+
+@dataclass(frozen=True)
+class Summary:
+    step_s: float
+    wait_s: float
+    learn_s: float
+    tokens_per_s: float
+    staleness_mean: float
+    staleness_max: int
+    waste_frac: float
+    events: int
+    steps: int
+
+
+def summarize(sims: list[Simulation], skip: int = 1) -> Summary:
+    """Means over the steps after the first ``skip`` (bench/e2e.py's means skip step 1), pooled
+    over the simulations (seeds)."""
+    steps, waits, learns, toks, stal = [], [], [], [], []
+    gen = wasted = events = 0
+    smax = 0
+    for sim in sims:
+        recs = sim.learner.steps
+        for prev, r in itertools.pairwise(recs):
+            steps.append(r.end - prev.end)
+        for r in recs[skip:]:
+            waits.append(r.wait_s)
+            learns.append(r.learn_s)
+            toks.append(r.tokens)
+            stal += r.staleness
+            smax = max([smax, *r.staleness])
+        gen += sim.learner.generated + sim.server_dropped
+        wasted += sim.learner.dropped_tokens + sim.server_dropped
+        events += sim.clock.events
+    step = float(np.mean(steps)) if steps else float("nan")
+    return Summary(
+        step_s=step,
+        wait_s=float(np.mean(waits)),
+        learn_s=float(np.mean(learns)),
+        tokens_per_s=float(np.mean(toks)) / step if steps else float("nan"),
+        staleness_mean=float(np.mean(stal)) if stal else 0.0,
+        staleness_max=smax,
+        waste_frac=wasted / gen if gen else 0.0,
+        events=events,
+        steps=len(steps),
+    )
+
+
+def simulate(setup: Setup, seeds: int = 8) -> Summary:
+    return summarize([Simulation(setup, seed).run() for seed in range(seeds)])

@@ -1,0 +1,93 @@
+"""bench/simulate.py: the simulator drives the project's own policy code (admission, the buffer's
+stale drops, the rollout server's admission rule), the policy's knobs move its predictions the way
+the policy says, and the validation table comes from the committed bench JSON."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import simulate  # noqa: E402
+from bench.clustersim import model  # noqa: E402
+from bench.clustersim.costs import GPU_DIR, GenCosts, e2e_runs, rollout_bound  # noqa: E402
+from learner.admission import Admission  # noqa: E402
+from rollout_service.server import RolloutServer  # noqa: E402
+
+H100 = GPU_DIR / "h100_bench_e2e_longtail_20steps_s0_s2.json"
+
+
+def _setup(k: int, *, servers: int = 2, admission: bool = True, steps: int = 6) -> model.Setup:
+    run = e2e_runs(H100)[0]
+    gen = GenCosts(0.005, rollout_bound(GPU_DIR / "h200_bench_rollout.json"), 1.0)
+    return replace(
+        simulate.setup_for(run, servers, gen),
+        max_staleness=k,
+        steps=steps,
+        admission=admission,
+        shared_gpu=False,
+    )
+
+
+def test_the_rollout_server_rule_is_the_servers_own_function() -> None:
+    assert model.SimServer._may_admit is RolloutServer._may_admit
+    assert model.SimServer._grant is RolloutServer._grant
+
+
+def test_grants_and_feasibility_go_through_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"grants": 0, "can_take": 0}
+    grants, can_take = Admission.grants, Admission.can_take
+
+    def counting_grants(self: Admission, **kw: int) -> list[tuple[str, int]]:
+        calls["grants"] += 1
+        return grants(self, **kw)
+
+    def counting_can_take(self: Admission, left: list[int], version: int) -> bool:
+        calls["can_take"] += 1
+        return can_take(self, left, version)
+
+    monkeypatch.setattr(Admission, "grants", counting_grants)
+    monkeypatch.setattr(Admission, "can_take", counting_can_take)
+    model.simulate(_setup(1, steps=3), seeds=1)
+    assert calls["grants"] > 0 and calls["can_take"] > 0
+
+
+def test_max_staleness_moves_staleness_and_step_time_as_the_policy_says() -> None:
+    sync = model.simulate(_setup(0), seeds=2)
+    async2 = model.simulate(_setup(2), seeds=2)
+    # sync is one batch per version on the newest weights; async overlaps generation with updates
+    assert sync.staleness_max == 0 and sync.staleness_mean == 0
+    assert 0 < async2.staleness_mean <= 2 and async2.staleness_max == 2
+    assert sync.step_s > async2.step_s
+    assert sync.wait_s > async2.wait_s
+    # admission grants only what can be trained in time: nothing generated is wasted
+    assert sync.waste_frac == 0 and async2.waste_frac == 0
+
+
+def test_without_admission_servers_generate_ahead_and_stale_groups_are_wasted() -> None:
+    free = model.simulate(_setup(0, admission=False), seeds=2)
+    assert free.waste_frac > 0  # the server's stale() and the buffer's drop_stale throw work away
+
+
+def test_validation_table_comes_from_the_json_files() -> None:
+    bound = rollout_bound(GPU_DIR / "h200_bench_rollout.json", 358356864)
+    calib = simulate.Calibration(
+        "NVIDIA H100 80GB HBM3 (one shared GPU)", 0.007, bound, 1.0, "test"
+    )
+    rows = simulate.validate([H100], {calib.machine: calib}, lambda _d: bound, seeds=2)
+    assert [r["run"] for r in rows] == [
+        "h100_bench_e2e_longtail_20steps_s0_s2:sync",
+        "h100_bench_e2e_longtail_20steps_s0_s2:async-s2",
+    ]
+    assert [r["measured_step_s"] for r in rows] == [6.694, 3.844]  # the JSON's means
+    for r in rows:
+        assert r["role"] == "validation"
+        assert r["predicted_step_s"] > 0
+        expected = 100 * (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        assert r["error_pct"] == pytest.approx(expected, abs=0.2)
+    assert "sync" in simulate.table(rows)
