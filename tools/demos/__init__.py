@@ -27,6 +27,7 @@ BUILDERS: dict[str, str] = {
     "calculator": "tools.warmup:build_demonstrations",
     "statelm": "tools.demos.statelm:build_demonstrations",
     "code": "tools.demos.code:build_demonstrations",
+    "mixed": "tools.demos.mixed:build_demonstrations",
 }
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# DEMO_AGENT=mixed bin/demo: one tiny model, three sources, two agents, tools on a tool server, on CPU.
+#  1. makes the tiny model and the data if missing (tools/demos/mixed_data.py, generated here):
+#     arithmetic questions (tool agent, calculator), search questions on a small corpus (tool
+#     agent, BM25 search, finish with the name) and computations (code agent, python sandbox);
+#  2. warm-up (bin/warmup --agent mixed, seeded): each row's episode by its agent, with the real
+#     tools (half of them skip the tool and answer wrong), then briefly wrong answers only, so
+#     the warmed model uses its tools in some episodes and is right in few: the choice RL then
+#     learns. The tools, limits and tags are configs/demo_mixed.yaml's (WARMUP_CONFIG);
+#  3. bin/train --config configs/demo_mixed.yaml: a tool server (python and search), a learner
+#     and 2 rollout servers; every batch of 10 prompts holds 4 arithmetic, 3 search and 3 code
+#     tasks, at the servers and in the learner's steps (batch/groups/<source>), each source with
+#     its reward (reward/mean/<source>); everything in $DEMO_DIR/demo-mixed.
+#   DEMO_STEPS=N     training steps (default: the config's, 30)
+#   DEMO_DIR=DIR     where models, data and the run go (default runs)
+#   DEMO_AGENT=mixed bin/demo key=value ...   more overrides, passed to bin/train
+#   DEMO_AGENT=mixed bin/demo --help          this text and bin/train's options; touches nothing
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    [[ ! -x .venv/bin/python ]] || .venv/bin/python bin/train --help
+    exit 0
+  fi
+done
+py=.venv/bin/python
+if [[ ! -x "$py" ]]; then
+  echo "DEMO_AGENT=mixed bin/demo: no virtualenv at $root/.venv: run bin/setup first" >&2
+  exit 1
+fi
+config=configs/demo_mixed.yaml
+dir="${DEMO_DIR:-runs}"
+data="$dir/demo-mixed-data"
+model="$dir/tiny-mixed-model"
+[[ -f "$dir/tiny-model/model.safetensors" ]] || $py bin/make-tiny-model --out "$dir/tiny-model"
+[[ -f "$data/warmup.jsonl" ]] || $py -m tools.demos.mixed_data --out "$data"
+paths=(data.datasets.0.path="$data/arithmetic/train.jsonl" data.datasets.1.path="$data/qa/train.jsonl"
+       data.datasets.2.path="$data/code/train.jsonl" data.val_files="$data/val.jsonl"
+       tools.search.corpus="$data/qa/corpus.jsonl")
+if [[ ! -f "$model/model.safetensors" ]]; then
+  echo "== warm-up (bin/warmup --agent mixed, seeded): tool episodes and wrong answers, then wrong answers" >&2
+  # the warm-up reads the run's tools, limits and tags from its config, with this data's corpus
+  export WARMUP_CONFIG="$config" WARMUP_OVERRIDES="tools.search.corpus=$data/qa/corpus.jsonl"
+  $py bin/warmup --agent mixed --model "$dir/tiny-model" --data "$data/warmup.jsonl" --bucket \
+    --out "$dir/tiny-mixed-warm" --guess-fraction 0.5 --target 0.15 --steps 1500 --max-seconds 900 > /dev/null
+  $py bin/warmup --agent mixed --model "$dir/tiny-mixed-warm" --data "$data/warmup.jsonl" --bucket \
+    --out "$model" --guess-fraction 1.0 --steps 20 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
+fi
+args=(actor_rollout_ref.model.path="$model" "${paths[@]}" trainer.run_dir="$dir/demo-mixed")
+[[ -z "${DEMO_STEPS:-}" ]] || args+=(trainer.total_training_steps="$DEMO_STEPS")
+rm -rf "$dir/demo-mixed"
+# bin/train stops every process it started on success, failure and Ctrl-C (exit 0 / 1 / 130).
+exec $py bin/train --config "$config" "${args[@]}" "$@"
