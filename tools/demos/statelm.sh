@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# DEMO_AGENT=statelm bin/demo: the tiny model learns StateLM's context management on CPU.
+#  1. makes the tiny model and the long-document tasks if missing (tools/demos/statelm_data.py:
+#     a 2-chunk document, the secret number in chunk 0, the question at the end of chunk 1; the
+#     per-segment response budget holds one chunk and its note, not both chunks);
+#  2. warm-up (bin/warmup --agent statelm, seeded): episodes played by the real StateLM agent that
+#     read chunk 0, note the number, delete the chunk (a new segment), read chunk 1 and finish with
+#     the number from the notes; half of them skip the note and finish with a guess. RL then
+#     learns to note;
+#  3. bin/train --config configs/demo_statelm.yaml: a learner and 2 rollout servers; every
+#     deletion closes a snapshot trajectory, trained in the episode's GRPO group with its reward.
+#     Everything lands in $DEMO_DIR/demo-statelm (metrics.jsonl, training_curves.png, ...).
+#   DEMO_STEPS=N     training steps (default: the config's)
+#   DEMO_DIR=DIR     where models, data and the run go (default runs)
+#   bin/demo key=value ...   more overrides, passed to bin/train
+#   --help           this text and bin/train's options; touches nothing
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    [[ ! -x .venv/bin/python ]] || .venv/bin/python bin/train --help
+    exit 0
+  fi
+done
+py=.venv/bin/python
+if [[ ! -x "$py" ]]; then
+  echo "bin/demo: no virtualenv at $root/.venv: run bin/setup first (it creates .venv), then bin/demo again" >&2
+  exit 1
+fi
+dir="${DEMO_DIR:-runs}"
+tools=readChunk,note,deleteContext,finish  # configs/demo_statelm.yaml agents.statelm.tools
+[[ -f "$dir/tiny-model/model.safetensors" ]] || $py bin/make-tiny-model --out "$dir/tiny-model"
+[[ -f "$dir/tiny-statelm-data/train.jsonl" ]] || $py -m tools.demos.statelm_data --out "$dir/tiny-statelm-data" > /dev/null
+if [[ ! -f "$dir/tiny-statelm-model/model.safetensors" ]]; then
+  echo "== warm-up (bin/warmup --agent statelm, seeded): noting episodes and guesses" >&2
+  $py bin/warmup --agent statelm --tools "$tools" --model "$dir/tiny-model" \
+    --data "$dir/tiny-statelm-data/train.jsonl" --out "$dir/tiny-statelm-model" \
+    --guess-fraction 0.5 --target 0.3 --bucket --max-seconds 900 > /dev/null
+fi
+args=(actor_rollout_ref.model.path="$dir/tiny-statelm-model"
+      data.train_files="$dir/tiny-statelm-data/train.jsonl"
+      data.val_files="$dir/tiny-statelm-data/val.jsonl" trainer.run_dir="$dir/demo-statelm")
+[[ -z "${DEMO_STEPS:-}" ]] || args+=(trainer.total_training_steps="$DEMO_STEPS")
+rm -rf "$dir/demo-statelm"
+# bin/train stops every process it started on success, failure and Ctrl-C (exit 0 / 1 / 130).
+exec $py bin/train --config configs/demo_statelm.yaml "${args[@]}" "$@"
