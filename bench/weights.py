@@ -21,6 +21,13 @@ medians over the rounds. Ratios: ``fanout_ratio`` = time(K=max) / time(K=1) of t
 (target <= 1.3) and ``link_ratio`` = raw time / time(K=1) of the relay tier (target >= 0.8); the
 same for direct fan-out beside them.
 
+The rate: 2 cores emulate up to 9 hosts, and every emulated host's bytes cost CPU (TCP both ways,
+the copy into the slot file, the checksums: ~0.12 CPU s per relay per 64 MB here). At 2 Gbit/s
+8 relays need more CPU per second than 2 shared cores have, so the run measures the CPU, not
+the topology; the default 500 Mbit/s keeps every host's CPU need below its share. ``relay_cpu_s``
+and ``direct_cpu_s`` (CPU seconds of all processes of a configuration per round) show which bound
+a run hit: near ``cores x time`` it was CPU-bound.
+
 Progress goes to stderr; the last line of stdout is one JSON object with every figure.
 Run (root): ``.venv/bin/python bench/weights.py`` (``--help`` for the knobs).
 """
@@ -165,6 +172,8 @@ def role_learner(a: argparse.Namespace) -> None:
                 print(json.dumps({"ready": channel.address}), flush=True)
                 with anyio.fail_after(120):
                     await joined.wait()
+                print(json.dumps({"joined": a.k}), flush=True)
+                await anyio.to_thread.run_sync(sys.stdin.readline)  # go: CPU counted from here
                 for v in range(1, a.rounds + 1):
                     t0 = time.monotonic()
                     server.publish_weights(v, buffers, chunk_bytes=int(a.chunk_mb * (1 << 20)))
@@ -279,6 +288,18 @@ class Procs:
         self.procs.append(p)
         return p
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the live processes used so far."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for p in self.procs:
+            try:
+                f = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(f[11]) + int(f[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -302,12 +323,17 @@ def me(role: str, a: argparse.Namespace, ip: str, learner: str = "", k: int = 0)
     ]  # fmt: skip
 
 
-def run_config(hosts: Hosts, a: argparse.Namespace, mode: str, k: int, shm: Path) -> list[float]:
+def run_config(
+    hosts: Hosts, a: argparse.Namespace, mode: str, k: int, shm: Path
+) -> tuple[list[float], float]:
+    """Round times, and CPU seconds per round of the learner and all K receivers together."""
     procs = Procs()
     a.mode = mode
     try:
         learner = procs.start(
-            hosts.cmd(0, *me("learner", a, hosts.ip(0), k=k)), stdout=subprocess.PIPE
+            hosts.cmd(0, *me("learner", a, hosts.ip(0), k=k)),
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
         )
         address = _json_line(learner, 60)["ready"]
         for i in range(1, k + 1):
@@ -322,7 +348,13 @@ def run_config(hosts: Hosts, a: argparse.Namespace, mode: str, k: int, shm: Path
                     ),
                     stdout=subprocess.DEVNULL,
                 )  # fmt: skip
-        return _json_line(learner, 900)["times"]
+        _json_line(learner, 120)  # every receiver joined
+        cpu0 = procs.cpu_s()
+        assert learner.stdin is not None
+        learner.stdin.write("go\n")
+        learner.stdin.flush()
+        times = _json_line(learner, 900)["times"]
+        return times, (procs.cpu_s() - cpu0) / max(1, len(times))
     finally:
         procs.stop()
 
@@ -364,10 +396,12 @@ def orchestrate(a: argparse.Namespace) -> None:
         raw = run_raw(hosts, a)
         log(f"raw ZeroMQ over one link: {statistics.median(raw):.3f} s")
         res: dict[str, dict[int, float]] = {"relay": {}, "direct": {}}
+        cpu: dict[str, dict[int, float]] = {"relay": {}, "direct": {}}
         for mode in ("relay", "direct"):
             for k in ks:
-                res[mode][k] = statistics.median(run_config(hosts, a, mode, k, shm))
-                log(f"{mode} K={k}: {res[mode][k]:.3f} s")
+                times, cpu[mode][k] = run_config(hosts, a, mode, k, shm)
+                res[mode][k] = statistics.median(times)
+                log(f"{mode} K={k}: {res[mode][k]:.3f} s, {cpu[mode][k]:.2f} CPU s per round")
         raw_s = statistics.median(raw)
         rounds_raw = raw  # every round, for the record
     finally:
@@ -388,6 +422,10 @@ def orchestrate(a: argparse.Namespace) -> None:
         "link_ratio": round(raw_s / res["relay"][k1], 3),
         "direct_fanout_ratio": round(res["direct"][kmax] / res["direct"][k1], 3),
         "direct_link_ratio": round(raw_s / res["direct"][k1], 3),
+        "relay_cpu_s": {k: round(v, 2) for k, v in cpu["relay"].items()},
+        "direct_cpu_s": {k: round(v, 2) for k, v in cpu["direct"].items()},
+        "cores": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     log(
@@ -402,7 +440,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--receivers", default="1,2,4,8", help="receiver counts K")
-    p.add_argument("--rate", default="2gbit", help="each host's link, both directions (tc rate)")
+    p.add_argument("--rate", default="500mbit", help="each host's link, both directions (tc rate)")
     p.add_argument("--mb", type=float, default=128.0, help="payload per version (float32)")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="WEIGHTS_CHUNK size")
     p.add_argument("--rounds", type=int, default=3, help="versions published per configuration")

@@ -344,6 +344,17 @@ class RelayNode:
             self._to_down.append((ident, frames))
         return msg
 
+    def completes(self, msg: WeightsAnnounce | WeightsChunk) -> bool:
+        """Whether assembling ``msg`` finishes its version (and so runs every checksum)."""
+        fwd = self._fwd
+        if isinstance(msg, WeightsAnnounce):
+            return msg.num_chunks == 0
+        return fwd is not None and len(fwd.seen) == self._num_chunks(fwd)
+
+    def _num_chunks(self, fwd: _Forwarding) -> int:
+        a = self.assembler.in_progress
+        return a.num_chunks if a is not None and a.transfer_id == fwd.transfer_id else -1
+
     def assemble(self, msg: WeightsAnnounce | WeightsChunk) -> list[RelayEvent]:
         """The assembler's step for what ``weights`` returned (thread-safe against the rest of
         this class: it touches only the assembler); a failure is reported to the learner."""
