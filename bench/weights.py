@@ -441,7 +441,7 @@ def main() -> None:
     )
     p.add_argument("--receivers", default="1,2,4,8", help="receiver counts K")
     p.add_argument("--rate", default="500mbit", help="each host's link, both directions (tc rate)")
-    p.add_argument("--mb", type=float, default=128.0, help="payload per version (float32)")
+    p.add_argument("--mb", type=float, default=64.0, help="payload per version (float32)")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="WEIGHTS_CHUNK size")
     p.add_argument("--rounds", type=int, default=3, help="versions published per configuration")
     p.add_argument("--role", default="", help=argparse.SUPPRESS)

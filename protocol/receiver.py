@@ -293,7 +293,12 @@ class LearnerProtocol:
         return self.capacity - self.buffered - sum(p.credits for p in self.peers.values())
 
     def ready_peers(self) -> list[str]:
-        return [p.name for p in self.peers.values() if p.hello is not None]
+        """Rollout servers in session (weight relays are not counted)."""
+        return [
+            p.name
+            for p in self.peers.values()
+            if p.hello is not None and p.identity not in self.relays.relays
+        ]
 
     def validation_peers(self) -> list[str]:
         """Peers in session that answer validation requests."""
