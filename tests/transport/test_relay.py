@@ -200,7 +200,10 @@ async def test_relay_killed_mid_transfer_downstream_still_gets_version(
     extra = {"hostA": ["--stall-after-chunks", "40"]}
     async with learner_running(ch, host="learner-host") as lh:
         async with relays(lh, ["hostA", "hostB"], tmp_path, **extra) as procs:
-            async with server(net, ch.address, "hostB", tmp_path, mb=8.0) as (_, b):
+            async with (
+                server(net, ch.address, "hostA", tmp_path, mb=8.0) as (_, a),
+                server(net, ch.address, "hostB", tmp_path, mb=8.0) as (_, b),
+            ):
                 lh.server.publish_weights(1, tensors(1, mb=8.0), chunk_bytes=CHUNK)
                 out = procs["hostA"].stdout
                 assert out is not None
@@ -216,6 +219,9 @@ async def test_relay_killed_mid_transfer_downstream_still_gets_version(
                 await lh.watch.until(lambda: 1 in b, 30)
                 assert ch.chunks[ids["relay-hostB"]] == num_chunks(tensors(1, mb=8.0))
                 assert "/hostB/agentrl-weights-" in b[1]
+                # hostA has no relay any more: its server gets the version as chunks, directly
+                await lh.watch.until(lambda: 1 in a, 30)
+                assert a[1] == ""
 
 
 async def test_late_joiner_and_restarted_server_get_newest_at_once(
