@@ -24,6 +24,8 @@ import atexit
 import mmap
 import os
 import shutil
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -42,6 +44,10 @@ from protocol.weights import DTYPE_SIZES, WeightAssembler
 from protocol.zmq_transport import ZmqClientChannel, ZmqServerChannel
 
 RECONNECT_S = 0.5  # between two attempts to reach a silent learner
+
+
+class RelayRefused(RuntimeError):
+    """The learner cannot use this relay (it does not run the relay tier)."""
 
 
 @dataclass
@@ -204,7 +210,7 @@ class WeightRelay:
                 await self._routes_in.send(ev.upstream)
             elif isinstance(ev, LearnerLost):
                 if ev.fatal:
-                    raise RuntimeError(ev.reason)
+                    raise RelayRefused(ev.reason)
                 self._learner_scope.cancel()
         self._poke()
 
@@ -303,8 +309,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         stall_after_chunks=args.stall_after_chunks,
     )
     print(f"weight relay {relay.node.peer_id} at {relay.node.address}", flush=True)
+    # SIGTERM unwinds like Ctrl-C: the slot files go (SlotFiles.close, also registered atexit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         anyio.run(relay.run)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        refused = e.split(RelayRefused)[0] if isinstance(e, ExceptionGroup) else None
+        if not isinstance(e, RelayRefused) and refused is None:
+            raise
+        print(f"weight relay: {refused.exceptions[0] if refused else e}", file=sys.stderr)
+        return 2
+    finally:
+        relay.files.close()
     return 0

@@ -266,3 +266,35 @@ async def test_server_without_capability_gets_chunks_directly(net: ZmqNet, tmp_p
                 by_peer = {p.name: p.identity for p in lh.proto.peers.values()}
                 assert ch.chunks[by_peer["old"]] == n and by_peer["new"] not in ch.chunks
                 await o.close()
+
+
+def test_relay_with_a_learner_without_relays_exits_saying_so(tmp_path: Path) -> None:
+    """A 1.3 learner (WELCOME without "weight_relay"): the relay stops with a message, exit 2."""
+    import zmq
+
+    from protocol.messages import Hello, Limits, Welcome
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "bin/weight-relay"), "--learner", f"tcp://127.0.0.1:{port}",
+         "--bind", "tcp://127.0.0.1:0", "--weights-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert sock.poll(30_000), "no HELLO from the relay"
+        ident, *frames = sock.recv_multipart()
+        hello = codec.decode(frames)
+        assert isinstance(hello, Hello) and hello.relay_address.startswith("tcp://127.0.0.1:")
+        old = Welcome([1, 3], "old-learner", "s", 0, 0, 1, 1.0, 10.0, Limits(1 << 20, 8, 8))
+        sock.send_multipart([ident, *codec.encode(old)])
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 2 and "does not run weight relays" in err, err
+        assert not list(tmp_path.iterdir())  # its slot directory is gone
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        sock.close(linger=0)
+        ctx.term()
