@@ -38,10 +38,11 @@ model="$dir/tiny-code-model"
 [[ -f "$data/train.jsonl" ]] || $py -m tools.demos.code_data --out "$data"
 if [[ ! -f "$model/model.safetensors" ]]; then
   echo "== warm-up (bin/warmup --agent code, seeded): code episodes and wrong answers, then wrong answers" >&2
-  export WARMUP_CONFIG="$config"
-  $py bin/warmup --agent code --tools python --model "$dir/tiny-model" --data "$data/train.jsonl" \
+  # one thread: the tiny model gains nothing from two, and loses much when the cores are shared
+  warmup=(env OMP_NUM_THREADS=1 WARMUP_CONFIG="$config" $py bin/warmup --agent code --tools python)
+  "${warmup[@]}" --model "$dir/tiny-model" --data "$data/train.jsonl" \
     --out "$dir/tiny-code-warm" --guess-fraction 0.5 --target 0.15 --steps 1500 --max-seconds 900 > /dev/null
-  $py bin/warmup --agent code --tools python --model "$dir/tiny-code-warm" --data "$data/train.jsonl" \
+  "${warmup[@]}" --model "$dir/tiny-code-warm" --data "$data/train.jsonl" \
     --out "$model" --guess-fraction 1.0 --steps 20 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$model" data.train_files="$data/train.jsonl"

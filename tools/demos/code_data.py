@@ -1,9 +1,8 @@
 """Computation tasks for the code-agent demo: the answer needs a program, not a copy.
 
 Design: like tools/make_tiny_data, generated and deterministic for a seed, in the row format the
-rollout server reads. A row asks for the value of a Python expression (``37 * 53 % 17``,
-``12 ** 5 % 41``, ``(48 + 19) * 23``) that a tiny model cannot compute in its head but can copy
-into ``print(...)`` between the code tags; the sandbox prints the number and the model copies it
+rollout server reads. A row asks for the value of a Python expression (``7 ** 5``, ``614 % 37``)
+that a tiny model cannot compute in its head but can copy into ``print(...)`` between the code tags; the sandbox prints the number and the model copies it
 between the answer tags. The ``math`` reward compares the answer with the row's ``answer``
 (computed here by Python itself). The question names no tags: the code agent's system prompt
 names the configured ones, so a config with custom tags needs no other data.
@@ -20,15 +19,17 @@ from typing import Any
 
 from common.fileio import write_jsonl
 
-FORMS = ("{a} * {b} % {c}", "{a} ** {k} % {c}")
+FORMS = ("{a} ** {k}", "{x} % {c}")
 QUESTION = "What is {expr}? Compute it with Python, then give the number as the answer."
 DATA_SOURCE = "compute"
 
 
 def expression(rng: random.Random) -> str:
     form = rng.choice(FORMS)
+    # Short to copy (two numbers, like the calculator demo's), impossible to guess: a power of up
+    # to 6 digits, or the remainder of a 3-digit number.
     return form.format(
-        a=rng.randint(11, 99), b=rng.randint(11, 99), c=rng.randint(7, 97), k=rng.randint(3, 9)
+        a=rng.randint(2, 9), k=rng.randint(3, 6), x=rng.randint(100, 999), c=rng.randint(7, 97)
     )
 
 
