@@ -25,6 +25,7 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -41,7 +42,7 @@ from protocol import codec
 from protocol.messages import Bye, Identity, WeightsAnnounce
 from protocol.relay import Completed, Frames, LearnerLost, RelayEvent, RelayNode, Routed
 from protocol.weights import DTYPE_SIZES, WeightAssembler
-from protocol.zmq_transport import ZmqClientChannel, ZmqServerChannel
+from protocol.zmq_transport import CurveClientKeys, ZmqClientChannel, ZmqServerChannel
 
 RECONNECT_S = 0.5  # between two attempts to reach a silent learner
 
@@ -133,17 +134,20 @@ class WeightRelay:
         keep: int = 2,
         max_message_bytes: int = 1 << 30,
         stall_after_chunks: int = 0,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         """``stall_after_chunks``: fault injection for tests (0: off): after forwarding that many
         chunks the relay stops moving weights but keeps its learner session, to be killed
-        mid-transfer."""
+        mid-transfer. ``curve``: keys for the learner link (a learner with CURVE on); the links
+        between relays are plain TCP (SPEC §17)."""
         from common.hostkey import host_key
 
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
-        self.stall_after_chunks = stall_after_chunks
+        self.stall_after_chunks, self.curve = stall_after_chunks, curve
         self.down = ZmqServerChannel(bind)
         if not advertise:
-            advertise = self.down.address.replace("0.0.0.0", "127.0.0.1")
+            # a wildcard bind is reached through this machine's name (set --advertise otherwise)
+            advertise = self.down.address.replace("0.0.0.0", socket.gethostname())
         self.files = SlotFiles(weights_dir, keep=keep)
         self.node = RelayNode(
             peer_id=peer_id or f"relay-{host or host_key()}-{os.getpid()}",
@@ -186,7 +190,7 @@ class WeightRelay:
     async def _learner_loop(self) -> None:
         while True:
             ch = self._learner = ZmqClientChannel(
-                self.learner_address, max_message_bytes=self.max_message_bytes
+                self.learner_address, curve=self.curve, max_message_bytes=self.max_message_bytes
             )
             self.node.start(time.monotonic())
             self._poke()
@@ -291,11 +295,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--learner", required=True, help="the learner's address, tcp://HOST:PORT")
     p.add_argument("--bind", default="tcp://0.0.0.0:0", help="where relays behind this one connect")
-    p.add_argument("--advertise", default="", help="--bind as other hosts reach it (default: it)")
+    p.add_argument(
+        "--advertise",
+        default="",
+        help="--bind as other hosts reach it (default: --bind, a wildcard as this host's name)",
+    )
     p.add_argument("--peer-id", default="", help="default: relay-<host>-<pid>")
     p.add_argument("--host", default="", help="host key of this machine (default: common.hostkey)")
     p.add_argument("--weights-dir", default="/dev/shm", help="where slot files go")
     p.add_argument("--keep", type=int, default=2, help="verified versions kept on disk")
+    p.add_argument("--curve-secret-key", default="", help="this relay's CURVE certificate")
+    p.add_argument("--curve-server-key", default="", help="the learner's public certificate")
     p.add_argument("--stall-after-chunks", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     relay = WeightRelay(
@@ -307,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights_dir=args.weights_dir,
         keep=args.keep,
         stall_after_chunks=args.stall_after_chunks,
+        curve=CurveClientKeys(Path(args.curve_secret_key), Path(args.curve_server_key))
+        if args.curve_secret_key
+        else None,
     )
     print(f"weight relay {relay.node.peer_id} at {relay.node.address}", flush=True)
     # SIGTERM unwinds like Ctrl-C: the slot files go (SlotFiles.close, also registered atexit)
