@@ -77,6 +77,7 @@ from common.identity import embedding_rows, wire_identities
 from common.log_throttle import PeerErrorLog
 from common.logging import get_logger
 from common.mixing import batch_counts
+from common.peer_auth import auth_mode, learner_token, token_path
 from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer, GroupKey, mix_shortfall, mixed_pick
 from learner.journal import Journal
@@ -120,9 +121,13 @@ def build_server(
     *,
     persist: Callable[[BatchReceived], Any] | None = None,
     publish_initial: bool = True,
+    run_dir: Path | None = None,
+    on_refused: Callable[[str, str, str], None] | None = None,
 ) -> tuple[LearnerServer, ZmqServerChannel]:
     """The protocol server of the run config, bound. ``publish_initial`` serves the model directory's
-    weights as version 0 to rollout servers that ask."""
+    weights as version 0 to rollout servers that ask. ``run_dir`` holds the token of token auth
+    (default: the config's); ``on_refused(address, code, reason)`` hears of every peer refused at the
+    handshake (``transport.auth``)."""
     t = config.transport
     _, tok = wire_identities(config.actor_rollout_ref.model.path)
     # Ids the policy can emit: its embedding rows, which often exceed the tokenizer's ids (Qwen2.5:
@@ -155,22 +160,30 @@ def build_server(
         heartbeat_interval_s=t.heartbeat_interval_s,
         heartbeat_timeout_s=t.heartbeat_timeout_s,
     )
-    curve = None
-    if t.curve.enabled:
+    curve, mode = None, auth_mode(config)
+    if mode == "curve":
         # Both are required with curve on when the config is loaded (common.config.root).
         assert t.curve.secret_key_file is not None and t.curve.allowed_keys_dir is not None
         curve = CurveServerKeys(Path(t.curve.secret_key_file), Path(t.curve.allowed_keys_dir))
+    # Peers are authenticated in ZeroMQ's handshake: one that fails it never has a message
+    # buffered, which no per-message budget can promise (libzmq delivers a message whole).
+    token = learner_token(config, run_dir)
+    address = config.learner.bind_address
     if (
-        warning := exposure_warning(config.learner.bind_address, curve=curve is not None)
+        warning := exposure_warning(address, curve=curve is not None, token=bool(token))
     ) is not None:
         get_logger("learner.intake").warning(
             warning,
-            address=config.learner.bind_address,
-            fix="learner.bind_address: tcp://127.0.0.1:PORT, or transport.curve",
+            address=address,
+            auth=mode,
+            fix="transport.auth: auto (a token, or CURVE with transport.curve); across hosts "
+            "transport.curve",
         )
     channel = ZmqServerChannel(
-        config.learner.bind_address,
+        address,
         curve=curve,
+        token=token,
+        on_refused=on_refused,
         max_message_bytes=limits.max_message_bytes,
         budget=proto.message_budget,
     )
@@ -221,6 +234,9 @@ class Intake:
         # One window per (peer, code): a flood of bad frames costs a few lines and a summary.
         self._peer_log = PeerErrorLog(self._log.warning, what="invalid messages")
         self._peer_errors = PeerErrorLog(self._log.warning, what="errors reported by peers")
+        # Peers refused at the handshake (transport.auth), per address: a wrong-token client
+        # reconnecting every 100 ms costs a few lines a minute.
+        self._refusals = PeerErrorLog(self._log.warning, what="connections refused")
         self._journal = Journal(journal_dir or Path(run_dir) / "intake-journal")
         if fresh and state is None and len(self._journal):
             self._log.info(
@@ -231,12 +247,17 @@ class Intake:
             self._journal.clear()
         try:
             self._server, self._channel = build_server(
-                config, persist=self._persist, publish_initial=False
+                config,
+                persist=self._persist,
+                publish_initial=False,
+                run_dir=self.run_dir,
+                on_refused=self._refused,
             )
         except BaseException:
             self._journal.close()
             raise
         self.address: str = self._channel.address
+        self.token: str | None = self._channel.token  # what clients present (transport.auth)
         self._proto = self._server.proto
         self._buffer = GroupBuffer()
         self._position = 0  # highest journal record id whose groups reached the buffer
@@ -246,6 +267,7 @@ class Intake:
                 "trajectories",
                 "tokens",
                 "violations",
+                "refused_connections",
                 "persisted_bytes",
                 "persist_failures",
                 "replayed_records",
@@ -282,7 +304,7 @@ class Intake:
         try:
             self._restore(state)
         except BaseException:
-            self._channel.sock.close(linger=0)
+            self._channel.close()
             self._journal.close()
             raise
 
@@ -299,9 +321,14 @@ class Intake:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self._server.run)
+                mode = auth_mode(self.config)
                 self._log.info(
                     "listening",
                     address=self.address,
+                    auth=mode,
+                    token_file=str(token_path(self.config, self.run_dir))
+                    if mode == "token"
+                    else None,
                     tokenizer=self._proto.tokenizer.name,
                     buffer_batches=self._proto.capacity,
                     buffered_groups=len(self._buffer),
@@ -312,7 +339,7 @@ class Intake:
                     self._handle(ev)
                 tg.cancel_scope.cancel()  # the server has stopped (its events ended): stop the flusher
         finally:
-            for log in (self._peer_log, self._peer_errors):
+            for log in (self._peer_log, self._peer_errors, self._refusals):
                 log.flush(time.monotonic(), all_windows=True)
             self._closed = True
             self._wake()
@@ -610,7 +637,7 @@ class Intake:
         self._wake()
         self._end_validations()
         if not self._started:  # run() will never clean up: do it now
-            self._channel.sock.close(linger=0)
+            self._channel.close()
             self._journal.close()
 
     @property
@@ -819,11 +846,24 @@ class Intake:
                     error=ev.error.message[:300],
                 )
 
+    def _refused(self, address: str, code: str, reason: str) -> None:
+        """A peer failed ZeroMQ's handshake (wrong or missing token or key): nothing of it was
+        buffered. Counted, and logged per address through the limiter."""
+        self._counts["refused_connections"] += 1
+        self._refusals.log(
+            address or "(unknown)",
+            code,
+            time.monotonic(),
+            "connection refused at the handshake",
+            reason=reason[:100],
+            auth=auth_mode(self.config),
+        )
+
     async def _flush_peer_logs(self, every_s: float = 10.0) -> None:
         """Summaries of suppressed peer errors come out within ``every_s`` of their window's end."""
         while True:
             await anyio.sleep(every_s)
-            for log in (self._peer_log, self._peer_errors):
+            for log in (self._peer_log, self._peer_errors, self._refusals):
                 log.flush(time.monotonic())
 
     def peer_error_metrics(self) -> dict[str, float]:
@@ -835,6 +875,7 @@ class Intake:
         }
         out["intake/violations"] = float(self._counts["violations"])
         out["intake/violations_log_suppressed"] = float(self._peer_log.suppressed_total)
+        out["intake/refused_connections"] = float(self._counts["refused_connections"])
         return out
 
     def _drop_stale(self, policy_version: int, max_staleness: int) -> None:
@@ -935,6 +976,7 @@ async def serve(
         "traj_per_s",
         "tokens_per_s",
         "violations",
+        "refused_connections",
         "duplicate_batches",
         "duplicate_trajectories",
     )

@@ -13,22 +13,31 @@ rest of the frames are read and let go at once, never kept, and the receiver get
 list that the codec answers with a typed ERROR. libzmq hands a message over only once all of it
 has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
 
-CURVE (optional): the learner holds a secret key and an allow-list directory of client public
-keys (ZAP authenticator); clients hold their own key pair and the learner's public key. Keys are
-ZeroMQ certificate files made by ``bin/make-curve-keys``. libzmq allows one ZAP handler per context
-and the default context is shared, so CURVE server channels of one context share one authenticator,
-each under its own ZAP domain with its own allow-list (two learners, or a restarted one, can coexist).
+That is why the learner authenticates peers in ZeroMQ's own handshake, before any message: a peer
+refused there never gets one queued (SPEC §13). Two ways, both through a ZAP authenticator:
+- CURVE: the learner holds a secret key and an allow-list directory of client public keys; clients
+  hold their own key pair and the learner's public key (ZeroMQ certificate files made by
+  ``bin/make-curve-keys``). Encrypted.
+- a shared token (ZMTP PLAIN): clients present it as their password; not encrypted, so it keeps
+  out whoever lacks the token (another user of the host, a stray port scan), not an eavesdropper.
+libzmq allows one ZAP handler per context and the default context is shared, so the server
+channels of one context share one authenticator, each under its own ZAP domain with its own
+allow-list or token (two learners, or a restarted one, can coexist). A refusal is reported to the
+channel's ``on_refused(address, code, reason)``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
+import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -67,14 +76,65 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
+TOKEN_USERNAME = "agentrl"  # the PLAIN user name of token auth; only the password is secret
+
+Refused = Callable[[str, str, str], None]
+"""``on_refused(peer address, code, reason)``; code: BAD_CREDENTIALS (a wrong token or key, refused
+by ZAP), NO_CREDENTIALS (none: a security mechanism mismatch) or HANDSHAKE_FAILED (anything else)."""
+
+
+def _authenticator(ctx: zmq.Context) -> Any:
+    """pyzmq's asyncio ZAP authenticator, made to report refusals per domain and to compare tokens
+    in constant time (its own compares with ``==`` and logs the password at debug level)."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    class Authenticator(AsyncioAuthenticator):
+        def __init__(self, context: zmq.Context) -> None:
+            super().__init__(context)
+            self.loop = asyncio.get_running_loop()  # where its task answers every handshake
+            self.on_refused: dict[str, Refused] = {}
+            self._request: tuple[str, str] = ("", "")  # (domain, address) being answered
+
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            # Requests are handled one at a time by one task: the pair stays the request's own.
+            if len(msg) >= 4:
+                self._request = (msg[2].decode(errors="replace"), msg[3].decode(errors="replace"))
+            await super().handle_zap_message(msg)
+
+        def _send_zap_reply(
+            self,
+            request_id: bytes,
+            status_code: bytes,
+            status_text: bytes,
+            user_id: str = "anonymous",
+        ) -> None:
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
+            domain, address = self._request
+            if status_code != b"200" and (report := self.on_refused.get(domain)) is not None:
+                try:
+                    report(address, "BAD_CREDENTIALS", status_text.decode(errors="replace"))
+                except Exception:  # the task answering every handshake must outlive a bad report
+                    self.log.exception("on_refused failed")
+
+        def _authenticate_plain(
+            self, domain: str, username: str, password: str
+        ) -> tuple[bool, bytes]:
+            expected = self.passwords.get(domain, {}).get(username)
+            if expected is None:
+                return False, b"Invalid username" if domain in self.passwords else b"No token"
+            if hmac.compare_digest(password.encode(), expected.encode()):
+                return True, b"OK"
+            return False, b"Invalid token"
+
+    return Authenticator(ctx)
+
+
 # id(context) -> (context, authenticator, ZAP domains using it); the context is held so ids stay unique
 _zap: dict[int, tuple[zmq.Context, Any, set[str]]] = {}
 
 
-def _allow_list(ctx: zmq.Context, allowed_keys_dir: Path) -> str:
-    """Register an allow-list with the context's authenticator (started on first use); its domain."""
+def _load_allow_list(allowed_keys_dir: Path) -> dict[bytes, Any]:
     import zmq.auth
-    from zmq.auth.asyncio import AsyncioAuthenticator
 
     try:
         keys = zmq.auth.load_certificates(str(allowed_keys_dir))
@@ -85,27 +145,65 @@ def _allow_list(ctx: zmq.Context, allowed_keys_dir: Path) -> str:
             f"CURVE allowed keys directory {allowed_keys_dir} holds no public keys (*.key): "
             "no rollout server could connect"
         )
+    return keys
+
+
+def _zap_domain(
+    ctx: zmq.Context,
+    *,
+    curve_keys: dict[bytes, Any] | None = None,
+    token: str | None = None,
+    on_refused: Refused | None = None,
+) -> str:
+    """Register an allow-list or a token with the context's authenticator (started on first use);
+    its domain."""
     entry = _zap.get(id(ctx))
+    if entry is not None and (entry[1].loop.is_closed() or not entry[1].loop.is_running()):
+        # Its event loop is gone (a channel of an earlier asyncio.run was never closed): its task
+        # would never answer, and every handshake would hang. A new one takes over its domains.
+        old, entry = entry[1], None
+        with contextlib.suppress(RuntimeError):  # cancelling a task of a closed loop
+            old.stop()
     if entry is None:
-        auth = AsyncioAuthenticator(ctx)
+        auth = _authenticator(ctx)
         auth.start()
-        entry = _zap[id(ctx)] = (ctx, auth, set())
+        previous = _zap.get(id(ctx))
+        entry = _zap[id(ctx)] = (ctx, auth, previous[2] if previous else set())
+        if previous is not None:
+            auth.certs.update(previous[1].certs)
+            auth.passwords.update(previous[1].passwords)
+            auth.on_refused.update(previous[1].on_refused)
+    auth = entry[1]
     domain = f"learner-{uuid.uuid4().hex}"
-    entry[1].certs[domain] = keys  # what configure_curve(domain, dir) stores, minus its re-read
+    if curve_keys is not None:
+        auth.certs[domain] = curve_keys  # what configure_curve(domain, dir) stores, minus a re-read
+    if token is not None:
+        auth.passwords[domain] = {TOKEN_USERNAME: token}
+    if on_refused is not None:
+        auth.on_refused[domain] = on_refused
     entry[2].add(domain)
     return domain
 
 
-def _drop_allow_list(ctx: zmq.Context, domain: str) -> None:
+def _drop_zap_domain(ctx: zmq.Context, domain: str) -> None:
     entry = _zap.get(id(ctx))
     if entry is None or domain not in entry[2]:
         return
     _, auth, domains = entry
     domains.discard(domain)
     auth.certs.pop(domain, None)
+    auth.passwords.pop(domain, None)
+    auth.on_refused.pop(domain, None)
     if not domains:
         del _zap[id(ctx)]
         auth.stop()
+
+
+def use_token(sock: zmq.Socket, token: str) -> None:
+    """Make a client socket (before its ``connect``) present ``token`` to a learner with token
+    auth; what raw-socket tools and tests use instead of ``ZmqClientChannel``."""
+    sock.plain_username = TOKEN_USERNAME.encode()
+    sock.plain_password = token.encode()
 
 
 def _tune(sock: zmq.Socket, max_frame_bytes: int | None) -> None:
@@ -194,14 +292,56 @@ def is_loopback(address: str) -> bool:
     return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def exposure_warning(address: str, *, curve: bool) -> str | None:
-    """The warning to log when ``address`` is bound without CURVE and reachable from other hosts."""
-    if curve or is_loopback(address):
+def exposure_warning(address: str, *, curve: bool, token: bool = False) -> str | None:
+    """The warning to log for a learner bound at ``address`` with that authentication: none at all
+    (anywhere: a local user is a peer too), or a token (in the clear) on a non-loopback address."""
+    if curve:
+        return None
+    if not token:
+        return (
+            "peers are not authenticated (transport.auth: none): any process that can reach "
+            f"{address} may connect, and a peer that never says HELLO can make the learner buffer "
+            "a whole multi-frame message, gigabytes, before anything can refuse it (SPEC §13)"
+        )
+    if is_loopback(address):
         return None
     return (
-        "binding a non-loopback address without CURVE: any host that can reach it may connect "
-        "unauthenticated, and libzmq buffers a whole message before it can be refused (SPEC §13)"
+        "binding a non-loopback address with token auth: the token and all traffic cross the "
+        "network unencrypted, so anyone who can read them can connect (use CURVE across hosts)"
     )
+
+
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_PROTOCOL_ERRORS = {
+    getattr(zmq, n): n.removeprefix("PROTOCOL_ERROR_")
+    for n in dir(zmq)
+    if n.startswith("PROTOCOL_ERROR_")
+}
+
+
+async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> None:
+    """Report every handshake that failed before ZAP was asked (a peer without a token or key
+    fails with MECHANISM_MISMATCH) as ``report(host, reason)``, like the authenticator does."""
+    while True:
+        frames = await monitor.recv_multipart()
+        if len(frames) != 2 or len(frames[0]) != 6:
+            continue
+        event, value = struct.unpack("=Hi", frames[0])
+        endpoint = frames[1].decode(errors="replace")
+        host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0] if "://" in endpoint else endpoint
+        code, reason = "HANDSHAKE_FAILED", "connection lost or not ZMTP"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            error = _PROTOCOL_ERRORS.get(value & 0xFFFFFFFF, hex(value & 0xFFFFFFFF))
+            if error == "ZMTP_MECHANISM_MISMATCH":
+                code, reason = "NO_CREDENTIALS", "no token or key (security mechanism mismatch)"
+            else:
+                reason = f"ZMTP protocol error {error}"
+        try:
+            report(host, code, reason)
+        except Exception:  # a bad report must not end the watch
+            import logging
+
+            logging.getLogger(__name__).exception("on_refused failed")
 
 
 class ZmqServerChannel:
@@ -212,15 +352,23 @@ class ZmqServerChannel:
         address: str,
         *,
         curve: CurveServerKeys | None = None,
+        token: str | None = None,
+        on_refused: Refused | None = None,
         max_message_bytes: int | None = None,
         max_frame_bytes: int | None = None,
         budget: Callable[[bytes], MessageBudget] | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        """``budget(identity)``: the budget of the next message from that peer (default: the same
-        ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame bound
-        (default ``max_message_bytes``)."""
-        keys = None
+        """``curve`` or ``token``: only peers with an allowed key, or presenting the token, get
+        through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the others); neither:
+        anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
+        the same ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame
+        bound (default ``max_message_bytes``)."""
+        if curve is not None and token is not None:
+            raise ValueError("a channel authenticates with CURVE or a token, not both")
+        if token is not None and not token:
+            raise ValueError("an empty token would let anyone in")
+        keys = allowed = None
         max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         default = MessageBudget(max_message_bytes, CLIENT_MAX_FRAMES)
         self.budget: Callable[[bytes], MessageBudget] = budget or (lambda identity: default)
@@ -230,22 +378,37 @@ class ZmqServerChannel:
                 raise FileNotFoundError(
                     f"CURVE allowed keys directory not found: {curve.allowed_keys_dir}"
                 )
+            allowed = _load_allow_list(Path(curve.allowed_keys_dir))
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._zap_domain: str | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watch: asyncio.Future[None] | None = None
         self._sync = zmq.Socket.shadow(self.sock.underlying)
         try:
             _tune(self.sock, min(max_frame_bytes or max_message_bytes, max_message_bytes))
-            if curve is not None and keys is not None:
-                self._zap_domain = _allow_list(self.ctx, Path(curve.allowed_keys_dir))
+            if keys is not None:
+                self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
                 self.sock.curve_publickey, self.sock.curve_secretkey = keys
                 self.sock.curve_server = True
+            elif token is not None:
+                self._zap_domain = _zap_domain(self.ctx, token=token, on_refused=on_refused)
+                self.sock.zap_domain = self._zap_domain.encode()
+                self.sock.plain_server = True
+            if on_refused is not None and self._zap_domain is not None:
+                # ZAP hears of wrong keys and tokens; a peer with none at all (or not speaking
+                # ZMTP) fails before ZAP is asked, and only the socket monitor sees it.
+                self._monitor = cast(
+                    zmq.asyncio.Socket, self.sock.get_monitor_socket(_HANDSHAKE_FAILURES)
+                )
+                self._watch = asyncio.ensure_future(_watch_handshakes(self._monitor, on_refused))
             _bind(self.sock, address)
         except BaseException:  # e.g. address in use: leave no socket or allow-list behind
             self._release()
             raise
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.token = token  # what clients must present (None: no token auth)
         self._ipc_file = _ipc_file_identity(self.address)
 
     async def send(self, identity: bytes, frames: Frames) -> None:
@@ -268,10 +431,22 @@ class ZmqServerChannel:
         self._release(linger=200)
         _remove_ipc_file(self._ipc_file)
 
+    def close(self) -> None:
+        """Close at once, without the linger of ``aclose`` (a channel that never served)."""
+        self._release()
+        _remove_ipc_file(self._ipc_file)
+
     def _release(self, linger: int = 0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.sock.close(linger=linger)
         if self._zap_domain is not None:
-            _drop_allow_list(self.ctx, self._zap_domain)
+            _drop_zap_domain(self.ctx, self._zap_domain)
             self._zap_domain = None
 
 
@@ -283,10 +458,13 @@ class ZmqClientChannel:
         address: str,
         *,
         curve: CurveClientKeys | None = None,
+        token: str | None = None,
         max_message_bytes: int | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         keys = None
+        if curve is not None and token is not None:
+            raise ValueError("a channel authenticates with CURVE or a token, not both")
         if curve is not None:  # check the key files before the socket exists
             public, secret = _load(curve.secret_key_file, secret=True)
             server_public, _ = _load(curve.server_public_key_file, secret=False)
@@ -302,6 +480,8 @@ class ZmqClientChannel:
             self.sock.curve_secretkey = secret
             self.sock.curve_publickey = public
             self.sock.curve_serverkey = server_public
+        elif token is not None:
+            use_token(self.sock, token)
         try:
             self.sock.connect(address)
         except BaseException:  # a malformed address: do not leak the socket
@@ -322,11 +502,20 @@ class ZmqClientChannel:
 
 
 def client_factory(
-    address: str, *, curve: CurveClientKeys | None = None, max_message_bytes: int | None = None
+    address: str,
+    *,
+    curve: CurveClientKeys | None = None,
+    token: str | Callable[[], Awaitable[str]] | None = None,
+    max_message_bytes: int | None = None,
 ):
-    """``connect`` callable for ``RolloutClient``: a fresh DEALER per session."""
+    """``connect`` callable for ``RolloutClient``: a fresh DEALER per session. ``token``: the
+    learner's token, or an async callable giving it at each connection (a token file re-read, so a
+    learner restarted with a new token is followed)."""
 
     async def connect() -> ZmqClientChannel:
-        return ZmqClientChannel(address, curve=curve, max_message_bytes=max_message_bytes)
+        tok = token if token is None or isinstance(token, str) else await token()
+        return ZmqClientChannel(
+            address, curve=curve, token=tok, max_message_bytes=max_message_bytes
+        )
 
     return connect

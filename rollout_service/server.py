@@ -36,7 +36,7 @@ import math
 import signal
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ import numpy as np
 from common.hostkey import host_key
 from common.identity import wire_identities
 from common.logging import get_logger
+from common.peer_auth import auth_mode, token_path, wait_for_token
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.run_events import Kind, emit
 from common.rundir import resolve_run_dir
@@ -332,6 +333,17 @@ class RolloutServer:
             weights=self._weight_assembler(),
         )
         curve, keys = None, c.transport.curve
+        token: Callable[[], Awaitable[str]] | None = None
+        if auth_mode(c) == "token":
+            # Read at every connection, waiting for the learner to create it: a server started
+            # first just waits, and one whose learner restarted with a new token follows it.
+            path = token_path(c)
+
+            async def read_token() -> str:
+                return await wait_for_token(path, warn=self.log.warning)
+
+            token = read_token
+
         if keys.enabled:
             if keys.secret_key_file is None or keys.server_public_key_file is None:
                 raise StartupError(
@@ -341,7 +353,10 @@ class RolloutServer:
         client = RolloutClient(
             conn,
             client_factory(
-                server.learner_address, curve=curve, max_message_bytes=c.transport.max_message_bytes
+                server.learner_address,
+                curve=curve,
+                token=token,
+                max_message_bytes=c.transport.max_message_bytes,
             ),
         )
         recordings = (

@@ -192,6 +192,18 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
                 )
             elif check_paths and not Path(value).exists():
                 add(f"transport.curve.{name}", f"does not exist: {value}")
+    if transport.auth == "curve" and not curve.enabled:
+        add(
+            "transport.auth", "curve needs transport.curve.enabled: true", "transport.curve.enabled"
+        )
+    elif transport.auth in ("token", "none") and curve.enabled:
+        # One security mechanism per ZeroMQ socket: CURVE already authenticates every peer.
+        add(
+            "transport.auth",
+            f"{transport.auth} cannot be combined with transport.curve.enabled (CURVE "
+            "authenticates peers itself): use auto or curve",
+            "transport.curve.enabled",
+        )
 
     if check_paths:
         model_path = Path(arr.model.path)

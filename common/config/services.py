@@ -148,6 +148,17 @@ class TransportConfig(Section):
     """Size of the chunks weights are streamed in; at most max_message_bytes."""
     curve: CurveConfig = Field(default_factory=CurveConfig)
     """Encryption."""
+    auth: Literal["auto", "curve", "token", "none"] = "auto"
+    """Who may open a connection to the learner, checked in ZeroMQ's handshake (ZAP) so that no
+    message of a refused peer is ever buffered (protocol SPEC §13). curve: the allow-list of
+    transport.curve (needs curve.enabled); token: a shared secret (ZMTP PLAIN, unencrypted) read
+    from auth_token_file; none: anyone who reaches the address (warned at start: a peer that never
+    says HELLO can make the learner buffer a whole multi-frame message, gigabytes); auto: curve
+    when transport.curve.enabled, else token."""
+    auth_token_file: str | None = None
+    """The shared token of auth: token; null: <run_dir>/learner.token. The learner creates it
+    (mode 0600, 256 random bits) when missing and keeps it across restarts; rollout servers read it
+    at every connection and wait for it to appear (on another host: copy the file, or use CURVE)."""
 
 
 class LoggingConfig(Section):

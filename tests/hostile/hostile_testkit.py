@@ -3,7 +3,8 @@
 ``LearnerProcess`` starts the learner (intake) as a child process with ``configs/default.yaml`` on
 loopback and reads its RSS from /proc. ``Peer`` is a blocking ZeroMQ DEALER driven by the
 protocol's own sans-IO ``RolloutConnection``: it handshakes, sends batches and waits for their ACK
-or ERROR, so "the endpoint still serves a valid peer" is checked with the real protocol.
+or ERROR, so "the endpoint still serves a valid peer" is checked with the real protocol. Peers
+present the run's token (``transport.auth`` defaults to token) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from typing import Any
 import numpy as np
 import zmq
 
+from common.peer_auth import TOKEN_FILE_NAME, read_token
 from launcher.plan import free_port
 from protocol import codec
 from protocol.messages import Ack, Error, Welcome
 from protocol.sender import RolloutConnection, SenderState
 from protocol.trajectory import Trajectory
+from protocol.zmq_transport import use_token
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -40,7 +43,7 @@ def rss_bytes(pid: int) -> int:
 class LearnerProcess:
     """``bin/learner`` (intake only) bound on a free loopback port, logging to ``log``."""
 
-    def __init__(self, model: Path, run_dir: Path) -> None:
+    def __init__(self, model: Path, run_dir: Path, *overrides: str) -> None:
         self.model, self.run_dir = model, run_dir
         self.address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
         self.log = run_dir.parent / "learner.log"
@@ -54,6 +57,7 @@ class LearnerProcess:
                     f"actor_rollout_ref.model.path={model}",
                     f"learner.bind_address={self.address}",
                     f"trainer.run_dir={run_dir}",
+                    *overrides,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -66,6 +70,11 @@ class LearnerProcess:
                 "the learner did not start:\n" + self.log.read_text()
             )
             time.sleep(0.1)
+
+    @property
+    def token(self) -> str:
+        """The token the learner created in its run directory (``transport.auth: token``)."""
+        return read_token(self.run_dir / TOKEN_FILE_NAME)
 
     @property
     def rss(self) -> int:
@@ -130,7 +139,10 @@ def trajectory(prompt_len: int, response_len: int, *, vocab: int = 100) -> Traje
 class Peer:
     """A rollout server: a blocking DEALER driven by ``RolloutConnection``."""
 
-    def __init__(self, learner: LearnerProcess, peer_id: str = "valid-peer") -> None:
+    def __init__(
+        self, learner: LearnerProcess, peer_id: str = "valid-peer", *, token: str | None = ""
+    ) -> None:
+        """``token``: presented at the handshake; "" (default): the learner's, None: none."""
         from common.identity import wire_identities
 
         model, tok = wire_identities(learner.model)
@@ -145,6 +157,8 @@ class Peer:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            use_token(self.sock, token or learner.token)
         self.sock.connect(learner.address)
 
     def _flush(self) -> None:

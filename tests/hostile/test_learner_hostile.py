@@ -26,6 +26,7 @@ from hostile_testkit import (
 
 from protocol.errors import ErrorCode
 from protocol.messages import Ack, Error, MsgType
+from protocol.zmq_transport import use_token
 
 pytestmark = pytest.mark.slow
 RSS_BOUND = 300 * MiB
@@ -43,13 +44,15 @@ def learner(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_two_gigabytes_in_one_message_before_hello(learner: LearnerProcess) -> None:
     """16 frames of 128 MiB (one reused buffer, zero-copy: the sender allocates 128 MiB once),
-    no HELLO. libzmq refuses the first frame by its announced size (MAXMSGSIZE is the largest
-    frame a valid message of this run has) and drops the connection before buffering it."""
+    no HELLO, from a peer that holds the token (one without never gets a message in:
+    test_learner_auth). libzmq refuses the first frame by its announced size (MAXMSGSIZE is the
+    largest frame a valid message of this run has) and drops the connection before buffering it."""
     watch = RssWatch(learner)
     ctx = zmq.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDHWM, 0)
+    use_token(dealer, learner.token)
     dealer.connect(learner.address)
     buf = memoryview(bytearray(128 * MiB))
     try:

@@ -14,11 +14,13 @@ import argparse
 import json
 import signal
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
 import numpy as np
 
+from common.peer_auth import wait_for_token
 from protocol.driver import RolloutClient
 from protocol.events import BatchAcked, PeerClosed, WeightsReceived
 from protocol.reference import REFERENCE_MODEL, synthetic_trajectory, tokenizer_from_dir
@@ -34,7 +36,15 @@ async def main(args: argparse.Namespace) -> None:
         model=REFERENCE_MODEL,
         tokenizer=tokenizer_from_dir(args.model),
     )
-    client = RolloutClient(conn, client_factory(args.connect), reconnect_delay_s=0.2)
+    token: Callable[[], Awaitable[str]] | None = None
+    if args.token_file is not None:  # the learner's token (transport.auth: token), when it exists
+
+        async def read_token() -> str:
+            return await wait_for_token(args.token_file)
+
+        token = read_token
+
+    client = RolloutClient(conn, client_factory(args.connect, token=token), reconnect_delay_s=0.2)
     rng = np.random.default_rng(args.seed)
     by_seq: dict[int, list[str]] = {}
     async with anyio.create_task_group() as tg:
@@ -90,4 +100,7 @@ if __name__ == "__main__":
     ap.add_argument("--peer-id", default="feeder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--exit-on-bye", action="store_true")
+    ap.add_argument(
+        "--token-file", type=Path, help="the learner's token file (RUN_DIR/learner.token)"
+    )
     anyio.run(main, ap.parse_args())

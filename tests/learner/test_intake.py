@@ -116,7 +116,13 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 # -- a rollout sender -------------------------------------------------------------------------------
 class Sender:
     def __init__(
-        self, address: str, model: Path, *, peer_id: str = "rs-0", epoch: str | None = None
+        self,
+        address: str,
+        model: Path,
+        *,
+        token: str | None,
+        peer_id: str = "rs-0",
+        epoch: str | None = None,
     ) -> None:
         model_id, tok_id = wire_identities(model)
         self.conn = RolloutConnection(
@@ -127,7 +133,7 @@ class Sender:
             heartbeat_interval_s=0.2,
             heartbeat_timeout_s=3.0,
         )
-        self.client = RolloutClient(self.conn, _connect(address), reconnect_delay_s=0.05)
+        self.client = RolloutClient(self.conn, _connect(address, token), reconnect_delay_s=0.05)
         self.events: list[Event] = []
 
     async def drain(self) -> None:
@@ -148,10 +154,10 @@ class Sender:
         return [e.error for e in self.events if isinstance(e, PeerError)]
 
 
-def _connect(address: str) -> Any:
+def _connect(address: str, token: str | None) -> Any:
     from protocol.zmq_transport import client_factory
 
-    return client_factory(address)
+    return client_factory(address, token=token)
 
 
 @asynccontextmanager
@@ -366,7 +372,7 @@ async def test_groups_flow_to_the_trainer_whole_and_in_order(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     intake = Intake(make_config(tiny_model), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         b1, b2 = make_batch("a", (3, 1)), make_batch("b", (2,))
         for b in (b1, b2):
             await s.client.submit(b)
@@ -399,7 +405,7 @@ async def test_credits_never_exceed_the_buffer_room(tiny_model: Path, tmp_path: 
     def room_ok() -> bool:
         return proto.buffered + sum(p.credits for p in proto.peers.values()) <= proto.capacity
 
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i in range(8):
             await s.client.submit(make_batch(f"b{i}", (1,)))
         await until(lambda: intake.stats["batches"] == 3)
@@ -428,7 +434,9 @@ async def test_resent_batches_and_trajectories_are_deduplicated(
     intake = Intake(make_config(tiny_model), tmp_path)
     async with serving(intake) as address:
         b1, b2 = make_batch("a"), make_batch("b")
-        async with sending(address, tiny_model, peer_id="rs-0", epoch="e1") as s:
+        async with sending(
+            address, tiny_model, token=intake.token, peer_id="rs-0", epoch="e1"
+        ) as s:
             seq = await s.client.submit(b1)
             await s.client.submit(b2)
             await until(lambda: s.acked == {1, 2})
@@ -436,7 +444,9 @@ async def test_resent_batches_and_trajectories_are_deduplicated(
             await s.client.submit(make_batch("c"))
             await until(lambda: len(s.acked) == 3 and 1 in s.duplicates)
         # A restarted rollout server (new epoch) resends spooled trajectories, plus one new one.
-        async with sending(address, tiny_model, peer_id="rs-0", epoch="e2") as s2:
+        async with sending(
+            address, tiny_model, token=intake.token, peer_id="rs-0", epoch="e2"
+        ) as s2:
             await s2.client.submit(b2)
             await s2.client.submit([*b1[:1], traj("new-1", "a-g0")])
             await until(lambda: s2.acked == {1, 2})
@@ -455,7 +465,7 @@ async def test_stale_groups_are_dropped_and_free_their_room(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         intake.publish_weights(5, tiny_weights())
         await until(lambda: intake.peer_versions == {"rs-0": 5})  # WEIGHTS_APPLIED(ok) recorded
         await s.client.submit(make_batch("old", (1, 1), version=3))  # staleness 2
@@ -499,7 +509,7 @@ async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_p
         return real(peer_id, epoch, seq, trajs)
 
     intake._journal.append = slow_append  # type: ignore[method-assign]
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         sender.append(s)
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}"))
@@ -523,7 +533,7 @@ async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
         return real(*args)
 
     intake._journal.append = flaky  # type: ignore[method-assign]
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}"))
         await until(lambda: s.acked == {1, 2, 3})
@@ -555,7 +565,7 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
     journal = tmp_path / "journal"
     batches = {seq: make_batch(f"s{seq}", (seq % 3 + 1, 2)) for seq in range(1, 8)}
     a = Intake(config, tmp_path, journal_dir=journal)
-    async with sending(address, tiny_model, peer_id="rs-0", epoch="e1") as s:
+    async with sending(address, tiny_model, token=a.token, peer_id="rs-0", epoch="e1") as s:
         # -- life A: dies without close() after accepting batch 7 and storing it, before its ACK.
         async with anyio.create_task_group() as life_a:
             await life_a.start(a.run)
@@ -609,7 +619,9 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
             await until(lambda: 8 in s.acked)
             # The same sender epoch over a new connection resends old seqs: duplicates.
             await s.client.close()
-            async with sending(address, tiny_model, peer_id="rs-0", epoch="e1") as again:
+            async with sending(
+                address, tiny_model, token=b.token, peer_id="rs-0", epoch="e1"
+            ) as again:
                 await until(lambda: any(isinstance(e, Connected) for e in again.events))
                 for seq in (3, 6):
                     again.conn.enqueue(seq, encode_batch(seq, batches[seq]))
@@ -617,7 +629,9 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
                 await until(lambda: again.acked == {1, 3, 6})
                 assert again.duplicates == {1, 3, 6}
             # A restarted rollout server (new epoch) resends trajectories it had spooled.
-            async with sending(address, tiny_model, peer_id="rs-1", epoch="e2") as other:
+            async with sending(
+                address, tiny_model, token=b.token, peer_id="rs-1", epoch="e2"
+            ) as other:
                 await other.client.submit(batches[2] + batches[7])
                 await until(lambda: other.acked == {1})
             assert b.stats["batches"] == 1 and b.stats["duplicate_trajectories"] == len(
@@ -645,7 +659,7 @@ async def test_resume_without_the_needed_records_fails_and_fresh_starts_over(
 ) -> None:
     config = make_config(tiny_model)
     a = Intake(config, tmp_path)
-    async with serving(a) as address, sending(address, tiny_model) as s:
+    async with serving(a) as address, sending(address, tiny_model, token=a.token) as s:
         await s.client.submit(make_batch("a"))
         await until(lambda: s.acked == {1})
     state = a.state_dict()
@@ -666,7 +680,7 @@ async def test_a_training_batch_bigger_than_the_buffer_fails_fast(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}", (1,)))
         with anyio.fail_after(10), pytest.raises(IntakeStarved, match="buffer_batches=2"):
@@ -692,12 +706,15 @@ async def test_close_wakes_a_waiting_trainer(tiny_model: Path, tmp_path: Path) -
 async def test_serve_alone_consumes_everything_and_writes_its_stats(
     tiny_model: Path, tmp_path: Path
 ) -> None:
+    from common.peer_auth import client_token
     from learner.intake import serve
 
     config = make_config(tiny_model, buffer_batches=2, credits=2)
     async with anyio.create_task_group() as tg:
         address = await tg.start(serve, config, tmp_path)
-        async with sending(address, tiny_model, epoch="e1") as s:
+        async with sending(
+            address, tiny_model, token=client_token(config, tmp_path), epoch="e1"
+        ) as s:
             seqs = [await s.client.submit(make_batch(f"b{i}")) for i in range(10)]  # 5x the room
             await until(lambda: s.acked == set(seqs))
         tg.cancel_scope.cancel()
@@ -705,7 +722,9 @@ async def test_serve_alone_consumes_everything_and_writes_its_stats(
     assert stats["batches"] == 10 and stats["trajectories"] == 30 and stats["buffered_batches"] == 0
 
 
-def test_token_ids_are_checked_against_the_embedding_rows(tiny_model: Path, tmp_path: Path) -> None:
+async def test_token_ids_are_checked_against_the_embedding_rows(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     """A model with more embedding rows than tokenizer ids (Qwen2.5: 151936 vs 151665; a random model
     samples the extra ids) may send any id below its rows; ids past them are still refused."""
     import shutil
@@ -721,7 +740,7 @@ def test_token_ids_are_checked_against_the_embedding_rows(tiny_model: Path, tmp_
     cfg["vocab_size"] = tok.vocab_size + 100
     (model / "config.json").write_text(json.dumps(cfg))
     config = make_config(model)
-    server, channel = build_server(config, publish_initial=False)
+    server, channel = build_server(config, publish_initial=False, run_dir=tmp_path)
     try:
         assert server.proto.limits.vocab_size == tok.vocab_size + 100
     finally:

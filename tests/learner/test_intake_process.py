@@ -53,6 +53,8 @@ def test_learner_intake_passes_conformance(tmp_path: Path) -> None:
                 addr,
                 "--model-dir",
                 str(model),
+                "--token-file",
+                str(tmp_path / "run" / "learner.token"),
             ],
             capture_output=True,
             text=True,

@@ -72,6 +72,8 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
         [
             sys.executable,
             str(FEEDER),
+            "--token-file",
+            str(tmp_path / "run" / "learner.token"),
             "--connect",
             f"tcp://127.0.0.1:{port}",
             "--model",
@@ -130,6 +132,8 @@ def test_sigkill_and_resume_loses_nothing_and_trains_nothing_twice(
         [
             sys.executable,
             str(FEEDER),
+            "--token-file",
+            str(tmp_path / "run" / "learner.token"),
             "--connect",
             f"tcp://127.0.0.1:{port}",
             "--model",

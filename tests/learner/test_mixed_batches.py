@@ -177,7 +177,7 @@ async def test_intake_steps_hold_the_exact_mix_whatever_the_arrival_order(
     rng = np.random.default_rng(0)
     # three steps' worth, 12/9/9, sent in clumps: all of math first, then the rest shuffled
     plan = ["math"] * 12 + list(rng.permutation(["qa"] * 9 + ["code"] * 9))
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i, src in enumerate(plan):
             await s.client.submit(source_batch(f"b{i}", src))
         steps: list[Any] = []
@@ -213,7 +213,7 @@ async def test_a_missing_source_delays_a_step_at_most_mix_wait_s(
     wait_s = 1.0
     intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
     intake.configure_mix(MIX, wait_s=wait_s)
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i, src in enumerate(["math"] * 6 + ["qa"] * 6):  # no code at all
             await s.client.submit(source_batch(f"b{i}", src))
         await until_buffered(intake, 12)
@@ -244,7 +244,7 @@ async def test_a_group_due_now_is_trained_even_beyond_its_source_count(
     only four; the fifth takes the place of a fresher group instead of being dropped."""
     intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
     intake.configure_mix(MIX, wait_s=30.0)
-    async with serving(intake) as address, sending(address, tiny_model) as s:
+    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
         for i in range(5):
             await s.client.submit(source_batch(f"old{i}", "math", version=0))
         for i, src in enumerate(["math"] * 4 + ["qa"] * 3 + ["code"] * 3):

@@ -167,6 +167,8 @@ def test_sigkill_after_step_5_with_checkpoint_3_then_restart(
             [
                 sys.executable,
                 str(FEEDER),
+                "--token-file",
+                str(tmp_path / "run" / "learner.token"),
                 "--connect",
                 f"tcp://127.0.0.1:{port}",
                 "--model",

@@ -96,6 +96,7 @@ class Server:
         *,
         validates: bool = True,
         answer: Callable[[Any], ValidateResult | None] | None = None,
+        token: str | None = None,
     ) -> None:
         model_id, tok_id = wire_identities(model)
         self.conn = RolloutConnection(
@@ -107,7 +108,9 @@ class Server:
             heartbeat_interval_s=0.2,
             heartbeat_timeout_s=3.0,
         )
-        self.client = RolloutClient(self.conn, client_factory(address), reconnect_delay_s=0.05)
+        self.client = RolloutClient(
+            self.conn, client_factory(address, token=token), reconnect_delay_s=0.05
+        )
         self.answer = answer or (lambda req: result(req.request_id, [1.0, 0.0]))
         self.events: list[Event] = []
 
@@ -126,7 +129,7 @@ class Server:
 async def serving(intake: Intake, *servers_args: dict[str, Any]) -> AsyncIterator[list[Server]]:
     async with anyio.create_task_group() as tg:
         address = await tg.start(intake.run)
-        servers = [Server(address, **kw) for kw in servers_args]
+        servers = [Server(address, token=intake.token, **kw) for kw in servers_args]
         async with anyio.create_task_group() as clients:
             for s in servers:
                 await clients.start(s.client.run)
@@ -218,7 +221,7 @@ async def test_validate_waits_for_the_first_server_to_join(
     intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
     async with anyio.create_task_group() as tg:
         address = await tg.start(intake.run)
-        server = Server(address, tiny_model, "late")
+        server = Server(address, tiny_model, "late", token=intake.token)
 
         async def join_later() -> None:
             await anyio.sleep(0.5)

@@ -45,6 +45,10 @@ def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
         "rollout_server.stats_interval_s": 0.2,
         "transport.heartbeat_interval_s": 0.2,
         "transport.heartbeat_timeout_s": 2.0,
+        # The reference learner and bare ROUTERs these servers meet authenticate no one; a test
+        # with the real intake sets transport.auth: token (the token file is the same for both).
+        "transport.auth": "none",
+        "transport.auth_token_file": str(tmp / "learner.token"),
         **over,
     }
     return load_config(

@@ -70,6 +70,7 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
         "tcp://127.0.0.1:0",
         **{
             "learner.bind_address": "tcp://127.0.0.1:0",
+            "transport.auth": "token",  # the real intake, as a run has it
             "actor_rollout_ref.rollout.n": N,
             "actor_rollout_ref.rollout.max_staleness": max_staleness,
             "actor_rollout_ref.rollout.on_weight_update": "abort",

@@ -67,6 +67,7 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
         "tcp://127.0.0.1:0",
         **{
             "learner.bind_address": "tcp://127.0.0.1:0",
+            "transport.auth": "token",  # the real intake, as a run has it
             "actor_rollout_ref.rollout.n": N,
             "actor_rollout_ref.rollout.max_staleness": K,
             "actor_rollout_ref.rollout.on_weight_update": "abort",

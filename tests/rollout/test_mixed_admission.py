@@ -71,6 +71,7 @@ async def test_every_learner_step_holds_the_exact_mix(
             "tcp://127.0.0.1:0",
             **{
                 "learner.bind_address": "tcp://127.0.0.1:0",
+                "transport.auth": "token",  # the real intake, as a run has it
                 "actor_rollout_ref.rollout.n": N,
                 "actor_rollout_ref.rollout.max_staleness": max_staleness,
                 "data.train_batch_size": B,

@@ -43,6 +43,7 @@ def rollout_server(tmp: Path, model: Path, address: str, *extra: str) -> Iterato
         "rollout_server.stats_interval_s=1",
         "transport.heartbeat_interval_s=0.5",
         "transport.heartbeat_timeout_s=5",
+        "transport.auth=none",  # the reference learner authenticates no one
         *extra,
     ]
     log = open(tmp / "server.log", "w")

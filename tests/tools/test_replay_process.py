@@ -189,6 +189,8 @@ def test_a_learner_fed_by_replay_stream_trains_on_exactly_the_recording(
             str(run / "recordings" / "rs0"),
             "--to",
             f"tcp://127.0.0.1:{port}",
+            "--token-file",  # the learner made it before it listened; the stream waits for that
+            str(tmp_path / "learner-run" / "learner.token"),
             "--timeout",
             "300",
             "--json",

@@ -82,7 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="learner role: send this model's and tokenizer's identity in HELLO",
     )
+    ap.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="learner role: present the token in FILE at the handshake, as a learner with "
+        "transport.auth: token (the default without CURVE) requires (RUN_DIR/learner.token)",
+    )
     return ap
+
+
+def _token(path: str) -> str:
+    from pathlib import Path
+
+    from common.peer_auth import read_token
+
+    return read_token(Path(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(report.line(r, width), flush=True)
 
+    token = None
+    if args.token_file:
+        try:
+            token = _token(args.token_file)
+        except (OSError, ValueError) as e:
+            ap.error(f"--token-file: {e}")
     opts = runner.SuiteOptions(
         role=args.role,
         target=args.target,
@@ -125,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         wait=args.wait,
         weights_from=args.weights_from,
         model_dir=args.model_dir,
+        token=token,
     )
     import zmq
 

@@ -22,6 +22,7 @@ import zmq.asyncio
 from protocol import codec
 from protocol.messages import Ack, Bye, Heartbeat, Identity, Message, Welcome
 from protocol.trajectory import Trajectory
+from protocol.zmq_transport import use_token
 from tools.conformance import wire
 from tools.conformance.registry import CheckContext, CheckFailed
 from tools.conformance.wire import Frames, Received
@@ -40,6 +41,7 @@ class Peer:
         model: Identity,
         tokenizer: Identity,
         timeout: float,
+        token: str | None = None,
     ) -> None:
         self.peer_id, self.epoch, self.timeout = peer_id, epoch, timeout
         self.model, self.tokenizer = model, tokenizer
@@ -47,6 +49,8 @@ class Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        if token is not None:
+            use_token(self.sock, token)
         self.sock.connect(target)
         self.limits = codec.CodecLimits()  # for decoding what the learner sends us
         self.pending: deque[Received] = deque()  # received, not yet consumed by expect/collect
@@ -206,9 +210,10 @@ class LearnerTarget(CheckContext):
         timeout: float,
         model: Identity,
         tokenizer: Identity,
+        token: str | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
-        self.zctx, self.target = zctx, target
+        self.zctx, self.target, self.token = zctx, target, token
         self.model, self.tokenizer = model, tokenizer
         # Token ids the learner will accept: its vocabulary if we know it, and small anyway.
         self.vocab = min(100, tokenizer.vocab_size or 100)
@@ -224,6 +229,7 @@ class LearnerTarget(CheckContext):
             model=self.model,
             tokenizer=self.tokenizer,
             timeout=self.timeout,
+            token=self.token,
         )
         self.peers.append(p)
         return p

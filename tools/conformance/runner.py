@@ -34,6 +34,7 @@ class SuiteOptions:
     wait: float = 30.0  # rollout-server: how long to wait for the server's first HELLO
     weights_from: str | None = None  # rollout-server: directory of *.safetensors to transfer
     model_dir: str | None = None  # learner: HELLO carries this model's and tokenizer's identity
+    token: str | None = None  # learner: presented at the handshake (transport.auth: token)
 
 
 @dataclass
@@ -134,7 +135,12 @@ async def run_suite(
             address = opts.target
             for check in checks:
                 ctx = LearnerTarget(
-                    zctx, opts.target, timeout=opts.timeout, model=model, tokenizer=tokenizer
+                    zctx,
+                    opts.target,
+                    timeout=opts.timeout,
+                    model=model,
+                    tokenizer=tokenizer,
+                    token=opts.token,
                 )
                 try:
                     done(await _run_one(check, ctx, limit))

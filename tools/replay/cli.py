@@ -24,7 +24,8 @@ relative to the directory the server ran in.
 examples:
   bin/replay inspect runs/tiny-cpu --limit 3
   bin/replay inspect runs/tiny-cpu/recordings/rs0 --trajectory e0-i17-2 --html /tmp/e0-i17.html
-  bin/replay stream runs/tiny-cpu/recordings/rs0 --to tcp://127.0.0.1:5555
+  bin/replay stream runs/tiny-cpu/recordings/rs0 --to tcp://127.0.0.1:5555 \
+      --token-file runs/LEARNER_RUN/learner.token
   bin/replay rerun runs/tiny-cpu --json
 """
 
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="batches held unacknowledged at most (default 8)",
     )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the target learner's token (its RUN_DIR/learner.token), which a learner with "
+        "transport.auth: token, the default without CURVE, requires at the handshake",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = sub.add_parser(
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout,
                 window=args.window,
                 as_json=args.json,
+                token_file=args.token_file,
             )
         from tools.replay import rerun
 

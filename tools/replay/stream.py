@@ -29,6 +29,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -77,6 +78,7 @@ async def stream(
     peer_id: str,
     model_dir: Path,
     curve: Any = None,
+    token: str | Callable[[], Awaitable[str]] | None = None,
     heartbeat_interval_s: float = 1.0,
     heartbeat_timeout_s: float = 10.0,
     timeout_s: float = 120.0,
@@ -113,7 +115,7 @@ async def stream(
         heartbeat_timeout_s=heartbeat_timeout_s,
     )
     conn.policy_version = newest
-    client = RolloutClient(conn, client_factory(address, curve=curve))
+    client = RolloutClient(conn, client_factory(address, curve=curve, token=token))
     pending: dict[int, tuple[Path, int]] = {}  # wire seq -> (file, trajectories)
     submitted = anyio.Event()
     changed = anyio.Event()
@@ -212,12 +214,27 @@ def run(
     window: int = 8,
     as_json: bool = False,
     out: TextIO | None = None,
+    token_file: str | None = None,
 ) -> int:
-    """Stream the recording(s) ``path`` names to the learner at ``to``; exit status."""
+    """Stream the recording(s) ``path`` names to the learner at ``to``; exit status.
+    ``token_file``: the learner's token (``transport.auth: token``), presented at the handshake;
+    read at each connection, once the learner has made it."""
     import anyio
+
+    from common.peer_auth import wait_for_token
 
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     recordings = locate.find(path)
+    token: Callable[[], Awaitable[str]] | None = None
+    if token_file:
+
+        def warn(message: str, **fields: Any) -> None:
+            print(f"replay: {message}: {fields['path']}", file=sys.stderr)
+
+        async def read_token() -> str:
+            return await wait_for_token(Path(token_file), warn=warn)
+
+        token = read_token
     if len(recordings) > 1 and server_id is not None:
         raise locate.ReplayError(
             "--server-id names one peer: give one recording directory, not a run with "
@@ -239,6 +256,7 @@ def run(
                     peer_id=peer,
                     model_dir=mdir,
                     curve=curve,
+                    token=token,
                     heartbeat_interval_s=hb[0],
                     heartbeat_timeout_s=hb[1],
                     timeout_s=timeout_s,
