@@ -21,7 +21,7 @@ process group (sleeping vLLM between phases), ours a separate rollout server sha
 
 Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine:
 - ``prepare``: bench/e2e.py --prepare-only (model, data, warm-up) into ``--work-dir``;
-- ``verl``: ``python3 -m verl.trainer.main_ppo`` (trainer.use_v1, trainer_mode sync) for ``--steps``;
+- ``verl``: ``python3 -m verl.trainer.main_ppo`` (its synchronous RayPPOTrainer) for ``--steps``;
   its per-step metrics come from verl's file logger (VERL_FILE_LOGGER_PATH);
 - ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
 - ``report``: merges the stages' JSON files of ``--work-dir``: per configuration the step time and
@@ -75,6 +75,8 @@ REWARD_WINDOW = 5
 CAVEATS = [
     "verl caps a turn only by the whole response budget; ours also at 64 tokens a turn",
     "verl's reward sees tool outputs: only a \\boxed answer counts (ours falls back to the last number)",
+    "no flash-attn on the machine: verl trains with SDPA on padded micro-batches (its padding "
+    "removal needs flash-attn's varlen kernel); ours packs sequences with its own SDPA-based kernel",
     "verl runs generation colocated (vLLM sleeps during training); ours runs a rollout server "
     "process beside the learner on the same GPU",
 ]
@@ -246,7 +248,10 @@ def verl_overrides(a: argparse.Namespace, model: str, work: Path) -> list[str]:
         "data.seed=0",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-        "actor_rollout_ref.model.use_remove_padding=true",
+        # no flash-attn on the GPU machines: SDPA, and so no padding removal (verl's remove-padding
+        # path runs flash-attn's varlen kernel); ours packs with its own SDPA-based kernel
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.actor.optim.lr=2e-5",
         "actor_rollout_ref.actor.optim.weight_decay=0.01",
         "actor_rollout_ref.actor.optim.clip_grad=1.0",
@@ -280,8 +285,9 @@ def verl_overrides(a: argparse.Namespace, model: str, work: Path) -> list[str]:
         f"reward.custom_reward_function.path={PLUGINS / 'reward.py'}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=2",
-        "trainer.use_v1=true",
-        "trainer.v1.trainer_mode=sync",
+        # verl's v1 trainer needs the TransferQueue service (package transfer_queue); its classic
+        # RayPPOTrainer (main_ppo_v0, "deprecated", still the documented GRPO path) does not
+        "trainer.use_v1=false",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={a.steps}",
