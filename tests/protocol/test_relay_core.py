@@ -30,10 +30,10 @@ def relay_hello(name: str, host: str, address: str, version: int = -1) -> Hello:
     )  # fmt: skip
 
 
-def transfer(version: int = 1) -> tuple[list[codec.Frames], int]:
+def transfer(version: int = 1) -> tuple[list[list[codec.Frame]], int]:
     data = np.arange(40_000, dtype=np.float32)
     a, chunks = plan_transfer(
-        version, [NamedBuffer("w", "float32", data.shape, memoryview(data).cast("B"))],
+        version, [NamedBuffer("w", "float32", data.shape, data.data.cast("B"))],
         chunk_bytes=16_000,
     )  # fmt: skip
     return [codec.encode(a), *(codec.encode(c) for c in chunks)], a.num_chunks
@@ -68,7 +68,7 @@ def test_learner_welcomes_relays_without_credits_and_routes_them() -> None:
     assert proto.free_room == 8  # relays hold no room
     _, n = transfer()
     data = np.arange(40_000, dtype=np.float32)
-    buf = NamedBuffer("w", "float32", data.shape, memoryview(data).cast("B"))
+    buf = NamedBuffer("w", "float32", data.shape, data.data.cast("B"))
     proto.publish_weights(1, [buf], chunk_bytes=16_000)
     sent = proto.data_to_send(0.1)
     assert {ident for ident, _ in sent} == {b"a"} and len(sent) == n + 1  # once, to the head

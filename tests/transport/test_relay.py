@@ -288,7 +288,7 @@ def test_relay_with_a_learner_without_relays_exits_saying_so(tmp_path: Path) -> 
         hello = codec.decode(frames)
         assert isinstance(hello, Hello) and hello.relay_address.startswith("tcp://127.0.0.1:")
         old = Welcome([1, 3], "old-learner", "s", 0, 0, 1, 1.0, 10.0, Limits(1 << 20, 8, 8))
-        sock.send_multipart([ident, *codec.encode(old)])
+        sock.send_multipart([ident, *(bytes(codec.view(f)) for f in codec.encode(old))])
         _, err = p.communicate(timeout=30)
         assert p.returncode == 2 and "does not run weight relays" in err, err
         assert not list(tmp_path.iterdir())  # its slot directory is gone
