@@ -36,6 +36,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from common.peer_auth import read_token
 from common.safetensors_buffers import header_bytes
 from learner.weights_files import FILE_NAME, PREFIX, remove_stale
 from protocol import codec
@@ -135,15 +136,18 @@ class WeightRelay:
         max_message_bytes: int = 1 << 30,
         stall_after_chunks: int = 0,
         curve: CurveClientKeys | None = None,
+        token_file: str = "",
     ) -> None:
         """``stall_after_chunks``: fault injection for tests (0: off): after forwarding that many
         chunks the relay stops moving weights but keeps its learner session, to be killed
         mid-transfer. ``curve``: keys for the learner link (a learner with CURVE on); the links
-        between relays are plain TCP (SPEC §17)."""
+        between relays are plain TCP (SPEC §17). ``token_file``: the learner's token (transport.auth
+        token), read again at every connection so a restarted learner's new token is followed."""
         from common.hostkey import host_key
 
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
         self.stall_after_chunks, self.curve = stall_after_chunks, curve
+        self.token_file = token_file
         self.down = ZmqServerChannel(bind)
         if not advertise:
             # a wildcard bind is reached through this machine's name (set --advertise otherwise)
@@ -189,8 +193,12 @@ class WeightRelay:
 
     async def _learner_loop(self) -> None:
         while True:
+            token = read_token(Path(self.token_file)) if self.token_file else None
             ch = self._learner = ZmqClientChannel(
-                self.learner_address, curve=self.curve, max_message_bytes=self.max_message_bytes
+                self.learner_address,
+                curve=self.curve,
+                token=token,
+                max_message_bytes=self.max_message_bytes,
             )
             self.node.start(time.monotonic())
             self._poke()
@@ -306,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep", type=int, default=2, help="verified versions kept on disk")
     p.add_argument("--curve-secret-key", default="", help="this relay's CURVE certificate")
     p.add_argument("--curve-server-key", default="", help="the learner's public certificate")
+    p.add_argument(
+        "--token-file", default="", help="the learner's token file (RUN_DIR/learner.token)"
+    )
     p.add_argument("--stall-after-chunks", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     relay = WeightRelay(
@@ -320,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curve=CurveClientKeys(Path(args.curve_secret_key), Path(args.curve_server_key))
         if args.curve_secret_key
         else None,
+        token_file=args.token_file,
     )
     print(f"weight relay {relay.node.peer_id} at {relay.node.address}", flush=True)
     # SIGTERM unwinds like Ctrl-C: the slot files go (SlotFiles.close, also registered atexit)

@@ -127,6 +127,7 @@ async def server(
     peer_id: str = "",
     files: bool = True,
     mb: float = 2.0,
+    token: str | None = None,
 ) -> AsyncIterator[tuple[ClientHandle, dict[int, str]]]:
     """A rollout server on ``host`` that applies what it receives once every byte is checked
     against ``tensors(version)``; yields it and {version: the file it came in ("" chunks)}."""
@@ -137,7 +138,7 @@ async def server(
         "weights": WeightAssembler(file_roots=[str(tmp / host)]),
     }
     async with client_running(
-        net.connector(address), peer_id=peer_id or f"server-{host}", request_weights=True,
+        net.connector(address, token=token), peer_id=peer_id or f"server-{host}", request_weights=True,
         conn_kw=conn_kw,
     ) as ch:  # fmt: skip
 
@@ -247,6 +248,18 @@ async def test_late_joiner_and_restarted_server_get_newest_at_once(
                         assert list(got) == [2], attempt  # the newest, and only it
                         await s.close()
             assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}  # no chunks to any server
+
+
+async def test_relay_presents_the_learners_token(net: ZmqNet, tmp_path: Path) -> None:
+    (tmp_path / "learner.token").write_text("s3cret-token\n")
+    ch = net.server("tcp://127.0.0.1:0", token="s3cret-token")
+    async with learner_running(ch, host="learner-host") as lh:
+        extra = {"hostA": ["--token-file", str(tmp_path / "learner.token")]}
+        async with relays(lh, ["hostA"], tmp_path, **extra):
+            async with server(net, ch.address, "hostA", tmp_path, token="s3cret-token") as (_, a):
+                lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
+                await lh.watch.until(lambda: 1 in a, 30)
+                assert a[1]  # through the relay's file
 
 
 async def test_server_without_capability_gets_chunks_directly(net: ZmqNet, tmp_path: Path) -> None:
