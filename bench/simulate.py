@@ -66,11 +66,16 @@ from bench.clustersim.costs import (  # noqa: E402
 )
 from bench.clustersim.model import Setup, Summary, simulate  # noqa: E402
 
+SIM_DIR = ROOT / "docs" / "sim"
+"""The CPU runs of bench/e2e.py and bench/rollout.py the simulator is checked against."""
 DEFAULT_CALIBRATE = GPU_DIR / "h100_bench_e2e_longtail_default_learner.json"
 DEFAULT_VALIDATE = [
     GPU_DIR / "h100_bench_e2e_longtail_20steps_s0_s2.json",
     GPU_DIR / "h200x2_bench_e2e_longtail_s0_s2.json",
 ]
+CPU_CALIBRATE = SIM_DIR / "cpu_bench_e2e_longtail_1server_s0.json"
+CPU_VALIDATE = SIM_DIR / "cpu_bench_e2e_longtail_2servers_s0_s2.json"
+CPU_ROLLOUT = SIM_DIR / "cpu_bench_rollout.json"
 DEFAULT_ROLLOUT = GPU_DIR / "h200_bench_rollout.json"
 DEFAULT_LEARNER = GPU_DIR / "h200x2_bench_learner_longtail_w2_packed.json"
 DEFAULT_LEARNER_RUN = GPU_DIR / "h200x2_bench_e2e_longtail_s0_s2.json"
@@ -386,8 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--calibrate",
         type=Path,
         nargs="*",
-        default=[DEFAULT_CALIBRATE],
-        help="e2e JSONs: one per machine",
+        default=[p for p in (DEFAULT_CALIBRATE, CPU_CALIBRATE) if p.exists()],
+        help="e2e JSONs: one per machine (default: the 5-step H100 run and the 1-server CPU run)",
     )
     p.add_argument(
         "--validate",
@@ -396,11 +401,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_VALIDATE,
         help="e2e JSONs to compare with",
     )
-    p.add_argument("--cpu", type=Path, nargs="*", default=[], help="CPU e2e JSONs to compare with")
+    p.add_argument(
+        "--cpu",
+        type=Path,
+        nargs="*",
+        default=[CPU_VALIDATE] if CPU_VALIDATE.exists() else [],
+        help="CPU e2e JSONs to compare with (default: the 2-server CPU run)",
+    )
     p.add_argument(
         "--rollout", type=Path, default=DEFAULT_ROLLOUT, help="bench/rollout.py JSON (GPU)"
     )
-    p.add_argument("--cpu-rollout", type=Path, default=None, help="bench/rollout.py JSON (CPU)")
+    p.add_argument(
+        "--cpu-rollout",
+        type=Path,
+        default=CPU_ROLLOUT if CPU_ROLLOUT.exists() else None,
+        help="bench/rollout.py JSON (CPU)",
+    )
     p.add_argument(
         "--learner-bench", type=Path, default=DEFAULT_LEARNER, help="bench/learner.py JSON"
     )
@@ -425,8 +441,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-host", type=int, default=8)
     p.add_argument("--link-gbps", type=float, default=100.0, help="network link per host (Gbit/s)")
     p.add_argument("--fanout", choices=("direct", "relay"), default="direct")
-    p.add_argument("--predict-steps", type=int, default=6)
+    p.add_argument(
+        "--predict-steps", type=int, default=5, help="steps per prediction (1 is start-up)"
+    )
     p.add_argument("--predict-seeds", type=int, default=1)
+    p.add_argument(
+        "--tool-latency-s", type=float, default=0.0, help="predictions: seconds per tool call"
+    )
     p.add_argument("--skip-predict", action="store_true")
     return p.parse_args(argv)
 
@@ -472,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     preds: list[dict[str, Any]] = []
     if not args.skip_predict:
         machine = machine_of(read_json(args.learner_run))
-        preds = predict(args, calibs[machine].gen())
+        gen = replace(calibs[machine].gen(), tool_latency_s=args.tool_latency_s)
+        preds = predict(args, gen)
     sim_events = sum(p["sim_events"] for p in preds)
     sim_time = sum(p["sim_s"] for p in preds)
     bare = bare_events_per_s()
