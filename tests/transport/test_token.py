@@ -1,0 +1,123 @@
+"""Token auth on the ZeroMQ channels (ZMTP PLAIN, checked by ZAP): the token gets in, a wrong one or
+none never sees a WELCOME, and every refusal is reported with the peer's address and a code.
+
+Refusal happens below the protocol, before any message is queued (the 2 GiB measurement against a
+real learner is tests/hostile/test_learner_auth.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import pytest
+from transport_testkit import ZmqNet, client_running, learner_running, make_batch, submit_all
+
+from protocol import zmq_transport
+from protocol.zmq_transport import ZmqServerChannel, client_factory, exposure_warning
+
+pytestmark = pytest.mark.anyio
+
+REFUSAL_WAIT_S = 1.5
+TOKEN = "a" * 64
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def net() -> ZmqNet:
+    return ZmqNet()
+
+
+async def test_the_token_gets_in_a_wrong_one_or_none_is_refused_and_reported(net: ZmqNet) -> None:
+    refusals: list[tuple[str, str, str]] = []
+    server = net.server("tcp://127.0.0.1:0", token=TOKEN, on_refused=lambda *r: refusals.append(r))
+    async with learner_running(server) as lh:
+        async with (
+            client_running(client_factory(server.address, token="b" * 64), peer_id="wrong") as c1,
+            client_running(client_factory(server.address), peer_id="none") as c2,
+        ):
+            await submit_all(c1.client, [make_batch(1)])
+            await anyio.sleep(REFUSAL_WAIT_S)  # waiting for something that must not happen
+            assert c1.connected() == 0 and c2.connected() == 0, "a refused client got a WELCOME"
+        assert lh.joined() == 0 and not lh.received and not lh.proto.peers
+        codes = {(address, code) for address, code, _ in refusals}
+        assert ("127.0.0.1", "BAD_CREDENTIALS") in codes and (
+            "127.0.0.1",
+            "NO_CREDENTIALS",
+        ) in codes
+        assert all(TOKEN not in reason and "b" * 64 not in reason for _, _, reason in refusals)
+
+        async def token() -> str:  # read at connection time, as rollout servers do
+            return TOKEN
+
+        async with client_running(client_factory(server.address, token=token)) as ok:
+            seqs = await submit_all(ok.client, [make_batch(2, tag="token")])
+            await ok.watch.until(lambda: ok.acked() == set(seqs), timeout=10)
+        assert lh.joined() == 1 and len(lh.received) == 2
+    net.term()
+
+
+async def test_two_learners_in_one_context_keep_their_own_tokens(net: ZmqNet) -> None:
+    first = net.server("tcp://127.0.0.1:0", token=TOKEN)
+    second = net.server("tcp://127.0.0.1:0", token="c" * 64)
+    async with learner_running(first) as l1, learner_running(second) as l2:
+        async with (
+            client_running(client_factory(first.address, token=TOKEN), peer_id="a") as a,
+            client_running(client_factory(second.address, token=TOKEN), peer_id="b") as b,
+        ):
+            await a.watch.until(lambda: a.connected() == 1, timeout=10)
+            await anyio.sleep(REFUSAL_WAIT_S)
+            assert b.connected() == 0
+        assert l1.joined() == 1 and l2.joined() == 0
+    net.term()
+
+
+def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one() -> None:
+    """The authenticator is shared per context and answers from one event loop's task; a channel
+    never closed in an earlier ``asyncio.run`` must not leave a dead task answering for the next
+    loop's channels (every handshake would hang)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+
+    async def leak() -> None:
+        ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)  # never closed
+
+    async def serve_one() -> bool:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)
+        dealer = ctx.socket(zmq.DEALER)
+        zmq_transport.use_token(dealer, TOKEN)
+        dealer.connect(ch.address)
+        try:
+            await dealer.send_multipart([b"x"])
+            return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
+        finally:
+            dealer.close(linger=0)
+            ch.close()
+
+    asyncio.run(leak())
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: done.append(asyncio.run(serve_one())))
+    t.start()
+    t.join(10)
+    assert done == [True], "the handshake of a token client was never answered"
+    for entry in list(zmq_transport._zap.values()):
+        if entry[0] is ctx:
+            entry[1].stop()
+    zmq_transport._zap.pop(id(ctx), None)
+    ctx.destroy(linger=0)
+
+
+def test_warnings_name_the_residual_risk() -> None:
+    none = exposure_warning("tcp://127.0.0.1:5555", curve=False, token=False)
+    assert none is not None and "transport.auth: none" in none and "gigabytes" in none
+    assert exposure_warning("tcp://127.0.0.1:5555", curve=False, token=True) is None
+    clear = exposure_warning("tcp://0.0.0.0:5555", curve=False, token=True)
+    assert clear is not None and "unencrypted" in clear
+    assert exposure_warning("tcp://0.0.0.0:5555", curve=True) is None
