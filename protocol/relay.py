@@ -29,6 +29,7 @@ from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     WEIGHT_RELAY_CAPABILITY,
     Bye,
+    ChunkPart,
     Error,
     Heartbeat,
     Hello,
@@ -176,6 +177,7 @@ class _Forwarding:
     version: int
     transfer_id: str
     frames: list[Frames]  # the announce, then every chunk received so far, in arrival order
+    parts: list[list[ChunkPart]] = field(default_factory=list)  # of each chunk, for ``rebase``
     seen: set[int] = field(default_factory=set)
     complete: bool = False
 
@@ -337,6 +339,7 @@ class RelayNode:
                 return None
             fwd.seen.add(msg.index)
             fwd.frames.append(frames)
+            fwd.parts.append(msg.parts)
             self.stats["forwarded_chunks"] += 1
         else:
             return None
@@ -366,7 +369,26 @@ class RelayNode:
         except ProtocolError as e:
             self.failed(msg.version, msg.transfer_id, e.message)
             return []
-        return [Completed(done)] if done is not None else []
+        if done is None:
+            return []
+        self._rebase(done)
+        return [Completed(done)]
+
+    def _rebase(self, done: ReceivedWeights) -> None:
+        """The version is verified: the chunks kept for relays behind this one now point into
+        the verified buffers (the relay's slot file) instead of the received frames, which are
+        released, so a relay holds a version's bytes once, not twice."""
+        fwd = self._fwd
+        if fwd is None or fwd.transfer_id != done.transfer_id:
+            return
+        bufs = [memoryview(b).cast("B") for _, b in done.tensors]
+        for i, parts in enumerate(fwd.parts, start=1):
+            head = fwd.frames[i][:2]
+            fwd.frames[i] = [
+                *head,
+                *(bufs[p.tensor][p.offset : p.offset + p.nbytes] for p in parts),
+            ]
+        fwd.complete = True
 
     def from_downstream(self, identity: bytes, frames: Frames) -> None:
         """A relay behind this one said HELLO (``policy_version``: the newest it has): it gets the

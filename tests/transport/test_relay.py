@@ -92,6 +92,7 @@ async def relays(
     """One relay process per host, started in order, each once the one before it has joined: the
     chain is ``hosts`` in that order."""
     procs: dict[str, subprocess.Popen[str]] = {}
+    before = len(relay_ids(lh))
     try:
         for i, h in enumerate(hosts):
             (tmp / h).mkdir(exist_ok=True)
@@ -102,7 +103,7 @@ async def relays(
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp / f"relay-{h}.log", "w"),
                 text=True, start_new_session=True,
             )  # fmt: skip
-            await lh.watch.until(lambda i=i: len(relay_ids(lh)) == i + 1, 30)
+            await lh.watch.until(lambda i=i: len(relay_ids(lh)) == before + i + 1, 30)
         yield procs
     finally:
         for p in procs.values():
@@ -192,6 +193,15 @@ async def test_chain_forwards_each_version_once_with_checksums(net: ZmqNet, tmp_
                         assert f"/{host}/agentrl-weights-" in got[v]
                 assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}
                 await sc.watch.until(lambda: sc.client.conn.policy_version == 2)
+                # a relay that joins late gets the newest version from the relay before it (kept
+                # in that relay's verified file), and so does its host's server
+                async with (
+                    relays(lh, ["hostD"], tmp_path),
+                    server(net, ch.address, "hostD", tmp_path) as (_, d),
+                ):
+                    await lh.watch.until(lambda: 2 in d, 30)
+                    assert "/hostD/agentrl-weights-" in d[2] and 1 not in d
+                assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}
 
 
 async def test_relay_killed_mid_transfer_downstream_still_gets_version(
