@@ -23,6 +23,11 @@ and may start prompt groups only as ``admit`` grants (ADMIT); which peer gets ho
 weights, is the application's policy (``learner.admission``). Heartbeats carry each sender epoch's
 count of response tokens it generated and dropped itself (``dropped_tokens``, summed over epochs).
 
+Weight relays (1.4, ``protocol.relay``): a peer whose HELLO offers "weight_relay" takes no credits
+and gets a place in the relay chain (WELCOME ``relay_upstream``); only the head of the chain is
+sent chunks. Servers on a relay's host that offer "weights_file" are handed that relay's verified
+file once it reports it (WEIGHTS_APPLIED ``file``); everyone else still gets chunks.
+
 Validation (1.1): ``request_validation`` asks every peer in session whose HELLO offered the
 "validation" capability (never another: a 1.0 peer would not know the message) and remembers the
 request per peer; its VALIDATE_RESULT becomes ``ValidationReceived``, a result nobody asked that

@@ -67,7 +67,7 @@ class RelayTier:
     relays: dict[bytes, _Relay] = field(default_factory=dict)  # in chain order
     specs: dict[int, list[TensorSpec]] = field(default_factory=dict)
     handed: dict[bytes, int] = field(default_factory=dict)  # server -> relay file version sent
-    transfer_ids: set[str] = field(default_factory=set)  # of the file announces made
+    transfer_ids: dict[str, int] = field(default_factory=dict)  # file announces made -> version
 
     @staticmethod
     def is_relay(hello: Hello) -> bool:
@@ -107,6 +107,8 @@ class RelayTier:
         self.specs[version] = specs
         for old in sorted(self.specs)[:-KEEP_SPECS]:
             del self.specs[old]
+        oldest = min(self.specs)
+        self.transfer_ids = {t: v for t, v in self.transfer_ids.items() if v >= oldest}
 
     def completed(self, identity: bytes, version: int, file: str) -> str | None:
         """A relay verified ``version`` into ``file``; the host it serves (None: not a relay, or
@@ -139,7 +141,7 @@ class RelayTier:
             return None
         self.handed[server] = r.version
         tid = f"relay-{r.peer_id}-{r.version}"
-        self.transfer_ids.add(tid)
+        self.transfer_ids[tid] = r.version
         return codec.encode(WeightsAnnounce(r.version, tid, specs, 0, file=r.file))
 
     def forget(self, server: bytes) -> None:

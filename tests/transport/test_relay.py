@@ -129,6 +129,7 @@ async def server(
     files: bool = True,
     mb: float = 2.0,
     token: str | None = None,
+    roots: list[str] | None = None,
 ) -> AsyncIterator[tuple[ClientHandle, dict[int, str]]]:
     """A rollout server on ``host`` that applies what it receives once every byte is checked
     against ``tensors(version)``; yields it and {version: the file it came in ("" chunks)}."""
@@ -136,7 +137,7 @@ async def server(
     conn_kw = {
         "capabilities": [WEIGHTS_FILE_CAPABILITY] if files else [],
         "host": host,
-        "weights": WeightAssembler(file_roots=[str(tmp / host)]),
+        "weights": WeightAssembler(file_roots=[str(tmp / host)] if roots is None else roots),
     }
     async with client_running(
         net.connector(address, token=token), peer_id=peer_id or f"server-{host}", request_weights=True,
@@ -270,6 +271,25 @@ async def test_relay_presents_the_learners_token(net: ZmqNet, tmp_path: Path) ->
                 lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
                 await lh.watch.until(lambda: 1 in a, 30)
                 assert a[1]  # through the relay's file
+
+
+async def test_server_that_cannot_use_the_file_gets_chunks(net: ZmqNet, tmp_path: Path) -> None:
+    """Its /dev/shm is not the relay's (here: the file lies outside its allowed roots): it refuses
+    the relay's file (WEIGHTS_APPLIED ok=false) and is sent the version as chunks."""
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    async with learner_running(ch, host="learner-host") as lh:
+        async with (
+            relays(lh, ["hostA"], tmp_path),
+            server(net, ch.address, "hostA", tmp_path, roots=[str(tmp_path / "elsewhere")]) as (
+                _,
+                a,
+            ),
+        ):
+            lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
+            await lh.watch.until(lambda: 1 in a, 30)
+            assert a[1] == ""
+            refused = [e for e in lh.watch.of(PeerWeightsApplied) if not e.applied.ok]
+            assert [e.peer_id for e in refused] == ["server-hostA"]
 
 
 async def test_server_without_capability_gets_chunks_directly(net: ZmqNet, tmp_path: Path) -> None:
