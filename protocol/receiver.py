@@ -543,9 +543,16 @@ class LearnerProtocol:
                     ):
                         self._relay_file_ready(host)
                 elif msg.transfer_id in self.relays.transfer_ids:
-                    # The relay's file could not be used: this server takes chunks from now on.
-                    peer.refused_file = True
-                    self._send_weights(peer)
+                    # The relay's file could not be used. A file older than the host's newest may
+                    # just be gone (a relay keeps its newest few; a "drain" server loads late): the
+                    # newer one is handed already. Otherwise chunks from now on.
+                    newest = self.relays.newest_file(peer.hello.host if peer.hello else "")
+                    if (
+                        newest is None
+                        or self.relays.transfer_ids[msg.transfer_id] >= newest.version
+                    ):
+                        peer.refused_file = True
+                        self._send_weights(peer)
                 elif (
                     pub := self._publication
                 ) is not None and msg.transfer_id == pub.file_transfer_id:

@@ -148,3 +148,38 @@ def test_reroute_welcome_becomes_routed() -> None:
     )  # fmt: skip
     assert r.from_learner(codec.encode(w), 0.1) == [Routed("tcp://up")]
     assert r.from_learner(codec.encode(w), 0.2) == []  # the same route again: nothing to do
+
+
+def test_a_stale_relay_file_refused_is_no_reason_for_chunks() -> None:
+    """A server that fails to open an older relay file (gone: the relay keeps its newest few)
+    already has the newer one; only a refused newest file sends it to chunks."""
+    from protocol.messages import WEIGHTS_FILE_CAPABILITY, MsgType, WeightsAnnounce
+
+    proto = LearnerProtocol(tokenizer=Identity("tok", "", 0), capacity=8)
+    proto.receive(b"r", codec.encode(relay_hello("r", "A", "tcp://r")), 0.0)
+    server = Hello(
+        [1, 3], "s", "rollout-server", "e", ID, ID, 0, [WEIGHTS_FILE_CAPABILITY], host="A"
+    )
+    proto.receive(b"s", codec.encode(server), 0.0)
+    data = np.arange(40_000, dtype=np.float32)
+    buf = NamedBuffer("w", "float32", data.shape, data.data.cast("B"))
+    handed: dict[int, str] = {}
+    for v in (1, 2):
+        proto.publish_weights(v, [buf], chunk_bytes=16_000)
+        applied = WeightsApplied(v, f"t{v}", True, file=f"/dev/shm/agentrl-weights-1-a/v{v}")
+        proto.receive(b"r", codec.encode(applied), 0.1 * v)
+        for ident, frames in proto.data_to_send(0.1 * v):
+            msg = codec.decode(frames)
+            if ident == b"s" and isinstance(msg, WeightsAnnounce):
+                assert msg.file and msg.version not in handed
+                handed[msg.version] = msg.transfer_id
+    assert sorted(handed) == [1, 2]
+
+    def chunks_to_server() -> int:
+        sent = proto.data_to_send(1.0)
+        return sum(1 for i, f in sent if i == b"s" and codec.peek_type(f) is MsgType.WEIGHTS_CHUNK)
+
+    proto.receive(b"s", codec.encode(WeightsApplied(1, handed[1], False, "gone")), 0.5)
+    assert chunks_to_server() == 0  # v1's file was stale: v2's is on its way
+    proto.receive(b"s", codec.encode(WeightsApplied(2, handed[2], False, "no such file")), 0.6)
+    assert chunks_to_server() > 0  # the newest refused: chunks, directly
