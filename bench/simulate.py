@@ -71,6 +71,8 @@ SIM_DIR = ROOT / "docs" / "sim"
 DEFAULT_CALIBRATE = GPU_DIR / "h100_bench_e2e_longtail_default_learner.json"
 DEFAULT_VALIDATE = [
     GPU_DIR / "h100_bench_e2e_longtail_20steps_s0_s2.json",
+    GPU_DIR / "h100_bench_e2e_longtail_s0_s2.json",
+    GPU_DIR / "h100_bench_e2e_longtail_s1_s4.json",
     GPU_DIR / "h200x2_bench_e2e_longtail_s0_s2.json",
 ]
 CPU_CALIBRATE = SIM_DIR / "cpu_bench_e2e_longtail_1server_s0.json"
@@ -449,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tool-latency-s", type=float, default=0.0, help="predictions: seconds per tool call"
     )
     p.add_argument("--skip-predict", action="store_true")
+    p.add_argument("--skip-validate", action="store_true", help="predictions only")
     return p.parse_args(argv)
 
 
@@ -483,8 +486,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.machine}: tau0 {c.tau0_s * 1e3:.2f} ms per decode step, engine share while the "
             f"learner computes {c.share:.2f} (from {path.name}), bound {c.max_tok_s:,.0f} tok/s"
         )
-    rows = validate([*args.validate, *args.cpu], calibs, bound, args.seeds)
-    print(table(rows), file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    if args.skip_validate:  # predictions only: the prediction machine's calibration, nothing else
+        d = read_json(args.learner_run)
+        if machine_of(d) not in calibs:
+            c = calibrate(args.learner_run, bound(d), max(4, args.seeds // 2))
+            calibs[c.machine] = c
+    else:
+        rows = validate([*args.validate, *args.cpu], calibs, bound, args.seeds)
+        print(table(rows), file=sys.stderr)
     validated = [r for r in rows if r["role"] == "validation"]
     worst = max((abs(r["error_pct"]) for r in validated), default=float("nan"))
     progress(

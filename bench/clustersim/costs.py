@@ -55,6 +55,12 @@ class Quantiles:
         out = np.where(z <= zs[1], logs[0] + sigma * z, np.interp(z, zs[1:], logs[1:]))
         return np.exp(np.minimum(out, logs[3]))
 
+    def mean(self) -> float:
+        """The mean of the distribution ``at`` draws from (midpoint rule over 2,000 quantiles)."""
+        nd = statistics.NormalDist()
+        z = np.array([nd.inv_cdf((i + 0.5) / 2000) for i in range(2000)])
+        return float(self.at(z).mean())
+
 
 def _z(q: float) -> float:
     return statistics.NormalDist().inv_cdf(q)
@@ -154,11 +160,14 @@ def e2e_runs(
         eps = int(lens["episodes"])
         tokens_step = m["perf/update_tokens_per_s"] * m["timing/update_s"]
         per_episode = tokens_step / (batch_groups * n)
+        response = Quantiles.from_json(lens["response_tokens"], eps)
         lengths = Lengths(
             turns=Quantiles.from_json(lens["turns"], eps),
             model_tokens=Quantiles.from_json(lens["model_tokens"], eps),
-            response_tokens=Quantiles.from_json(lens["response_tokens"], eps),
-            prompt_tokens=max(1.0, per_episode - m["response/length_mean"]),
+            response_tokens=response,
+            # the measured tokens per step on average: the prompt takes what the drawn responses
+            # leave (their mean is not exactly response/length_mean)
+            prompt_tokens=max(1.0, per_episode - response.mean()),
         )
         w = r["weights"]
         out.append(

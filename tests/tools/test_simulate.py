@@ -70,7 +70,7 @@ def test_max_staleness_moves_staleness_and_step_time_as_the_policy_says() -> Non
 
 
 def test_without_admission_servers_generate_ahead_and_stale_groups_are_wasted() -> None:
-    free = model.simulate(_setup(0, admission=False), seeds=2)
+    free = model.simulate(_setup(0, admission=False, steps=3), seeds=1)
     assert free.waste_frac > 0  # the server's stale() and the buffer's drop_stale throw work away
 
 
@@ -79,7 +79,7 @@ def test_validation_table_comes_from_the_json_files() -> None:
     calib = simulate.Calibration(
         "NVIDIA H100 80GB HBM3 (one shared GPU)", 0.007, bound, 1.0, "test"
     )
-    rows = simulate.validate([H100], {calib.machine: calib}, lambda _d: bound, seeds=2)
+    rows = simulate.validate([H100], {calib.machine: calib}, lambda _d: bound, seeds=1)
     assert [r["run"] for r in rows] == [
         "h100_bench_e2e_longtail_20steps_s0_s2:sync",
         "h100_bench_e2e_longtail_20steps_s0_s2:async-s2",
