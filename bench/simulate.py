@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import sys
@@ -272,18 +273,23 @@ def validate(
 def transfer_fn(
     *, servers: int, learner_gpus: int, per_host: int, model_bytes: float, gbps: float, fanout: str
 ) -> Any:
-    """Extra time for a version to reach server ``i`` beyond the same-host hand-over: servers on
-    the learner's hosts get the file, the others get the bytes over the network."""
+    """Extra time for a version to reach server ``i`` beyond the same-host hand-over. Servers on a
+    learner host get the file. With ``direct`` (what the code does today for remote servers) the
+    learner sends every remote server its own copy, one after the other through its link. With
+    ``relay`` one copy goes down a chain of hosts, pipelined in 64 MB chunks, and each host hands
+    it to its servers through the file."""
     one = model_bytes * 8 / (gbps * 1e9)
-    chunk = min(model_bytes, 64e6) * 8 / (gbps * 1e9)  # one pipelined chunk per relay hop
+    chunk = min(model_bytes, 64e6) * 8 / (gbps * 1e9)
     learner_hosts = math.ceil(learner_gpus / per_host)
+    local = max(0, learner_hosts * per_host - learner_gpus)  # servers on a learner host
 
     def extra(i: int) -> float:
-        host = (learner_gpus + i) // per_host
-        hop = host - learner_hosts + 1  # 1 for the first remote host
-        if hop <= 0:
+        if i < local:
             return 0.0
-        return hop * one if fanout == "direct" else one + (hop - 1) * chunk
+        if fanout == "direct":
+            return (i - local + 1) * one
+        hop = (learner_gpus + i) // per_host - learner_hosts + 1  # 1: the first remote host
+        return one + (hop - 1) * chunk
 
     return extra
 
@@ -307,7 +313,7 @@ def predict(args: argparse.Namespace, gen: GenCosts) -> list[dict[str, Any]]:
     for total in args.gpus:
         w = max(1, round(total * args.learner_share))
         servers = total - w
-        for k in args.staleness:
+        for fanout, k in itertools.product(args.fanout, args.staleness):
             setup = Setup(
                 servers=servers,
                 learner_gpus=w,
@@ -326,21 +332,21 @@ def predict(args: argparse.Namespace, gen: GenCosts) -> list[dict[str, Any]]:
                     per_host=args.gpus_per_host,
                     model_bytes=model_bytes,
                     gbps=args.link_gbps,
-                    fanout=args.fanout,
+                    fanout=fanout,
                 ),
             )
             t0 = time.perf_counter()
             p = simulate(setup, seeds=args.predict_seeds)
             dt = time.perf_counter() - t0
-            rows.append(_prediction_row(total, w, servers, k, setup, p, dt))
+            rows.append({**_prediction_row(total, w, servers, k, setup, p, dt), "fanout": fanout})
             progress(
-                f"{total:5d} GPUs (learner {w}, servers {servers}) max_staleness {k}: "
+                f"{total:5d} GPUs (learner {w}, servers {servers}) {fanout} max_staleness {k}: "
                 f"step {p.step_s:.2f} s, {p.tokens_per_s:,.0f} tok/s, staleness "
                 f"{p.staleness_mean:.2f}, waste {p.waste_frac:.3f} ({dt:.1f} s)"
             )
-    by = {(r["gpus"], r["max_staleness"]): r for r in rows}
+    by = {(r["gpus"], r["fanout"], r["max_staleness"]): r for r in rows}
     for r in rows:
-        sync = by.get((r["gpus"], 0))
+        sync = by.get((r["gpus"], r["fanout"], 0))
         if sync is not None:
             r["vs_sync_step"] = round(sync["step_s"] / r["step_s"], 2)
     return rows
@@ -432,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=16, help="simulations per validated run")
     p.add_argument("--gpus", type=_ints, default=[8, 64, 512, 1024], help="GPU totals to predict")
     p.add_argument(
-        "--staleness", type=_ints, default=[0, 1, 2], help="max_staleness values to predict"
+        "--staleness", type=_ints, default=[0, 2], help="max_staleness values to predict"
     )
     p.add_argument("--learner-share", type=float, default=0.5, help="share of the GPUs that train")
     p.add_argument(
@@ -442,7 +448,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrent", type=int, default=256, help="episodes per server at once")
     p.add_argument("--gpus-per-host", type=int, default=8)
     p.add_argument("--link-gbps", type=float, default=100.0, help="network link per host (Gbit/s)")
-    p.add_argument("--fanout", choices=("direct", "relay"), default="direct")
+    p.add_argument(
+        "--fanout",
+        type=lambda v: v.split(","),
+        default=["direct", "relay"],
+        help="weights to remote servers: direct (a copy each, today), relay (a chain of hosts)",
+    )
     p.add_argument(
         "--predict-steps", type=int, default=5, help="steps per prediction (1 is start-up)"
     )
@@ -497,9 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows), file=sys.stderr)
     validated = [r for r in rows if r["role"] == "validation"]
     worst = max((abs(r["error_pct"]) for r in validated), default=float("nan"))
-    progress(
-        f"largest |error| on step time over {len(validated)} validated runs: {worst:.1f}% (target 15%)"
-    )
+    if validated:
+        progress(
+            f"largest |error| on step time over {len(validated)} validated runs: {worst:.1f}% "
+            "(target 15%)"
+        )
     preds: list[dict[str, Any]] = []
     if not args.skip_predict:
         machine = machine_of(read_json(args.learner_run))
