@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import struct
 import time
 import uuid
@@ -321,7 +322,7 @@ _PROTOCOL_ERRORS = {
 
 async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> None:
     """Report every handshake that failed before ZAP was asked (a peer without a token or key
-    fails with MECHANISM_MISMATCH) as ``report(host, reason)``, like the authenticator does."""
+    fails with MECHANISM_MISMATCH) as ``report(host, code, reason)``, like the authenticator."""
     while True:
         frames = await monitor.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 6:
@@ -339,8 +340,6 @@ async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> Non
         try:
             report(host, code, reason)
         except Exception:  # a bad report must not end the watch
-            import logging
-
             logging.getLogger(__name__).exception("on_refused failed")
 
 
@@ -360,8 +359,8 @@ class ZmqServerChannel:
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         """``curve`` or ``token``: only peers with an allowed key, or presenting the token, get
-        through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the others); neither:
-        anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
+        through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the others);
+        neither: anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
         the same ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame
         bound (default ``max_message_bytes``)."""
         if curve is not None and token is not None:
