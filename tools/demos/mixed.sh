@@ -4,9 +4,10 @@
 #     arithmetic questions (tool agent, calculator), search questions on a small corpus (tool
 #     agent, BM25 search, finish with the name) and computations (code agent, python sandbox);
 #  2. warm-up (bin/warmup --agent mixed, seeded): each row's episode by its agent, with the real
-#     tools (half of them skip the tool and answer wrong), then briefly wrong answers only, so
-#     the warmed model uses its tools in some episodes and is right in few: the choice RL then
-#     learns. The tools, limits and tags are configs/demo_mixed.yaml's (WARMUP_CONFIG);
+#     tools (half of them skip the tool and answer wrong): the tool agent's rows, the code rows,
+#     then the whole mix, so the warmed model uses its tools in some episodes and is right in
+#     few: the choice RL then learns. The tools, limits and tags are configs/demo_mixed.yaml's
+#     (WARMUP_CONFIG);
 #  3. bin/train --config configs/demo_mixed.yaml: a tool server (python and search), a learner
 #     and 2 rollout servers; every batch of 10 prompts holds 4 arithmetic, 3 search and 3 code
 #     tasks, at the servers and in the learner's steps (batch/groups/<source>), each source with
@@ -41,13 +42,20 @@ paths=(data.datasets.0.path="$data/arithmetic/train.jsonl" data.datasets.1.path=
        data.datasets.2.path="$data/code/train.jsonl" data.val_files="$data/val.jsonl"
        tools.search.corpus="$data/qa/corpus.jsonl")
 if [[ ! -f "$model/model.safetensors" ]]; then
-  echo "== warm-up (bin/warmup --agent mixed, seeded): tool episodes and wrong answers, then wrong answers" >&2
-  # the warm-up reads the run's tools, limits and tags from its config, with this data's corpus
-  export WARMUP_CONFIG="$config" WARMUP_OVERRIDES="tools.search.corpus=$data/qa/corpus.jsonl"
-  $py bin/warmup --agent mixed --model "$dir/tiny-model" --data "$data/warmup.jsonl" --bucket \
-    --out "$dir/tiny-mixed-warm" --guess-fraction 0.5 --target 0.15 --steps 1500 --max-seconds 900 > /dev/null
-  $py bin/warmup --agent mixed --model "$dir/tiny-mixed-warm" --data "$data/warmup.jsonl" --bucket \
-    --out "$model" --guess-fraction 1.0 --steps 20 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
+  echo "== warm-up (bin/warmup --agent mixed, seeded): tool-agent episodes, code episodes, then the mix (half of each wrong answers)" >&2
+  # the run's tools, limits and tags come from its config, with this data's corpus; one thread:
+  # the tiny model gains nothing from two, and loses much when the cores are shared
+  warmup=(env OMP_NUM_THREADS=1 WARMUP_CONFIG="$config"
+          WARMUP_OVERRIDES="tools.search.corpus=$data/qa/corpus.jsonl" $py bin/warmup --agent mixed)
+  # each agent's rows apart first: their demonstrations share the long prompt prefix, computed
+  # once a step; then the whole mix, since training on one agent's rows alone makes the model
+  # write that agent's format for every prompt (the code rows erase the tool agent's episodes)
+  "${warmup[@]}" --model "$dir/tiny-model" --data "$data/warmup-tools.jsonl" \
+    --out "$dir/tiny-mixed-warm-tools" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
+  "${warmup[@]}" --model "$dir/tiny-mixed-warm-tools" --data "$data/warmup-code.jsonl" \
+    --out "$dir/tiny-mixed-warm-code" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
+  "${warmup[@]}" --model "$dir/tiny-mixed-warm-code" --data "$data/warmup.jsonl" --bucket \
+    --out "$model" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 720 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$model" "${paths[@]}" trainer.run_dir="$dir/demo-mixed")
 [[ -z "${DEMO_STEPS:-}" ]] || args+=(trainer.total_training_steps="$DEMO_STEPS")

@@ -11,8 +11,11 @@ batch's proportions) read the same rows:
   agent with search on the tool server, the qa_f1 reward on the finish answer;
 - ``code/``: tools.demos.code_data's computations ("What is 64 ** 7 % 40? ..."); the code agent,
   its python on the tool server, the math reward on the answer.
-``warmup.jsonl`` interleaves the three in the 4/3/3 proportion of a training batch; ``val.jsonl``
-holds every source's validation rows.
+``warmup.jsonl`` interleaves the three in the 4/3/3 proportion of a training batch,
+``warmup-tools.jsonl`` holds its tool-agent rows (arithmetic and qa) and ``warmup-code.jsonl`` its
+code rows: demonstrations of one agent share their long prompt prefix (the tool schemas), which the
+warm-up computes once per step, so warming up on each agent's rows apart costs a fraction of the
+mix. ``val.jsonl`` holds every source's validation rows.
 
     python -m tools.demos.mixed_data --out runs/demo-mixed-data
 """
@@ -68,7 +71,10 @@ def make_mixed_data(out_dir: str | Path, *, train: int = 256, val: int = 8, seed
         write_jsonl(out / source / "train.jsonl", train_rows[source])
     write_jsonl(out / "qa" / "corpus.jsonl", corpus)
     write_jsonl(out / "val.jsonl", [r for source in SOURCES for r in val_rows[source]])
-    write_jsonl(out / "warmup.jsonl", interleave(train_rows))
+    mixed = interleave(train_rows)
+    write_jsonl(out / "warmup.jsonl", mixed)
+    write_jsonl(out / "warmup-tools.jsonl", [r for r in mixed if r["agent"] == "tool_agent"])
+    write_jsonl(out / "warmup-code.jsonl", [r for r in mixed if r["agent"] == "code"])
     return out
 
 
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     a = p.parse_args(argv)
     out = make_mixed_data(a.out, train=a.train, val=a.val, seed=a.seed)
-    print(f"wrote {out}: arithmetic/, qa/, code/, val.jsonl, warmup.jsonl")
+    print(f"wrote {out}: arithmetic/, qa/, code/, val.jsonl, warmup*.jsonl")
     return 0
 
 
