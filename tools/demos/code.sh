@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # DEMO_AGENT=code bin/demo: the tiny model learns to compute with the code agent's sandbox, on CPU.
-#  1. makes the tiny model and the computation tasks if missing ("What is 64 ** 7 % 40?": a tiny
+#  1. makes the tiny model and the computation tasks if missing ("What is 614 % 37?": a tiny
 #     model cannot compute it, the sandbox can; tools/demos/code_data.py), generated here;
 #  2. warm-up (bin/warmup --agent code, seeded): episodes that write print(EXPR) between <code>
 #     and </code>, read the sandbox's output and copy it between <answer> and </answer> (half of
-#     them answer a wrong number without code), then briefly wrong answers only, so the warmed
-#     model runs code in some episodes and is right in few: the choice RL then learns. The tags
-#     are configs/demo_code.yaml's (agents.code), read by the warm-up through WARMUP_CONFIG;
+#     them answer a wrong number without code), until a held-out episode is written exactly with
+#     chance 0.15; then 5 steps on wrong answers only, so the warmed model runs code less often
+#     (a held-out episode written exactly: 0.10) and is right in few: the choice RL then learns. The
+#     tags are configs/demo_code.yaml's (agents.code), read by the warm-up through WARMUP_CONFIG;
 #  3. bin/train --config configs/demo_code.yaml: a learner and 2 rollout servers running the code
 #     agent with the math reward, everything in $DEMO_DIR/demo-code (metrics.jsonl,
 #     training_curves.png, recordings).
@@ -43,7 +44,7 @@ if [[ ! -f "$model/model.safetensors" ]]; then
   "${warmup[@]}" --model "$dir/tiny-model" --data "$data/train.jsonl" \
     --out "$dir/tiny-code-warm" --guess-fraction 0.5 --target 0.15 --steps 1500 --max-seconds 900 > /dev/null
   "${warmup[@]}" --model "$dir/tiny-code-warm" --data "$data/train.jsonl" \
-    --out "$model" --guess-fraction 1.0 --steps 20 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
+    --out "$model" --guess-fraction 1.0 --steps 5 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$model" data.train_files="$data/train.jsonl"
       data.val_files="$data/val.jsonl" trainer.run_dir="$dir/demo-code")
