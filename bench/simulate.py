@@ -9,29 +9,35 @@ time, the throughput, the staleness and the waste, for sync (``max_staleness`` 0
 JSON (``bench/clustersim/costs.py`` says which figure comes from which file). It never reads a
 step time it is compared with.
 
-1. Calibration. ``tau0`` is one decode step's latency at low concurrency, and no bench measures it
-   for this model. It is set so that the simulated sync wait of one calibration run
-   (``--calibrate``, default the 5-step H100 run) matches that run's measured wait. The slope comes
-   from ``bench/rollout.py``'s tok/s at its concurrency.
-2. Validation. Each run of the ``--validate`` files (default: the 20-step H100 run and the
-   2-H200 run, sync and ``max_staleness`` 2) is simulated with its own lengths, learner timers and
-   weight hand-over, over ``--seeds`` seeds. The table gives measured and predicted step time and
-   the % error. ``--cpu FILE`` adds CPU runs of bench/e2e.py (several rollout servers). The first
-   run of the first CPU file is their calibration; the files' runs after it are validated.
+1. Calibration, per machine. ``tau0`` is one decode step's latency at low concurrency, and no
+   bench measures it for this model. It is set so that the simulated sync wait of a calibration
+   run (``--calibrate``: the 5-step H100 run, the 1-server CPU run) matches that run's measured
+   wait. On a GPU shared with the learner, the engine's share of it while the learner computes is
+   set the same way from the calibration file's async run. The slope comes from
+   ``bench/rollout.py``'s tok/s at its concurrency. A machine without a calibration file (the
+   2-H200 run) calibrates on its own sync run. That row is marked ``calibration`` and is not
+   counted, and its rows with the first machine's costs follow, marked ``cross-machine``.
+2. Validation. Each run of the ``--validate`` and ``--cpu`` files is simulated with its own
+   lengths, learner timers and weight hand-over, over ``--seeds`` seeds. The files are the three
+   H100 long-tail files (``max_staleness`` 0, 1, 2, 4), the 2-H200 file and the 2-server CPU run
+   in ``docs/sim/``. The table gives the measured and predicted step time and the % error.
 3. Prediction. ``--gpus`` totals (default 8, 64, 512, 1024), with ``--learner-share`` of them
    training (FSDP, ``bench/learner.py``'s tok/s per GPU) and one rollout server per other GPU.
    Each server gets ``--groups-per-server`` prompt groups per step, and ``--gpus-per-host`` GPUs
-   share a host. A version reaches the other hosts over ``--link-gbps`` links (``--fanout direct``:
-   the learner sends each host its copy in turn; ``relay``: a pipelined chain). Lengths come from
-   ``--lengths`` (an e2e JSON: its ``lengths_all``; default the long-tail workload of the 20-step
-   H100 run), and ``--group-corr`` sets how alike the episodes of one prompt are.
+   share a host. A version reaches the other hosts over ``--link-gbps`` links. With ``--fanout
+   direct`` (today's code) the learner sends every remote server its own copy. With ``relay``
+   (issue 19, item 1) one copy goes down a pipelined chain of hosts. Both are predicted by
+   default. Lengths come from ``--lengths`` (an e2e JSON: its ``lengths_all``; default the
+   long-tail workload of the 20-step H100 run), and ``--group-corr`` sets how alike the episodes
+   of one prompt are.
 
 Last line of stdout: one JSON object. Its ``ratio`` is the simulator's events/s over a bare heapq
 event loop's, both measured in this run. ``validation_max_error_pct`` is the largest |error| on
 step time (target <= 15).
 
-    .venv/bin/python bench/simulate.py                     # calibrate, validate, predict (~1 min)
-    .venv/bin/python bench/simulate.py --gpus 64,512 --staleness 0,2 --fanout relay
+    .venv/bin/python bench/simulate.py                # calibrate, validate, predict (~10 min)
+    .venv/bin/python bench/simulate.py --skip-predict  # the error table only (~1.5 min)
+    .venv/bin/python bench/simulate.py --skip-validate --calibrate --gpus 64,512 --fanout relay
 """
 
 from __future__ import annotations
