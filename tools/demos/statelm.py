@@ -14,7 +14,7 @@ the fact, note(key=project, summary=number, content=number); then deleteContext 
 message (its msg_id is in the tool response); the last chunk holds the question, answered with
 finish(number), which after the deletions is visible only in the notes listing. With
 ``guess_fraction`` f, an episode's seeded draw below f skips the note and finishes with a wrong
-number: the warmed model notes only some of the time, and RL learns from the reward to note.
+number: the warmed model should note only some of the time, a choice left for RL to learn.
 """
 
 from __future__ import annotations

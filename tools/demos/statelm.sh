@@ -5,8 +5,8 @@
 #     per-segment response budget holds one chunk and its note, not both chunks);
 #  2. warm-up (bin/warmup --agent statelm, seeded): episodes played by the real StateLM agent that
 #     read chunk 0, note the number, delete the chunk (a new segment), read chunk 1 and finish with
-#     the number from the notes; half of them skip the note and finish with a guess. RL then
-#     learns to note;
+#     the number from the notes; half of them skip the note and finish with a guess, a choice
+#     left for RL to learn from the reward;
 #  3. bin/train --config configs/demo_statelm.yaml: a learner and 2 rollout servers; every
 #     deletion closes a snapshot trajectory, trained in the episode's GRPO group with its reward.
 #     Everything lands in $DEMO_DIR/demo-statelm (metrics.jsonl, training_curves.png, ...).
