@@ -10,6 +10,9 @@ process that left the group (a daemon that called setsid) and no process of a ru
 Output goes to one log file per child, appended, so a restarted child continues its file. Each
 child's environment (`child_env`) also carries its GPUs (``CUDA_VISIBLE_DEVICES`` from
 ``launch.learner_gpus`` / ``launch.rollout_gpus``) and NVLink multicast switched off.
+A `RemoteChild` (a rollout server placed on a Ray node, `launcher.ray_placement`) is the same
+child seen through its host: signals and the group kill go through the host, and `stop_all` and
+`kill_tree` treat it exactly like a local one.
 """
 
 from __future__ import annotations
@@ -92,6 +95,23 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
+@dataclass
+class RemoteChild(Child):
+    """A child started by a host elsewhere (`launcher.ray_placement.RayChild`): ``proc`` stays None
+    and the host signals the process and kills its group."""
+
+    node: str | None = None
+    """Where it runs (host name and IP), once placed."""
+
+    def terminate(self) -> None:
+        """SIGTERM to the process (its own shutdown stops what it started), if it runs."""
+        raise NotImplementedError
+
+    def kill_group(self, timeout: float = 10.0) -> list[int]:
+        """SIGKILL its whole process group and wait until no member is alive; the pids killed."""
+        raise NotImplementedError
+
+
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -161,6 +181,9 @@ def _signal_group(pgid: int, sig: int) -> None:
 def kill_tree(child: Child, timeout: float = 10.0) -> None:
     """SIGKILL a child's whole process group now and wait until no member is alive (a dead
     rollout server's vLLM EngineCore would otherwise hold its memory and inherited files)."""
+    if isinstance(child, RemoteChild):
+        child.kill_group(timeout)
+        return
     if child.proc is None:
         return
     pgid = child.proc.pid  # a session leader's group id is its pid
@@ -178,20 +201,26 @@ def stop_all(
     SIGKILL to every group with a live member. `hurry()` true (a second Ctrl-C) skips the grace.
     Returns, per child name, the pids that had to be SIGKILLed."""
     started = [c for c in children if c.proc is not None]
+    remote = [c for c in children if isinstance(c, RemoteChild) and c.pids]
     for c in started:
         if c.returncode() is None:
             try:
                 c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             except ProcessLookupError:
                 pass
+    for c in remote:
+        c.terminate()
     deadline = time.monotonic() + grace
-    while any(c.returncode() is None for c in started) and time.monotonic() < deadline:
+    while any(c.returncode() is None for c in [*started, *remote]) and time.monotonic() < deadline:
         if hurry is not None and hurry():
             break
         time.sleep(0.1)
     # The leaders are gone (or out of time): whatever is left in their groups is killed.
     by_group = {c.proc.pid: c for c in started}  # type: ignore[union-attr]
     killed: dict[str, list[int]] = {}
+    for c in remote:
+        if members := c.kill_group():
+            killed[c.name] = members
     for pgid, members in live_group_members(by_group).items():
         if members:
             killed[by_group[pgid].name] = members

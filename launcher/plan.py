@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported lazily (bin/train --help stays instant)
     from common.config import Config
     from launcher.children import Child
+    from launcher.ray_placement import RayFleet
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES_FILE = "processes.json"
@@ -53,6 +54,8 @@ class Plan:
     """The tool server binds port 0: the rollout servers wait for the URL it reports."""
     tool_remote: bool = False
     """Whether the rollout servers' tools.remote.url is pointed at our tool server."""
+    fleet: RayFleet | None = None
+    """launch.placement: ray: the rollout servers' placement (they are its `RayChild`ren)."""
 
     @property
     def children(self) -> list[Child]:
@@ -196,18 +199,48 @@ def plan_run(
         )
 
     n = final.launch.rollout_servers
-    rollouts = [
-        child(
-            f"rollout-{i}",
-            f"rollout server rs{i}",
-            "rollout-server",
-            f"rollout_server.shard_index={i}",
-            f"rollout_server.shard_count={n}",
-            f"rollout_server.server_id=rs{i}",
-            gpus=rollout_gpus_of(final.launch, i),
-        )
-        for i in range(n)
-    ]
+    fleet = None
+    if final.launch.placement == "ray":
+        from launcher.ray_placement import RayChild, RayFleet
+
+        fleet = RayFleet(final, launch_id)
+        fleet.children = [
+            RayChild(
+                f"rollout-{i}",
+                f"rollout server rs{i}",
+                python_argv(
+                    ROOT / "bin" / "rollout-server",
+                    [
+                        *base,
+                        f"rollout_server.shard_index={i}",
+                        f"rollout_server.shard_count={n}",
+                        f"rollout_server.server_id=rs{i}",
+                    ],
+                ),
+                logs / f"rollout-{i}.log",
+                # Only the run's own variables: the node's environment is the host actor's.
+                child_env(launch_id, None, {}, events_file=events),
+                fleet=fleet,
+                index=i,
+            )
+            for i in range(n)
+        ]
+    rollouts: list[Child] = (
+        list(fleet.children)
+        if fleet is not None
+        else [
+            child(
+                f"rollout-{i}",
+                f"rollout server rs{i}",
+                "rollout-server",
+                f"rollout_server.shard_index={i}",
+                f"rollout_server.shard_count={n}",
+                f"rollout_server.server_id=rs{i}",
+                gpus=rollout_gpus_of(final.launch, i),
+            )
+            for i in range(n)
+        ]
+    )
     return Plan(
         config=final,
         run_dir=run_dir,
@@ -223,6 +256,7 @@ def plan_run(
         learner_auto_port=decided.learner_auto_port,
         tool_auto_port=decided.tool_auto_port,
         tool_remote=decided.tool_remote,
+        fleet=fleet,
     )
 
 

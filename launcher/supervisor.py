@@ -8,10 +8,14 @@ The rollout servers start once the learner's address is known (it binds port 0 w
 exit of a child is appended to the event channel too, so it holds the whole story of a launch. Every way out of the loop goes through one `finally`
 that stops all children and sweeps their stray descendants, so nothing of a run outlives bin/train
 whatever ends it. Failures are reported after the stop, with the tail of the failed child's log.
+With `launch.placement: ray` the rollout servers are placed on the Ray cluster first
+(`launcher.ray_placement`); the loop supervises them as it does local ones, and the placement is
+released after they are stopped.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -23,7 +27,7 @@ from typing import Any
 
 from common.fileio import atomic_write_bytes
 from common.run_events import Event, Kind, append
-from launcher.children import Child, kill_tree, stop_all, sweep
+from launcher.children import Child, RemoteChild, kill_tree, stop_all, sweep
 from launcher.console import Connections, Display, JsonlTail, metric_values, summary_lines
 from launcher.plan import POLL_S, PROCESSES_FILE, TAIL_LINES, Plan, rollout_overrides, tool_url
 
@@ -62,10 +66,11 @@ class Supervisor:
                 tool_server=plan.tool_server is not None,
                 steps=plan.total_steps,
             )
-            if plan.tool_server is not None:
-                self._start(plan.tool_server, "start")
-            self._start(plan.learner, "start")
-            status = self._supervise(start)
+            if (status := self._place()) == EXIT_OK:
+                if plan.tool_server is not None:
+                    self._start(plan.tool_server, "start")
+                self._start(plan.learner, "start")
+                status = self._supervise(start)
         finally:
             self.display.close()
             if self.signals:
@@ -86,6 +91,8 @@ class Supervisor:
                 seconds=round(time.monotonic() - t0, 1),
                 sigkilled={name: len(pids) for name, pids in killed.items()},
             )
+            if plan.fleet is not None:
+                plan.fleet.close(self.log)
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self._write_processes()
@@ -150,6 +157,25 @@ class Supervisor:
                 )
             time.sleep(POLL_S)
 
+    def _place(self) -> int:
+        """launch.placement: ray: the rollout servers' bundles and hosts on the cluster (when
+        bin/train started the cluster, the learner joins it). EXIT_OK, else how the run ends (the
+        cluster cannot hold them, or a signal came)."""
+        fleet = self.plan.fleet
+        if fleet is None:
+            return EXIT_OK
+        from launcher.ray_placement import PlacementError
+
+        try:
+            joins = fleet.open(self.log, lambda: bool(self.signals))
+        except PlacementError as e:
+            return EXIT_INTERRUPTED if self.signals else self._fail(str(e), None)
+        except Exception as e:  # ray.init's errors (no cluster at the address, ...): exit 1
+            return self._fail(f"could not use the Ray cluster: {type(e).__name__}: {e}", None)
+        if joins is not None:
+            self.plan.learner.argv.append(f"ray.address={json.dumps(joins)}")
+        return EXIT_OK
+
     # -- events ----------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals.append(signum)  # acted on by the loop; a second one hurries the stop
@@ -157,9 +183,10 @@ class Supervisor:
     def _start(self, child: Child, note: str) -> None:
         child.start(note)
         self.exited.discard(child.name)
-        self._event(Kind.STARTED, child.name, pid=child.pid, note=note)
+        where = {"node": child.node} if isinstance(child, RemoteChild) else {}
+        self._event(Kind.STARTED, child.name, pid=child.pid, note=note, **where)
         self._write_processes()
-        self.log.info(f"{child.title} started", pid=child.pid, log=str(child.log))
+        self.log.info(f"{child.title} started", pid=child.pid, log=str(child.log), **where)
 
     def _event(self, kind: Kind, source: str, **data: Any) -> None:
         try:
@@ -316,7 +343,6 @@ class Supervisor:
         return EXIT_OK
 
     def _write_processes(self) -> None:
-        import json
         import os
 
         plan = self.plan
@@ -332,6 +358,7 @@ class Supervisor:
                     "restarts": c.restarts,
                     "log": str(c.log),
                     "exit": c.returncode(),
+                    **({"node": c.node} if isinstance(c, RemoteChild) else {}),
                 }
                 for c in plan.children
             },

@@ -1,4 +1,5 @@
-"""The `launch` section: how bin/train runs a whole job (learner + rollout servers) on one machine.
+"""The `launch` section: how bin/train runs a whole job (learner + rollout servers), on one machine
+or with its rollout servers placed on a Ray cluster's nodes (`placement: ray`).
 
 Design: only bin/train reads it; the learner and the rollout servers it starts get the same file and
 ignore it, so one config describes the job and every process in it. The GPU placement keys become
@@ -9,7 +10,7 @@ server's GPUs against its tensor parallelism, the learner's against its workers)
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -21,8 +22,25 @@ GpuList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class LaunchConfig(Section):
-    """bin/train: the processes of one training job on this machine and how they are supervised."""
+    """bin/train: the processes of one training job and how they are supervised."""
 
+    placement: Literal["local", "ray"] = "local"
+    """Where the rollout servers run. local: child processes of bin/train on this machine. ray:
+    each in a placement-group bundle of the Ray cluster (ray.address, else RAY_ADDRESS, else a
+    local cluster bin/train starts and the learner joins), started, restarted and stopped by
+    bin/train through one small Ray actor per server; RUN_DIR and the checkout must be at the same
+    path on every node (a shared filesystem)."""
+    ray_server_cpus: float = Field(default=1.0, ge=0)
+    """placement: ray. Ray CPUs of each rollout server's bundle."""
+    ray_server_gpus: float | None = Field(default=None, ge=0)
+    """placement: ray. Ray GPUs of each rollout server's bundle (Ray sets its CUDA_VISIBLE_DEVICES).
+    null: actor_rollout_ref.rollout.tensor_model_parallel_size when the cluster has GPUs, else 0."""
+    ray_server_resources: dict[str, float] = Field(default_factory=dict)
+    """placement: ray. Custom Ray resources each rollout server's bundle also takes (e.g. one
+    `{rollout_host: 1}` per node to allow one server per node)."""
+    ray_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = "SPREAD"
+    """placement: ray. The placement group's strategy: SPREAD puts the servers on as many nodes as
+    it can, STRICT_SPREAD on distinct nodes only, PACK on as few as possible."""
     rollout_servers: int = Field(default=2, gt=0)
     """Rollout servers to start (each gets shard i of N of the data and server id rs<i>)."""
     tool_server: bool = False
@@ -91,6 +109,17 @@ def launch_issues(config: Any) -> list[Issue]:
                         f"a rollout server needs exactly actor_rollout_ref.rollout.tensor_model_parallel_size = {tp} "
                         f"GPUs (got {len(gpus)}: {gpus})",
                         related=("actor_rollout_ref.rollout.tensor_model_parallel_size",),
+                    )
+                )
+    if launch.placement == "ray":
+        for key in ("rollout_gpus", "learner_gpus"):
+            if getattr(launch, key) is not None:
+                issues.append(
+                    Issue(
+                        f"launch.{key}",
+                        "has no effect with launch.placement = ray: Ray assigns the GPUs "
+                        "(launch.ray_server_gpus per rollout server); remove it",
+                        related=("launch.placement",),
                     )
                 )
     gpus = launch.learner_gpus
