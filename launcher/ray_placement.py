@@ -175,6 +175,8 @@ class RayFleet:
     hosts: dict[int, Any] = field(default_factory=dict)
     group: Any = None
     connected: bool = False
+    elsewhere: list[RayChild] = field(default_factory=list)
+    """The servers placed on another node than bin/train's (they need a reachable learner)."""
 
     def open(self, log: Any, interrupted: Callable[[], bool]) -> str | None:
         """Connect to the cluster, place the fleet and its hosts. Returns the address the learner
@@ -241,25 +243,8 @@ class RayFleet:
             child.node = f"{hostname} ({ip}, Ray node {node_id[:12]})"
             log.info(f"{child.title} placed", node=child.node)
             if ip != here:
-                self._warn_unreachable(log, child)
+                self.elsewhere.append(child)
         return learner_joins
-
-    def _warn_unreachable(self, log: Any, child: RayChild) -> None:
-        from launcher.plan import _split_endpoint, is_loopback
-
-        bind = self.config.learner.bind_address
-        target = self.config.rollout_server.learner_address
-        if is_loopback(_split_endpoint(bind)[1]):
-            log.warning(
-                f"the learner binds a loopback address ({bind}): {child.title} on {child.node} "
-                "cannot reach it; set learner.bind_address=tcp://0.0.0.0:PORT and "
-                "rollout_server.learner_address=tcp://THIS_HOST:PORT"
-            )
-        elif is_loopback(_split_endpoint(target)[1]):
-            log.warning(
-                f"rollout_server.learner_address is a loopback address ({target}): {child.title} "
-                f"on {child.node} cannot reach the learner there; set it to tcp://THIS_HOST:PORT"
-            )
 
     def host(self, index: int) -> Any:
         """Bundle `index`'s host actor, created on first use (again after it died)."""

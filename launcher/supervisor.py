@@ -29,7 +29,16 @@ from common.fileio import atomic_write_bytes
 from common.run_events import Event, Kind, append
 from launcher.children import Child, RemoteChild, kill_tree, stop_all, sweep
 from launcher.console import Connections, Display, JsonlTail, metric_values, summary_lines
-from launcher.plan import POLL_S, PROCESSES_FILE, TAIL_LINES, Plan, rollout_overrides, tool_url
+from launcher.plan import (
+    POLL_S,
+    PROCESSES_FILE,
+    TAIL_LINES,
+    Plan,
+    _split_endpoint,
+    is_loopback,
+    rollout_overrides,
+    tool_url,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -174,6 +183,21 @@ class Supervisor:
             return self._fail(f"could not use the Ray cluster: {type(e).__name__}: {e}", None)
         if joins is not None:
             self.plan.learner.argv.append(f"ray.address={json.dumps(joins)}")
+        config = self.plan.config
+        bind, target = config.learner.bind_address, config.rollout_server.learner_address
+        for child in fleet.elsewhere:  # ZeroMQ from their node to ours: loopback cannot work
+            if is_loopback(_split_endpoint(bind)[1]):
+                self.log.warning(
+                    f"the learner binds a loopback address ({bind}): {child.title} on "
+                    f"{child.node} cannot reach it; set learner.bind_address=tcp://0.0.0.0:PORT "
+                    "and rollout_server.learner_address=tcp://THIS_HOST:PORT"
+                )
+            elif is_loopback(_split_endpoint(target)[1]):
+                self.log.warning(
+                    f"rollout_server.learner_address is a loopback address ({target}): "
+                    f"{child.title} on {child.node} cannot reach the learner there; set it to "
+                    "tcp://THIS_HOST:PORT"
+                )
         return EXIT_OK
 
     # -- events ----------------------------------------------------------------------------------
