@@ -323,6 +323,22 @@ RAY_FIX = (
 )
 
 
+def _ray_auth_hint() -> str | None:
+    """What to do when joining failed and Ray's token authentication is the likely cause: a head
+    started with ~/.ray/auth_token present requires the token, but a driver given an explicit
+    address (the learner's ray.address) sends it only under RAY_AUTH_MODE=token."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return None
+    if not (Path.home() / ".ray" / "auth_token").exists() and not os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    return (
+        "probably Ray's token authentication: ~/.ray/auth_token exists, so `ray start --head` "
+        "asks for the token, which a process given an explicit address sends only with "
+        "RAY_AUTH_MODE=token; export RAY_AUTH_MODE=token for every Ray node and for bin/train "
+        "(tools/slurm/agentrl.sbatch does), or RAY_AUTH_MODE=disabled everywhere"
+    )
+
+
 @CHECKS.register("ray")
 def check_ray(ctx: Context) -> CheckResult:
     """With --ray-address: connect and list the alive nodes with their GPUs and CPUs; with
@@ -353,7 +369,7 @@ def check_ray(ctx: Context) -> CheckResult:
             "ray",
             "FAIL",
             f"cannot join Ray at {ctx.ray_address}: {type(e).__name__}: {e}",
-            fix=RAY_FIX,
+            fix=_ray_auth_hint() or RAY_FIX,
         )
     finally:
         if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():

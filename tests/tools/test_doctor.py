@@ -320,3 +320,25 @@ def test_bin_doctor_help_is_instant_and_json_runs() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert [r["status"] for r in json.loads(out.stdout)["results"]][1] == "SKIP"
+
+
+def test_ray_join_failure_names_ray_token_auth(
+    monkeypatch: pytest.MonkeyPatch, listener: tuple[str, int], tmp_path: Path
+) -> None:
+    """A head started with ~/.ray/auth_token present wants the token, which a driver given an
+    explicit address sends only under RAY_AUTH_MODE=token (Ray 2.60): the fix says so."""
+
+    class Refusing(FakeRay):
+        def init(self, **kwargs: Any) -> None:
+            raise ConnectionError("Failed to connect to Ray cluster")
+
+    monkeypatch.setitem(sys.modules, "ray", Refusing([[]]))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("x" * 64)
+    result = doctor.check_ray(Context(ray_address=f"{listener[0]}:{listener[1]}"))
+    assert result.status == "FAIL" and result.fix and "RAY_AUTH_MODE=token" in result.fix
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    result = doctor.check_ray(Context(ray_address=f"{listener[0]}:{listener[1]}"))
+    assert result.fix == doctor.RAY_FIX

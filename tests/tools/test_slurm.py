@@ -26,7 +26,8 @@ STANDINS = {
     "scontrol": 'echo "scontrol $*" >> "$STANDIN_LOG"\nprintf "%s\\n" $FAKE_NODES\n',
     "hostname": 'echo "10.0.0.1 fe80::1"\n',
     # `ray start --block` stays up until it is killed, as the real one does.
-    "ray": 'echo "ray $* pid=$$" >> "$STANDIN_LOG"\n'
+    "ray": 'if [[ $1 == get-auth-token ]]; then echo "ray $*" >> "$STANDIN_LOG"; echo tok123; exit; fi\n'
+    'echo "ray $* pid=$$ auth=${RAY_AUTH_MODE:-}:${RAY_AUTH_TOKEN:-}" >> "$STANDIN_LOG"\n'
     'if [[ " $* " == *" --block "* ]]; then exec sleep 120; fi\n',
 }
 CHECKOUT = {
@@ -36,6 +37,7 @@ CHECKOUT = {
     '  (($(grep -c "^ray start" "$STANDIN_LOG") >= ${#nodes[@]})) && break; sleep 0.05\n'
     'done\nexit "${DOCTOR_RC:-0}"\n',
     "train": 'echo "train $*" >> "$STANDIN_LOG"\n'
+    'echo "train env ${RAY_ADDRESS:-} ${RAY_AUTH_MODE:-}:${RAY_AUTH_TOKEN:-}" >> "$STANDIN_LOG"\n'
     '[[ -n ${TRAIN_SLEEP:-} ]] && sleep "$TRAIN_SLEEP"\nexit "${TRAIN_RC:-0}"\n',
 }
 
@@ -75,14 +77,14 @@ def _run(tmp_path: Path, **extra: str) -> tuple[int, list[str]]:
 
 
 def _block_pids(log: list[str]) -> list[int]:
-    return [int(line.rsplit("pid=", 1)[1]) for line in log if line.startswith("ray start ")]
+    return [int(line.split("pid=")[1].split()[0]) for line in log if line.startswith("ray start ")]
 
 
 def _assert_stopped(log: list[str]) -> None:
     """`ray stop` ran once on every node, after everything else, and the --block steps are gone."""
     assert log[-2:] == [
         "srun --overlap --nodes=3 --ntasks=3 --ntasks-per-node=1 ray stop --force",
-        f"ray stop --force pid={log[-1].rsplit('pid=', 1)[1]}",
+        f"ray stop --force pid={log[-1].split('pid=')[1]}",
     ]
     for pid in _block_pids(log):
         deadline = time.monotonic() + 10
@@ -117,9 +119,26 @@ def test_starts_ray_waits_trains_and_stops(tmp_path: Path) -> None:
     doctor = log.index("doctor --only ray --ray-address 10.0.0.1:6379 --ray-nodes 3 --ray-wait 300")
     train = log.index(
         "train --config configs/multinode.yaml launch.placement=ray ray.address=10.0.0.1:6379 "
+        "learner.bind_address=tcp://0.0.0.0:5555 rollout_server.learner_address=tcp://10.0.0.1:5555 "
         "trainer.total_training_steps=2"
     )
     assert doctor < train
+    # One Ray token for every process: the head, the workers, the learner (bin/train) and `stop`.
+    assert log.count("ray get-auth-token --generate") == 1
+    assert all(
+        line.endswith("auth=token:tok123")
+        for line in log
+        if line.startswith(("ray start", "ray stop"))
+    )
+    assert "train env 10.0.0.1:6379 token:tok123" in log
+    _assert_stopped(log)
+
+
+def test_ray_auth_mode_of_the_user_is_kept(tmp_path: Path) -> None:
+    status, log = _run(tmp_path, RAY_AUTH_MODE="disabled")
+    assert status == 0, log
+    assert "ray get-auth-token --generate" not in log
+    assert "train env 10.0.0.1:6379 disabled:" in log
     _assert_stopped(log)
 
 
