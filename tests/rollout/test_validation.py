@@ -56,6 +56,7 @@ def make_config(tmp: Path, model: Path, **over: Any) -> Any:
         "rollout_server.stats_interval_s": 0.2,
         "transport.heartbeat_interval_s": 0.2,
         "transport.heartbeat_timeout_s": 2.0,
+        "transport.auth": "none",  # the reference learner authenticates no one
         **over,
     }
     return load_config(

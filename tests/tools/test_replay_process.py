@@ -108,6 +108,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
                     f"rollout_server.max_groups={GROUPS}",
                     "transport.heartbeat_interval_s=0.5",
                     "transport.heartbeat_timeout_s=5",
+                    "transport.auth=none",  # the reference learner authenticates no one
                 ],
                 log,
             )
