@@ -24,7 +24,7 @@ STANDINS = {
     "srun": 'echo "srun $*" >> "$STANDIN_LOG"\n'
     'while [[ $# -gt 0 && $1 == --* ]]; do shift; done\nexec "$@"\n',
     "scontrol": 'echo "scontrol $*" >> "$STANDIN_LOG"\nprintf "%s\\n" $FAKE_NODES\n',
-    "hostname": 'echo "10.0.0.1 fe80::1"\n',
+    "hostname": 'echo "${FAKE_IP:-10.0.0.1} fe80::1"\n',
     # `ray start --block` stays up until it is killed, as the real one does.
     "ray": 'if [[ $1 == get-auth-token ]]; then echo "ray $*" >> "$STANDIN_LOG"; echo tok123; exit; fi\n'
     'echo "ray $* pid=$$ auth=${RAY_AUTH_MODE:-}:${RAY_AUTH_TOKEN:-}" >> "$STANDIN_LOG"\n'
@@ -181,3 +181,12 @@ def test_usage_without_config(tmp_path: Path) -> None:
         ["bash", str(SCRIPT)], env=_env(tmp_path), capture_output=True, text=True, timeout=30
     )
     assert result.returncode != 0 and "usage: sbatch tools/slurm/agentrl.sbatch" in result.stderr
+
+
+def test_head_ip_on_loopback_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    status, log = _run(tmp_path, FAKE_IP="127.0.1.1")
+    assert status == 2
+    assert not any(line.startswith(("ray ", "train ")) for line in log)
+    status, log = _run(tmp_path / "given", HEAD_IP="10.9.9.9")  # the interface the user names
+    assert status == 0 and not any("--ip-address" in line for line in log)
+    assert any("--address=10.9.9.9:6379" in line for line in log)
