@@ -382,6 +382,8 @@ def test_entrypoints_run_from_a_shell_without_the_venv(config_file: Path) -> Non
         "plot",
         "conformance",
         "replay",
+        "doctor",
+        "weight-relay",
     ):
         start = time.perf_counter()
         result = subprocess.run(
