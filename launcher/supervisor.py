@@ -198,6 +198,12 @@ class Supervisor:
                     f"{child.title} on {child.node} cannot reach the learner there; set it to "
                     "tcp://THIS_HOST:PORT"
                 )
+        if fleet.elsewhere and self.plan.tool_server is not None and self.plan.tool_remote:
+            self.log.warning(
+                "the tool server runs on this host and the rollout servers are sent its loopback "
+                f"URL: {', '.join(c.title for c in fleet.elsewhere)} on other nodes cannot reach "
+                "it; set tool_server.host=0.0.0.0 and tools.remote.url=http://THIS_HOST:PORT"
+            )
         return EXIT_OK
 
     # -- events ----------------------------------------------------------------------------------

@@ -182,6 +182,7 @@ def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> No
         children = j.processes()["children"]
         nodes = {children[f"rollout-{i}"]["node"] for i in (0, 1)}  # type: ignore[index]
         assert len(nodes) == 2, nodes  # one server per node
+        where = children["rollout-1"]["node"]  # type: ignore[index]
         os.kill(children["rollout-1"]["pid"], signal.SIGKILL)  # type: ignore[index]
         code = j.wait_exit(300)
         out = j.output()
@@ -190,6 +191,7 @@ def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> No
         assert "rollout server rs1 died" in out and "restarting (1/1)" in out
         children = j.processes()["children"]
         assert children["rollout-1"]["restarts"] == 1 and len(children["rollout-1"]["pids"]) == 2  # type: ignore[index]
+        assert children["rollout-1"]["node"] == where  # restarted in its own bundle  # type: ignore[index]
         log = (j.run / "logs" / "rollout-1.log").read_text()
         assert log.count("(Ray) -----") == 2 and "restart 1 after killed by SIGKILL" in log
         ids = [
