@@ -53,8 +53,14 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
     else:
+        # "local": a cluster of our own. Without it ray.init() joins whatever cluster `ray start`
+        # last left running on this machine (someone else's job), and then refuses num_cpus.
         ray.init(
-            num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=log_to_driver
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=log_to_driver,
         )
 
 
