@@ -16,6 +16,7 @@ released after they are stopped.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -183,6 +184,11 @@ class Supervisor:
             return self._fail(f"could not use the Ray cluster: {type(e).__name__}: {e}", None)
         if joins is not None:
             self.plan.learner.argv.append(f"ray.address={json.dumps(joins)}")
+            # ray.init turned token authentication on in this process only (RAY_AUTH_MODE): the
+            # learner needs the same mode to join (the token itself is in ~/.ray/auth_token).
+            for key, value in os.environ.items():
+                if key.startswith("RAY_AUTH_"):
+                    self.plan.learner.env[key] = value
         config = self.plan.config
         bind, target = config.learner.bind_address, config.rollout_server.learner_address
         for child in fleet.elsewhere:  # ZeroMQ from their node to ours: loopback cannot work
@@ -373,8 +379,6 @@ class Supervisor:
         return EXIT_OK
 
     def _write_processes(self) -> None:
-        import os
-
         plan = self.plan
         doc = {
             "launch_id": plan.launch_id,

@@ -230,6 +230,32 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
+def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
+    """No ray.address, no RAY_ADDRESS: bin/train starts a local cluster, places the server on it,
+    and the learner joins it (Ray's token authentication included); all of it gone at the end."""
+    env_address = os.environ.pop("RAY_ADDRESS", None)
+    args = [
+        *train_runs.overrides(tmp_path, servers=1, steps=1),
+        "launch.placement=ray",
+        "ray.num_cpus=3",
+    ]
+    j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
+    try:
+        code = j.wait_exit(300)
+        out = j.output()
+        assert code == 0, out[-5000:]
+        assert j.steps() == [1] and "rollout server rs0 placed" in out
+        assert (
+            "local (" in out
+        )  # the cluster bin/train started (the learner failing to join it fails the run)
+        j.assert_nothing_left()
+    finally:
+        j.kill()
+        if env_address is not None:
+            os.environ["RAY_ADDRESS"] = env_address
+
+
+@pytest.mark.slow
 def test_a_fleet_the_cluster_cannot_hold_fails_at_once(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
     """No address anywhere: bin/train starts a local cluster; a bundle no node has fails the run
     after launch.connect_timeout_s, saying what it asked and what the cluster has."""
