@@ -12,8 +12,9 @@ CUDA_VISIBLE_DEVICES. `RayFleet.close` kills the actors and removes the group af
 stopped the servers: an actor's death alone would leave its server running (it leads its own
 session), so the servers are always stopped first.
 
-The cluster is `ray.address`, else ``RAY_ADDRESS``, else a local one bin/train starts (the learner
-is then pointed at it with ``ray.address``, so the job uses one cluster).
+The cluster is `ray.address`, else ``RAY_ADDRESS``, else a local one bin/train starts; unless
+`ray.address` names it, the learner is pointed at it with ``ray.address``, so the job uses one
+cluster.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class RayFleet:
 
     def open(self, log: Any, interrupted: Callable[[], bool]) -> str | None:
         """Connect to the cluster, place the fleet and its hosts. Returns the address the learner
-        must join when bin/train started the cluster itself, else None."""
+        must be given (ray.address) when the config names none, else None."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -190,15 +191,18 @@ class RayFleet:
         runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
         if address:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
-        else:
+        else:  # "local": a cluster of our own, never one a `ray start` left on the machine
             ray.init(
+                address="local",
                 num_cpus=self.config.ray.num_cpus,
                 include_dashboard=False,
                 runtime_env=runtime_env,
                 log_to_driver=False,
             )
         self.connected = True
-        learner_joins = None if address else ray.get_runtime_context().gcs_address
+        # The learner reads ray.address only: pointed at the cluster found here unless configured.
+        used = address or ray.get_runtime_context().gcs_address
+        learner_joins = None if self.config.ray.address else used
         total = ray.cluster_resources()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         gpus = launch.ray_server_gpus

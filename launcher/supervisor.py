@@ -168,8 +168,8 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def _place(self) -> int:
-        """launch.placement: ray: the rollout servers' bundles and hosts on the cluster (when
-        bin/train started the cluster, the learner joins it). EXIT_OK, else how the run ends (the
+        """launch.placement: ray: the rollout servers' bundles and hosts on the cluster (unless
+        ray.address names it, the learner is pointed at it). EXIT_OK, else how the run ends (the
         cluster cannot hold them, or a signal came)."""
         fleet = self.plan.fleet
         if fleet is None:
@@ -184,8 +184,9 @@ class Supervisor:
             return self._fail(f"could not use the Ray cluster: {type(e).__name__}: {e}", None)
         if joins is not None:
             self.plan.learner.argv.append(f"ray.address={json.dumps(joins)}")
-            # ray.init turned token authentication on in this process only (RAY_AUTH_MODE): the
-            # learner needs the same mode to join (the token itself is in ~/.ray/auth_token).
+            # ray.init may have turned token authentication on in this process only
+            # (RAY_AUTH_MODE): the learner needs the same mode to join (the token itself is in
+            # ~/.ray/auth_token).
             for key, value in os.environ.items():
                 if key.startswith("RAY_AUTH_"):
                     self.plan.learner.env[key] = value

@@ -27,9 +27,9 @@ class LaunchConfig(Section):
     placement: Literal["local", "ray"] = "local"
     """Where the rollout servers run. local: child processes of bin/train on this machine. ray:
     each in a placement-group bundle of the Ray cluster (ray.address, else RAY_ADDRESS, else a
-    local cluster bin/train starts and the learner joins), started, restarted and stopped by
-    bin/train through one small Ray actor per server; RUN_DIR and the checkout must be at the same
-    path on every node (a shared filesystem)."""
+    local cluster bin/train starts; the learner is pointed at the same one), started, restarted
+    and stopped by bin/train through one small Ray actor per server; RUN_DIR and the checkout must
+    be at the same path on every node (a shared filesystem)."""
     ray_server_cpus: float = Field(default=1.0, ge=0)
     """placement: ray. Ray CPUs of each rollout server's bundle."""
     ray_server_gpus: float | None = Field(default=None, ge=0)
