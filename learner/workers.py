@@ -50,6 +50,7 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
             "TOKENIZERS_PARALLELISM": "false",
         }
     }
+    address = address or os.environ.get("RAY_ADDRESS") or None  # an explicit choice of cluster
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
     else:
