@@ -19,19 +19,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
-    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-    echo
-    [[ ! -x .venv/bin/python ]] || .venv/bin/python bin/train --help
-    exit 0
-  fi
-done
+# --help only prints; nothing below (which makes models and deletes the last run) runs for it
+source tools/demos/prelude.sh
+demo_prelude "$0" "DEMO_AGENT=mixed bin/demo" "$@"
 py=.venv/bin/python
-if [[ ! -x "$py" ]]; then
-  echo "DEMO_AGENT=mixed bin/demo: no virtualenv at $root/.venv: run bin/setup first" >&2
-  exit 1
-fi
 config=configs/demo_mixed.yaml
 dir="${DEMO_DIR:-runs}"
 data="$dir/demo-mixed-data"

@@ -17,19 +17,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
-    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-    echo
-    [[ ! -x .venv/bin/python ]] || .venv/bin/python bin/train --help
-    exit 0
-  fi
-done
+# --help only prints; nothing below (which makes models and deletes the last run) runs for it
+source tools/demos/prelude.sh
+demo_prelude "$0" "DEMO_AGENT=statelm bin/demo" "$@"
 py=.venv/bin/python
-if [[ ! -x "$py" ]]; then
-  echo "bin/demo: no virtualenv at $root/.venv: run bin/setup first (it creates .venv), then bin/demo again" >&2
-  exit 1
-fi
 dir="${DEMO_DIR:-runs}"
 tools=readChunk,note,deleteContext,finish  # configs/demo_statelm.yaml agents.statelm.tools
 [[ -f "$dir/tiny-model/model.safetensors" ]] || $py bin/make-tiny-model --out "$dir/tiny-model"
