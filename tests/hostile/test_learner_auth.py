@@ -67,7 +67,9 @@ def test_two_gigabytes_in_one_message_from_a_peer_without_the_token(
     assert growth < RSS_BOUND, f"RSS grew by {growth / MiB:.0f} MiB"
     serves_a_valid_peer(learner, "after-no-token")
     assert watch.sample() < RSS_BOUND
-    assert "security mechanism mismatch" in learner.log.read_text(errors="replace")[log0:]
+    # the refusal is logged; its detail depends on when libzmq noticed (the mechanism mismatch, or
+    # the handshake cut short while the 2 GiB were still coming), so only the refusal is asserted
+    assert "connection refused at the handshake" in learner.log.read_text(errors="replace")[log0:]
     print(f"\n2 GiB before HELLO, no token: learner RSS +{watch.growth / MiB:.1f} MiB (peak)")
 
 
