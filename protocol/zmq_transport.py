@@ -77,6 +77,7 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     return public, secret_key
 
 
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP RFC (27): one authenticator per context
 TOKEN_USERNAME = "agentrl"  # the PLAIN user name of token auth; only the password is secret
 
 Refused = Callable[[str, str, str], None]
@@ -95,6 +96,20 @@ def _authenticator(ctx: zmq.Context) -> Any:
             self.loop = asyncio.get_running_loop()  # where its task answers every handshake
             self.on_refused: dict[str, Refused] = {}
             self._request: tuple[str, str] = ("", "")  # (domain, address) being answered
+
+        def stop(self) -> None:
+            # Closing a socket frees its inproc endpoint only later, in libzmq's reaper thread: a
+            # successor started right after would fail to bind ZAP's fixed endpoint (EADDRINUSE).
+            # Unbinding first frees it now.
+            if self.zap_socket is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.zap_socket.unbind(ZAP_ENDPOINT)
+            try:
+                super().stop()
+            except RuntimeError:  # cancelling the task of a closed loop; close what is left
+                if self.zap_socket is not None:
+                    self.zap_socket.close(linger=0)
+                    self.zap_socket = None
 
         async def handle_zap_message(self, msg: list[bytes]) -> None:
             # Requests are handled one at a time by one task: the pair stays the request's own.
@@ -163,8 +178,7 @@ def _zap_domain(
         # Its event loop is gone (a channel of an earlier asyncio.run was never closed): its task
         # would never answer, and every handshake would hang. A new one takes over its domains.
         old, entry = entry[1], None
-        with contextlib.suppress(RuntimeError):  # cancelling a task of a closed loop
-            old.stop()
+        old.stop()
     if entry is None:
         auth = _authenticator(ctx)
         auth.start()

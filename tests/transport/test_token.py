@@ -121,3 +121,20 @@ def test_warnings_name_the_residual_risk() -> None:
     clear = exposure_warning("tcp://0.0.0.0:5555", curve=False, token=True)
     assert clear is not None and "unencrypted" in clear
     assert exposure_warning("tcp://0.0.0.0:5555", curve=True) is None
+
+
+def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() -> None:
+    """libzmq frees a closed socket's inproc endpoint later, in its reaper thread; the ZAP socket
+    of a stopped authenticator is unbound first, so a learner channel closed and opened again at
+    once (a restart in-process, every test's fixture) never meets EADDRINUSE."""
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+
+    async def reopen() -> None:
+        for _ in range(500):  # the old code failed within a few dozen rounds
+            ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx).close()
+
+    asyncio.run(reopen())
+    assert id(ctx) not in zmq_transport._zap
+    ctx.destroy(linger=0)
