@@ -275,7 +275,7 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
         progress = anyio.Event()
         # Batches differ only in id lengths: a few bytes in ~6 MB. Sized once, outside the clock.
         distinct = distinct_batches(cfg, templates, cfg.input)
-        nbytes = codec.frame_bytes(encode_batch(1, fresh(distinct[0], "b0")))
+        nbytes = codec.frame_bytes(encode_batch(1, fresh(distinct[0], "b0"), conn.number_frames))
         t0 = 0.0
 
         async def watch() -> None:
@@ -348,8 +348,9 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     # The protocol phase's batches (the first DISTINCT of them, cycled): distinct buffers, so the
     # bound does not gain from sending one cache-hot buffer over and over. Views, not copies.
     templates = make_templates(cfg)
+    # In the form the protocol phase negotiates (1.5: per-trajectory numbers as frames).
     distinct = [
-        [view(f) for f in encode_batch(i + 1, fresh(b, f"b{i}"))]
+        [view(f) for f in encode_batch(i + 1, fresh(b, f"b{i}"), number_frames=True)]
         for i, b in enumerate(distinct_batches(cfg, templates, "columns"))
     ]
     ctx = zmq.Context()

@@ -21,11 +21,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from protocol.trajectory import COLUMNS, SCALARS, Trajectory
-
-# Canonical order of the meta columns on the wire (golden vectors pin the bytes, so it is fixed).
-META_ORDER = (*SCALARS, "prompt_len", "response_len")
-_TOKEN_ATTRS = tuple(c[1] for c in COLUMNS)
+from protocol.trajectory import COLUMNS, META_ORDER, SCALARS, Trajectory
 
 
 class Trajectories(Sequence[Trajectory]):

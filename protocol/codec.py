@@ -18,6 +18,7 @@ import numpy as np
 
 from protocol.batch import Trajectories, as_columns
 from protocol.budget import Truncated
+from protocol.columns import FRAMES_NUMBERS, decode_columns
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -30,7 +31,7 @@ from protocol.messages import (
     WeightsChunk,
 )
 from protocol.schema import check, from_wire, to_wire
-from protocol.trajectory import COLUMNS, OMITTED_WHEN_EMPTY, decode_columns
+from protocol.trajectory import COLUMNS, HEADER_FIELDS, META_ORDER, NUMBERS
 
 Frame = bytes | memoryview | np.ndarray
 _PEEK_HEADER_BYTES = 1 << 20  # an oversized message's header is still read if at most this big
@@ -57,9 +58,21 @@ def _pack(obj: Any) -> bytes:
 
 
 # msgpack decodes its Timestamp extension (type -1) itself, without asking ext_hook. Every encoding
-# of it holds one of these byte strings, so a header without any (a scan at memory speed) cannot
-# carry one; a header with one (or a false match inside a string) is decoded with hooks that look.
+# of it holds one of these byte strings, so a header without any cannot carry one; a header with one
+# (or a false match inside a string or a float) is decoded with hooks that look.
 _TIMESTAMP_MARKS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
+def _may_hold_timestamp(data: bytes) -> bool:
+    """Whether ``data`` holds one of ``_TIMESTAMP_MARKS``. Each ends in 0xff, which few headers
+    hold at all: memchr finds the 0xff bytes (a header's worth in well under a microsecond, where
+    a search per mark costs ~50 us for a batch header) and only their predecessors are looked at."""
+    i = data.find(b"\xff", 1)
+    while i > 0:
+        if data[i - 1] in (0xD6, 0xD7) or (data[i - 1] == 0x0C and i > 1 and data[i - 2] == 0xC7):
+            return True
+        i = data.find(b"\xff", i + 1)
+    return False
 
 
 def _no_timestamps(obj: Any) -> Any:
@@ -79,7 +92,7 @@ def view(frame: Frame) -> memoryview:
 def _unpack(buf: Frame) -> Any:
     data = buf if isinstance(buf, bytes) else view(buf).tobytes()  # headers are small
     hooks: dict[str, Any] = {}
-    if any(m in data for m in _TIMESTAMP_MARKS):
+    if _may_hold_timestamp(data):
         hooks = {"object_hook": _no_timestamps, "list_hook": _no_timestamps}
     try:
         result = msgpack.unpackb(
@@ -96,25 +109,47 @@ def _unpack(buf: Frame) -> Any:
         ) from e
 
 
-def _header_meta(meta: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """The meta columns as sent: optional maps that are empty for every trajectory are left out
-    (the receiver defaults them), so a batch without agent actions encodes as it did before."""
-    if all(any(meta.get(k, ())) for k in OMITTED_WHEN_EMPTY):
-        return meta
-    return {k: v for k, v in meta.items() if k not in OMITTED_WHEN_EMPTY or any(v)}
+_OMITTED_WHEN_EMPTY = tuple(f.name for f in HEADER_FIELDS if f.omit_when_empty)
+_HEADER_NAMES = tuple(f.name for f in HEADER_FIELDS)
 
 
-def encode(msg: Message) -> list[Frame]:
-    """Message -> frames. Payload frames are the caller's buffers, not copies."""
+def _header_meta(meta: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The ``meta`` map as sent: the fields ``names``, in that order, except optional maps that are
+    empty for every trajectory (the receiver defaults them), so a batch without agent actions
+    encodes as it did before the field."""
+    return {
+        k: v.tolist() if isinstance(v, np.ndarray) else v
+        for k in names
+        if (v := meta[k]) is not None and (k not in _OMITTED_WHEN_EMPTY or any(v))
+    }
+
+
+def _number_frames(meta: dict[str, Any]) -> list[np.ndarray]:
+    return [np.asarray(meta[f.name], dtype=f.dtype) for f in NUMBERS]
+
+
+def encode(msg: Message, *, number_frames: bool = False) -> list[Frame]:
+    """Message -> frames. Payload frames are the caller's buffers, not copies.
+
+    ``number_frames``: a batch in the 1.5 form (per-trajectory numbers as binary frames), only for
+    a peer that negotiated 1.5; otherwise the 1.3/1.4 form every receiver decodes."""
     t = TYPE_OF[type(msg)]
     tb = bytes((t,))
     if isinstance(msg, TrajectoryBatch):
         batch = as_columns(msg.trajectories)  # no copy when the producer built columns
-        return [
-            tb,
-            _pack({"seq": msg.seq, "columns": _WIRE_COLUMNS, "meta": _header_meta(batch.meta)}),
-            *batch.canonical_arrays(),
-        ]
+        if number_frames:
+            header = {
+                "seq": msg.seq,
+                "columns": _WIRE_COLUMNS_NUMBERS,
+                "meta": _header_meta(batch.meta, _HEADER_NAMES),
+            }
+            return [tb, _pack(header), *batch.canonical_arrays(), *_number_frames(batch.meta)]
+        header = {
+            "seq": msg.seq,
+            "columns": _WIRE_COLUMNS,
+            "meta": _header_meta(batch.meta, META_ORDER),
+        }
+        return [tb, _pack(header), *batch.canonical_arrays()]
     if isinstance(msg, WeightsChunk):
         header = {
             "transfer_id": msg.transfer_id,
@@ -127,6 +162,27 @@ def encode(msg: Message) -> list[Frame]:
 
 
 _WIRE_COLUMNS = [[name, dtype] for name, _, dtype, _ in COLUMNS]
+_WIRE_COLUMNS_NUMBERS = [*_WIRE_COLUMNS, *([f.name, f.dtype] for f in NUMBERS)]
+
+
+def header_form(frames: list[Frame]) -> list[Frame]:
+    """A batch this process encoded, in the 1.3/1.4 form (for a peer older than 1.5, which
+    negotiated after the batch was encoded); other messages and batches already in it unchanged."""
+    if len(frames) != 2 + FRAMES_NUMBERS or view(frames[0]).tobytes() != bytes(
+        (MsgType.TRAJECTORY_BATCH,)
+    ):
+        return frames
+    header = _unpack(frames[1])
+    meta = dict(header["meta"])
+    for spec, frame in zip(NUMBERS, frames[2 + len(COLUMNS) :], strict=True):
+        values = np.frombuffer(view(frame), dtype=np.dtype(spec.dtype).newbyteorder("<"))
+        meta[spec.name] = (values != 0).tolist() if spec.kind == "bool" else values.tolist()
+    legacy = {
+        "seq": header["seq"],
+        "columns": _WIRE_COLUMNS,
+        "meta": _header_meta({k: meta.get(k) for k in META_ORDER}, META_ORDER),
+    }
+    return [frames[0], _pack(legacy), *frames[2 : 2 + len(COLUMNS)]]
 
 
 HEADER_ROOM_BYTES = (
@@ -230,52 +286,13 @@ def _over_budget(frames: Truncated) -> ProtocolError:
     return e
 
 
-def _check_lengths(meta: Any, limits: CodecLimits) -> None:
-    """Trajectory lengths against the model and the run, before any column is looked at. Only
-    what can be read as integer columns is checked here; ``decode_columns`` reports the rest."""
-    if not (limits.max_model_len or limits.max_response_tokens) or not isinstance(meta, dict):
-        return
-    plens, rlens = meta.get("prompt_len"), meta.get("response_len")
-    if not (
-        isinstance(plens, list) and isinstance(rlens, list) and len(plens) == len(rlens) and plens
-    ):
-        return
-    try:
-        p, r = np.asarray(plens, dtype=np.int64), np.asarray(rlens, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        return
-    if p.ndim != 1 or r.ndim != 1:
-        return
-    checks = (
-        ("response_len", r, limits.max_response_tokens, "response token limit"),
-        ("prompt_len+response_len", p + r, limits.max_model_len, "max_model_len"),
-    )
-    for name, values, limit, what in checks:
-        if limit and values.max() > limit:
-            i = int(np.argmax(values > limit))
-            path = f"trajectories[{i}].{name}"
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"{path} = {int(values[i])} exceeds the learner's {what} of {limit}",
-                field=path,
-            )
-
-
 def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) -> TrajectoryBatch:
     seq = check(int, header.get("seq"), "TRAJECTORY_BATCH.seq")
     if seq < 1:
         raise ProtocolError(
             ErrorCode.INVALID_FIELD, f"TRAJECTORY_BATCH.seq: must be >= 1 (got {seq})", field="seq"
         )
-    _check_lengths(header.get("meta"), limits)
-    meta, columns = decode_columns(
-        header.get("meta"),
-        header.get("columns"),
-        payload,
-        max_tokens=limits.max_tokens_per_trajectory,
-        max_trajectories=limits.max_trajectories_per_batch,
-        vocab_size=limits.vocab_size,
-    )
+    meta, columns = decode_columns(header.get("meta"), header.get("columns"), payload, limits)
     return TrajectoryBatch(seq=seq, trajectories=Trajectories(meta, columns))
 
 

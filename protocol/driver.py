@@ -94,10 +94,11 @@ class RolloutClient:
         concatenated in a worker thread; column-wise ``Trajectories`` (``TrajectoryBuilder``) only
         need their header packed, which is cheaper than the thread hop."""
         seq = self.conn.allocate_seq()
+        form = self.conn.number_frames
         if isinstance(trajectories, Trajectories):
-            frames = encode_batch(seq, trajectories)
+            frames = encode_batch(seq, trajectories, form)
         else:
-            frames = await anyio.to_thread.run_sync(encode_batch, seq, trajectories)
+            frames = await anyio.to_thread.run_sync(encode_batch, seq, trajectories, form)
         self.conn.enqueue(seq, frames)
         self._waker.poke()
         return seq

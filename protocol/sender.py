@@ -70,15 +70,20 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.trajectory import Trajectory
-from protocol.version import PROTOCOL_VERSION, ProtocolVersion
+from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import ReceivedWeights, WeightAssembler
 
 Frames = list[codec.Frame]
 
 
-def encode_batch(seq: int, trajectories: Sequence[Trajectory]) -> Frames:
-    """Pure and thread-safe: the expensive part of ``submit``."""
-    return codec.encode(TrajectoryBatch(seq=seq, trajectories=trajectories))
+def encode_batch(
+    seq: int, trajectories: Sequence[Trajectory], number_frames: bool = False
+) -> Frames:
+    """Pure and thread-safe: the expensive part of ``submit``. ``number_frames``: the 1.5 form
+    (``RolloutConnection.number_frames`` says whether the learner takes it)."""
+    return codec.encode(
+        TrajectoryBatch(seq=seq, trajectories=trajectories), number_frames=number_frames
+    )
 
 
 class SenderState(enum.Enum):
@@ -165,10 +170,20 @@ class RolloutConnection:
         self.state = SenderState.HELLO_SENT
         self._last_recv = now  # the handshake timeout counts from here
 
+    @property
+    def number_frames(self) -> bool:
+        """Encode batches in the 1.5 form (per-trajectory numbers as binary frames)? Yes when both
+        ends speak 1.5. Before the first WELCOME the learner's version is unknown: assumed new, and
+        a batch goes out converted (``codec.header_form``) should the learner turn out older."""
+        if self.version < NUMBER_FRAMES:
+            return False
+        w = self.welcome
+        return w is None or ProtocolVersion(*w.protocol_version) >= NUMBER_FRAMES
+
     def submit(self, trajectories: Sequence[Trajectory]) -> int:
         """Take ownership of a batch (encoding it now) and return its sequence number."""
         seq = self.allocate_seq()
-        self.enqueue(seq, encode_batch(seq, trajectories))
+        self.enqueue(seq, encode_batch(seq, trajectories, self.number_frames))
         return seq
 
     def allocate_seq(self) -> int:
@@ -221,6 +236,8 @@ class RolloutConnection:
         if self.state is SenderState.READY:
             while self.credits > 0 and self._queue:
                 seq, frames = self._queue.popleft()
+                if not self.number_frames:  # encoded for a 1.5 learner, sent to an older one
+                    frames = codec.header_form(frames)
                 self._unacked[seq] = frames
                 self.credits -= 1
                 out.append(frames)

@@ -8,7 +8,12 @@ History: 1.0 the first version; 1.1 adds VALIDATE_REQUEST / VALIDATE_RESULT (cap
 "validation"); 1.2 adds HELLO ``host`` and WEIGHTS_ANNOUNCE ``file`` (capability "weights_file":
 weights handed over as a local file, not chunks, when learner and rollout server share a machine);
 1.3 adds ADMIT (capability "admission": the learner grants the prompt groups a rollout server may
-start, and on which weights) and HEARTBEAT ``dropped_tokens``.
+start, and on which weights) and HEARTBEAT ``dropped_tokens``; 1.4 adds weight relays (capability
+"weight_relay", HELLO ``relay_address``, WELCOME ``relay_upstream``, WEIGHTS_APPLIED ``file``);
+1.5 adds the number frames of TRAJECTORY_BATCH: the per-trajectory numbers (lengths, reward,
+snapshot index and flag, turns) travel as binary columns after the token columns instead of header
+lists. Every receiver decodes both batch forms; a sender uses the 1.5 form only once the learner's
+WELCOME says 1.5 or newer (``NUMBER_FRAMES``), so older peers keep working in both directions.
 """
 
 from __future__ import annotations
@@ -27,4 +32,7 @@ class ProtocolVersion(NamedTuple):
         return self.major == other.major
 
 
-PROTOCOL_VERSION = ProtocolVersion(1, 3)
+PROTOCOL_VERSION = ProtocolVersion(1, 5)
+NUMBER_FRAMES = ProtocolVersion(
+    1, 5
+)  # the first version whose receivers decode batch number frames

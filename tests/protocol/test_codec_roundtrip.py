@@ -20,7 +20,7 @@ from protocol_testkit import (
 from protocol import codec
 from protocol.errors import ErrorCode
 from protocol.messages import MESSAGE_TYPES, ChunkPart, MsgType, TrajectoryBatch, WeightsChunk
-from protocol.trajectory import COLUMNS, META_FIELDS, OMITTED_WHEN_EMPTY, Trajectory
+from protocol.trajectory import COLUMNS, FIELDS, META_ORDER, Trajectory
 
 SAMPLES = sample_messages()
 
@@ -102,7 +102,7 @@ def test_batch_column_layout() -> None:
     ]
     # per-trajectory scalars are columns too: field -> one value per trajectory, lengths included
     # (optional maps that are empty for the whole batch are left out: tests/protocol/test_actions.py)
-    assert set(h["meta"]) == {name for name, *_ in META_FIELDS} - set(OMITTED_WHEN_EMPTY)
+    assert set(h["meta"]) == set(META_ORDER) - {f.name for f in FIELDS if f.omit_when_empty}
     assert h["meta"]["trajectory_id"] == ["a", "b"]
     assert (h["meta"]["prompt_len"], h["meta"]["response_len"]) == ([3, 2], [4, 5])
     assert (h["meta"]["termination"], h["meta"]["num_turns"]) == (["answered", "length"], [1, 3])
@@ -234,7 +234,7 @@ def test_missing_optional_fields_take_their_defaults() -> None:
     )
     frames = on_wire(codec.encode(TrajectoryBatch(1, [make_traj("a"), make_traj("b")])))
     h = header(frames)
-    required = [name for name, _kind, req, _default in META_FIELDS if req]
+    required = [f.name for f in FIELDS if f.required and f.placement != "token"]
     h["meta"] = {k: h["meta"][k] for k in required}
     a, b = codec.decode(with_header(frames, h)).trajectories
     for t in (a, b):
@@ -276,7 +276,7 @@ def test_missing_required_field_is_invalid_field_naming_it(t: MsgType, name: str
     assert e.ref_type == t
 
 
-@pytest.mark.parametrize("name", [name for name, _kind, required, _d in META_FIELDS if required])
+@pytest.mark.parametrize("name", [f.name for f in FIELDS if f.required and f.placement != "token"])
 def test_missing_required_trajectory_field(name: str) -> None:
     frames = on_wire(codec.encode(TrajectoryBatch(4, [make_traj("a"), make_traj("b")])))
     h = header(frames)
