@@ -46,6 +46,7 @@ from typing import Any
 from protocol import codec
 from protocol.batch import as_columns
 from protocol.budget import MessageBudget
+from protocol.columns import FRAMES_NUMBERS
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import (
     BatchReceived,
@@ -85,14 +86,14 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.relay import RelayTier
-from protocol.trajectory import COLUMNS, Trajectory
+from protocol.trajectory import Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import NamedBuffer, plan_transfer
 
 Frames = list[codec.Frame]
 
 SMALL_MESSAGE_BYTES = 1 << 20  # what a peer may send before HELLO, or in session without a credit
-_BATCH_FRAMES = 2 + len(COLUMNS)  # the most frames any message to a learner has
+_BATCH_FRAMES = 2 + FRAMES_NUMBERS  # the most frames any message to a learner has (a 1.5 batch)
 
 
 @dataclass

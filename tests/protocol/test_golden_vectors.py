@@ -41,7 +41,12 @@ def load(name: str) -> list[bytes]:
 
 
 def reencode(frames: list[bytes]) -> list[bytes]:
-    return [bytes(memoryview(f).cast("B")) for f in codec.encode(codec.decode(frames))]
+    """Decoded and encoded again, in the batch form the frames have (1.5: 13 frames)."""
+    numbers = codec.peek_type(frames) is MsgType.TRAJECTORY_BATCH and len(frames) == 13
+    return [
+        bytes(memoryview(f).cast("B"))
+        for f in codec.encode(codec.decode(frames), number_frames=numbers)
+    ]
 
 
 def test_every_message_type_has_a_vector() -> None:
@@ -147,6 +152,21 @@ def test_trajectory_batch_with_two_trajectories() -> None:
     assert frames[2] == np.array([1, 2, 3, 1, 2], "<i4").tobytes()
     assert frames[4] == bytes([1, 1, 0, 1, 1, 1])
     assert frames[5] == np.array([-0.5, -0.25, 0.0, -1.5, -2.0, -0.125], "<f4").tobytes()
+
+
+def test_trajectory_batch_with_number_frames() -> None:
+    """The 1.5 form of the same batch: same token frames, then one frame per number column."""
+    old, new = load("trajectory_batch"), load("trajectory_batch_numbers")
+    assert new[2:7] == old[2:7] and len(new) == 13
+    a, b = codec.decode(old), codec.decode(new)
+    assert a.seq == b.seq and a.trajectories.meta == b.trajectories.meta
+    assert new[7] == np.array([1.0, -0.5], "<f8").tobytes()  # reward
+    assert new[8] == np.array([0, 1], "<i4").tobytes()  # snapshot_index
+    assert new[9] == bytes([0, 1])  # is_snapshot
+    assert new[10] == np.array([2, 1], "<i4").tobytes()  # num_turns
+    assert new[11] == np.array([3, 2], "<i4").tobytes()  # prompt_len
+    assert new[12] == np.array([4, 2], "<i4").tobytes()  # response_len
+    assert codec.header_form(new) == old  # what a sender sends a 1.4 learner
 
 
 def test_ack() -> None:

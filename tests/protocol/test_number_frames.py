@@ -256,3 +256,17 @@ def test_resent_after_reconnecting_to_an_older_learner() -> None:
     net.pump()
     assert conn.pending == 0
     assert _batch_frames(net) == [13, 7]
+
+
+def test_a_1_5_batch_fits_the_learners_message_budget() -> None:
+    """The transport reads a batch within the budget of a peer holding a credit: 13 frames too."""
+    from protocol.budget import MessageReader
+
+    net = Net(learner(capacity=4, max_credits_per_peer=2))
+    net.add(b"r0", rollout())
+    net.pump()
+    reader = MessageReader(net.learner.message_budget(b"r0"))
+    frames = batch()
+    for f in frames:
+        reader.add(f)
+    assert reader.result() == frames

@@ -179,8 +179,14 @@ def newer_minor_hello() -> list[bytes]:
 
 
 def build() -> dict[str, list[bytes]]:
-    vectors = {name: on_wire(codec.encode(msg)) for name, msg in messages().items()}
+    msgs = messages()
+    vectors = {name: on_wire(codec.encode(msg)) for name, msg in msgs.items()}
     vectors["hello_newer_minor"] = newer_minor_hello()
+    # 1.5: the same batch with its per-trajectory numbers as frames; ``trajectory_batch`` stays the
+    # 1.3/1.4 form, which every receiver still decodes.
+    vectors["trajectory_batch_numbers"] = on_wire(
+        codec.encode(msgs["trajectory_batch"], number_frames=True)
+    )
     return vectors
 
 
