@@ -109,7 +109,8 @@ def _authenticator(ctx: zmq.Context) -> Any:
             except RuntimeError:  # cancelling the task of a closed loop; close what is left
                 if self.zap_socket is not None:
                     self.zap_socket.close(linger=0)
-                    self.zap_socket = None
+                    # pyzmq types it as a Socket, yet its own stop() leaves None there too
+                    self.zap_socket = None  # pyright: ignore[reportAttributeAccessIssue]
 
         async def handle_zap_message(self, msg: list[bytes]) -> None:
             # Requests are handled one at a time by one task: the pair stays the request's own.
