@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from protocol.schema import Finite
 from protocol.trajectory import Trajectory
 
 
@@ -135,8 +136,8 @@ class Welcome:
     credits: int
     policy_version: int
     next_seq: int  # lowest seq of this epoch the learner has not yet received (resend from here)
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
+    heartbeat_interval_s: Finite
+    heartbeat_timeout_s: Finite
     limits: Limits
     capabilities: list[str] = field(default_factory=list)
     # since 1.4, to a "weight_relay" peer only: the relay address it takes weights from ("": the
@@ -228,14 +229,14 @@ class WeightsApplied:
     transfer_id: str
     ok: bool
     error: str = ""
-    apply_time_s: float = 0.0
+    apply_time_s: Finite = 0.0
     # since 1.4, from a "weight_relay" peer: the verified slot file on its host holding ``version``
     file: str = field(default="", metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    time: float
+    time: Finite
     policy_version: int = 0
     # since 1.3, R->L: response tokens this sender epoch generated and dropped itself (never
     # shipped), cumulative; the learner counts them as waste. Omitted while 0.
@@ -285,7 +286,7 @@ class ValidateRequest:
 
     request_id: str
     policy_version: int
-    timeout_s: float = 0.0
+    timeout_s: Finite = 0.0
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -304,12 +305,12 @@ class SourceMetrics:
 
     data_source: str
     count: int
-    reward_sum: float
-    reward_mean: float
-    response_length_mean: float = 0.0  # response tokens of an episode's final trajectory
-    turns_mean: float = 0.0
+    reward_sum: Finite
+    reward_mean: Finite
+    response_length_mean: Finite = 0.0  # response tokens of an episode's final trajectory
+    turns_mean: Finite = 0.0
     terminations: dict[str, int] = field(default_factory=dict)  # termination -> episodes
-    extras_mean: dict[str, float] = field(default_factory=dict)
+    extras_mean: dict[str, Finite] = field(default_factory=dict)
     extras_count: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -362,7 +363,7 @@ class ValidateResult:
     shard_index: int = 0  # this server's shard of the validation set (rows i % count == index)
     shard_count: int = 1
     prompts: int = 0  # validation prompts in the shard
-    duration_s: float = 0.0
+    duration_s: Finite = 0.0
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)

@@ -1,151 +1,134 @@
-"""Declarative validation of decoded msgpack values into typed dataclasses.
+"""Validation of decoded msgpack values into typed message dataclasses, by msgspec.
 
-Messages are plain frozen dataclasses; their type annotations *are* the schema. ``from_wire`` walks
-the annotations and checks every value, so a message object that exists has been validated (no
-string-keyed dicts travel past the codec). Keys the decoder does not know are ignored: that is what
-lets a newer minor version append optional fields. ``to_wire`` emits fields in declaration order, so
-the same message always encodes to the same bytes (golden vectors rely on it).
+Messages are plain frozen dataclasses; their type annotations *are* the schema, and msgspec
+enforces them (``msgspec.convert(..., strict=True)``: no bool for an int, no string for a number;
+``Finite`` floats; ``Literal`` values; nested dataclasses; then each class's ``__post_init__``
+checks across fields). So a message object that exists has been validated, and no string-keyed
+dict travels past the codec. Keys the decoder does not know are ignored: that is what lets a newer
+minor version append optional fields. msgspec's error, "what - at `$.path`", becomes an
+INVALID_FIELD ProtocolError whose ``field`` is that path under the message type's name
+(``HELLO.model.sha256``); a ``messages.FieldError`` from ``__post_init__`` adds the field it names.
+
+``to_wire`` emits fields in declaration order, so the same message always encodes to the same
+bytes (golden vectors rely on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import types
-import typing
-from typing import Any
+import re
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
 
-_MISSING = dataclasses.MISSING
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+"""A float that is neither NaN nor infinite (both fail one of the bounds); ints are accepted."""
+
+_AT = re.compile(r"(?s)(.*) - at `\$(.*)`")
+_MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
-@functools.cache
-def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """(name, annotation, required) per field, resolved once per class (defaults stay with the
-    dataclass constructor)."""
-    hints = typing.get_type_hints(cls)
-    return tuple(
-        (f.name, hints[f.name], f.default is _MISSING and f.default_factory is _MISSING)
-        for f in dataclasses.fields(cls)
-        if f.init
-    )
+def _replaced(obj: Any, steps: Sequence[tuple[str, ...]], new: Any) -> Any:
+    """``obj`` with the value at ``steps`` replaced by ``new`` (containers on the way copied)."""
+    if not steps:
+        return new
+    (name, index), rest = steps[0], steps[1:]
+    if name and isinstance(obj, dict) and name in obj:
+        return {**obj, name: _replaced(obj[name], rest, new)}
+    if index and isinstance(obj, list) and int(index) < len(obj):
+        i = int(index)
+        return [*obj[:i], _replaced(obj[i], rest, new), *obj[i + 1 :]]
+    raise LookupError
 
 
-def _fail(path: str, what: str, value: Any) -> ProtocolError:
+def _map_key(tp: Any, obj: Any, where: str, error: str) -> str:
+    """msgspec names a bad map value ``m[...]``; find its key (only ever on a refused message):
+    the key whose entry alone, in place of the map, is refused with the same error."""
+    head, _, tail = where.partition("[...]")
+    steps = [m.groups("") for m in _STEP.finditer(head)]
+    try:
+        parent = functools.reduce(lambda o, s: o[s[0]] if s[0] else o[int(s[1])], steps, obj)
+        if isinstance(parent, dict):
+            for key, value in parent.items():
+                try:
+                    msgspec.convert(_replaced(obj, steps, {key: value}), type=tp, strict=True)
+                except msgspec.ValidationError as e:
+                    if str(e) == error:
+                        return f"{head}.{key}{tail}"
+    except (LookupError, TypeError, ValueError):
+        pass
+    return where
+
+
+def _shown(obj: Any, where: str) -> str:
+    """`` (got <the value at where>)``, at most 60 characters of it; "" if it cannot be found."""
+    value = obj
+    for name, index in (m.groups("") for m in _STEP.finditer(where)):
+        if name and isinstance(value, dict) and name in value:
+            value = value[name]
+        elif index and isinstance(value, list) and int(index) < len(value):
+            value = value[int(index)]
+        else:
+            return ""
     shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return ProtocolError(ErrorCode.INVALID_FIELD, f"{path}: {what} (got {shown})", field=path)
+    return f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+
+
+def _error(e: msgspec.ValidationError, path: str, tp: Any, obj: Any) -> ProtocolError:
+    what, where = str(e), ""
+    if m := _AT.fullmatch(what):
+        what, where = m.group(1), m.group(2)
+    if "[...]" in where:
+        where = _map_key(tp, obj, where, str(e))
+    if m := _MISSING_FIELD.fullmatch(what):
+        what, where = "missing required field", f"{where}.{m.group(1)}"
+    elif e.__cause__ is None:  # a value of the wrong type or range (not __post_init__): show it
+        what += _shown(obj, where)
+    sub = getattr(e.__cause__, "field", None)  # messages.FieldError names the field it is about
+    if isinstance(sub, str) and sub:
+        where = f"{where}.{sub}"
+    field = f"{path}{where}"
+    return ProtocolError(ErrorCode.INVALID_FIELD, f"{field}: {what}", field=field)
 
 
 def check(tp: Any, value: Any, path: str) -> Any:
     """Return ``value`` converted to ``tp`` or raise INVALID_FIELD naming ``path``."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _fail(path, "must not be null", value)
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return check(inner[0], value, path)
-        for a in inner:
-            try:
-                return check(a, value, path)
-            except ProtocolError:
-                continue
-        raise _fail(path, f"expected one of {inner}", value)
-    if origin is list or origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise _fail(path, "expected an array", value)
-        (item,) = typing.get_args(tp)[:1] or (Any,)
-        return [check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _fail(path, "expected a map", value)
-        kt, vt = typing.get_args(tp)
-        return {
-            check(kt, k, f"{path}.<key>"): check(vt, v, f"{path}.{k}") for k, v in value.items()
-        }
-    if origin is typing.Literal:
-        if value not in typing.get_args(tp):
-            raise _fail(path, f"expected one of {list(typing.get_args(tp))}", value)
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return from_wire(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _fail(path, "expected a boolean", value)
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _fail(path, "expected an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(path, "expected a number", value)
-        if not math.isfinite(value):
-            raise _fail(path, "must be finite", value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _fail(path, "expected a string", value)
-        return value
-    if tp is bytes:
-        if not isinstance(value, (bytes, bytearray)):
-            raise _fail(path, "expected binary", value)
-        return bytes(value)
-    raise TypeError(f"schema: unsupported annotation {tp!r} at {path}")  # a bug in a message class
+    try:
+        return msgspec.convert(value, type=tp, strict=True)
+    except msgspec.ValidationError as e:
+        raise _error(e, path, tp, value) from e
 
 
 def from_wire(cls: type, obj: Any, path: str) -> Any:
     """Build dataclass ``cls`` from a decoded map, validating every field."""
-    if not isinstance(obj, dict):
-        raise _fail(path, "expected a map", obj)
-    kwargs = {}
-    for name, tp, required in _fields(cls):
-        if name in obj:
-            kwargs[name] = check(tp, obj[name], f"{path}.{name}")
-        elif required:
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD,
-                f"{path}.{name}: missing required field",
-                field=f"{path}.{name}",
-            )
-    try:
-        return cls(**kwargs)
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError) as e:  # __post_init__ checks of cross-field invariants
-        sub = getattr(e, "field", None)  # messages.FieldError names the field it is about
-        where = f"{path}.{sub}" if isinstance(sub, str) and sub else path
-        raise ProtocolError(ErrorCode.INVALID_FIELD, f"{where}: {e}", field=where) from e
+    return check(cls, obj, path)
 
 
 @functools.cache
-def _omitted_defaults(cls: type) -> dict[str, Any]:
-    """Fields marked ``omit_default`` (appended since 1.2) and the default they are omitted at."""
-    return {
-        f.name: f.default
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) per field; ``default`` is ``MISSING`` unless the field is marked
+    ``omit_default`` (appended since 1.2: left out of the encoding at its default)."""
+    return tuple(
+        (f.name, f.default if f.metadata.get("omit_default") else dataclasses.MISSING)
         for f in dataclasses.fields(cls)
-        if f.metadata.get("omit_default") and f.default is not _MISSING
-    }
+        if f.init
+    )
 
 
 def to_wire(obj: Any) -> Any:
     """Dataclass tree -> msgpack-ready map, in field declaration order (fields marked
     ``omit_default`` left out at their default, so older messages keep their exact bytes)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        skip = _omitted_defaults(type(obj))
         wire = {}
-        for name, *_ in _fields(type(obj)):
+        for name, omit_at in _fields(type(obj)):
             value = getattr(obj, name)
-            if not (name in skip and value == skip[name]):
+            if omit_at is dataclasses.MISSING or value != omit_at:
                 wire[name] = to_wire(value)
         return wire
     if isinstance(obj, (list, tuple)):

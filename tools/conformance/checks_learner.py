@@ -28,6 +28,7 @@ from protocol.messages import (
     Heartbeat,
     MsgType,
     SourceMetrics,
+    TrajectoryBatch,
     ValidateRequest,
     ValidateResult,
     WeightsAnnounce,
@@ -35,7 +36,7 @@ from protocol.messages import (
     WeightsChunk,
     Welcome,
 )
-from protocol.version import PROTOCOL_VERSION
+from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import WeightAssembler
 from tools.conformance import credit_window, wire
 from tools.conformance.peer import LearnerTarget, Peer
@@ -169,6 +170,32 @@ async def check_minor_version_compat(t: LearnerTarget) -> None:
     await p.await_credit()
     await p.send_batch(wire.with_header(t.batch(1), future_batch))
     await _ack_of(p, 1, "ACK for a batch whose header and meta carry unknown keys")
+
+
+@register("learner")
+async def check_number_frames(t: LearnerTarget) -> None:
+    """A 1.5 learner: a batch with its numbers as frames (SPEC §4) -> ACK; one whose is_snapshot
+    frame holds a 2 -> ERROR INVALID_FIELD naming it. Skipped for a learner older than 1.5."""
+    p = t.peer("number-frames")
+    w = await p.hello()
+    if ProtocolVersion(*w.protocol_version) < NUMBER_FRAMES:
+        t.note(f"skipped: the learner speaks {w.protocol_version}, number frames are 1.5")
+        return
+    await p.await_credit()
+    batch = codec.encode(TrajectoryBatch(1, t.trajectories(2)), number_frames=True)
+    await p.send_batch(batch)
+    await _ack_of(p, 1, "ACK for a batch in the 1.5 form (numbers as frames)")
+    bad = codec.encode(TrajectoryBatch(2, t.trajectories(2)), number_frames=True)
+    flag = len(bad) - 4  # is_snapshot: reward, snapshot_index, is_snapshot, num_turns, lengths
+    bad[flag] = bytes([0, 2])
+    await p.await_credit()
+    await p.send_batch(bad)
+    err = await _error_for(p, "ERROR INVALID_FIELD for is_snapshot 2 in a number frame", 2)
+    if (err.code, err.field) != (ErrorCode.INVALID_FIELD, "trajectories[1].is_snapshot"):
+        raise CheckFailed(
+            "is_snapshot 2 in a number frame: expected INVALID_FIELD "
+            f"trajectories[1].is_snapshot, got {wire.describe_message(err)}"
+        )
 
 
 @register("learner")
