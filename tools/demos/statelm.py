@@ -10,11 +10,11 @@ of the episode (every deletion closes one) is one ``Demonstration``: its prompt,
 with the loss on the model's tokens (mask 1) only.
 
 The right episode of a tools.demos.statelm_data row: for each chunk, readChunk; on the chunk with
-the fact, note(key=project, summary=number, content=number); then deleteContext of that chunk's
+the fact, note(key=NOTE_KEY, summary=code, content=code); then deleteContext of that chunk's
 message (its msg_id is in the tool response); the last chunk holds the question, answered with
-finish(number), which after the deletions is visible only in the notes listing. With
+finish(code), which after the deletions is visible only in the notes listing. With
 ``guess_fraction`` f, an episode's seeded draw below f skips the note and finishes with a wrong
-number: the warmed model should note only some of the time, a choice left for RL to learn.
+code: the warmed model should note only some of the time, a choice left for RL to learn.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_service.agents.parsers import hermes_call_text
+from tools.demos.statelm_data import CODES
 from tools.warmup import Demonstration
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from rollout_service.agents.rendering import ChatRenderer
     from rollout_service.engine.base import Generation, SamplingSettings
 
+NOTE_KEY = "code"  # one key for every row: the note's only varying token is the digit
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_statelm.yaml"
 
 
@@ -67,7 +69,7 @@ class ScriptedEngine:
 
 
 def episode_actions(
-    row: dict[str, Any], ep: Episode, *, chunk_chars: int, guess: int | None, delete: bool = True
+    row: dict[str, Any], ep: Episode, *, chunk_chars: int, guess: str | None, delete: bool = True
 ) -> Callable[[], str]:
     """The right actions for ``row`` as a function returning the next turn's text; msg ids are read
     from the episode's live context, as the model reads them from the tool responses. ``delete``
@@ -83,7 +85,7 @@ def episode_actions(
             if k == int(row["fact_chunk"]) and guess is None:
                 answer = str(row["answer"])
                 yield hermes_call_text(
-                    "note", {"key": str(row["project"]), "summary": answer, "content": answer}
+                    "note", {"key": NOTE_KEY, "summary": answer, "content": answer}
                 )
             if k < n - 1 and delete:
                 yield hermes_call_text("deleteContext", {"msg_id": read.msg_id})
@@ -100,7 +102,7 @@ def play_episode(
     renderer: ChatRenderer,
     config: Any,
     *,
-    guess: int | None = None,
+    guess: str | None = None,
     delete: bool = True,
     episode_id: str = "warmup",
 ) -> Episode:
@@ -150,7 +152,7 @@ def segment_demonstrations(ep: Episode, row: dict[str, Any]) -> list[Demonstrati
         for i, m in enumerate(seg.mask):
             if m:
                 train[len(seg.prompt_ids) + i - 1] = True
-        demos.append(Demonstration(ids, train, str(row["project"]), str(row["answer"])))
+        demos.append(Demonstration(ids, train, NOTE_KEY, str(row["answer"])))
     return demos
 
 
@@ -183,9 +185,7 @@ def build_demonstrations(
     for i, row in enumerate(rows):
         guess = None
         if rng.random() < guess_fraction:
-            right = int(str(row["answer"]))
-            guess = right + rng.choice([-1, 1]) * rng.randint(1, 999)
-            guess = guess if 1000 <= guess <= 9999 else right - (guess - right)
+            guess = rng.choice([c for c in CODES if c != str(row["answer"])])
         ep = play_episode(row, renderer, config, guess=guess, episode_id=f"warmup-{i}")
         demos += segment_demonstrations(ep, row)
     return demos

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # DEMO_AGENT=statelm bin/demo: the tiny model learns StateLM's context management on CPU.
 #  1. makes the tiny model and the long-document tasks if missing (tools/demos/statelm_data.py:
-#     a 2-chunk document, the secret number in chunk 0, the question at the end of chunk 1; the
-#     per-segment response budget holds one chunk and its note, not both chunks);
+#     a 2-chunk document, the secret code (a letter) at the end of chunk 0, the question at the end
+#     of chunk 1; the per-segment response budget holds one chunk and its note, not both chunks);
 #  2. warm-up (bin/warmup --agent statelm, seeded): episodes played by the real StateLM agent that
-#     read chunk 0, note the number, delete the chunk (a new segment), read chunk 1 and finish with
-#     the number from the notes; half of them skip the note and finish with a guess, a choice
+#     read chunk 0, note the code, delete the chunk (a new segment), read chunk 1 and finish with
+#     the code from the notes; half of them skip the note and finish with a guess, a choice
 #     left for RL to learn from the reward;
 #  3. bin/train --config configs/demo_statelm.yaml: a learner and 2 rollout servers; every
 #     deletion closes a snapshot trajectory, trained in the episode's GRPO group with its reward.

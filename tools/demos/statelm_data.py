@@ -2,8 +2,8 @@
 
 Design: a row is one document of ``CHUNKS`` chunks of exactly ``CHUNK_CHARS`` characters (the
 demo config's ``agents.statelm.chunk_chars``, so readChunk returns one chunk per call, cut nowhere
-else). One of the first ``CHUNKS - 1`` chunks states "The secret number of project P is N."; the
-last chunk ends with the question about P. The task message only says to read the document and
+else). One of the first ``CHUNKS - 1`` chunks ends with "The secret code of project P is C." (C one
+of ``CODES``); the last chunk ends with the question about P. The task message only says to read the document and
 answer the question at its end, so the model cannot know what matters before the last chunk and
 the fact is read long before it is asked for. The demo's response budget (``data.
 max_response_length``, per segment) holds one chunk and its note, not two chunks: an episode that
@@ -24,18 +24,23 @@ from tools.make_agent_data import FILLER, PROJECTS
 
 CHUNK_CHARS = 200  # configs/demo_statelm.yaml agents.statelm.chunk_chars (a test checks)
 CHUNKS = 2
+# The secret codes: capital letters that are one token of the tiny model's tokenizer and occur
+# nowhere else in an episode (no prompt, schema, filler or msg id holds them), so finding the code
+# is one attention head's job. Digits would be ambiguous: msg ids, doc_id and chunk numbers are
+# digits too, and a warm-up of 500 steps never learnt to copy the right one.
+CODES = ("J", "U", "V", "X", "Y", "Z")
 TASK = (
     "Read document 0 chunk by chunk with readChunk. Note the facts you find, delete the chunks "
     "you have read, and answer the question at the end of the document with finish."
 )
 
 
-def fact_text(project: str, number: int) -> str:
-    return f"The secret number of project {project} is {number}."
+def fact_text(project: str, code: str) -> str:
+    return f"The secret code of project {project} is {code}."
 
 
 def question_text(project: str) -> str:
-    return f"Question: what is the secret number of project {project}?"
+    return f"Question: what is the secret code of project {project}?"
 
 
 def _filled(rng: random.Random, head: str, tail: str) -> str:
@@ -47,13 +52,14 @@ def _filled(rng: random.Random, head: str, tail: str) -> str:
     return head + filler[:room] + tail
 
 
-def document(rng: random.Random, project: str, number: int, where: int) -> str:
+def document(rng: random.Random, project: str, code: str, where: int) -> str:
     chunks = []
     for k in range(CHUNKS):
         if k == where:
-            # the fact at the chunk's start or after a filler sentence: never cut by the chunking
-            lead = rng.choice(FILLER) + " " if rng.random() < 0.5 else ""
-            chunks.append(_filled(rng, lead + fact_text(project, number) + " ", ""))
+            # the fact ends the chunk, as the question ends the last one: the code is then a fixed
+            # number of tokens before the model's next turn, and the tiny model learns to copy it
+            # in a short warm-up (at a varying place in the chunk, 380 steps did not teach it)
+            chunks.append(_filled(rng, "", " " + fact_text(project, code)))
         elif k == CHUNKS - 1:
             chunks.append(_filled(rng, "", " " + question_text(project)))
         else:
@@ -65,13 +71,13 @@ def statelm_rows(n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        project, number = rng.choice(PROJECTS), rng.randint(1000, 9999)
+        project, code = rng.choice(PROJECTS), rng.choice(CODES)
         where = rng.randrange(CHUNKS - 1)
         rows.append(
             {
                 "question": TASK,
-                "answer": str(number),
-                "documents": [{"title": "report", "text": document(rng, project, number, where)}],
+                "answer": code,
+                "documents": [{"title": "report", "text": document(rng, project, code, where)}],
                 "data_source": "longdoc",
                 # for the demonstrations: what to note, and where it is
                 "project": project,
