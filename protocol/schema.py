@@ -34,6 +34,23 @@ _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`")
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
+def _steps(where: str) -> list[tuple[str, ...]]:
+    """msgspec's ``.name`` / ``[i]`` path as (name, "") / ("", index) steps."""
+    return [m.groups("") for m in _STEP.finditer(where)]
+
+
+def _at(obj: Any, steps: Sequence[tuple[str, ...]]) -> Any:
+    """The value at ``steps`` in decoded ``obj``; LookupError where the path is not there."""
+    for name, index in steps:
+        if name and isinstance(obj, dict) and name in obj:
+            obj = obj[name]
+        elif index and isinstance(obj, list) and int(index) < len(obj):
+            obj = obj[int(index)]
+        else:
+            raise LookupError
+    return obj
+
+
 def _replaced(obj: Any, steps: Sequence[tuple[str, ...]], new: Any) -> Any:
     """``obj`` with the value at ``steps`` replaced by ``new`` (containers on the way copied)."""
     if not steps:
@@ -51,9 +68,9 @@ def _map_key(tp: Any, obj: Any, where: str, error: str) -> str:
     """msgspec names a bad map value ``m[...]``; find its key (only ever on a refused message):
     the key whose entry alone, in place of the map, is refused with the same error."""
     head, _, tail = where.partition("[...]")
-    steps = [m.groups("") for m in _STEP.finditer(head)]
+    steps = _steps(head)
     try:
-        parent = functools.reduce(lambda o, s: o[s[0]] if s[0] else o[int(s[1])], steps, obj)
+        parent = _at(obj, steps)
         if isinstance(parent, dict):
             for key, value in parent.items():
                 try:
@@ -68,15 +85,10 @@ def _map_key(tp: Any, obj: Any, where: str, error: str) -> str:
 
 def _shown(obj: Any, where: str) -> str:
     """`` (got <the value at where>)``, at most 60 characters of it; "" if it cannot be found."""
-    value = obj
-    for name, index in (m.groups("") for m in _STEP.finditer(where)):
-        if name and isinstance(value, dict) and name in value:
-            value = value[name]
-        elif index and isinstance(value, list) and int(index) < len(value):
-            value = value[int(index)]
-        else:
-            return ""
-    shown = repr(value)
+    try:
+        shown = repr(_at(obj, _steps(where)))
+    except LookupError:
+        return ""
     return f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
 
 
