@@ -6,7 +6,9 @@ What a verl user asks: is this faster than what I run today, for the same job, o
 The job: bench/e2e.py's long-tail agentic workload (multi-turn calculator chains, heavy tail of
 episode lengths), the same warmed Qwen2-0.5B-shaped model, the same rows, batch (16 prompts x 8),
 response limits, optimizer (AdamW, lr 2e-5, weight decay 0.01, clip 1.0), KL loss (low_var_kl,
-0.001), mini-batches (64 samples: 2 optimizer steps a step), micro-batches (8) and GPU placement.
+0.001), mini-batches (64 samples: 2 optimizer steps a step), micro-batches (8) and GPUs
+(``--gpus 1``: one shared; ``--gpus 2``: each side's natural two-GPU placement, verl colocated on
+both, ours a learner GPU and a rollout GPU).
 verl expresses the workload as it is: its tool agent loop (``tool_agent``) with our calculator as a
 function tool (bench/verl_plugins/calculator_tool.py: our evaluator, our schema byte for byte, so
 the prompts are the same tokens) and our math reward as its reward function
@@ -77,9 +79,13 @@ CAVEATS = [
     "verl's reward sees tool outputs: only a \\boxed answer counts (ours falls back to the last number)",
     "no flash-attn on the machine: verl trains with SDPA on padded micro-batches (its padding "
     "removal needs flash-attn's varlen kernel); ours packs sequences with its own SDPA-based kernel",
-    "verl runs generation colocated (vLLM sleeps during training); ours runs a rollout server "
-    "process beside the learner on the same GPU",
 ]
+PLACEMENT = {  # --gpus -> how each side uses them (the last caveat)
+    1: "verl runs generation colocated (vLLM sleeps during training); ours runs a rollout server "
+    "process beside the learner on the same GPU",
+    2: "verl colocated on both GPUs (FSDP over 2, a vLLM replica on each, sleeping during "
+    "training); ours disaggregated: the learner on GPU 0, the rollout server on GPU 1",
+}
 
 
 def progress(msg: str) -> None:
@@ -98,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--staleness", default="0,1,2", help="our runs (default 0,1,2; 0 = sync)")
     p.add_argument("--timeout-s", type=float, default=560.0, help="limit of a stage's run(s)")
     p.add_argument("--results", type=Path, default=None, help="report JSON (and .png beside it)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: both sides share GPU 0; 2: verl colocated on both (FSDP over 2, one vLLM replica "
+        "each), ours with the learner on GPU 0 and the rollout server on GPU 1 (default 1)",
+    )
     p.add_argument(
         "--verl-arg", action="append", default=[], help="one more hydra override for verl"
     )
@@ -288,7 +302,7 @@ def verl_overrides(a: argparse.Namespace, model: str, work: Path) -> list[str]:
         # verl's v1 trainer needs the TransferQueue service (package transfer_queue); its classic
         # RayPPOTrainer (main_ppo_v0, "deprecated", still the documented GRPO path) does not
         "trainer.use_v1=false",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={a.gpus}",
         "trainer.nnodes=1",
         f"trainer.total_training_steps={a.steps}",
         "trainer.total_epochs=100",
@@ -331,7 +345,7 @@ def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> dict[
     progress(f"verl: {a.steps} steps, log {run_dir / 'train.log'}")
     run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
     records = [{"step": int(r["step"]), **r["data"]} for r in read_jsonl(metrics) if "data" in r]
-    out = {"label": "verl-sync", "side": "verl", **run, **summarize_verl(records)}
+    out = {"label": "verl-sync", "side": "verl", "gpus": a.gpus, **run, **summarize_verl(records)}
     if records == [] or run["exit_status"] != 0:
         out["log_tail"] = tail(run_dir / "train.log")
     return out
@@ -394,6 +408,8 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         str(results),
         "--deadline-s",
         str(max(a.timeout_s - 20, 100)),
+        "--gpus",
+        str(a.gpus),
     ]
     progress(f"ours: staleness {a.staleness}, {a.steps} steps each")
     run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))
@@ -405,6 +421,7 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             {
                 "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
                 "side": "ours",
+                "gpus": a.gpus,
                 "max_staleness": r["max_staleness"],
                 "exit_status": r.get("exit_status"),
                 "timed_out": r.get("timed_out"),
@@ -440,6 +457,7 @@ def report(work: Path, results: Path | None) -> dict[str, Any]:
     stages = {s: _load(work / f"vs_verl-{s}.json") for s in ("prepare", "verl", "ours")}
     configs = [c for s in ("verl", "ours") for c in (stages[s] or {}).get("configs", [])]
     verl = next((c for c in configs if c["label"] == "verl-sync" and c.get("steps_done")), None)
+    gpus = max((int(c.get("gpus", 1)) for c in configs), default=1)
     ratios: dict[str, Any] = {}
     if verl:
         vstep = verl["split_s"].get("step")
@@ -453,15 +471,16 @@ def report(work: Path, results: Path | None) -> dict[str, Any]:
     out = {
         "bench": "vs_verl",
         "workload": "longtail",
+        "gpus": gpus,
         "prepare": stages["prepare"],
         "configs": configs,
         "per_step_speedup_vs_verl_sync": ratios,
-        "caveats": CAVEATS,
+        "caveats": [*CAVEATS, PLACEMENT[gpus]],
     }
     if results:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-        plot(results.with_suffix(".png"), configs)
+        plot(results.with_suffix(".png"), configs, gpus)
     return out
 
 
@@ -469,7 +488,7 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def plot(path: Path, configs: list[dict[str, Any]]) -> None:
+def plot(path: Path, configs: list[dict[str, Any]], gpus: int) -> None:
     try:
         import matplotlib
 
@@ -488,7 +507,8 @@ def plot(path: Path, configs: list[dict[str, Any]]) -> None:
             ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
         ax.set_xlabel("wall-clock since the end of step 1 (s)")
         ax.set_ylabel("mean reward per step")
-        ax.set_title("bench/vs_verl.py: verl's trainer vs ours, long-tail workload, one GPU")
+        where = "one GPU" if gpus == 1 else f"{gpus} GPUs"
+        ax.set_title(f"bench/vs_verl.py: verl's trainer vs ours, long-tail workload, {where}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

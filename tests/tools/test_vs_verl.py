@@ -79,3 +79,17 @@ def test_verl_metrics_summary() -> None:
     assert out["split_s"]["step"] == 11.0 and out["split_s"]["generate"] == 7.0
     assert out["clock_curve"] == [0.0, 10.0, 22.0]  # seconds since the end of step 1
     assert out["tokens_per_s"] == round((100.0 + 1000 / 12) / 2, 1)
+
+
+def test_two_gpus_reach_both_sides_and_the_report(tmp_path: Path) -> None:
+    a = vs_verl.parse_args(["--gpus", "2", "--work-dir", str(tmp_path)])
+    assert "trainer.n_gpus_per_node=2" in vs_verl.verl_overrides(a, "/m", tmp_path)
+    verl = {"label": "verl-sync", "gpus": 2, "steps_done": 3, "split_s": {"step": 20.0}}
+    ours = {"label": "ours-sync", "gpus": 2, "steps_done": 3, "split_s": {"step": 5.0}}
+    for stage, configs in (("verl", [verl]), ("ours", [ours])):
+        (tmp_path / f"vs_verl-{stage}.json").write_text(json.dumps({"configs": configs}))
+    out = vs_verl.report(tmp_path, None)
+    assert out["gpus"] == 2 and out["caveats"][-1] == vs_verl.PLACEMENT[2]
+    assert out["per_step_speedup_vs_verl_sync"]["ours-sync"]["verl_step_over_ours"] == 4.0
+    with pytest.raises(SystemExit):
+        vs_verl.parse_args(["--gpus", "3"])
