@@ -9,6 +9,7 @@ a code, so a receiver can answer with a typed ERROR and keep the connection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -16,9 +17,10 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
+from protocol import typed_header
 from protocol.batch import Trajectories, as_columns
 from protocol.budget import Truncated
-from protocol.columns import FRAMES_NUMBERS, decode_columns
+from protocol.columns import FRAMES_NUMBERS, decode_columns, decode_numbers_form
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -247,10 +249,19 @@ def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Mess
                 ErrorCode.TOO_LARGE,
                 f"message of {size} bytes exceeds the limit of {limits.max_message_bytes}",
             )
+        payload = [view(f).cast("B") for f in frames[2:]]
+        if (
+            t is MsgType.TRAJECTORY_BATCH
+            and (typed := typed_header.decode(view(frames[1]), FRAMES_NUMBERS)) is not None
+        ):
+            header = {"seq": typed.seq}  # names the batch in an error from the checks below
+            try:
+                return _decode_typed_batch(typed, payload, limits)
+            except typed_header.Fallback:
+                header = None  # the generic path decodes it again and names what is wrong
         header = _unpack(frames[1])
         if not isinstance(header, dict):
             raise ProtocolError(ErrorCode.MALFORMED, "header must be a msgpack map")
-        payload = [view(f).cast("B") for f in frames[2:]]
         if t is MsgType.TRAJECTORY_BATCH:
             return _decode_batch(header, payload, limits)
         if t is MsgType.WEIGHTS_CHUNK:
@@ -294,6 +305,17 @@ def _decode_batch(header: dict, payload: list[memoryview], limits: CodecLimits) 
         )
     meta, columns = decode_columns(header.get("meta"), header.get("columns"), payload, limits)
     return TrajectoryBatch(seq=seq, trajectories=Trajectories(meta, columns))
+
+
+def _decode_typed_batch(
+    typed: Any, payload: list[memoryview], limits: CodecLimits
+) -> TrajectoryBatch:
+    """A 1.5 batch whose header ``typed_header`` decoded: the same checks as ``_decode_batch``,
+    in the same order, with the header lists already typed."""
+    meta, columns = decode_numbers_form(
+        functools.partial(typed_header.lists, typed), typed.columns, payload, limits
+    )
+    return TrajectoryBatch(seq=typed.seq, trajectories=Trajectories(meta, columns))
 
 
 def _decode_chunk(header: dict, payload: list[memoryview]) -> WeightsChunk:

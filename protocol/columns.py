@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -337,13 +337,21 @@ def decode_columns(
     """Validate a batch's columns: (per-trajectory values as lists, keyed as ``LEGACY_META``;
     token columns as read-only views into ``frames``). Raises ProtocolError naming the field."""
     if isinstance(cols_raw, list) and len(cols_raw) == FRAMES_NUMBERS:
-        return _decode_numbers_form(meta_raw, cols_raw, frames, limits)
+        return decode_numbers_form(
+            lambda n: _header_lists(meta_raw, HEADER_FIELDS, n)[1], cols_raw, frames, limits
+        )
     return _decode_header_form(meta_raw, cols_raw, frames, limits)
 
 
-def _decode_numbers_form(
-    meta_raw: Any, cols_raw: list[Any], frames: list[memoryview], limits: CodecLimits
+def decode_numbers_form(
+    header_lists: Callable[[int], dict[str, list[Any]]],
+    cols_raw: list[Any],
+    frames: list[memoryview],
+    limits: CodecLimits,
 ) -> tuple[dict[str, list[Any]], dict[str, np.ndarray]]:
+    """``decode_columns`` of the 1.5 form; ``header_lists(n)`` validates the ``meta`` lists of a
+    batch of ``n`` (generic, or ``typed_header.lists``), at the point where the generic path
+    would, so an invalid batch fails on the same check either way."""
     if len(frames) != FRAMES_NUMBERS:
         raise _malformed()
     nums = _numbers(cols_raw[FRAMES_LEGACY:], frames[FRAMES_LEGACY:], limits)
@@ -358,7 +366,7 @@ def _decode_numbers_form(
             f"{limits.max_tokens_per_trajectory}",
             field=f"trajectories[{i}]",
         )
-    _, meta = _header_lists(meta_raw, HEADER_FIELDS, len(p))
+    meta = header_lists(len(p))
     tokens = _tokens(
         cols_raw[:FRAMES_LEGACY],
         frames[:FRAMES_LEGACY],
