@@ -110,10 +110,13 @@ async def generate_turn(ep: Episode, deps: AgentDeps) -> Generation | None:
         ep.terminate("length")
         return None
     ended_by_string = gen.stop_string is not None  # mid-turn stop (code agent): the turn goes on
-    if not ended_by_string and (not gen.token_ids or gen.token_ids[-1] != deps.renderer.eos_id):
+    unclosed = not gen.token_ids or gen.token_ids[-1] != deps.renderer.eos_id
+    if not ended_by_string and unclosed and turn_budget(ep, deps.limits) > 0:
         # The turn ended without the template's end-of-turn token (the engine did not return it,
         # or the model stopped on another end token such as <|endoftext|>): the template still
         # needs the turn closed before anything follows. Appended as context (mask 0): the model
-        # did not sample it.
+        # did not sample it. Not when the turn used the last of the budget: nothing can follow
+        # then, and one token more would break the response limit the learner enforces (it
+        # refuses the whole batch as TOO_LARGE).
         ep.add_tool([deps.renderer.eos_id])
     return gen

@@ -316,3 +316,28 @@ def test_remax_group_carries_the_greedy_episodes_reward(renderer: ChatRenderer) 
     assert [t.reward for t in res.trajectories] == [0.0, 0.0, 0.0]
     assert all(t.reward_extras[REMAX_BASELINE] == 1.0 for t in res.trajectories)
     assert sorted(s.temperature for _, s in engine.calls) == [0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.anyio
+async def test_a_turn_ending_on_another_end_token_at_the_budget_stays_within_it(
+    renderer: ChatRenderer, tokenizer: Any
+) -> None:
+    """The model stops on <|endoftext|> with the last token of the response budget: the turn is
+    not closed with <|im_end|> then (nothing can follow, and one token more is a response the
+    learner refuses as TOO_LARGE, with the whole batch). With room left, it is closed (mask 0)."""
+    other_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert other_end != renderer.eos_id
+    for budget, closed in ((5, False), (6, True)):
+        ids = [*list(renderer.text_ids("the answer is 8"))[:4], other_end]
+        assert len(ids) == 5
+        gen = Generation(ids, [0.0] * 5, [0] * 5, "stop")
+        ep = episode()
+        await make(
+            renderer,
+            ScriptedEngine(tokenizer, [gen]),
+            [],
+            agent="single_turn",
+            response_length=budget,
+        ).run(ep)
+        assert len(ep.response_ids) == 5 + closed <= budget, (budget, ep.response_ids)
+        assert (ep.response_ids[-1] == renderer.eos_id) == closed and ep.mask[:5] == [1] * 5
