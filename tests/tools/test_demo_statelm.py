@@ -126,16 +126,20 @@ def test_demonstrations_are_the_agents_segments(renderer: ChatRenderer, config: 
     assert fact not in second and STUB in second
     assert f"- {NOTE_KEY}: {row['answer']}" in second
     assert '"name": "deleteContext", "arguments": {"msg_id": 3}' in second
+    # the code comes back from external memory right before the answer
+    last = renderer.decode(segments[1].response_ids)
+    assert f'"tool": "readNote", "result": "{row["answer"]}"' in last
 
 
-def test_guesses_skip_the_note(renderer: ChatRenderer, config: Any) -> None:
+def test_guesses_note_a_wrong_code_and_answer_it(renderer: ChatRenderer, config: Any) -> None:
     rows = statelm_rows(8, seed=5)
     demos = build("statelm", rows, renderer, tool_objects(config), guess_fraction=1.0, seed=1)
     assert len(demos) == 2 * len(rows)
-    text = "".join(renderer.decode(d.ids) for d in demos)
-    assert '"name": "note", "arguments"' not in text
+    text = "".join(renderer.decode(d.ids) for d in demos[1::2])  # the last segments: all of it
+    noted = re.findall(r'"name": "note", "arguments": \{"key": "code", "summary": "([^"]*)"', text)
     answers = re.findall(r'"name": "finish", "arguments": \{"answer": "([^"]*)"\}', text)
-    assert len(answers) == len(rows)
+    assert len(noted) == len(answers) == len(rows)
+    assert noted == answers
     assert all(a != r["answer"] for a, r in zip(answers, rows, strict=True))
 
 

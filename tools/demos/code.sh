@@ -11,7 +11,7 @@
 #  3. bin/train --config configs/demo_code.yaml: a learner and 2 rollout servers running the code
 #     agent with the math reward, everything in $DEMO_DIR/demo-code (metrics.jsonl,
 #     training_curves.png, recordings).
-#   DEMO_STEPS=N     training steps (default: the config's, 40)
+#   DEMO_STEPS=N     training steps (default: the config's, 30)
 #   DEMO_DIR=DIR     where models, data and the run go (default runs)
 #   DEMO_AGENT=code bin/demo key=value ...   more overrides, passed to bin/train
 #   DEMO_AGENT=code bin/demo --help          this text and bin/train's options; touches nothing

@@ -11,10 +11,14 @@ with the loss on the model's tokens (mask 1) only.
 
 The right episode of a tools.demos.statelm_data row: for each chunk, readChunk; on the chunk with
 the fact, note(key=NOTE_KEY, summary=code, content=code); then deleteContext of that chunk's
-message (its msg_id is in the tool response); the last chunk holds the question, answered with
-finish(code), which after the deletions is visible only in the notes listing. With
-``guess_fraction`` f, an episode's seeded draw below f skips the note and finishes with a wrong
-code: the warmed model should note only some of the time, a choice left for RL to learn.
+message (its msg_id is in the tool response); the last chunk holds the question; readNote(
+NOTE_KEY) brings the code back (after the deletions it is only in external memory) and finish(code)
+answers. With ``guess_fraction`` f, an episode's seeded draw below f notes a wrong code instead (and
+so answers it): the warmed model copies the fact into its note only some of the time, a choice
+that RL learns from the reward, which reaches the note only through the snapshot trajectory the
+deletion closed. Every episode takes the same actions otherwise: a choice between actions (note or
+not) at the tool name's first token left a 2-layer model writing blends of both names
+("deleteteCont", "noteteCont") at temperature 1 after 300 warm-up steps.
 """
 
 from __future__ import annotations
@@ -78,20 +82,23 @@ def episode_actions(
 
     n = -(-len(row["documents"][0]["text"]) // chunk_chars)
 
+    noted = str(row["answer"]) if guess is None else guess
+
     def plan() -> Iterator[str]:
         for k in range(n):
             yield hermes_call_text("readChunk", {"doc_id": 0, "chunk": k})
             read = StateLMAgent.context(ep).history[-1]  # the readChunk response
-            if k == int(row["fact_chunk"]) and guess is None:
-                answer = str(row["answer"])
+            if k == int(row["fact_chunk"]):
                 yield hermes_call_text(
-                    "note", {"key": NOTE_KEY, "summary": answer, "content": answer}
+                    "note", {"key": NOTE_KEY, "summary": noted, "content": noted}
                 )
             if k < n - 1 and delete:
                 yield hermes_call_text("deleteContext", {"msg_id": read.msg_id})
-        yield hermes_call_text(
-            "finish", {"answer": str(row["answer"]) if guess is None else str(guess)}
-        )
+        # the note's content comes back as the last thing before the answer, as the fact ends its
+        # chunk before the note: the same fixed-distance copy writes both (from the notes listing
+        # at the prompt's top, 500 warm-up steps did not teach the tiny model to copy)
+        yield hermes_call_text("readNote", {"key": NOTE_KEY})
+        yield hermes_call_text("finish", {"answer": noted})
 
     turns = plan()
     return lambda: next(turns)

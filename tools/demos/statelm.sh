@@ -4,11 +4,12 @@
 #     a 2-chunk document, the secret code (a letter) at the end of chunk 0, the question at the end
 #     of chunk 1; the per-segment response budget holds one chunk and its note, not both chunks);
 #  2. warm-up (bin/warmup --agent statelm, seeded): episodes played by the real StateLM agent that
-#     read chunk 0, note the code, delete the chunk (a new segment), read chunk 1 and finish with
-#     the code from the notes; half of them skip the note and finish with a guess, a choice
-#     left for RL to learn from the reward;
+#     read chunk 0, note the code, delete the chunk (a new segment), read chunk 1, read the note
+#     back and finish with it; in half of them the note holds a wrong code, so the warmed model
+#     copies the fact into its note only some of the time: the choice RL learns from the reward;
 #  3. bin/train --config configs/demo_statelm.yaml: a learner and 2 rollout servers; every
-#     deletion closes a snapshot trajectory, trained in the episode's GRPO group with its reward.
+#     deletion closes a snapshot trajectory, trained in the episode's GRPO group with its reward
+#     (the note was written in that snapshot, so that is where the reward teaches it).
 #     Everything lands in $DEMO_DIR/demo-statelm (metrics.jsonl, training_curves.png, ...).
 #   DEMO_STEPS=N     training steps (default: the config's)
 #   DEMO_DIR=DIR     where models, data and the run go (default runs)
@@ -22,16 +23,16 @@ source tools/demos/prelude.sh
 demo_prelude "$0" "DEMO_AGENT=statelm bin/demo" "$@"
 py=.venv/bin/python
 dir="${DEMO_DIR:-runs}"
-tools=readChunk,note,deleteContext,finish  # configs/demo_statelm.yaml agents.statelm.tools
+tools=readChunk,note,readNote,deleteContext,finish  # configs/demo_statelm.yaml agents.statelm.tools
 [[ -f "$dir/tiny-model/model.safetensors" ]] || $py bin/make-tiny-model --out "$dir/tiny-model"
 [[ -f "$dir/tiny-statelm-data/train.jsonl" ]] || $py -m tools.demos.statelm_data --out "$dir/tiny-statelm-data" > /dev/null
 if [[ ! -f "$dir/tiny-statelm-model/model.safetensors" ]]; then
-  echo "== warm-up (bin/warmup --agent statelm, seeded): noting episodes and guesses" >&2
+  echo "== warm-up (bin/warmup --agent statelm, seeded): episodes that note the code, and as many that note a wrong one" >&2
   # Two threads: nothing else runs yet, and its episodes are long enough to split (30 steps on an
   # idle 2-core machine: 1.67 s a step on one thread, 1.10 s on two).
   OMP_NUM_THREADS=2 $py bin/warmup --agent statelm --tools "$tools" --model "$dir/tiny-model" \
     --data "$dir/tiny-statelm-data/train.jsonl" --out "$dir/tiny-statelm-model" \
-    --guess-fraction 0.5 --target 0.2 --max-seconds 900 > /dev/null
+    --guess-fraction 0.5 --target 0.5 --max-seconds 900 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$dir/tiny-statelm-model"
       data.train_files="$dir/tiny-statelm-data/train.jsonl"
