@@ -10,12 +10,12 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   tool agent ends as ``no_tool_call`` and the math reward reads from the box;
 - the loss is on the model's tokens only (both turns and their end tokens), never on the prompt or
   the tool response: exactly the mask the rollouts carry;
-- it stops at *partial* competence, measured: every PROBE_EVERY steps a probe scores held-out rows
-  (the PROBE_ROWS after the training rows) with the chance that sampling at temperature 1 writes
-  the whole episode right; training stops once that reaches ``target`` (0.3), so some episodes
-  earn the reward and most groups have reward variance: RL has something left to learn. A fixed
-  step count cannot do this: the copying both turns need (question -> call, tool response -> box)
-  appears abruptly, at a step that batch order decides;
+- it stops at *partial* competence, measured: every PROBE_EVERY steps (``--probe-every``) a probe
+  scores held-out rows (the PROBE_ROWS after the training rows) with the chance that sampling at
+  temperature 1 writes the whole episode right; training stops once that reaches ``target``
+  (0.3), so some episodes earn the reward and most groups have reward variance: RL has something
+  left to learn. A fixed step count cannot do this: the copying both turns need (question ->
+  call, tool response -> box) appears abruptly, at a step that batch order decides;
 - a copy drill (random strings of the expression tokens shown twice) trains alongside and brings
   that step forward and into line: over 8 seeds the probe reached 0.3 at steps 210-410 with it,
   while the demonstrations alone left some seeds without the copy after 800 steps;
@@ -440,6 +440,7 @@ def warmup(
     max_tokens: int | None = None,
     bucket: bool = False,
     agent: str = "calculator",
+    probe_every: int = PROBE_EVERY,
 ) -> dict[str, Any]:
     """Train at most ``steps`` Adam steps on episodes from the first ``examples`` rows of
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
@@ -563,7 +564,7 @@ def warmup(
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         losses.append(loss.item())
-        if probe_data is not None and (step % PROBE_EVERY == 0 or step == steps):
+        if probe_data is not None and (step % probe_every == 0 or step == steps):
             with autocast():
                 probes.append((step, round(_probe(model, probe_data), 4)))
         reached = (
@@ -614,6 +615,7 @@ def warmup(
         "data_file": str(data_file),
         "examples": n_train,
         "probe_rows": n_probe,
+        "probe_every": probe_every,
         "steps": len(losses),
         "max_steps": steps,
         "stopped": stopped,
@@ -640,6 +642,13 @@ def warmup(
         summary |= {"device": device, "grad_clip": grad_clip}
     (out / METADATA).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -673,6 +682,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_TARGET,
         help="stop once the probe (held-out chance of a fully right episode) reaches this; "
         "0: run all steps (default %(default)s)",
+    )
+    p.add_argument(
+        "--probe-every",
+        type=_positive_int,
+        default=PROBE_EVERY,
+        help="probe every this many steps (default %(default)s); a probe of long episodes costs "
+        "a few steps' time, and the target can only be seen where a probe runs",
     )
     p.add_argument(
         "--examples",
@@ -768,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
             guess_fraction=a.guess_fraction,
             max_tokens=a.max_tokens,
             bucket=a.bucket,
+            probe_every=a.probe_every,
             device=a.device,
             grad_clip=a.grad_clip,
             tools=tuple(t.strip() for t in a.tools.split(",") if t.strip()),

@@ -37,7 +37,7 @@ def warm(tiny: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     out = tmp_path_factory.mktemp("warm") / "model"
     # Enough steps for the format (call, JSON, boxed answer; 60 sufficed in 3 seeds, 40 did not),
     # far too few for the numbers.
-    summary = warmup(tiny, data, out, steps=80, examples=48, seed=0, target=None)
+    summary = warmup(tiny, data, out, steps=80, examples=48, seed=0, target=None, probe_every=20)
     return out, summary
 
 
@@ -111,7 +111,8 @@ def test_warmup_writes_a_loadable_model_dir(tiny: Path, warm: tuple[Path, dict])
     assert file_hash(out / "model.safetensors") != file_hash(tiny / "model.safetensors")
     assert json.loads((out / METADATA).read_text()) == json.loads(json.dumps(summary))
     assert summary["steps"] == 80 and summary["stopped"] == "steps" and summary["examples"] == 48
-    assert summary["probe_rows"] == 16 and len(summary["probe_history"]) == 8
+    assert summary["probe_rows"] == 16 and summary["probe_every"] == 20
+    assert [s for s, _ in summary["probe_history"]] == [20, 40, 60, 80]
     assert summary["final_loss"] < summary["first_loss"] / 4
 
 
@@ -245,3 +246,14 @@ def test_warmup_check_reports_on_vllm(warm: tuple[Path, dict], data: Path) -> No
         and 0.0 <= summary["mean_reward"] <= 1.0
         and "tool_call_rate" in summary
     )
+
+
+def test_probe_every_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.warmup import PROBE_EVERY, parse_args
+
+    base = ["--model", "m", "--data", "d.jsonl", "--out", "o"]
+    assert parse_args(base).probe_every == PROBE_EVERY
+    assert parse_args([*base, "--probe-every", "25"]).probe_every == 25
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--probe-every", "0"])
+    assert "--probe-every: must be a positive integer, got '0'" in capsys.readouterr().err

@@ -29,10 +29,11 @@ tools=readChunk,note,readNote,deleteContext,finish  # configs/demo_statelm.yaml 
 if [[ ! -f "$dir/tiny-statelm-model/model.safetensors" ]]; then
   echo "== warm-up (bin/warmup --agent statelm, seeded): episodes that note the code, and as many that note a wrong one" >&2
   # Two threads: nothing else runs yet, and its episodes are long enough to split (30 steps on an
-  # idle 2-core machine: 1.67 s a step on one thread, 1.10 s on two).
+  # idle 2-core machine: 1.67 s a step on one thread, 1.10 s on two). A probe of 32 long episodes
+  # costs ~3 steps' time: every 25 steps, not 10.
   OMP_NUM_THREADS=2 $py bin/warmup --agent statelm --tools "$tools" --model "$dir/tiny-model" \
     --data "$dir/tiny-statelm-data/train.jsonl" --out "$dir/tiny-statelm-model" \
-    --guess-fraction 0.5 --target 0.5 --max-seconds 900 > /dev/null
+    --guess-fraction 0.5 --target 0.5 --probe-every 25 --max-seconds 900 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$dir/tiny-statelm-model"
       data.train_files="$dir/tiny-statelm-data/train.jsonl"
