@@ -12,7 +12,7 @@
 #     and 2 rollout servers; every batch of 10 prompts holds 4 arithmetic, 3 search and 3 code
 #     tasks, at the servers and in the learner's steps (batch/groups/<source>), each source with
 #     its reward (reward/mean/<source>); everything in $DEMO_DIR/demo-mixed.
-#   DEMO_STEPS=N     training steps (default: the config's, 20)
+#   DEMO_STEPS=N     training steps (default: the config's, 30)
 #   DEMO_DIR=DIR     where models, data and the run go (default runs)
 #   DEMO_AGENT=mixed bin/demo key=value ...   more overrides, passed to bin/train
 #   DEMO_AGENT=mixed bin/demo --help          this text and bin/train's options; touches nothing
@@ -42,11 +42,11 @@ if [[ ! -f "$model/model.safetensors" ]]; then
   # once a step; then the whole mix, since training on one agent's rows alone makes the model
   # write that agent's format for every prompt (the code rows erase the tool agent's episodes)
   "${warmup[@]}" --model "$dir/tiny-model" --data "$data/warmup-tools.jsonl" \
-    --out "$dir/tiny-mixed-warm-tools" --guess-fraction 0.5 --target 0.15 --steps 600 --max-seconds 900 > /dev/null
+    --out "$dir/tiny-mixed-warm-tools" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-tools" --data "$data/warmup-code.jsonl" \
     --out "$dir/tiny-mixed-warm-code" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-code" --data "$data/warmup.jsonl" --bucket \
-    --out "$model" --guess-fraction 0.5 --target 0.15 --steps 400 --max-seconds 720 > /dev/null
+    --out "$model" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 720 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$model" "${paths[@]}" trainer.run_dir="$dir/demo-mixed")
 [[ -z "${DEMO_STEPS:-}" ]] || args+=(trainer.total_training_steps="$DEMO_STEPS")
