@@ -722,8 +722,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--guess-fraction",
         type=float,
         default=0.0,
-        help="share of demonstrations that skip the calculator and box a wrong guess: the warmed "
-        "model then chooses between the two, and RL learns to call the tool (default %(default)s)",
+        help="share of demonstrations that answer wrong: they skip the tool and guess (calculator, "
+        "code, mixed) or note a wrong code (statelm); the warmed model then chooses between the "
+        "two, and RL learns the right one from the reward (default %(default)s)",
     )
     p.add_argument(
         "--drill-weight",
