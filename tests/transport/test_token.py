@@ -44,12 +44,15 @@ async def test_the_token_gets_in_a_wrong_one_or_none_is_refused_and_reported(net
             await submit_all(c1.client, [make_batch(1)])
             await anyio.sleep(REFUSAL_WAIT_S)  # waiting for something that must not happen
             assert c1.connected() == 0 and c2.connected() == 0, "a refused client got a WELCOME"
+            # Both clients retry. An attempt of the one without a token can be cut before the
+            # server reads its greeting (HANDSHAKE_FAILED: the client saw the mismatch first and
+            # hung up, seen under a loaded full suite); a later attempt is reported as what it is.
+            want = {("127.0.0.1", "BAD_CREDENTIALS"), ("127.0.0.1", "NO_CREDENTIALS")}
+            with anyio.fail_after(20):
+                while not want <= {(address, code) for address, code, _ in refusals}:
+                    await anyio.sleep(0.05)
+            assert c1.connected() == 0 and c2.connected() == 0, "a refused client got a WELCOME"
         assert lh.joined() == 0 and not lh.received and not lh.proto.peers
-        codes = {(address, code) for address, code, _ in refusals}
-        assert ("127.0.0.1", "BAD_CREDENTIALS") in codes and (
-            "127.0.0.1",
-            "NO_CREDENTIALS",
-        ) in codes
         assert all(TOKEN not in reason and "b" * 64 not in reason for _, _, reason in refusals)
 
         async def token() -> str:  # read at connection time, as rollout servers do
