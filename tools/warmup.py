@@ -464,8 +464,8 @@ def warmup(
     from rollout_service.tools import load_builtin_tools
     from tools.demos import build as demos_for
 
-    if steps < 1 or examples < 1 or batch_size < 1:
-        raise ValueError("steps, examples and batch_size must be >= 1")
+    if steps < 1 or examples < 1 or batch_size < 1 or probe_every < 1:
+        raise ValueError("steps, examples, batch_size and probe_every must be >= 1")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):

@@ -18,7 +18,7 @@ so answers it): the warmed model copies the fact into its note only some of the 
 that RL learns from the reward, which reaches the note only through the snapshot trajectory the
 deletion closed. Every episode takes the same actions otherwise: a choice between actions (note or
 not) at the tool name's first token left a 2-layer model writing blends of both names
-("deleteteCont", "noteteCont") at temperature 1 after 300 warm-up steps.
+("deleteteeCont", "noteteCont") at temperature 1 after 300 warm-up steps.
 """
 
 from __future__ import annotations
