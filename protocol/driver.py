@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
 
 from protocol.batch import Trajectories
 from protocol.events import BatchReceived, BatchRefused, Event
@@ -67,6 +68,19 @@ async def _sleep_until(event: anyio.Event, deadline: float, clock: Callable[[], 
     if delay > 0:
         with anyio.move_on_after(min(delay, 3600.0)):
             await event.wait()
+
+
+async def _emit(stream: MemoryObjectSendStream[Event], events: Sequence[Event]) -> None:
+    """Hand the machine's events to the application, without a checkpoint while the buffer has room.
+
+    ``send`` checkpoints before it delivers, and the flusher cancels the reader as soon as the state
+    machine leaves its session: the event that said why (HELLO_REQUIRED, BYE) was then lost though
+    its state change had happened. Only a full buffer (an application that stopped reading) waits."""
+    for ev in events:
+        try:
+            stream.send_nowait(ev)
+        except anyio.WouldBlock:
+            await stream.send(ev)
 
 
 class RolloutClient:
@@ -155,15 +169,13 @@ class RolloutClient:
             async def reader() -> None:
                 while True:
                     frames = await channel.recv()
-                    for ev in self.conn.receive(frames, self._clock()):
-                        await self._send_events.send(ev)
+                    await _emit(self._send_events, self.conn.receive(frames, self._clock()))
                     self._waker.poke()
 
             tg.start_soon(reader)
             while self.conn.state in (SenderState.HELLO_SENT, SenderState.READY):
                 wake = self._waker.rearm()
-                for ev in self.conn.tick(self._clock()):
-                    await self._send_events.send(ev)
+                await _emit(self._send_events, self.conn.tick(self._clock()))
                 await self._flush(channel)
                 if self.conn.state not in (SenderState.HELLO_SENT, SenderState.READY):
                     break
@@ -246,8 +258,7 @@ class LearnerServer:
                         events = self.proto.receive(identity, frames, self._clock())
                         if (held := self.proto.held_batch) is not None:
                             events += await self._settle(held)
-                        for ev in events:
-                            await self._send_events.send(ev)
+                        await _emit(self._send_events, events)
                         self._waker.poke()
                         if any(isinstance(ev, BatchRefused) for ev in events):
                             await anyio.sleep(self.persist_retry_delay_s)
@@ -256,8 +267,7 @@ class LearnerServer:
                 task_status.started()
                 while True:
                     wake = self._waker.rearm()
-                    for ev in self.proto.tick(self._clock()):
-                        await self._send_events.send(ev)
+                    await _emit(self._send_events, self.proto.tick(self._clock()))
                     for identity, frames in self.proto.data_to_send(self._clock()):
                         await self.channel.send(identity, frames)
                     if self._closing:

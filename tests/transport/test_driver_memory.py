@@ -9,7 +9,13 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from transport_testkit import client_running, learner_running, make_batch, submit_all
+from transport_testkit import (
+    ClientHandle,
+    client_running,
+    learner_running,
+    make_batch,
+    submit_all,
+)
 
 from protocol.errors import ErrorCode
 from protocol.events import (
@@ -21,8 +27,8 @@ from protocol.events import (
     ProtocolViolation,
     WeightsReceived,
 )
-from protocol.memory_transport import MemoryHub
-from protocol.sender import SenderState
+from protocol.memory_transport import MemoryClientChannel, MemoryHub
+from protocol.sender import Frames, SenderState
 from protocol.weights import NamedBuffer
 
 pytestmark = pytest.mark.anyio
@@ -157,3 +163,38 @@ async def test_learner_bye_sends_the_client_back_to_reconnect() -> None:
             ):  # the driver opened a fresh channel and said HELLO again
                 await anyio.sleep(0.01)
         assert ch.conn.state is not SenderState.CLOSED
+
+
+async def test_the_event_that_ends_a_session_reaches_the_application() -> None:
+    """The flusher ends the session (and cancels the reader) as soon as the machine leaves it: the
+    reader must have handed over the event that said why by then. Here the flusher is made runnable
+    at the instant the learner's BYE arrives, the interleaving a loaded machine produced in CI."""
+    hub = MemoryHub()
+    handles: list[ClientHandle] = []
+
+    class WakingChannel:
+        def __init__(self, inner: MemoryClientChannel) -> None:
+            self.inner = inner
+
+        async def send(self, frames: Frames) -> None:
+            await self.inner.send(frames)
+
+        async def recv(self) -> Frames:
+            frames = await self.inner.recv()
+            handles[0].client._waker.poke()  # the flusher runs at the reader's next checkpoint
+            return frames
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    async def connect() -> WakingChannel:
+        return WakingChannel(await hub.connect())
+
+    async with learner_running(hub.server()) as lh, client_running(connect) as ch:
+        handles.append(ch)
+        await ch.watch.until(lambda: ch.connected() == 1)
+        await lh.close()
+        with anyio.fail_after(5):
+            while ch.client.connections < 2:
+                await anyio.sleep(0.01)
+        assert [e.reason for e in ch.watch.of(PeerClosed)] == ["learner shutting down"]
