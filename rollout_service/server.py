@@ -69,7 +69,7 @@ from protocol.messages import (
     ValidateResult,
 )
 from protocol.weights import ReceivedWeights, WeightAssembler
-from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits
+from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
@@ -138,15 +138,32 @@ def agent_setup(config: Config, agent_type: str) -> AgentSetup:
     )
 
 
+def source_tools(config: Config) -> dict[tuple[str, str], list[str]]:
+    """(agent type, source) -> the tools that ``data.datasets[].tools`` gives the source's agent."""
+    data = config.data
+    return {
+        (d.agent_type or data.agent_type, d.name): list(d.tools)
+        for d in data.datasets
+        if d.tools is not None
+    }
+
+
 def build_agent_deps(
     config: Config, base: AgentDeps, agent_types: set[str], limiter: Any
 ) -> dict[str, AgentDeps]:
     """Per agent type, its tools (local or remote, rate-limited where a bucket is configured; one
-    build, so remote tools share one client) and options."""
+    build, so remote tools share one client) and options; and per source that names its own tools
+    (``source_deps_key``), the same agent with those tools. Look a row's up with ``deps_for``."""
     from rollout_service.tools.factory import build_tools
     from rollout_service.tools.limited import rate_limited
 
     setups = {a: agent_setup(config, a) for a in sorted(agent_types)}
+    per_source = {
+        source_deps_key(a, src): replace(setups[a], tools=tools)
+        for (a, src), tools in source_tools(config).items()
+        if a in setups
+    }
+    setups = {**setups, **per_source}
     names = list(dict.fromkeys(n for s in setups.values() for n in s.tools))
     tools = rate_limited(build_tools(config, names), limiter)
     return {
@@ -200,6 +217,13 @@ def check_names(config: Config, agent_types: set[str]) -> None:
                 if name not in registry:
                     problems.append(
                         f"{key}: unknown tool {name!r}; known: {', '.join(registry.names())}"
+                    )
+        for i, d in enumerate(config.data.datasets):
+            for name in d.tools or ():
+                if name not in registry:
+                    problems.append(
+                        f"data.datasets.{i}.tools: unknown tool {name!r}; "
+                        f"known: {', '.join(registry.names())}"
                     )
     if problems:
         raise StartupError("; ".join(dict.fromkeys(problems)))
@@ -523,7 +547,7 @@ class RolloutServer:
                 n=rollout.n,
                 agent_type=item.agent_type,
                 data_source=item.data_source,
-                deps=self.deps[item.agent_type],
+                deps=deps_for(self.deps, item.agent_type, item.data_source),
                 rewards=self.rewards,
                 server_id=self.server_id,
                 remax=self.config.algorithm.adv_estimator == "remax",

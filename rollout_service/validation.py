@@ -32,7 +32,7 @@ import anyio
 
 from protocol.messages import ValidateResult
 from protocol.validation import EpisodeOutcome, summarize
-from rollout_service.agents.base import AgentDeps
+from rollout_service.agents.base import AgentDeps, deps_for
 from rollout_service.data import DataError, Source, _load_sources, layout_options
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.groups import RewardChoice, run_group
@@ -182,8 +182,7 @@ class ValidationRunner:
                     d.sampling, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed
                 ),
             )
-            for a, d in deps.items()
-            if a in self.agent_types
+            for a, d in deps.items()  # per agent, and per source with its own tools
         }
 
         async def one(r: ValRow) -> None:
@@ -194,7 +193,7 @@ class ValidationRunner:
                     n=self.n,
                     agent_type=r.agent_type,
                     data_source=r.data_source,
-                    deps=val_deps[r.agent_type],
+                    deps=deps_for(val_deps, r.agent_type, r.data_source),
                     rewards=rewards,
                     server_id=self.server_id,
                 )

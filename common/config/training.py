@@ -111,6 +111,10 @@ class DatasetConfig(Section):
     """Share of every training batch; the ratios of all datasets sum to 1."""
     agent_type: str | None = Field(default=None, min_length=1)
     """Agent loop that runs this source's samples; null: data.agent_type."""
+    tools: list[str] | None = None
+    """Tools this source's agent offers (their schemas are its prompt's), in place of the agent's
+    own list (multi_turn.tools, or its agents.* section's); null: the agent's. A small model
+    learns a source's task faster when the prompt shows only the tools that task needs."""
 
     @field_validator("path", mode="before")
     @classmethod

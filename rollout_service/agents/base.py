@@ -10,6 +10,7 @@ terminates for the same reasons the same way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -46,6 +47,17 @@ class AgentDeps:
     options: Any = (
         None  # the agent's own config section (agents.statelm, agents.code); None: defaults
     )
+
+
+def source_deps_key(agent_type: str, data_source: str) -> str:
+    """Where ``build_agent_deps`` keeps the deps of a source that names its own tools
+    (``data.datasets[].tools``); the agents' own are under their type."""
+    return f"{agent_type}@{data_source}"
+
+
+def deps_for(deps: Mapping[str, AgentDeps], agent_type: str, data_source: str) -> AgentDeps:
+    """The deps a row runs with: its source's own tools where it names them, else its agent's."""
+    return deps.get(source_deps_key(agent_type, data_source)) or deps[agent_type]
 
 
 class Agent(Protocol):

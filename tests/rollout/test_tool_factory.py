@@ -151,3 +151,39 @@ def test_remote_errors_name_the_key(tmp_path: Path, served: tuple[str, Path]) ->
         ["calculator"],
     )
     assert list(local) == ["calculator"]
+
+
+def test_a_source_can_name_its_own_tools(tmp_path: Path) -> None:
+    """``data.datasets[].tools``: that source's rows run their agent with those tools (and only
+    their schemas in the prompt); other sources keep the agent's; unknown names are refused with
+    the dataset's key."""
+    from typing import cast
+
+    from rollout_service.agents.base import AgentDeps, deps_for
+    from rollout_service.server import StartupError, build_agent_deps, check_names
+
+    config_file = tmp_path / "mixed.yaml"
+    config_file.write_text(
+        "actor_rollout_ref:\n  model: {path: m}\n"
+        "  rollout:\n    multi_turn: {tools: [calculator, search, finish]}\n"
+        "data:\n  datasets:\n"
+        "    - {name: arithmetic, path: a.jsonl, ratio: 0.5, agent_type: tool_agent,"
+        " tools: [calculator, finish]}\n"
+        "    - {name: qa, path: q.jsonl, ratio: 0.5, agent_type: tool_agent}\n"
+        f"tools:\n  search: {{corpus: {make_config(tmp_path).tools.search.corpus}}}\n"
+    )
+    config = load_config(config_file, [], check_paths=False)
+    base = AgentDeps(*cast(Any, (None, None, None, None)))
+    deps = build_agent_deps(config, base, {"tool_agent", "code"}, None)
+    assert list(deps_for(deps, "tool_agent", "arithmetic").tools) == ["calculator", "finish"]
+    assert list(deps_for(deps, "tool_agent", "qa").tools) == ["calculator", "search", "finish"]
+    assert list(deps_for(deps, "code", "arithmetic").tools) == ["python"]  # a row's own agent
+    # one build: the per-source set shares the agent's tool objects
+    assert (
+        deps_for(deps, "tool_agent", "arithmetic").tools["calculator"]
+        is deps["tool_agent"].tools["calculator"]
+    )
+    check_names(config, {"tool_agent"})
+    bad = load_config(config_file, ["data.datasets.0.tools=[calculater]"], check_paths=False)
+    with pytest.raises(StartupError, match=r"data\.datasets\.0\.tools: unknown tool 'calculater'"):
+        check_names(bad, {"tool_agent"})

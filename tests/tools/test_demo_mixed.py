@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -17,7 +18,7 @@ import pytest
 from common.config import Config
 from common.config.loader import load_config
 from rollout_service.agents import load_builtin_agents
-from rollout_service.agents.base import AgentDeps, AgentLimits
+from rollout_service.agents.base import AgentDeps, AgentLimits, deps_for
 from rollout_service.agents.episode import Episode
 from rollout_service.agents.parsers import HermesParser
 from rollout_service.agents.rendering import ChatRenderer
@@ -25,7 +26,8 @@ from rollout_service.agents.tool_agent import ToolAgent
 from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.rewards.base import EpisodeView
 from rollout_service.rewards.qa import qa_f1_reward
-from tools.demos.mixed import build_demonstrations, local_tools
+from rollout_service.server import build_agent_deps
+from tools.demos.mixed import build_demonstrations
 from tools.demos.mixed_data import make_mixed_data
 from tools.make_tiny_model import make_tiny_model
 from tools.warmup import Demonstration, load_rows
@@ -98,41 +100,57 @@ def test_the_data_holds_the_batch_mix(data: Path) -> None:
     assert Counter(r["data_source"] for r in val) == {"arithmetic": 2, "qa": 2, "code": 2}
 
 
-def test_a_search_demonstration_is_the_tool_agents_episode(
+def test_a_tool_agent_demonstration_is_the_agents_episode(
     renderer: ChatRenderer, data: Path, config: Config
 ) -> None:
+    """Arithmetic and search rows, each replayed through the tool agent with the deps the rollout
+    server gives its source (``data.datasets[].tools``: only calculator and finish, or search and
+    finish, in the prompt)."""
     rows = [r for r in load_rows(data / "warmup.jsonl", 40)][:10]
     demos = build_demonstrations(rows, renderer, {}, config=config)
     assert len(demos) == len(rows)
-    tools = local_tools(config)
     mt = config.actor_rollout_ref.rollout.multi_turn
-    agent_tools = {n: tools[n] for n in mt.tools}
+    base = AgentDeps(
+        engine=TurnEngine([]),  # pyright: ignore[reportArgumentType]
+        renderer=renderer,
+        sampling=SamplingSettings(max_tokens=64),
+        limits=AgentLimits(
+            response_length=256,
+            max_model_len=1024,
+            max_assistant_turns=3,
+            max_tool_response_length=mt.max_tool_response_length,
+        ),
+        parser=HermesParser(),
+    )
+    in_process = load_config(  # the same tools, built here instead of on a tool server
+        REPO / "configs" / "demo_mixed.yaml",
+        [f"tools.search.corpus={data / 'qa' / 'corpus.jsonl'}", "tools.remote.url=null"],
+        check_paths=False,
+    )
+    by_source = build_agent_deps(in_process, base, {"tool_agent"}, None)
     load_builtin_agents()
+    seen: Counter[str] = Counter()
     for row, demo in zip(rows, demos, strict=True):
-        if row["data_source"] != "qa":
+        source = row["data_source"]
+        if source == "code":
             continue
-        agent = ToolAgent(
-            AgentDeps(
-                engine=TurnEngine(turns(demo)),  # pyright: ignore[reportArgumentType]
-                renderer=renderer,
-                sampling=SamplingSettings(max_tokens=64),
-                limits=AgentLimits(
-                    response_length=256,
-                    max_model_len=1024,
-                    max_assistant_turns=3,
-                    max_tool_response_length=mt.max_tool_response_length,
-                ),
-                tools=agent_tools,
-                parser=HermesParser(),
-            )
+        deps = deps_for(by_source, "tool_agent", source)
+        assert (
+            list(deps.tools)
+            == {"arithmetic": ["calculator", "finish"], "qa": ["search", "finish"]}[source]
         )
+        agent = ToolAgent(replace(deps, engine=TurnEngine(turns(demo))))
         ep = Episode("e1", "g1", row, agent_type="tool_agent")
         anyio.run(agent.run, ep)
-        # search, then finish: two calls, both answered
-        assert ep.termination == "answered" and ep.tool_calls == 2 and ep.tool_errors == 0
+        # arithmetic: the calculator, then the boxed number; qa: search, then finish
+        assert ep.tool_calls == {"arithmetic": 1, "qa": 2}[source] and ep.tool_errors == 0
         assert ep.prompt_ids + ep.response_ids == demo.ids
         n = len(ep.prompt_ids)
         assert [bool(m) for m in ep.mask] == demo.train[n - 1 : len(demo.ids) - 1]
+        seen[source] += 1
+        if source != "qa":
+            continue
+        assert ep.termination == "answered"
         view = EpisodeView(
             response_text=renderer.decode(ep.response_ids),
             final_answer=ep.final_answer,
@@ -142,6 +160,7 @@ def test_a_search_demonstration_is_the_tool_agents_episode(
             tool_calls=ep.tool_calls,
         )
         assert anyio.run(qa_f1_reward, view, row).score == 1.0
+    assert seen["arithmetic"] and seen["qa"]
 
 
 def test_every_source_is_demonstrated_by_its_agent(

@@ -3,7 +3,8 @@
 Design: each row (tools/demos/mixed_data) is demonstrated by the agent of its source, tokenised
 exactly as that agent grows its context in a rollout, with the tools the run uses:
 - ``arithmetic``: the calculator episode of tools.warmup (call, the real result, the boxed
-  number), its prompt showing every tool of ``multi_turn.tools`` (calculator, search, finish);
+  number), its prompt showing the tools the source's ``data.datasets[].tools`` names (else every
+  tool of ``multi_turn.tools``), as the rollout server shows them;
 - ``qa``: a tool-agent episode: ``search`` with the town named in the question, the search tool's
   real passages (truncated as the tool agent truncates a response) appended as the tool turn, then
   ``finish`` with the founder's name, copied from the first passage;
@@ -51,12 +52,23 @@ def load() -> Config:
     return config
 
 
+def source_tools(config: Config, source: str) -> list[str]:
+    """The tools the tool agent offers on ``source``'s rows: its ``data.datasets[].tools``, else
+    ``multi_turn.tools`` (as the rollout server picks them)."""
+    for d in config.data.datasets:
+        if d.name == source and d.tools is not None:
+            return list(d.tools)
+    return list(config.actor_rollout_ref.rollout.multi_turn.tools)
+
+
 def local_tools(config: Config) -> dict[str, Any]:
-    """The tool agent's tools (multi_turn.tools, in order) and python, built in-process."""
+    """Every tool of the tool agent's sources (in config order) and python, built in-process."""
     from rollout_service.tools.factory import build_local_tools
 
-    names = [*config.actor_rollout_ref.rollout.multi_turn.tools, "python"]
-    return build_local_tools(config, list(dict.fromkeys(names)))
+    names = [*config.actor_rollout_ref.rollout.multi_turn.tools]
+    for d in config.data.datasets:
+        names += d.tools or []
+    return build_local_tools(config, list(dict.fromkeys([*names, "python"])))
 
 
 def _call(tool: Any, args: dict[str, Any], row: dict[str, Any], episode_id: str) -> Any:
@@ -129,8 +141,9 @@ def build_demonstrations(
     del tools  # built from the config: see the module docstring
     config = config if config is not None else load()
     built = local_tools(config)
-    agent_tools = {n: built[n] for n in config.actor_rollout_ref.rollout.multi_turn.tools}
-    schemas = [t.schema for t in agent_tools.values()]
+    agent_tools = {
+        src: {n: built[n] for n in source_tools(config, src)} for src in ("arithmetic", "qa")
+    }
     founders = sorted({str(r["answer"]) for r in rows if r.get("data_source") == "qa"})
     rng = random.Random(seed)
     demos = []
@@ -139,12 +152,18 @@ def build_demonstrations(
         skip = rng.random() < guess_fraction
         if source == "arithmetic":
             demos += calculator_demonstrations(
-                [row], renderer, agent_tools, guess_fraction=float(skip), seed=rng.randrange(2**31)
+                [row],
+                renderer,
+                agent_tools["arithmetic"],
+                guess_fraction=float(skip),
+                seed=rng.randrange(2**31),
             )
         elif source == "qa":
             others = [f for f in founders if f != str(row["answer"])] or ["Nobody Known"]
             guess = rng.choice(others) if skip else None
-            demos.append(qa_episode(i, row, renderer, agent_tools, schemas, config, guess=guess))
+            qa_tools = agent_tools["qa"]
+            schemas = [t.schema for t in qa_tools.values()]
+            demos.append(qa_episode(i, row, renderer, qa_tools, schemas, config, guess=guess))
         elif source == "code":
             guess_n = wrong_number(int(str(row["answer"])), rng) if skip else None
             demos.append(

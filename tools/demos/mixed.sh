@@ -12,7 +12,7 @@
 #     and 2 rollout servers; every batch of 10 prompts holds 4 arithmetic, 3 search and 3 code
 #     tasks, at the servers and in the learner's steps (batch/groups/<source>), each source with
 #     its reward (reward/mean/<source>); everything in $DEMO_DIR/demo-mixed.
-#   DEMO_STEPS=N     training steps (default: the config's, 30)
+#   DEMO_STEPS=N     training steps (default: the config's, 20)
 #   DEMO_DIR=DIR     where models, data and the run go (default runs)
 #   DEMO_AGENT=mixed bin/demo key=value ...   more overrides, passed to bin/train
 #   DEMO_AGENT=mixed bin/demo --help          this text and bin/train's options; touches nothing
@@ -38,15 +38,17 @@ if [[ ! -f "$model/model.safetensors" ]]; then
   # nothing else runs yet (the code warm-up, idle 2-core machine: 1.3x faster than one thread)
   warmup=(env OMP_NUM_THREADS=2 WARMUP_CONFIG="$config"
           WARMUP_OVERRIDES="tools.search.corpus=$data/qa/corpus.jsonl" $py bin/warmup --agent mixed)
-  # each agent's rows apart first: their demonstrations share the long prompt prefix, computed
-  # once a step; then the whole mix, since training on one agent's rows alone makes the model
-  # write that agent's format for every prompt (the code rows erase the tool agent's episodes)
+  # each agent's rows apart first, then the whole mix, since training on one agent's rows alone
+  # makes the model write that agent's format for every prompt (the code rows erase the tool
+  # agent's episodes). The step caps are what fits bin/demo's 10 minutes on 2 cores (tools 450
+  # steps: 145 s; code stops at its target, ~600 steps: 75 s; mix 400: 95 s); the probes stay
+  # low (0.05 / 0.17 / 0.01), so RL starts from a model that acts in few episodes
   "${warmup[@]}" --model "$dir/tiny-model" --data "$data/warmup-tools.jsonl" \
-    --out "$dir/tiny-mixed-warm-tools" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
+    --out "$dir/tiny-mixed-warm-tools" --guess-fraction 0.5 --target 0.15 --steps 450 --probe-every 50 --max-seconds 900 > /dev/null
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-tools" --data "$data/warmup-code.jsonl" \
     --out "$dir/tiny-mixed-warm-code" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 900 > /dev/null
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-code" --data "$data/warmup.jsonl" --bucket \
-    --out "$model" --guess-fraction 0.5 --target 0.15 --steps 1000 --max-seconds 720 > /dev/null
+    --out "$model" --guess-fraction 0.5 --target 0.15 --steps 400 --probe-every 50 --max-seconds 720 > /dev/null
 fi
 args=(actor_rollout_ref.model.path="$model" "${paths[@]}" trainer.run_dir="$dir/demo-mixed")
 [[ -z "${DEMO_STEPS:-}" ]] || args+=(trainer.total_training_steps="$DEMO_STEPS")

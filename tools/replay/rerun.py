@@ -76,7 +76,7 @@ async def rerun_recording(
     from transformers import AutoTokenizer
 
     from common.ratelimit import GlobalRateLimiter, set_shared
-    from rollout_service.agents.base import AgentDeps
+    from rollout_service.agents.base import AgentDeps, deps_for
     from rollout_service.agents.parsers import PARSERS
     from rollout_service.agents.rendering import ChatRenderer
     from rollout_service.data import DataError, PromptSource
@@ -177,7 +177,7 @@ async def rerun_recording(
                         n=len(groups[uid]),
                         agent_type=info.agent_type,
                         data_source=info.data_source,
-                        deps=deps[info.agent_type],
+                        deps=deps_for(deps, info.agent_type, info.data_source),
                         rewards=rewards,
                         server_id=groups[uid][0].segments[0].source_server or rec.server_id,
                         remax=False,
