@@ -53,21 +53,22 @@ def load() -> Config:
 
 
 def source_tools(config: Config, source: str) -> list[str]:
-    """The tools the tool agent offers on ``source``'s rows: its ``data.datasets[].tools``, else
-    ``multi_turn.tools`` (as the rollout server picks them)."""
-    for d in config.data.datasets:
-        if d.name == source and d.tools is not None:
-            return list(d.tools)
-    return list(config.actor_rollout_ref.rollout.multi_turn.tools)
+    """The tools the tool agent offers on ``source``'s rows, as the rollout server picks them:
+    its ``data.datasets[].tools``, else ``multi_turn.tools``."""
+    from rollout_service.server import source_tools as per_source
+
+    default = config.actor_rollout_ref.rollout.multi_turn.tools
+    return list(per_source(config).get(("tool_agent", source), default))
 
 
 def local_tools(config: Config) -> dict[str, Any]:
     """Every tool of the tool agent's sources (in config order) and python, built in-process."""
+    from rollout_service.server import source_tools as per_source
     from rollout_service.tools.factory import build_local_tools
 
     names = [*config.actor_rollout_ref.rollout.multi_turn.tools]
-    for d in config.data.datasets:
-        names += d.tools or []
+    for tools in per_source(config).values():
+        names += tools
     return build_local_tools(config, list(dict.fromkeys([*names, "python"])))
 
 
