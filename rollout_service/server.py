@@ -119,13 +119,14 @@ def sampling_settings(config: Config) -> SamplingSettings:
 class AgentSetup:
     tools: list[str]  # tool names the agent offers
     options: Any = None  # its config section
+    needs: tuple[str, ...] = ()  # tools it cannot run without, whatever a source names
 
 
 # agent type -> what it needs from the config; agents not listed use multi_turn.tools.
 AGENT_SETUPS: dict[str, Callable[[Any], AgentSetup]] = {
     "single_turn": lambda c: AgentSetup([]),
     "statelm": lambda c: AgentSetup(list(c.agents.statelm.tools), c.agents.statelm),
-    "code": lambda c: AgentSetup(["python"], c.agents.code),
+    "code": lambda c: AgentSetup(["python"], c.agents.code, needs=("python",)),
 }
 
 
@@ -201,6 +202,15 @@ def check_names(config: Config, agent_types: set[str]) -> None:
         if name not in REWARDS:
             problems.append(
                 f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}"
+            )
+    for i, d in enumerate(config.data.datasets):
+        agent = d.agent_type or config.data.agent_type
+        named = d.tools if d.tools is not None else agent_setup(config, agent).tools
+        missing = [n for n in agent_setup(config, agent).needs if n not in named]
+        if missing:  # else every episode of the source would fail when its agent is built
+            problems.append(
+                f"data.datasets.{i}.tools: the {agent} agent cannot run without "
+                f"{', '.join(map(repr, missing))} (got {d.tools})"
             )
     if (
         config.tools.remote.url is None

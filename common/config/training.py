@@ -114,7 +114,9 @@ class DatasetConfig(Section):
     tools: list[str] | None = None
     """Tools this source's agent offers (their schemas are its prompt's), in place of the agent's
     own list (multi_turn.tools, or its agents.* section's); null: the agent's. A small model
-    learns a source's task faster when the prompt shows only the tools that task needs."""
+    learns a source's task faster when the prompt shows only the tools that task needs. A tool
+    the agent cannot run without (the code agent's python) must stay in the list: start-up and
+    --check refuse the source otherwise."""
 
     @field_validator("path", mode="before")
     @classmethod

@@ -187,3 +187,13 @@ def test_a_source_can_name_its_own_tools(tmp_path: Path) -> None:
     bad = load_config(config_file, ["data.datasets.0.tools=[calculater]"], check_paths=False)
     with pytest.raises(StartupError, match=r"data\.datasets\.0\.tools: unknown tool 'calculater'"):
         check_names(bad, {"tool_agent"})
+    # a source of the code agent that leaves out its python: refused at start-up, not per episode
+    no_python = load_config(
+        config_file,
+        ["data.datasets.1.agent_type=code", "data.datasets.1.tools=[search]"],
+        check_paths=False,
+    )
+    with pytest.raises(
+        StartupError, match=r"data\.datasets\.1\.tools: the code agent cannot run without 'python'"
+    ):
+        check_names(no_python, {"tool_agent", "code"})
