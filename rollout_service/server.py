@@ -204,9 +204,10 @@ def check_names(config: Config, agent_types: set[str]) -> None:
                 f"{key}: unknown reward function {name!r}; known: {', '.join(REWARDS.names())}"
             )
     for i, d in enumerate(config.data.datasets):
+        if d.tools is None:  # the agent's own list, which holds what it needs
+            continue
         agent = d.agent_type or config.data.agent_type
-        named = d.tools if d.tools is not None else agent_setup(config, agent).tools
-        missing = [n for n in agent_setup(config, agent).needs if n not in named]
+        missing = [n for n in agent_setup(config, agent).needs if n not in d.tools]
         if missing:  # else every episode of the source would fail when its agent is built
             problems.append(
                 f"data.datasets.{i}.tools: the {agent} agent cannot run without "
