@@ -171,7 +171,7 @@ def plan_run(
     from common.config.launch import rollout_gpus_of
     from common.epochs import total_steps
     from common.rundir import resolve_run_dir
-    from launcher.children import Child, child_env, python_argv
+    from launcher.children import Child, child_env, cpu_share, python_argv
 
     run_dir = resolve_run_dir(config).resolve()
     decided = launch_overrides(config, run_dir)
@@ -188,14 +188,19 @@ def plan_run(
     events = run_dir / EVENTS_FILE
 
     def child(
-        name: str, title: str, script: str, *args: str, gpus: list[int] | None = None
+        name: str,
+        title: str,
+        script: str,
+        *args: str,
+        gpus: list[int] | None = None,
+        cpus: list[int] | None = None,
     ) -> Child:
         return Child(
             name,
             title,
             python_argv(ROOT / "bin" / script, [*base, *args]),
             logs / f"{name}.log",
-            child_env(launch_id, gpus, events_file=events),
+            child_env(launch_id, gpus, events_file=events, cpus=cpus),
         )
 
     n = final.launch.rollout_servers
@@ -237,6 +242,7 @@ def plan_run(
                 f"rollout_server.shard_count={n}",
                 f"rollout_server.server_id=rs{i}",
                 gpus=rollout_gpus_of(final.launch, i),
+                cpus=cpu_share(i, n),
             )
             for i in range(n)
         ]

