@@ -132,9 +132,9 @@ def cpu_share(index: int, count: int, cpus: Sequence[int] | None = None) -> list
     left to the learner), or one core each, round robin, when there are fewer cores than servers.
 
     Why not vLLM's own default ("auto"): each engine picks its cores knowing nothing of its
-    siblings, so every server of a run pins to the same ones. On 2 cores both engines bound
-    themselves to core 0 and took turns on it; one core each made the mixed demo's 20 training
-    steps take 3 min 7 s instead of 3 min 45 s."""
+    siblings, so every server of a run pins to the same ones: on 2 cores both engines bound
+    themselves to core 0 and took turns on it while core 1 idled. On GPUs vLLM ignores the
+    variable, so it is set for every local server alike."""
     pool = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if len(pool) < count:
         return [pool[index % len(pool)]]

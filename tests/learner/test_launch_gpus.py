@@ -53,11 +53,8 @@ def test_child_env_sets_gpus_and_multicast_defaults() -> None:
 def test_each_local_rollout_server_gets_its_own_cores() -> None:
     assert [cpu_share(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
     assert [cpu_share(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == [[0, 1], [2, 3]]
-    assert [cpu_share(i, 3, [4, 6]) for i in range(3)] == [
-        [4],
-        [6],
-        [4],
-    ]  # fewer cores: round robin
+    # fewer cores than servers: one each, round robin
+    assert [cpu_share(i, 3, [4, 6]) for i in range(3)] == [[4], [6], [4]]
     assert cpu_share(0, 1, [3, 1, 2]) == [1, 2, 3]
     assert set(cpu_share(0, 1)) <= set(range(os.cpu_count() or 1))  # default: our affinity
     assert child_env("L", None, base={}, cpus=[2, 3])[VLLM_CPU_BIND_ENV] == "2,3"
