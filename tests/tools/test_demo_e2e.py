@@ -2,7 +2,8 @@
 bin/train with configs/demo.yaml: a learner and 2 rollout servers) in a temporary directory.
 
 Checked: it exits 0 with every step, validation, the plot and multi-turn recorded episodes that call
-the calculator, leaves no process behind, and the policy learns: the warmed model calls the tool in
+the calculator, leaves no process behind, each rollout server's vLLM engine on its own core (as its
+log reports it), and the policy learns: the warmed model calls the tool in
 about a third of its episodes; RL raises that and the reward. The full demo (40 steps) meets the
 README's learning criterion by hand. Here 20 steps, judged by halves: steps of 8 prompts x 8
 episodes are noisy (one 12-step run read 0.08 0.14 0.14 0.45 ... 0.27 0.42 0.16, so its first and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -54,6 +56,15 @@ def test_demo_learns_to_use_the_calculator(tmp_path: Path) -> None:
         if str(tmp_path) in " ".join(p.info["cmdline"] or [])
     ]
     assert not leftovers, [p.info["cmdline"][:3] for p in leftovers]
+
+    # vLLM-CPU logs the cores its engine bound to; bin/train gave each server its own share
+    bound = [
+        re.findall(r"core ids=(\[[0-9, ]*\])", (run / "logs" / f"rollout-{i}.log").read_text())
+        for i in range(2)
+    ]
+    assert all(bound), bound
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert bound[0][-1] != bound[1][-1], bound
 
     metrics = [m for m in read_metrics(run) if "reward/mean" in m]
     assert [int(m["step"]) for m in metrics] == list(range(1, STEPS + 1))
