@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 "message_bytes": sent["message_bytes"],
                 "runs": runs,
                 "median": med,
-                "cpus": os.cpu_count(),
+                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             }
         )
     )
