@@ -108,6 +108,13 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def usable_cpus() -> int | None:
+    """The cores this process may run on (``taskset`` narrows them), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count()
+
+
 def cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {
         k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0
@@ -531,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 "message_bytes": sent["message_bytes"],
                 "runs": runs,
                 "median": med,
-                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                "cpus": usable_cpus(),
             }
         )
     )
