@@ -512,13 +512,21 @@ class Intake:
         }
 
     async def validate(
-        self, policy_version: int, *, timeout_s: float, request_id: str | None = None
+        self,
+        policy_version: int,
+        *,
+        timeout_s: float,
+        request_id: str | None = None,
+        shard_wait_s: float = 0.0,
     ) -> ValidationRound:
         """Ask every connected rollout server that offers validation to validate ``policy_version``
         (or newer) and wait until each answered or left, at most ``timeout_s`` in all. With no rollout
         server connected at all (before the first step), first wait within the same budget for one to
-        join; servers that do not offer validation (protocol 1.0) are not asked. The round is
-        returned with whatever arrived; answers after it returned are ignored."""
+        join; servers that do not offer validation (protocol 1.0) are not asked. Servers that join
+        while the round is open are asked too, and when the answers leave shards of the validation
+        set uncovered, the round waits up to ``shard_wait_s`` more (within ``timeout_s``) for their
+        servers to join and answer (learner.validation). The round is returned with whatever
+        arrived; answers after it returned are ignored."""
         deadline = time.monotonic() + timeout_s
         rnd = ValidationRound(
             request_id or f"v{policy_version}-{uuid.uuid4().hex[:8]}", policy_version
@@ -533,6 +541,7 @@ class Intake:
             rnd.started = (
                 time.monotonic()
             )  # the duration is the run's, not the wait for a server to join
+            rnd.deadline = deadline
             try:
                 rnd.asked = self._server.request_validation(
                     rnd.request_id, policy_version, timeout_s=left
@@ -546,6 +555,15 @@ class Intake:
                 )
                 with anyio.move_on_after(left):
                     await rnd.wait()
+                    if rnd.shards_missing and shard_wait_s > 0:
+                        self._log.info(
+                            "validation waits for the servers of uncovered shards",
+                            request=rnd.request_id,
+                            shards_missing=rnd.shards_missing,
+                            wait_s=shard_wait_s,
+                        )
+                        with anyio.move_on_after(shard_wait_s):
+                            await rnd.wait_covered()
             finally:
                 del self._rounds[rnd.request_id]
         rnd.duration_s = time.monotonic() - rnd.started
@@ -767,6 +785,7 @@ class Intake:
                 if self._joined is not None:
                     self._joined.set()
                     self._joined = None
+                self._ask_joiner_to_validate()
                 if ev.hello.policy_version >= 0:
                     self._peer_versions[ev.peer_id] = ev.hello.policy_version
                 else:
@@ -932,6 +951,21 @@ class Intake:
         if self._arrived is not None:
             self._arrived.set()
             self._arrived = None
+
+    def _ask_joiner_to_validate(self) -> None:
+        """A server joined: every open validation round asks it too (request_validation asks only
+        peers not yet asked for that request)."""
+        now = time.monotonic()
+        for rnd in self._rounds.values():
+            if rnd.deadline > now:
+                asked = self._server.request_validation(
+                    rnd.request_id, rnd.policy_version, timeout_s=rnd.deadline - now
+                )
+                if asked:
+                    rnd.ask_more(asked)
+                    self._log.info(
+                        "validation requested", request=rnd.request_id, servers=asked, joined=True
+                    )
 
     def _end_validations(self) -> None:
         """The intake is closing: nobody will join or answer any more."""

@@ -518,6 +518,7 @@ class Trainer:
             self.version,
             timeout_s=self.config.trainer.val_timeout_s,
             request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}",
+            shard_wait_s=self.config.trainer.val_shard_wait_s,
         )
         metrics = validation_metrics(rnd)
         missing = {
@@ -534,6 +535,7 @@ class Trainer:
             seconds=round(rnd.duration_s, 1),
             missing=missing or None,
             failed=rnd.failed or None,
+            shards_missing=rnd.shards_missing or None,
         )
         if not rnd.asked:
             self.log.warning(

@@ -8,7 +8,12 @@ and answer with metrics only; the learner asks every connected server that offer
 while it waits, as verl does (the intake keeps receiving training batches meanwhile), for at most
 ``trainer.val_timeout_s``; then it logs what arrived, says which servers did not answer, and goes on.
 A server that leaves while asked is reported as lost at once (the protocol's ValidationAbandoned),
-so a dead server never costs the full timeout.
+so a dead server never costs the full timeout. A server that joins while a round is open is asked
+too, and once every asked server answered, a round whose answers leave shards of the validation set
+uncovered (the servers say which shard of how many they ran) waits up to
+``trainer.val_shard_wait_s`` more for their servers: before the first step, one server's engine is
+often still loading when the first one answers, and a round without it measures half the set
+(``val/shards_missing`` says what was left out).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class ValidationRound:
     results: dict[str, ValidateResult] = field(default_factory=dict)  # peer -> its answer
     lost: dict[str, str] = field(default_factory=dict)  # peer -> why it left before answering
     started: float = field(default_factory=time.monotonic)
+    deadline: float = float("inf")  # monotonic time after which nobody more is asked
     duration_s: float = 0.0
     _changed: anyio.Event | None = field(default=None, repr=False)
 
@@ -44,6 +50,32 @@ class ValidationRound:
     def outstanding(self) -> list[str]:
         """Asked peers that neither answered nor left."""
         return [p for p in self.asked if p not in self.results and p not in self.lost]
+
+    def ask_more(self, peers: list[str]) -> None:
+        """``peers`` (joined while the round is open) were asked too; one asked before and lost
+        is outstanding again."""
+        for peer in peers:
+            self.lost.pop(peer, None)
+            self.results.pop(peer, None)
+            if peer not in self.asked:
+                self.asked.append(peer)
+        self._wake()
+
+    @property
+    def shards_missing(self) -> int:
+        """Shards of the validation set no ok answer covered, where the answers agree on how many
+        shards there are (0 when they disagree or none arrived: nothing to judge by)."""
+        ok = [r for r in self.results.values() if r.ok]
+        counts = {r.shard_count for r in ok}
+        if len(counts) != 1:
+            return 0
+        return counts.pop() - len({r.shard_index for r in ok})
+
+    async def wait_covered(self) -> None:
+        """Until no asked peer is outstanding and every shard is covered."""
+        while self.outstanding or self.shards_missing:
+            self._changed = self._changed or anyio.Event()
+            await self._changed.wait()
 
     def answered(self, peer: str, result: ValidateResult) -> None:
         if peer in self.asked:
@@ -84,6 +116,7 @@ def validation_metrics(rnd: ValidationRound) -> dict[str, float]:
         "val/servers_answered": float(sum(r.ok for r in rnd.results.values())),
         "val/servers_failed": float(len(rnd.failed)),
         "val/servers_missing": float(len(rnd.outstanding) + len(rnd.lost)),
+        "val/shards_missing": float(rnd.shards_missing),
         "val/duration_s": rnd.duration_s,
         "val/policy_version": float(rnd.policy_version),
     }

@@ -203,6 +203,10 @@ class TrainerConfig(Section):
     """How long one validation may take: waiting for a rollout server to connect (before the first
     step), then for every asked server's result. Training waits meanwhile; when it expires the
     results that arrived are logged and training goes on."""
+    val_shard_wait_s: float = Field(default=120.0, ge=0)
+    """Once every asked rollout server answered, how much longer (within val_timeout_s) a
+    validation waits for the servers of shards of the validation set that no answer covered (one
+    still starting joins and is asked); 0: not at all."""
     critic_warmup: int = Field(default=0, ge=0)
     """Steps that update only the critic before the actor starts learning."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

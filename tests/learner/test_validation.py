@@ -247,3 +247,63 @@ async def test_servers_without_the_capability_are_not_waited_for(
         rnd = await intake.validate(0, timeout_s=30.0)
         assert rnd.asked == [] and time.monotonic() - t0 < 2 and old.requests == []
         assert validation_metrics(rnd)["val/count"] == 0
+
+
+def test_shards_missing_counts_the_shards_no_ok_answer_covered() -> None:
+    rnd = ValidationRound("r", 0, asked=["a", "b"])
+    assert rnd.shards_missing == 0  # nothing to judge by
+    rnd.answered("a", result("r", [1.0], shard_index=0, shard_count=3))
+    assert rnd.shards_missing == 2
+    rnd.answered("b", ValidateResult("r", 0, ok=False, error="x", shard_index=1, shard_count=3))
+    assert rnd.shards_missing == 2  # a failed answer covers nothing
+    rnd.ask_more(["b", "c"])  # b rejoined and was asked again, c joined
+    assert rnd.asked == ["a", "b", "c"] and rnd.outstanding == ["b", "c"]
+    rnd.answered("b", result("r", [1.0], shard_index=1, shard_count=3))
+    rnd.answered("c", result("r", [1.0], shard_index=2, shard_count=3))
+    assert rnd.shards_missing == 0 and validation_metrics(rnd)["val/shards_missing"] == 0
+    rnd.answered("c", result("r", [1.0], shard_index=0, shard_count=1))  # they disagree: not judged
+    assert rnd.shards_missing == 0
+
+
+def shard(index: int, count: int = 2) -> Callable[[Any], ValidateResult]:
+    return lambda req: result(req.request_id, [1.0, 0.0], shard_index=index, shard_count=count)
+
+
+@pytest.mark.anyio
+async def test_a_server_that_joins_mid_round_is_asked_and_its_shard_waited_for(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """Before the first step the second server's engine may still be loading when the first one
+    answers: the round asks it once it joins and waits (bounded) for its shard."""
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(intake, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}) as (a,):
+        async with anyio.create_task_group() as tg:
+            late = Server(intake.address, tiny_model, "b", answer=shard(1), token=intake.token)
+
+            async def join_after_a_answered() -> None:
+                while not a.requests:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.5)
+                await tg.start(late.client.run)
+                tg.start_soon(late.drain)
+
+            tg.start_soon(join_after_a_answered)
+            rnd = await intake.validate(0, timeout_s=30.0, request_id="step0-x", shard_wait_s=20)
+            assert rnd.asked == ["a", "b"] and sorted(rnd.results) == ["a", "b"]
+            assert late.requests == ["step0-x"] and rnd.duration_s < 10
+            m = validation_metrics(rnd)
+            assert m["val/count"] == 4 and m["val/shards_missing"] == 0
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_wait_for_an_uncovered_shard_is_bounded(tmp_path: Path, tiny_model: Path) -> None:
+    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(intake, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}):
+        t0 = time.monotonic()
+        rnd = await intake.validate(0, timeout_s=30.0, shard_wait_s=0.5)
+        assert 0.4 < time.monotonic() - t0 < 5 and rnd.shards_missing == 1
+        assert validation_metrics(rnd)["val/shards_missing"] == 1
+        t0 = time.monotonic()
+        rnd = await intake.validate(0, timeout_s=30.0)  # shard_wait_s 0: not at all
+        assert time.monotonic() - t0 < 2 and list(rnd.results) == ["a"]

@@ -100,6 +100,7 @@ def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Pat
         assert "val/reward/mean" in m and "val/reward/mean/arithmetic" in m, (step, m)
         assert 0.0 <= m["val/reward/mean/arithmetic"] <= 1.0
         assert m["val/servers_answered"] == 1 and m["val/servers_missing"] == 0
+        assert m["val/shards_missing"] == 0
         assert m["val/policy_version"] == step  # one update per step: version == step
     assert "val/count" not in next(m for m in metrics if m["step"] == 1)  # not a validation step
     # Validation episodes never reach training: not trained on, not even shipped.

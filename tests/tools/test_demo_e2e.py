@@ -68,8 +68,12 @@ def test_demo_learns_to_use_the_calculator(tmp_path: Path) -> None:
 
     metrics = [m for m in read_metrics(run) if "reward/mean" in m]
     assert [int(m["step"]) for m in metrics] == list(range(1, STEPS + 1))
-    validated = [int(m["step"]) for m in read_metrics(run) if "val/reward/mean" in m]
-    assert validated == [0, STEPS]
+    validations = [m for m in read_metrics(run) if "val/reward/mean" in m]
+    assert [int(m["step"]) for m in validations] == [0, STEPS]
+    # both servers' shards, step 0 included (its second engine may join after the first answered)
+    assert all(
+        m["val/servers_answered"] == 2 and m["val/shards_missing"] == 0 for m in validations
+    ), validations
 
     episodes = [t for _, batch in read_recording(run / "recordings" / "rs0") for t in batch]
     episodes += [t for _, batch in read_recording(run / "recordings" / "rs1") for t in batch]
