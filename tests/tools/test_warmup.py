@@ -158,6 +158,43 @@ def test_same_seed_gives_the_same_weights(tiny: Path, data: Path, tmp_path: Path
     )  # rewriting its own output is fine
 
 
+def test_prompt_buckets_mix_the_guess_and_the_tool_episode(tiny: Path, data: Path) -> None:
+    """--bucket prompt: batches group rows by prompt length, so the short (guess) and the long
+    (tool) demonstrations of one prompt share batches; --bucket (length) keeps them apart, which
+    let the last batches of a high-lr warm-up decide the choice."""
+    import torch
+
+    from tools.warmup import _bucketed_epoch, _pack
+
+    renderer, tools = renderer_and_tools(tiny)
+    rows = load_rows(data, 64)
+    demos = build_demonstrations(rows, renderer, tools, guess_fraction=0.5, seed=0)
+    data_ = _pack(demos, 0, trim=True)
+    guess = [d.train[d.train.index(True) :].count(False) <= 1 for d in demos]  # one model turn
+    assert 16 < sum(guess) < 48
+
+    def mixed_batches(key: str) -> int:
+        epoch = _bucketed_epoch(data_, 8, torch.Generator().manual_seed(0), key)  # type: ignore[arg-type]
+        assert len(epoch) == 64 and len(set(epoch)) == 64
+        batches = [epoch[k : k + 8] for k in range(0, 64, 8)]
+        return sum(len({guess[i] for i in b}) == 2 for b in batches)
+
+    assert mixed_batches("prompt") >= 6  # the tiny data's prompts: one or two buckets
+    assert mixed_batches("length") <= 1
+
+
+def test_lr_decay_falls_linearly_to_zero(tiny: Path, data: Path, tmp_path: Path) -> None:
+    from tools.warmup import _decayed_lr
+
+    assert [_decayed_lr(1e-3, s, 4) for s in (1, 2, 3, 4)] == pytest.approx(
+        [1e-3, 7.5e-4, 5e-4, 2.5e-4]
+    )
+    a = warmup(tiny, data, tmp_path / "a", steps=3, examples=8, target=None, lr_decay=True)
+    b = warmup(tiny, data, tmp_path / "b", steps=3, examples=8, target=None)
+    assert a["lr_decay"] is True and "lr_decay" not in b
+    assert a["first_loss"] == b["first_loss"] and a["final_loss"] != b["final_loss"]
+
+
 def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> None:
     # The probe of a random model is ~0, so any positive target is met only by a trained model; a
     # target of 0 is met at the first probe.
