@@ -98,7 +98,8 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
         async with anyio.create_task_group() as tg:
             await tg.start(intake.run)
             tg.start_soon(server.run)
-            with anyio.fail_after(480):  # ~30 s alone; a fresh clone under heavy load once took >240
+            # ~30 s alone; a fresh clone under heavy load once took >240
+            with anyio.fail_after(480):
                 for version in range(STEPS):
                     taken = await intake.next_batch(B, version, K)
                     steps.append((version, taken))

@@ -13,7 +13,7 @@
 #     and 2 rollout servers; every batch of 20 prompts holds 8 arithmetic, 6 search and 6 code
 #     tasks, at the servers and in the learner's steps (batch/groups/<source>), each source with
 #     its reward (reward/mean/<source>); everything in $DEMO_DIR/demo-mixed.
-#   DEMO_STEPS=N     training steps (default: the config's, 18)
+#   DEMO_STEPS=N     training steps (default: the config's, 16)
 #   DEMO_DIR=DIR     where models, data and the run go (default runs)
 #   DEMO_AGENT=mixed bin/demo key=value ...   more overrides, passed to bin/train
 #   DEMO_AGENT=mixed bin/demo --help          this text and bin/train's options; touches nothing
