@@ -563,7 +563,7 @@ class Intake:
                             wait_s=shard_wait_s,
                         )
                         with anyio.move_on_after(shard_wait_s):
-                            await rnd.wait_covered()
+                            await rnd.wait(covered=True)
             finally:
                 del self._rounds[rnd.request_id]
         rnd.duration_s = time.monotonic() - rnd.started

@@ -71,12 +71,6 @@ class ValidationRound:
             return 0
         return counts.pop() - len({r.shard_index for r in ok})
 
-    async def wait_covered(self) -> None:
-        """Until no asked peer is outstanding and every shard is covered."""
-        while self.outstanding or self.shards_missing:
-            self._changed = self._changed or anyio.Event()
-            await self._changed.wait()
-
     def answered(self, peer: str, result: ValidateResult) -> None:
         if peer in self.asked:
             self.results[peer] = result
@@ -87,9 +81,10 @@ class ValidationRound:
             self.lost[peer] = reason
             self._wake()
 
-    async def wait(self) -> None:
-        """Until every asked peer answered or left (cancel it to stop waiting)."""
-        while self.outstanding:
+    async def wait(self, *, covered: bool = False) -> None:
+        """Until every asked peer answered or left and, with ``covered``, every shard is covered
+        (cancel it to stop waiting)."""
+        while self.outstanding or (covered and self.shards_missing):
             self._changed = self._changed or anyio.Event()
             await self._changed.wait()
 

@@ -377,8 +377,7 @@ def _bucketed_epoch(
     time. ``length``: the whole episode, for episodes of long-tailed lengths. ``prompt``: the
     context before the first model token, for demonstrations of a choice: a guess is shorter than
     a tool episode, so length buckets held one of the two, and at a high learning rate the last
-    few batches decided the choice (mixed demo: the code agent wrote code first in 77% of samples
-    after its own stage, 1.5% after a length-bucketed mix, 47% prompt-bucketed)."""
+    few batches decided the choice (the mixed demo's code agent all but stopped writing code)."""
     import torch
 
     sizes = data.attn.sum(dim=1) if key == "length" else data.train.int().argmax(dim=1)
@@ -663,9 +662,7 @@ def warmup(
 def _decayed_lr(lr: float, step: int, steps: int) -> float:
     """The learning rate of ``step`` (1-based) of at most ``steps`` under ``--lr-decay``: linear
     from ``lr`` to 0. At a constant 3e-3 the last few batches decide where a choice between two
-    demonstrated actions ends; a falling rate averages over more of them (mixed demo, held-out
-    rows: the chance of a right arithmetic episode 0.034 -> 0.080, of a right search episode
-    0.002 -> 0.016)."""
+    demonstrated actions ends; a falling rate averages over more of them."""
     return lr * (1.0 - (step - 1) / steps)
 
 

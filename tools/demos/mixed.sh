@@ -55,8 +55,8 @@ if [[ ! -f "$model/model.safetensors" ]]; then
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-code" --data "$data/warmup.jsonl" --bucket prompt \
     --examples 608 --lr-decay --out "$dir/tiny-mixed-warm-mix" --guess-fraction 0.5 --target 0.15 \
     --steps 400 --probe-every 50 --max-seconds 720 > /dev/null
-  # guesses only, 20 small steps: the tool is picked on 7-18% of new prompts instead of 39-50%,
-  # and a tool episode stays as often right, so RL has a choice to learn that the reward shows
+  # guesses only, 20 small steps: the tool is picked on fewer new prompts while a tool episode
+  # stays as often right, so RL has a choice to learn that the reward shows
   "${warmup[@]}" --model "$dir/tiny-mixed-warm-mix" --data "$data/warmup.jsonl" --out "$model" \
     --guess-fraction 1.0 --steps 20 --lr 1e-4 --drill-weight 0 --target 0 > /dev/null
 fi
