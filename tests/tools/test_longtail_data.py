@@ -184,14 +184,15 @@ def test_bucketed_warmup_batches_and_trimmed_loss(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tools.warmup import _bucketed_epoch, _demo_loss, _pack, build_demonstrations
+    from tools.warmup import build_demonstrations
+    from tools.warmup_batches import bucketed_epoch, demo_loss, pack
 
     renderer, tools = renderer_and_calculator(tiny_model)
     demos = build_demonstrations(make_longtail_rows(21, 0), renderer, tools)
-    full, trimmed = _pack(demos, renderer.eos_id), _pack(demos, renderer.eos_id, trim=True)
-    epoch = _bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
+    full, trimmed = pack(demos, renderer.eos_id), pack(demos, renderer.eos_id, trim=True)
+    epoch = bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
     assert len(epoch) == 20 and len(set(epoch)) == 20
-    assert epoch == _bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
+    assert epoch == bucketed_epoch(trimmed, 4, torch.Generator().manual_seed(0))
     lengths = [len(d.ids) for d in demos]
     spans = sorted(
         (
@@ -208,6 +209,5 @@ def test_bucketed_warmup_batches_and_trimmed_loss(tiny_model: Path) -> None:
     assert trimmed.end(rows) == max(lengths[i] for i in rows) < full.end(rows)
     with torch.no_grad():
         assert (
-            abs(float(_demo_loss(model, trimmed, rows)) - float(_demo_loss(model, full, rows)))
-            < 1e-4
+            abs(float(demo_loss(model, trimmed, rows)) - float(demo_loss(model, full, rows))) < 1e-4
         )

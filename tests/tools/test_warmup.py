@@ -164,17 +164,17 @@ def test_prompt_buckets_mix_the_guess_and_the_tool_episode(tiny: Path, data: Pat
     let the last batches of a high-lr warm-up decide the choice."""
     import torch
 
-    from tools.warmup import _bucketed_epoch, _pack
+    from tools.warmup_batches import bucketed_epoch, pack
 
     renderer, tools = renderer_and_tools(tiny)
     rows = load_rows(data, 64)
     demos = build_demonstrations(rows, renderer, tools, guess_fraction=0.5, seed=0)
-    data_ = _pack(demos, 0, trim=True)
+    data_ = pack(demos, 0, trim=True)
     guess = [d.train[d.train.index(True) :].count(False) <= 1 for d in demos]  # one model turn
     assert 16 < sum(guess) < 48
 
     def mixed_batches(key: str) -> int:
-        epoch = _bucketed_epoch(data_, 8, torch.Generator().manual_seed(0), key)  # type: ignore[arg-type]
+        epoch = bucketed_epoch(data_, 8, torch.Generator().manual_seed(0), key)  # type: ignore[arg-type]
         assert len(epoch) == 64 and len(set(epoch)) == 64
         batches = [epoch[k : k + 8] for k in range(0, 64, 8)]
         return sum(len({guess[i] for i in b}) == 2 for b in batches)

@@ -1,8 +1,8 @@
 """Demonstration builders for ``bin/warmup --agent NAME``: one per seed agent.
 
-Design: ``tools/warmup.py`` owns the supervised loop (packing, loss on model tokens only, the probe,
-the copy drill, writing the model); what an episode of an agent *looks like* lives here, one module
-per agent, looked up by name. A builder takes the data rows, the ``ChatRenderer`` of the model's
+Design: ``tools/warmup.py`` owns the supervised loop (with ``tools/warmup_batches.py``: packing,
+loss on model tokens only, the probe, the copy drill; writing the model); what an episode of an
+agent *looks like* lives here, one module per agent, looked up by name. A builder takes the data rows, the ``ChatRenderer`` of the model's
 tokenizer and the tool objects the prompt shows, and returns ``Demonstration``s (token ids and the
 loss mask), tokenised exactly as that agent's context grows during a rollout. An agent whose episode
 rewrites its context (StateLM deletions) returns one demonstration per segment. Modules are imported
