@@ -26,8 +26,21 @@ from launcher.plan import free_port as launch_free_port
 from protocol import codec
 from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
-from protocol.events import BatchReceived, PeerJoined, ValidationRequested, WeightsReceived
-from protocol.messages import VALIDATION_CAPABILITY, Hello, ValidateRequest, ValidateResult
+from protocol.events import (
+    BatchReceived,
+    Event,
+    PeerJoined,
+    PeerTimedOut,
+    ValidationRequested,
+    WeightsReceived,
+)
+from protocol.messages import (
+    VALIDATION_CAPABILITY,
+    Hello,
+    MsgType,
+    ValidateRequest,
+    ValidateResult,
+)
 from protocol.receiver import LearnerProtocol, _Peer
 from protocol.reference import (
     REFERENCE_MODEL,
@@ -102,6 +115,37 @@ class AnswersTwice(RolloutConnection):
             self._out.append(codec.encode(result))
             return True
         return False
+
+
+class LosesSessionOnValidate(RolloutConnection):
+    """Times its session out just as a VALIDATE_REQUEST arrives, as a server starved of CPU for
+    longer than the heartbeat timeout does, so the request is lost; then reconnects with HELLO."""
+
+    def receive(self, frames: Frames, now: float) -> list[Event]:
+        if (
+            self.state is SenderState.READY
+            and frames
+            and bytes(frames[0])[:1] == bytes([MsgType.VALIDATE_REQUEST])
+        ):
+            self._requeue_unacked()
+            self.state = SenderState.IDLE
+            return [PeerTimedOut("learner")]
+        return super().receive(frames, now)
+
+
+class FallsSilentOnValidate(RolloutConnection):
+    """Sends nothing more, heartbeats included, once asked to validate (a hung server)."""
+
+    muted = False
+
+    def receive(self, frames: Frames, now: float) -> list[Event]:
+        events = super().receive(frames, now)
+        self.muted = self.muted or any(isinstance(e, ValidationRequested) for e in events)
+        return events
+
+    def data_to_send(self, now: float) -> list[Frames]:
+        out = super().data_to_send(now)
+        return [] if self.muted else out
 
 
 class IgnoresCreditsSender(RolloutConnection):

@@ -17,7 +17,9 @@ from conformance_testkit import (
     CLI,
     REPO,
     AnswersTwice,
+    FallsSilentOnValidate,
     IgnoresCreditsSender,
+    LosesSessionOnValidate,
     RolloutInThread,
     child,
     free_port,
@@ -87,6 +89,43 @@ def test_a_server_that_answers_a_validation_twice_fails() -> None:
     assert reason.startswith(
         "1 more VALIDATE_RESULT(s) after the first: VALIDATE_RESULT(request_id=conformance-"
     )
+
+
+def test_validation_fails_at_once_when_the_server_reconnects_instead_of_answering() -> None:
+    """The CI flake: a server that timed the session out never sees the request; the check used to
+    wait out --timeout + --wait (245 s in tests/rollout) for an answer that could not come."""
+    with rollout_server(LosesSessionOnValidate) as server:
+        rep = run_against(server, "validation")
+    reason = failures(rep)["validation"]
+    assert reason.startswith("expected VALIDATE_RESULT for request conformance-"), reason
+    assert "got HELLO(" in reason, reason
+    assert rep.results[1].duration_s < 3.0  # run_against: --timeout 3, --wait 10
+
+
+def test_validation_fails_once_the_session_falls_silent() -> None:
+    with rollout_server(FallsSilentOnValidate) as server:
+        rep = run_against(server, "validation")
+    reason = failures(rep)["validation"]
+    assert "the session went silent (nothing from it for 3.0 s" in reason, reason
+    assert rep.results[1].duration_s < 6.0  # silence (--timeout 3), not --timeout + --wait
+
+
+def test_the_deadline_names_the_check_and_what_it_waited_for() -> None:
+    opts = runner.SuiteOptions(
+        role="rollout-server",
+        target="tcp://127.0.0.1:0",
+        timeout=0.5,
+        wait=30.0,
+        deadline=0.5,
+        only=["heartbeat"],
+    )
+    rep = runner.run(opts)
+    assert rep.duration_s < 5.0
+    assert failures(rep) == {
+        "handshake": "did not finish within the suite's --deadline of 0.5 s, "
+        "waiting for HELLO from a rollout server",
+        "heartbeat": "not run: the suite's --deadline of 0.5 s passed",
+    }
 
 
 def test_cli_against_a_reference_rollout_server_process() -> None:

@@ -111,8 +111,14 @@ def test_server_streams_valid_episodes_and_stops_cleanly(
 
 
 def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: Path) -> None:
+    # Well under pytest's 300 s timeout: a check that waits too long fails by name in the report
+    # (--deadline), rather than the whole test being killed with nothing said. --wait (for the
+    # HELLO, i.e. vLLM's start-up, about 40 s when alone) stays below it so the checks after the
+    # handshake keep some time.
+    deadline_s = 210
     target = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     with rollout_server(tmp_path, tiny_model, target) as proc:
+        cli_started = time.monotonic()
         cli = subprocess.Popen(
             [
                 sys.executable,
@@ -125,7 +131,9 @@ def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: 
                 "--timeout",
                 "5",
                 "--wait",
-                "240",
+                "180",
+                "--deadline",
+                str(deadline_s),
                 "--weights-from",
                 str(tiny_model),
             ],
@@ -138,7 +146,14 @@ def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: 
         while cli.poll() is None and not children:  # remember the engine processes while they run
             children = descendants(proc.pid)
             time.sleep(0.5)
-        out, err = cli.communicate(timeout=420)
+        try:
+            # + the CLI's start-up and report; counted from its start, not from the loop above
+            out, err = cli.communicate(timeout=cli_started + deadline_s + 30 - time.monotonic())
+        except subprocess.TimeoutExpired:
+            cli.kill()
+            out, err = cli.communicate()
+            server_log = (tmp_path / "server.log").read_text()
+            pytest.fail(f"the suite outran its --deadline: {err[-3000:]}\n{server_log[-3000:]}")
         doc = json.loads(out) if out.strip().startswith("{") else {}
         failed = {
             c["name"]: c.get("reason") for c in doc.get("checks", []) if c["status"] != "PASS"

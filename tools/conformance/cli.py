@@ -23,7 +23,7 @@ roles:
                     bin/conformance --role rollout-server --target tcp://127.0.0.1:5555 &
                     python -m protocol.reference rollout-server --connect tcp://127.0.0.1:5555
                   The checks run in order on that one connection; the WELCOME asks for heartbeats
-                  every 0.2 s (timeout 1.0 s). The last check answers a HELLO with a fatal
+                  every 0.2 s (timeout 3.0 s). The last check answers a HELLO with a fatal
                   VERSION_MISMATCH, after which a conforming server stops sending.
 
 exit status: 0 all passed, 1 a check failed, 2 usage or set-up error.
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout-server role: seconds to wait for the server to connect (default 30)",
     )
     ap.add_argument(
+        "--deadline",
+        type=float,
+        metavar="S",
+        help="seconds for the whole run (default: none): a check still running then fails, naming "
+        "what it waited for, and the rest are not run; set it below a CI job's own timeout",
+    )
+    ap.add_argument(
         "--weights-from",
         metavar="DIR",
         help="rollout-server role: transfer the *.safetensors weights in DIR (the model the "
@@ -105,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     only = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
     if not args.target and not args.list:
         ap.error("--target is required")
-    if args.timeout <= 0 or args.wait <= 0:
-        ap.error("--timeout and --wait must be > 0")
+    if args.timeout <= 0 or args.wait <= 0 or (args.deadline is not None and args.deadline <= 0):
+        ap.error("--timeout, --wait and --deadline must be > 0")
 
     from tools.conformance import report, runner
 
@@ -146,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_from=args.weights_from,
         model_dir=args.model_dir,
         token=token,
+        deadline=args.deadline,
     )
     import zmq
 

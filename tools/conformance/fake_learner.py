@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -71,7 +72,7 @@ class FakeLearner(CheckContext):
         timeout: float,
         wait: float,
         heartbeat_interval_s: float = 0.2,
-        heartbeat_timeout_s: float = 1.0,
+        heartbeat_timeout_s: float = 3.0,
         weights_from: str | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
@@ -226,22 +227,45 @@ class FakeLearner(CheckContext):
 
     # -- receiving -----------------------------------------------------------------------------------
     async def next(
-        self, what: str, pred: Pred, *, timeout: float | None = None, fail_if: Pred | None = None
+        self,
+        what: str,
+        pred: Pred,
+        *,
+        timeout: float | None = None,
+        fail_if: Pred | None = None,
+        silence: float | None = None,
     ) -> Received:
-        """The next received message matching ``pred``; ``fail_if`` matches fail at once."""
+        """The next received message matching ``pred``; ``fail_if`` matches fail at once.
+
+        ``silence``: also fail once the current session has sent nothing at all for that long. A
+        live rollout server heartbeats every ``heartbeat_interval_s``; one that lost the session
+        (it timed us out and reconnected elsewhere) sends nothing more on it, so a long wait for
+        an answer need not run its whole ``timeout``."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        quiet = math.inf if silence is None else silence
+        self.waiting_for = what
+        start = time.monotonic()
+        deadline, heard = start + timeout, start  # heard: the session's last message
+        s = self.session
         skipped: list[Received] = []
         while True:
+            until = min(deadline, heard + quiet)
             try:
-                rec = await asyncio.wait_for(
-                    self.inbox.get(), max(0.0, deadline - time.monotonic())
-                )
+                rec = await asyncio.wait_for(self.inbox.get(), max(0.0, until - time.monotonic()))
             except TimeoutError:
+                if until < deadline:
+                    raise CheckFailed(
+                        f"no {what}: the session went silent (nothing from it for {quiet:.1f} s, "
+                        f"{time.monotonic() - start:.1f} s into the wait; received: "
+                        f"{wire.describe(skipped)})"
+                    ) from None
                 raise CheckFailed(
                     f"no {what} within {timeout:.1f} s (received: {wire.describe(skipped)})"
                 ) from None
+            if s is not None and rec.identity == s.identity:
+                heard = max(heard, rec.at)  # a backlog from before this wait counts from its start
             if pred(rec):
+                self.waiting_for = ""
                 return rec
             if fail_if is not None and fail_if(rec):
                 raise CheckFailed(f"expected {what}, got {rec.describe()}")
@@ -249,6 +273,7 @@ class FakeLearner(CheckContext):
 
     async def collect(self, duration: float, pred: Pred | None = None) -> list[Received]:
         """Everything (matching ``pred``) received within ``duration``."""
+        self.waiting_for = f"the end of a {duration:.1f} s watch for further messages"
         deadline = time.monotonic() + duration
         out = []
         while (left := deadline - time.monotonic()) > 0:
@@ -258,6 +283,7 @@ class FakeLearner(CheckContext):
                 break
             if pred is None or pred(rec):
                 out.append(rec)
+        self.waiting_for = ""
         return out
 
     def from_session(self, cls: type) -> Pred:

@@ -38,12 +38,15 @@ class CheckContext:
         self.timeout = timeout
         self.notes: list[str] = []
         self.details: dict[str, Any] = {}
+        # What the check is waiting for right now (set by the context's receive helpers): when the
+        # suite's safety limit or --deadline cuts a check off, the reason names it.
+        self.waiting_for = ""
 
     def note(self, text: str) -> None:
         self.notes.append(text)
 
     def reset_report(self) -> None:
-        self.notes, self.details = [], {}
+        self.notes, self.details, self.waiting_for = [], {}, ""
 
 
 CheckFn = Callable[[Any], Awaitable[None]]

@@ -5,13 +5,16 @@ after it whatever happened, so a failing check leaks nothing into the next. Roll
 one ``FakeLearner`` for the whole run, checks in registry order; ``handshake`` always runs because
 every other check needs its session, and a violation the fake learner's reader records while a
 check runs (a batch beyond its credits, an undecodable message) fails that check. Every check also
-runs under a generous safety limit on top of its own deadlines, and an exception other than
-``CheckFailed`` is reported as an error of the suite, not of the endpoint under test.
+runs under a generous safety limit on top of its own deadlines, cut to what is left of
+``--deadline`` (the whole run's budget) when one is given, so a caller with its own timeout (CI)
+gets a report naming the check and what it waited for instead of a killed process. An exception
+other than ``CheckFailed`` is reported as an error of the suite, not of the endpoint under test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +38,7 @@ class SuiteOptions:
     weights_from: str | None = None  # rollout-server: directory of *.safetensors to transfer
     model_dir: str | None = None  # learner: HELLO carries this model's and tokenizer's identity
     token: str | None = None  # learner: presented at the handshake (transport.auth: token)
+    deadline: float | None = None  # seconds for the whole run; None: only per-check safety limits
 
 
 @dataclass
@@ -71,7 +75,22 @@ def _safety_limit(opts: SuiteOptions) -> float:
     return 120.0 + 20 * opts.timeout + opts.wait
 
 
-async def _run_one(check: Check, ctx: CheckContext, limit: float) -> Result:
+def _limit(opts: SuiteOptions, end: float) -> tuple[float, str]:
+    """The next check's time limit (s) and how a reason names it: the safety limit, or what is
+    left before the run's ``end`` (monotonic) if that comes first."""
+    safety, left = _safety_limit(opts), end - time.monotonic()
+    if left < safety:
+        return left, f"the suite's --deadline of {opts.deadline:g} s"
+    return safety, f"the suite's safety limit of {safety:.0f} s"
+
+
+def _not_run(check: Check, opts: SuiteOptions) -> Result:
+    return Result(
+        check.name, False, f"not run: the suite's --deadline of {opts.deadline:g} s passed"
+    )
+
+
+async def _run_one(check: Check, ctx: CheckContext, limit: float, limit_name: str) -> Result:
     ctx.reset_report()
     started = time.monotonic()
     passed, reason, details = True, "", {}
@@ -80,7 +99,8 @@ async def _run_one(check: Check, ctx: CheckContext, limit: float) -> Result:
     except CheckFailed as e:
         passed, reason = False, e.reason
     except TimeoutError:
-        passed, reason = False, f"did not finish within the suite's safety limit of {limit:.0f} s"
+        waiting = f", waiting for {ctx.waiting_for}" if ctx.waiting_for else ""
+        passed, reason = False, f"did not finish within {limit_name}{waiting}"
     except Exception as e:
         passed, reason = False, f"error in the conformance suite itself: {type(e).__name__}: {e}"
         details["traceback"] = traceback.format_exc()
@@ -110,8 +130,8 @@ async def run_suite(
 ) -> SuiteReport:
     """Run the selected checks. ``on_listening(address)``: rollout role, once the ROUTER is bound."""
     checks = select(opts.role, opts.only)
-    limit = _safety_limit(opts)
     started = time.monotonic()
+    end = started + opts.deadline if opts.deadline is not None else math.inf
     results: list[Result] = []
 
     def done(r: Result) -> None:
@@ -134,6 +154,10 @@ async def run_suite(
                 probe.close(linger=0)
             address = opts.target
             for check in checks:
+                limit, limit_name = _limit(opts, end)
+                if limit <= 0:
+                    done(_not_run(check, opts))
+                    continue
                 ctx = LearnerTarget(
                     zctx,
                     opts.target,
@@ -143,7 +167,7 @@ async def run_suite(
                     token=opts.token,
                 )
                 try:
-                    done(await _run_one(check, ctx, limit))
+                    done(await _run_one(check, ctx, limit, limit_name))
                 finally:
                     await ctx.aclose()
         else:
@@ -162,8 +186,12 @@ async def run_suite(
                 if on_listening is not None:
                     on_listening(address)
                 for check in checks:
+                    limit, limit_name = _limit(opts, end)
+                    if limit <= 0:
+                        done(_not_run(check, opts))
+                        continue
                     before = len(fl.violations)
-                    r = await _run_one(check, fl, limit)
+                    r = await _run_one(check, fl, limit, limit_name)
                     new = fl.violations[before:]
                     if new:
                         r.details["violations"] = new
