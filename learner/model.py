@@ -9,26 +9,31 @@ unshards the embeddings, final norm and LM head together (`keep_unsharded` choos
 
 A micro-batch (`collate`) is packed or padded. Packed: the sequences end to end in one row with
 ``position_ids`` restarting at each sequence and no padding anywhere (verl's
-``use_remove_padding``). Attention stays inside each sequence through `packed_attention`, the
-attention function the models are loaded with: on CUDA a varlen kernel (flash-attn's when the package
-is installed, else torch's own ``torch.nn.attention.varlen``, a prototype API that is first checked
-against SDPA on the device, `varlen_kernel`), else one SDPA call per sequence (exact; on the CPU
-the only cost is a Python loop; on a GPU the launches add up when a micro-batch holds many short
-sequences).
+``use_remove_padding``). Attention stays inside each sequence through
+`learner.attention.packed_attention`, the attention function the models are loaded with: on CUDA a
+varlen kernel (flash-attn's when the package is installed, else torch's own
+``torch.nn.attention.varlen``, a prototype API that is first checked against SDPA on the device),
+else one SDPA call per sequence (exact; on the CPU the only cost is a Python loop; on a GPU the
+launches add up when a micro-batch holds many short sequences).
 Transformers' own packed-sequence detection from ``position_ids`` is not relied on: with SDPA it
 would build an N x N mask, and with transformers 5.19 a Qwen2 forward given restarting
 ``position_ids`` still let the sequences attend to each other (checked by hand). Padded:
 right-padded to the longest sequence, and the same function runs SDPA with the padding mask. Both
 layouts give the same numbers to float rounding (tests/learner/test_packing.py).
+
+A packed micro-batch may also share its prefix (``share_prefix``): the tokens every sequence of the
+micro-batch starts with (in agentic batches the system prompt and the tool schemas, often most of
+each prompt) come once at the head of the row, and each sequence's rest attends to them and to
+itself. The prefix's activations feed every sequence, so the gradient is exactly the unshared one,
+and a micro-batch costs its distinct tokens. It runs on the per-sequence SDPA path; the varlen
+kernels take no shared prefix, so where one is used (CUDA) sequences are not shared.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +42,11 @@ import torch
 from torch import nn
 
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
+from learner.attention import ATTENTION, register_attention, varlen_kernel
 from learner.samples import Sample, TokenField
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-ATTENTION = "learner_packed_sdpa"  # registered with transformers by register_attention()
 
 
 @dataclass
@@ -62,6 +66,7 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # [1, N], packed only
     cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, packed only
     bounds: tuple[int, ...] = ()  # the same starts as Python ints (no device sync to read them)
+    prefix: int = 0  # packed only: > 0, [0, prefix) is the shared prefix, every later part's head
 
     @property
     def packed(self) -> bool:
@@ -77,6 +82,7 @@ class MicroBatch:
             "position_ids": self.position_ids,
             "cu_seqlens": self.cu_seqlens,
             "bounds": self.bounds,
+            "prefix": self.prefix,
         }
 
     def to_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -86,11 +92,34 @@ class MicroBatch:
         ).masked_scatter(self.response_valid, flat)
 
 
-def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = False) -> MicroBatch:
+def shared_prefix(samples: Sequence[Sample]) -> int:
+    """Length of the token prefix all ``samples`` start with, short of every prompt's last token
+    (which predicts the first response token, so it stays in each sequence); 0 for one sample."""
+    if len(samples) < 2:
+        return 0
+    limit = min(s.prompt_len for s in samples) - 1
+    first = samples[0].input_ids[:limit]
+    n = len(first)
+    for s in samples[1:]:
+        diff = np.flatnonzero(s.input_ids[:n] != first[:n])
+        n = int(diff[0]) if diff.size else n
+    return max(n, 0)
+
+
+def collate(
+    samples: Sequence[Sample],
+    device: torch.device,
+    *,
+    packed: bool = False,
+    share_prefix: bool = False,
+) -> MicroBatch:
     """The micro-batch tensors of ``samples``. Response token j of sample i is predicted by the
-    output at position prompt_len - 1 + j of its sequence."""
+    output at position prompt_len - 1 + j of its sequence. ``share_prefix`` (packed only): the
+    prefix all samples share comes once, first in the row (module docstring)."""
+    share = share_prefix and packed and (device.type != "cuda" or varlen_kernel(device) is None)
+    pre = shared_prefix(samples) if share else 0
     b = len(samples)
-    lens = [len(s.input_ids) for s in samples]
+    lens = [len(s.input_ids) - pre for s in samples]  # what each sample puts in the row
     r = max(max(s.response_len for s in samples), 1)
     valid = np.zeros((b, r), bool)
     mask = np.zeros((b, r), np.float32)
@@ -98,13 +127,13 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
         k: np.zeros((b, r), np.float32) for k in samples[0].token_fields()
     }
     labels, hidden = [], []
-    starts = np.concatenate([[0], np.cumsum(lens)]) if packed else np.arange(b) * max(lens)
+    starts = np.concatenate([[0], np.cumsum(lens)]) + pre if packed else np.arange(b) * max(lens)
     for i, s in enumerate(samples):
         p, rl = s.prompt_len, s.response_len
         valid[i, :rl] = True
         mask[i, :rl] = s.response_mask
         labels.append(s.input_ids[p:])
-        hidden.append(starts[i] + np.arange(p - 1, p - 1 + rl))
+        hidden.append(starts[i] + np.arange(p - 1 - pre, p - 1 - pre + rl))
         for k, arr in extra.items():
             arr[i, :rl] = s.get(k)
 
@@ -120,10 +149,15 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
         fields={k: put(v) for k, v in extra.items()},
     )
     if packed:
-        out.input_ids = put(np.concatenate([s.input_ids for s in samples]).astype(np.int64)[None])
-        out.position_ids = put(np.concatenate([np.arange(n) for n in lens]).astype(np.int64)[None])
-        out.cu_seqlens = put(starts.astype(np.int32))
-        out.bounds = tuple(int(x) for x in starts)
+        head = [samples[0].input_ids[:pre]] if pre else []
+        ids = np.concatenate(head + [s.input_ids[pre:] for s in samples]).astype(np.int64)
+        pos = [np.arange(pre)] + [np.arange(pre, pre + n) for n in lens]
+        out.input_ids = put(ids[None])
+        out.position_ids = put(np.concatenate(pos).astype(np.int64)[None])
+        bounds = np.concatenate([[0], starts]) if pre else starts
+        out.cu_seqlens = put(bounds.astype(np.int32))
+        out.bounds = tuple(int(x) for x in bounds)
+        out.prefix = pre
     else:
         ids = np.zeros((b, max(lens)), np.int64)
         attn = np.zeros((b, max(lens)), np.int64)
@@ -134,199 +168,13 @@ def collate(samples: Sequence[Sample], device: torch.device, *, packed: bool = F
     return out
 
 
-# -- attention ------------------------------------------------------------------------------------
-
-
-def packed_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    packed_bounds: tuple[int, ...] | None = None,
-    packed_cu_seqlens: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A transformers attention function ([B, heads, T, D] in, [B, T, heads, D] out). Packed
-    (``packed_bounds``: sequence starts in the one row): causal attention within each sequence.
-    Otherwise causal SDPA, with the 2-D padding mask (all the mask function below hands over)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if packed_bounds is None:
-        if (
-            attention_mask is not None and attention_mask.dim() == 2
-        ):  # [B, T] keys: causal & not padding
-            t = query.shape[2]
-            causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-            attention_mask = causal[None, None] & attention_mask[:, None, None, -t:].bool()
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling
-        )
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError(
-            "packed micro-batches with sliding-window attention: set "
-            "actor_rollout_ref.model.use_remove_padding=false"
-        )
-    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
-    if (
-        kernel is not None
-        and packed_cu_seqlens is not None
-        and query.dtype in (torch.float16, torch.bfloat16)
-    ):
-        longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
-        return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
-    parts = [
-        sdpa_attention_forward(
-            module,
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            None,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=True,
-        )[0]
-        for a, b in itertools.pairwise(packed_bounds)
-    ]
-    return torch.cat(parts, dim=1), None
-
-
-VarlenKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor
-]
-"""(q [N, heads, D], k, v [N, kv heads, D], cu_seqlens int32 [B + 1], longest, scale) -> [N, heads, D],
-causal within each sequence."""
-
-
-@functools.cache
-def varlen_kernel(device: torch.device) -> VarlenKernel | None:
-    """The varlen attention kernel packed micro-batches use on ``device`` (CUDA), or None: one SDPA
-    call per sequence. flash-attn's when installed; else torch's ``varlen_attn`` (prototype since
-    torch 2.9, its arguments changed between releases) if it matches per-sequence SDPA, forward and
-    gradients, on a small GQA case on this device (`check_varlen_kernel`)."""
-    try:
-        from flash_attn import flash_attn_varlen_func  # pyright: ignore[reportMissingImports]
-    except ImportError:  # optional package
-        pass
-    else:
-        return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True
-        )
-    kernel = torch_varlen_kernel()
-    if kernel is None:
-        return None
-    problem = check_varlen_kernel(kernel, device, torch.bfloat16)
-    if problem:
-        from common.logging import get_logger
-
-        get_logger("learner.model").warning(
-            "torch varlen_attn not used for packed micro-batches: one SDPA call "
-            "per sequence instead",
-            problem=problem,
-        )
-        return None
-    return kernel
-
-
-def torch_varlen_kernel() -> VarlenKernel | None:
-    """torch.nn.attention.varlen.varlen_attn behind `VarlenKernel`, for the argument names this torch
-    has (causality as ``is_causal`` or ``window_size=(-1, 0)``; GQA through ``enable_gqa`` or by
-    repeating the key/value heads); None when it has no such function."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    causal: dict[str, Any] = (
-        {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    )
-    if "is_causal" not in params and "window_size" not in params:
-        return None
-
-    def run(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        longest: int,
-        scale: float | None,
-    ) -> torch.Tensor:
-        extra = dict(causal)
-        if k.size(1) != q.size(1):
-            if "enable_gqa" in params:
-                extra["enable_gqa"] = True
-            else:  # each key/value head serves a run of query heads, as transformers' repeat_kv
-                k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
-        if scale is not None and "scale" in params:
-            extra["scale"] = scale
-        elif scale is not None and scale != q.size(-1) ** -0.5:
-            raise ValueError("this torch's varlen_attn takes no scale")
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
-        assert isinstance(out, torch.Tensor)  # (out, aux) only when return_aux is asked for
-        return out
-
-    return run
-
-
-def check_varlen_kernel(
-    kernel: VarlenKernel, device: torch.device, dtype: torch.dtype
-) -> str | None:
-    """None when ``kernel`` gives per-sequence causal SDPA's output and gradients (to ``dtype``'s
-    precision) on two sequences with grouped key/value heads; else what went wrong."""
-    gen = torch.Generator().manual_seed(0)
-    lens, heads, kv_heads, dim = (5, 11), 4, 2, 64
-    n = sum(lens)
-    q, k, v = (
-        torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
-        for h in (heads, kv_heads, kv_heads)
-    )
-    cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
-    try:
-        out = kernel(q, k, v, cu, max(lens), dim**-0.5)
-        got = [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
-    except Exception as exc:  # a prototype API: any failure means "do not use it"
-        return f"{type(exc).__name__}: {exc}"
-    parts = []
-    for a, b in itertools.pairwise((0, *itertools.accumulate(lens))):
-        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
-        ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
-        parts.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=dim**-0.5
-            )[0].transpose(0, 1)
-        )
-    ref = torch.cat(parts)
-    want = [ref, *torch.autograd.grad(ref.float().square().sum(), (q, k, v))]
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
-        a, b = a.detach().float(), b.detach().float()
-        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-        if not err <= tol:
-            return f"{name} differs from SDPA by {err:.3g} (relative)"
-    return None
-
-
-@functools.cache
-def register_attention() -> None:
-    """Make ATTENTION a transformers attention implementation. Its mask function is flash
-    attention's: no mask when nothing is padded (so a packed row never gets an N x N mask), else the
-    2-D padding mask that `packed_attention` turns into SDPA's."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, flash_attention_mask)
-
-
 def _decoder_kwargs(
     config: object,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     bounds: tuple[int, ...],
+    prefix: int = 0,
 ) -> dict[str, Any]:
     if position_ids is None:
         return {"attention_mask": attention_mask}
@@ -337,7 +185,12 @@ def _decoder_kwargs(
             f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
             f"(learner.model.load_causal_lm), not {attn!r}"
         )
-    return {"position_ids": position_ids, "packed_bounds": bounds, "packed_cu_seqlens": cu_seqlens}
+    return {
+        "position_ids": position_ids,
+        "packed_bounds": bounds,
+        "packed_cu_seqlens": cu_seqlens,
+        "packed_prefix": prefix,
+    }
 
 
 def hidden_states(
@@ -347,9 +200,10 @@ def hidden_states(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     bounds: tuple[int, ...] = (),
+    prefix: int = 0,
 ) -> torch.Tensor:
     """The decoder's last hidden states, flattened to [B*T or N, H]."""
-    kw = _decoder_kwargs(decoder.config, attention_mask, position_ids, cu_seqlens, bounds)
+    kw = _decoder_kwargs(decoder.config, attention_mask, position_ids, cu_seqlens, bounds, prefix)
     hidden = decoder(input_ids=input_ids, use_cache=False, **kw).last_hidden_state
     return hidden.reshape(-1, hidden.size(-1))
 
@@ -376,11 +230,18 @@ class PolicyHead(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         bounds: tuple[int, ...] = (),
+        prefix: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.lm.get_output_embeddings()
         assert head is not None  # a causal LM has one
         hidden = hidden_states(
-            self.lm.get_decoder(), input_ids, attention_mask, position_ids, cu_seqlens, bounds
+            self.lm.get_decoder(),
+            input_ids,
+            attention_mask,
+            position_ids,
+            cu_seqlens,
+            bounds,
+            prefix,
         )
         logits = head(hidden[hidden_idx]).float() / self.temperature
         logp = logprobs_from_logits(logits, labels)
@@ -414,8 +275,11 @@ class ValueHead(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         bounds: tuple[int, ...] = (),
+        prefix: int = 0,
     ) -> torch.Tensor:
-        kw = _decoder_kwargs(self.model.config, attention_mask, position_ids, cu_seqlens, bounds)
+        kw = _decoder_kwargs(
+            self.model.config, attention_mask, position_ids, cu_seqlens, bounds, prefix
+        )
         out = self.model(input_ids=input_ids, use_cache=False, **kw).logits
         return out.float().reshape(-1)[hidden_idx]
 

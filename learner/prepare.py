@@ -55,13 +55,15 @@ def batching(config: Config, micro_size: int | None = None, *, can_pack: bool = 
     """How a learner pass cuts micro-batches: the actor's token cap with use_dynamic_bsz, else
     ``micro_size`` samples (default actor.ppo_micro_batch_size_per_gpu); packed with
     model.use_remove_padding when the workers ``can_pack`` (`learner.workers.WorkerGroup.can_pack`:
-    a varlen attention kernel on their GPU, or CPU workers)."""
+    a varlen attention kernel on their GPU, or CPU workers), sharing their prefix with
+    model.share_prefix."""
     arr = config.actor_rollout_ref
     actor = arr.actor
     return Batching(
         micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
         max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
         packed=arr.model.use_remove_padding and can_pack,
+        share_prefix=arr.model.use_remove_padding and can_pack and arr.model.share_prefix,
     )
 
 

@@ -100,6 +100,8 @@ class Batching:
     than the cap runs alone); the sample count then varies."""
     packed: bool = False
     """Padding-free micro-batches (sequences end to end); else right-padded."""
+    share_prefix: bool = False
+    """Packed micro-batches hold the prefix all their sequences share once (`learner.model`)."""
 
     def cost(self, lengths: Sequence[int]) -> int:
         """Tokens a micro-batch of these sequence lengths puts through the model."""
@@ -131,6 +133,7 @@ class MiniBatchPlan:
     num_seqs: int  # sequences with at least one masked token, over all ranks
     max_response_len: int  # over all ranks (seq-mean-token-sum-norm's constant)
     packed: bool = False  # how the worker lays the micro-batches out (Batching.packed)
+    share_prefix: bool = False  # Batching.share_prefix
 
 
 def count_tokens(samples: Sequence[Sample]) -> int:
@@ -244,7 +247,9 @@ def split_for_ranks(
         micro = _deal(mb, ranks, batching)
         for r in range(ranks):
             per_rank[r].append(
-                MiniBatchPlan(micro[r], num_tokens, num_seqs, max_len, batching.packed)
+                MiniBatchPlan(
+                    micro[r], num_tokens, num_seqs, max_len, batching.packed, batching.share_prefix
+                )
             )
     return per_rank
 

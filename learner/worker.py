@@ -186,10 +186,10 @@ class TrainWorker:
 
     def can_pack(self) -> bool:
         """Whether packed micro-batches pay here: on the CPU always (one SDPA call per sequence is
-        cheap), on a GPU only with a varlen attention kernel (`learner.model.varlen_kernel`): without
+        cheap), on a GPU only with a varlen attention kernel (`learner.attention.varlen_kernel`): without
         one every sequence is its own SDPA call, and measured on an H100 a long-tail update took
         11-21 s packed that way vs 6 s padded."""
-        from learner.model import varlen_kernel
+        from learner.attention import varlen_kernel
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
@@ -219,7 +219,12 @@ class TrainWorker:
         entropy: list[np.ndarray] | None = [] if req.with_entropy and req.role != "critic" else None
         for micro in req.micro_batches:
             real = [s for s in micro if s is not None]
-            batch = collate(real or [_placeholder()], self.device, packed=req.packed)
+            batch = collate(
+                real or [_placeholder()],
+                self.device,
+                packed=req.packed,
+                share_prefix=req.share_prefix,
+            )
             out, ent = self._run(req.role, model, batch, req.with_entropy)
             for i, s in enumerate(real):
                 outputs.append(out[i, : s.response_len].float().cpu().numpy())
@@ -275,7 +280,9 @@ class TrainWorker:
                     set_micro_batch(model, i, len(plan.micro_batches))
                     loss, metrics = micro_loss(
                         model,
-                        collate(micro, self.device, packed=plan.packed),
+                        collate(
+                            micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix
+                        ),
                         plan,
                         self.s,
                         self.world,

@@ -42,6 +42,7 @@ class ForwardRequest:
     micro_batches: list[list[Sample | None]]
     with_entropy: bool = False
     packed: bool = False  # how the micro-batches are laid out (`learner.samples.Batching.packed`)
+    share_prefix: bool = False  # `learner.samples.Batching.share_prefix`
 
 
 @dataclass(frozen=True)

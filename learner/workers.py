@@ -132,6 +132,7 @@ class WorkerGroup:
                 [[samples[i] if i >= 0 else None for i in chunk] for chunk in rank],
                 with_entropy=with_entropy,
                 packed=batching.packed,
+                share_prefix=batching.share_prefix,
             )
             for rank in plan
         ]

@@ -51,6 +51,11 @@ class ModelConfig(Section):
     tokens. Same numbers as padded micro-batches (false). On a GPU without a varlen kernel
     micro-batches stay padded (a warning says so): one SDPA call per sequence there costs more than
     the padding (learner.worker.TrainWorker.can_pack)."""
+    share_prefix: bool = True
+    """With use_remove_padding: the tokens that every sequence of a micro-batch starts with (the
+    system prompt, the tool schemas, a GRPO group's prompt) go through the model once, and each
+    sequence attends to them. Same numbers and gradient, fewer tokens. Used where packed attention
+    runs one SDPA call per sequence (CPU); a varlen kernel takes no shared prefix."""
 
 
 class OptimConfig(Section):

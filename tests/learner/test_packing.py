@@ -226,7 +226,7 @@ def config(**kw: Any) -> Any:
         actor_rollout_ref=SimpleNamespace(
             actor=actor,
             rollout=SimpleNamespace(n=4),
-            model=SimpleNamespace(use_remove_padding=True),
+            model=SimpleNamespace(use_remove_padding=True, share_prefix=True),
         ),
         algorithm=SimpleNamespace(use_kl_in_reward=kw.pop("use_kl_in_reward", False)),
         data=SimpleNamespace(train_batch_size=2),
@@ -255,9 +255,11 @@ def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bo
     if got is not None:
         off = config(**kw).actor_rollout_ref.actor.off_policy
         assert (got.is_level, got.is_cap) == (off.is_level, off.is_cap)
-    assert batching(config()) == Batching(micro_size=2, max_tokens=1000, packed=True)
+    assert batching(config()) == Batching(
+        micro_size=2, max_tokens=1000, packed=True, share_prefix=True
+    )
     assert batching(config(actor={"use_dynamic_bsz": False}), 3) == Batching(
-        micro_size=3, packed=True
+        micro_size=3, packed=True, share_prefix=True
     )
 
 
@@ -298,7 +300,7 @@ def _loop_kernel(
 def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
     """The check that guards torch's prototype varlen_attn: a kernel that computes per-sequence
     causal attention passes, one that is not causal or that raises is refused with the reason."""
-    from learner.model import check_varlen_kernel, torch_varlen_kernel
+    from learner.attention import check_varlen_kernel, torch_varlen_kernel
 
     assert check_varlen_kernel(_loop_kernel, CPU, torch.float32) is None
     problem = check_varlen_kernel(lambda *a: _loop_kernel(*a, causal=False), CPU, torch.float32)
@@ -308,3 +310,74 @@ def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
         assert (
             check_varlen_kernel(kernel, CPU, torch.float32) is not None
         )  # refused on the CPU, no raise
+
+
+def prefixed_samples(n: int, prefix: int, seed: int = 0) -> list[Sample]:
+    """``mixed_samples`` that all start with the same ``prefix`` tokens (a system prompt and tool
+    schemas), then differ (at least one token of each prompt is its own)."""
+    head = np.random.default_rng(seed + 100).integers(0, 500, prefix).astype(np.int64)
+    out = []
+    for s in mixed_samples(n, seed):
+        t = Sample(np.concatenate([head, s.input_ids]), prefix + s.prompt_len, s.response_mask)
+        t.old_logprobs, t.advantages = s.old_logprobs, s.advantages
+        t.rollout_logprobs = s.rollout_logprobs
+        out.append(t)
+    return out
+
+
+def test_shared_prefix_stops_before_the_shortest_prompts_last_token() -> None:
+    from learner.model import shared_prefix
+
+    samples = prefixed_samples(4, prefix=20)
+    assert shared_prefix(samples) >= 20
+    assert shared_prefix(samples[:1]) == 0  # nothing to share
+    a, b = (Sample(np.arange(10), p, np.ones(10 - p, np.float32)) for p in (5, 8))
+    assert shared_prefix([a, b]) == 4  # token 4 predicts a's first response token
+
+
+def test_a_shared_prefix_gives_the_unshared_logprobs_loss_and_gradient(policy: Any) -> None:
+    """The prefix comes once, each sequence attends to it: the same numbers as padded micro-batches,
+    on fewer tokens."""
+    from learner.model import collate, policy_outputs
+    from learner.samples import MiniBatchPlan
+    from learner.update import actor_micro_loss
+    from learner.worker import WorkerSettings
+
+    samples = prefixed_samples(6, prefix=40, seed=3)
+    plan = MiniBatchPlan(
+        [samples], count_tokens(samples), len(samples), max(s.response_len for s in samples)
+    )
+    s = WorkerSettings(model_path="", entropy_coeff=0.01)
+    got = []
+    for shared in (False, True):
+        b = collate(samples, CPU, packed=shared, share_prefix=shared)
+        if shared:
+            assert b.prefix >= 40
+            total = sum(len(x.input_ids) for x in samples)
+            assert b.input_ids.shape == (1, total - (len(samples) - 1) * b.prefix)
+        policy.zero_grad(set_to_none=True)
+        loss, _ = actor_micro_loss(policy, b, plan, s, world=1)
+        loss.backward()
+        with torch.no_grad():
+            logp, ent = policy_outputs(policy, b, with_entropy=True)
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        got.append((logp, ent, float(loss.detach()), grads))
+    (lp0, e0, l0, g0), (lp1, e1, l1, g1) = got
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
+    assert l1 == pytest.approx(l0, abs=1e-6)
+    assert g1.keys() == g0.keys() and g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_shared_prefix_values_match_padded(tiny_model: Path) -> None:
+    from learner.model import ValueHead, collate, load_value_model, value_outputs
+
+    torch.manual_seed(0)
+    head = ValueHead(load_value_model(str(tiny_model), trust_remote_code=False)).eval()
+    samples = prefixed_samples(5, prefix=30, seed=4)
+    with torch.no_grad():
+        padded = value_outputs(head, collate(samples, CPU))
+        shared = value_outputs(head, collate(samples, CPU, packed=True, share_prefix=True))
+    torch.testing.assert_close(shared, padded, atol=1e-5, rtol=1e-5)

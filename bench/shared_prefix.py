@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The learner's shared-prefix micro-batches against the cost of their distinct tokens.
+
+Agentic batches repeat a long prefix in every sequence: the system prompt and the tool schemas
+(the StateLM demo's segments start with the same ~1,300 of their ~1,700-2,000 tokens), and a GRPO
+group repeats its whole prompt. With ``model.share_prefix`` a packed micro-batch runs that prefix
+once (`learner.model.collate`). This bench times the actor's training pass (forward, PPO loss and
+backward: `learner.update.actor_micro_loss` on `learner.model.PolicyHead`, the functions the FSDP
+workers run, here unsharded in one process) over the same synthetic samples laid out two ways,
+packed without sharing and packed with the shared prefix, alternating rounds after a warm-up
+round of each. The bound: if a micro-batch cost only its distinct tokens, the shared layout would
+take the unshared time x (shared row tokens / unshared row tokens); ratio = bound / shared time
+(>= 1: faster than the token count alone predicts, which attention's quadratic cost allows).
+It also checks that both layouts give the same logprobs (max abs difference in the JSON).
+
+Samples: ``--samples`` sequences, each the common ``--prefix`` tokens, then a prompt tail of
+``--tail`` tokens and a response of ``--response`` tokens (each uniform in [L/2, 3L/2]), in
+micro-batches of ``--micro-size``. The defaults are the StateLM demo's shape (32 episodes' worth of
+segments a step on the tiny model). Progress goes to stderr; the last line of stdout is one JSON
+object. Run: ``.venv/bin/python bench/shared_prefix.py`` (``--help`` for the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def progress(msg: str) -> None:
+    print(f"[bench/shared_prefix {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/shared_prefix.py", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--samples", type=int, default=64, help="sequences (default %(default)s)")
+    p.add_argument("--micro-size", type=int, default=16, help="sequences per micro-batch")
+    p.add_argument("--prefix", type=int, default=1300, help="tokens every sequence starts with")
+    p.add_argument("--tail", type=int, default=200, help="mean prompt tokens after the prefix")
+    p.add_argument("--response", type=int, default=350, help="mean response tokens")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds per layout (median)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    a = p.parse_args(argv)
+    if min(a.samples, a.micro_size, a.prefix, a.tail, a.response, a.repeat, a.threads) < 1:
+        p.error("every knob must be >= 1")
+    return a
+
+
+def make_samples(a: argparse.Namespace) -> list[Any]:
+    import numpy as np
+
+    from learner.samples import Sample
+
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 500, a.prefix)
+    out = []
+    for _ in range(a.samples):
+        t = int(rng.integers(max(1, a.tail // 2), a.tail * 3 // 2 + 1))
+        r = int(rng.integers(max(1, a.response // 2), a.response * 3 // 2 + 1))
+        ids = np.concatenate([head, rng.integers(0, 500, t + r)]).astype(np.int64)
+        mask = (rng.random(r) > 0.5).astype(np.float32)  # half tool output: not trained on
+        s = Sample(ids, a.prefix + t, mask)
+        s.old_logprobs = (-rng.random(r) * 3).astype(np.float32) * mask
+        s.advantages = rng.normal(size=r).astype(np.float32) * mask
+        out.append(s)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import torch
+
+    from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
+    from learner.samples import MiniBatchPlan, count_tokens
+    from learner.update import actor_micro_loss
+    from learner.worker import WorkerSettings
+    from tools.make_tiny_model import TinyModelSpec, make_tiny_model
+
+    torch.set_num_threads(a.threads)
+    cpu = torch.device("cpu")
+    samples = make_samples(a)
+    micro = [samples[i : i + a.micro_size] for i in range(0, len(samples), a.micro_size)]
+    plan = MiniBatchPlan(
+        micro, count_tokens(samples), len(samples), max(s.response_len for s in samples)
+    )
+    settings = WorkerSettings(model_path="", entropy_coeff=0.01)
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
+        progress("writing the tiny model")
+        path = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
+        lm = load_causal_lm(str(path), trust_remote_code=False, gradient_checkpointing=False)
+    policy = PolicyHead(lm).train()
+    layouts = {
+        shared: [collate(m, cpu, packed=True, share_prefix=shared) for m in micro]
+        for shared in (False, True)
+    }
+    row_tokens = {k: sum(b.input_ids.numel() for b in v) for k, v in layouts.items()}
+
+    def step(shared: bool) -> float:
+        t0 = time.perf_counter()
+        policy.zero_grad(set_to_none=True)
+        for b in layouts[shared]:
+            loss, _ = actor_micro_loss(policy, b, plan, settings, world=1)
+            loss.backward()
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        diff = max(
+            float((policy_outputs(policy, u)[0] - policy_outputs(policy, s)[0]).abs().max())
+            for u, s in zip(layouts[False], layouts[True], strict=True)
+        )
+    progress(f"row tokens unshared {row_tokens[False]:,}, shared {row_tokens[True]:,}")
+    step(False), step(True)  # warm-up
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(a.repeat):
+        for shared in (False, True):
+            times[shared].append(step(shared))
+        progress(
+            f"round {r + 1}: unshared {times[False][-1]:.2f} s, shared {times[True][-1]:.2f} s"
+        )
+    unshared_s, shared_s = statistics.median(times[False]), statistics.median(times[True])
+    bound_s = unshared_s * row_tokens[True] / row_tokens[False]
+    result = {
+        "bench": "shared_prefix",
+        "samples": a.samples,
+        "micro_size": a.micro_size,
+        "prefix": a.prefix,
+        "tail": a.tail,
+        "response": a.response,
+        "threads": a.threads,
+        "cpus": os.cpu_count(),
+        "row_tokens_unshared": row_tokens[False],
+        "row_tokens_shared": row_tokens[True],
+        "unshared_s": round(unshared_s, 3),
+        "shared_s": round(shared_s, 3),
+        "speedup": round(unshared_s / shared_s, 3),
+        "bound_s": round(bound_s, 3),
+        "ratio": round(bound_s / shared_s, 3),
+        "max_abs_logprob_diff": diff,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(
+        f"shared prefix: {shared_s:.2f} s vs {unshared_s:.2f} s unshared "
+        f"(x{unshared_s / shared_s:.2f}); token-count bound {bound_s:.2f} s, "
+        f"ratio {bound_s / shared_s:.3f}; logprobs differ by {diff:.1e}"
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The attention function of the learner's packed micro-batches (`learner.model.collate`).
+
+Design: one transformers attention implementation, ATTENTION, that every learner model is loaded
+with. Packed (the sequences end to end in one row, ``packed_bounds`` their starts): causal
+attention within each sequence, through a varlen kernel on CUDA (flash-attn's when installed, else
+torch's ``torch.nn.attention.varlen`` once checked against SDPA on the device) or one SDPA call per
+sequence. With a shared prefix (``packed_prefix``: the row's first part is the prefix every later
+part continues) each part attends to the whole prefix and causally to itself, on the per-sequence
+path only. Padded: SDPA with the causal and padding masks. The kernels take q/k/v as
+[tokens, heads, D]; transformers hands [B, heads, T, D] in and takes [B, T, heads, D] back.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+ATTENTION = "learner_packed_sdpa"  # registered with transformers by register_attention()
+
+
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_bounds: tuple[int, ...] | None = None,
+    packed_cu_seqlens: torch.Tensor | None = None,
+    packed_prefix: int = 0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function ([B, heads, T, D] in, [B, T, heads, D] out). Packed
+    (``packed_bounds``: sequence starts in the one row): causal attention within each sequence,
+    and with ``packed_prefix`` each sequence after the first part also sees that part, the shared
+    prefix. Otherwise causal SDPA, with the 2-D padding mask (all the mask function below hands
+    over)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_bounds is None:
+        if (
+            attention_mask is not None and attention_mask.dim() == 2
+        ):  # [B, T] keys: causal & not padding
+            t = query.shape[2]
+            causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+            attention_mask = causal[None, None] & attention_mask[:, None, None, -t:].bool()
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling
+        )
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError(
+            "packed micro-batches with sliding-window attention: set "
+            "actor_rollout_ref.model.use_remove_padding=false"
+        )
+    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
+    if packed_prefix:
+        return _prefixed_attention(module, query, key, value, packed_bounds, dropout, scaling), None
+    if (
+        kernel is not None
+        and packed_cu_seqlens is not None
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
+        longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
+        return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
+    parts = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )[0]
+        for a, b in itertools.pairwise(packed_bounds)
+    ]
+    return torch.cat(parts, dim=1), None
+
+
+def _prefixed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: tuple[int, ...],
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Packed attention whose first part, [0, bounds[1]), is a prefix every later part continues:
+    the prefix attends causally to itself, each part to the whole prefix and causally to itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pre = bounds[1]
+    parts = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, :pre],
+            key[:, :, :pre],
+            value[:, :, :pre],
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+        )[0]
+    ]
+    for a, b in itertools.pairwise(bounds[1:]):
+        n = b - a
+        # SDPA's is_causal aligns a short query with the keys' start, not their end: say it all
+        seen = torch.ones(n, pre + n, dtype=torch.bool, device=query.device)
+        seen[:, pre:] = seen[:, pre:].tril()
+        k = torch.cat([key[:, :, :pre], key[:, :, a:b]], dim=2)
+        v = torch.cat([value[:, :, :pre], value[:, :, a:b]], dim=2)
+        parts.append(
+            sdpa_attention_forward(
+                module, query[:, :, a:b], k, v, seen[None, None], dropout=dropout, scaling=scaling
+            )[0]
+        )
+    return torch.cat(parts, dim=1)
+
+
+VarlenKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor
+]
+"""(q [N, heads, D], k, v [N, kv heads, D], cu_seqlens int32 [B + 1], longest, scale) -> [N, heads, D],
+causal within each sequence."""
+
+
+@functools.cache
+def varlen_kernel(device: torch.device) -> VarlenKernel | None:
+    """The varlen attention kernel packed micro-batches use on ``device`` (CUDA), or None: one SDPA
+    call per sequence. flash-attn's when installed; else torch's ``varlen_attn`` (prototype since
+    torch 2.9, its arguments changed between releases) if it matches per-sequence SDPA, forward and
+    gradients, on a small GQA case on this device (`check_varlen_kernel`)."""
+    try:
+        from flash_attn import flash_attn_varlen_func  # pyright: ignore[reportMissingImports]
+    except ImportError:  # optional package
+        pass
+    else:
+        return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True
+        )
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        return None
+    problem = check_varlen_kernel(kernel, device, torch.bfloat16)
+    if problem:
+        from common.logging import get_logger
+
+        get_logger("learner.attention").warning(
+            "torch varlen_attn not used for packed micro-batches: one SDPA call "
+            "per sequence instead",
+            problem=problem,
+        )
+        return None
+    return kernel
+
+
+def torch_varlen_kernel() -> VarlenKernel | None:
+    """torch.nn.attention.varlen.varlen_attn behind `VarlenKernel`, for the argument names this torch
+    has (causality as ``is_causal`` or ``window_size=(-1, 0)``; GQA through ``enable_gqa`` or by
+    repeating the key/value heads); None when it has no such function."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal: dict[str, Any] = (
+        {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    )
+    if "is_causal" not in params and "window_size" not in params:
+        return None
+
+    def run(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        scale: float | None,
+    ) -> torch.Tensor:
+        extra = dict(causal)
+        if k.size(1) != q.size(1):
+            if "enable_gqa" in params:
+                extra["enable_gqa"] = True
+            else:  # each key/value head serves a run of query heads, as transformers' repeat_kv
+                k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+        if scale is not None and "scale" in params:
+            extra["scale"] = scale
+        elif scale is not None and scale != q.size(-1) ** -0.5:
+            raise ValueError("this torch's varlen_attn takes no scale")
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        assert isinstance(out, torch.Tensor)  # (out, aux) only when return_aux is asked for
+        return out
+
+    return run
+
+
+def check_varlen_kernel(
+    kernel: VarlenKernel, device: torch.device, dtype: torch.dtype
+) -> str | None:
+    """None when ``kernel`` gives per-sequence causal SDPA's output and gradients (to ``dtype``'s
+    precision) on two sequences with grouped key/value heads; else what went wrong."""
+    gen = torch.Generator().manual_seed(0)
+    lens, heads, kv_heads, dim = (5, 11), 4, 2, 64
+    n = sum(lens)
+    q, k, v = (
+        torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
+    try:
+        out = kernel(q, k, v, cu, max(lens), dim**-0.5)
+        got = [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
+    except Exception as exc:  # a prototype API: any failure means "do not use it"
+        return f"{type(exc).__name__}: {exc}"
+    parts = []
+    for a, b in itertools.pairwise((0, *itertools.accumulate(lens))):
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=dim**-0.5
+            )[0].transpose(0, 1)
+        )
+    ref = torch.cat(parts)
+    want = [ref, *torch.autograd.grad(ref.float().square().sum(), (q, k, v))]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        a, b = a.detach().float(), b.detach().float()
+        err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            return f"{name} differs from SDPA by {err:.3g} (relative)"
+    return None
+
+
+@functools.cache
+def register_attention() -> None:
+    """Make ATTENTION a transformers attention implementation. Its mask function is flash
+    attention's: no mask when nothing is padded (so a packed row never gets an N x N mask), else the
+    2-D padding mask that `packed_attention` turns into SDPA's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, flash_attention_mask)
