@@ -618,9 +618,18 @@ class RolloutServer:
                     self._granted[ev.min_version] += ev.groups
                     self._set_granted()
                     self._poke()
-            elif isinstance(ev, PeerClosed | PeerTimedOut) and self._granted is not None:
-                self._granted = Counter()  # the session is over: wait for the next one's grants
-                self._set_granted()
+            elif isinstance(ev, PeerClosed | PeerTimedOut):
+                # Said, because what follows is quiet: unacked batches wait for the next session,
+                # and admission stops once they fill the window.
+                if isinstance(ev, PeerTimedOut):
+                    self.log.warning(
+                        "learner silent past the WELCOME's heartbeat timeout: reconnecting"
+                    )
+                else:
+                    self.log.info("learner said BYE: reconnecting", reason=ev.reason)
+                if self._granted is not None:
+                    self._granted = Counter()  # the session is over: wait for the next grants
+                    self._set_granted()
             elif isinstance(ev, WeightsAnnounced):
                 self._announce(ev.version)
             elif isinstance(ev, WeightsReceived):
