@@ -53,31 +53,28 @@ def policy(tiny_model: Path) -> Any:
     return PolicyHead(lm, temperature=0.7).train()
 
 
-def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any) -> None:
-    from learner.model import collate, policy_outputs
+def training_pass(policy: Any, samples: list[Sample], b: Any) -> tuple[Any, ...]:
+    """(logprobs, entropy, loss, metrics, gradients) of the actor's loss on micro-batch ``b``."""
+    from learner.model import policy_outputs
     from learner.samples import MiniBatchPlan
     from learner.update import actor_micro_loss
     from learner.worker import WorkerSettings
 
-    samples = mixed_samples(7)
     plan = MiniBatchPlan(
         [samples], count_tokens(samples), len(samples), max(s.response_len for s in samples)
     )
     s = WorkerSettings(model_path="", entropy_coeff=0.01)
-    got = {}
-    for packed in (False, True):
-        b = collate(samples, CPU, packed=packed)
-        assert b.packed == packed
-        if packed:  # one row, no padding anywhere
-            assert b.input_ids.shape == (1, sum(len(x.input_ids) for x in samples))
-        policy.zero_grad(set_to_none=True)
-        loss, metrics = actor_micro_loss(policy, b, plan, s, world=1)
-        loss.backward()
-        with torch.no_grad():
-            logp, ent = policy_outputs(policy, b, with_entropy=True)
-        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-        got[packed] = (logp, ent, float(loss.detach()), metrics, grads)
-    (lp0, e0, l0, m0, g0), (lp1, e1, l1, m1, g1) = got[False], got[True]
+    policy.zero_grad(set_to_none=True)
+    loss, metrics = actor_micro_loss(policy, b, plan, s, world=1)
+    loss.backward()
+    with torch.no_grad():
+        logp, ent = policy_outputs(policy, b, with_entropy=True)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return logp, ent, float(loss.detach()), metrics, grads
+
+
+def assert_same_pass(got: tuple[Any, ...], want: tuple[Any, ...]) -> None:
+    (lp1, e1, l1, m1, g1), (lp0, e0, l0, m0, g0) = got, want
     torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
     assert l1 == pytest.approx(l0, abs=1e-6)
@@ -87,8 +84,22 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any)
     assert g1.keys() == g0.keys() and g0
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_packed_and_padded_give_the_same_logprobs_loss_and_gradient(policy: Any) -> None:
+    from learner.model import collate
+
+    samples = mixed_samples(7)
+    got = {}
+    for packed in (False, True):
+        b = collate(samples, CPU, packed=packed)
+        assert b.packed == packed
+        if packed:  # one row, no padding anywhere
+            assert b.input_ids.shape == (1, sum(len(x.input_ids) for x in samples))
+        got[packed] = training_pass(policy, samples, b)
+    assert_same_pass(got[True], got[False])
     valid = collate(samples, CPU).response_valid
-    assert not lp0[~valid].any(), "nothing past a response"
+    assert not got[False][0][~valid].any(), "nothing past a response"
 
 
 def test_packed_micro_batches_under_gradient_checkpointing(tiny_model: Path) -> None:
@@ -338,37 +349,15 @@ def test_shared_prefix_stops_before_the_shortest_prompts_last_token() -> None:
 def test_a_shared_prefix_gives_the_unshared_logprobs_loss_and_gradient(policy: Any) -> None:
     """The prefix comes once, each sequence attends to it: the same numbers as padded micro-batches,
     on fewer tokens."""
-    from learner.model import collate, policy_outputs
-    from learner.samples import MiniBatchPlan
-    from learner.update import actor_micro_loss
-    from learner.worker import WorkerSettings
+    from learner.model import collate
 
     samples = prefixed_samples(6, prefix=40, seed=3)
-    plan = MiniBatchPlan(
-        [samples], count_tokens(samples), len(samples), max(s.response_len for s in samples)
-    )
-    s = WorkerSettings(model_path="", entropy_coeff=0.01)
-    got = []
-    for shared in (False, True):
-        b = collate(samples, CPU, packed=shared, share_prefix=shared)
-        if shared:
-            assert b.prefix >= 40
-            total = sum(len(x.input_ids) for x in samples)
-            assert b.input_ids.shape == (1, total - (len(samples) - 1) * b.prefix)
-        policy.zero_grad(set_to_none=True)
-        loss, _ = actor_micro_loss(policy, b, plan, s, world=1)
-        loss.backward()
-        with torch.no_grad():
-            logp, ent = policy_outputs(policy, b, with_entropy=True)
-        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-        got.append((logp, ent, float(loss.detach()), grads))
-    (lp0, e0, l0, g0), (lp1, e1, l1, g1) = got
-    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
-    assert l1 == pytest.approx(l0, abs=1e-6)
-    assert g1.keys() == g0.keys() and g0
-    for n in g0:
-        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-4, msg=n)
+    shared = collate(samples, CPU, packed=True, share_prefix=True)
+    assert shared.prefix >= 40
+    total = sum(len(x.input_ids) for x in samples)
+    assert shared.input_ids.shape == (1, total - (len(samples) - 1) * shared.prefix)
+    padded = training_pass(policy, samples, collate(samples, CPU))
+    assert_same_pass(training_pass(policy, samples, shared), padded)
 
 
 def test_shared_prefix_values_match_padded(tiny_model: Path) -> None:
