@@ -8,15 +8,17 @@ once (`learner.model.collate`). This bench times the actor's training pass (forw
 backward: `learner.update.actor_micro_loss` on `learner.model.PolicyHead`, the functions the FSDP
 workers run, here unsharded in one process) over the same synthetic samples laid out two ways,
 packed without sharing and packed with the shared prefix, alternating rounds after a warm-up
-round of each. The bound: if a micro-batch cost only its distinct tokens, the shared layout would
-take the unshared time x (shared row tokens / unshared row tokens); ratio = bound / shared time
-(>= 1: faster than the token count alone predicts, which attention's quadratic cost allows).
-It also checks that both layouts give the same logprobs (max abs difference in the JSON).
+round of each. The bound is a linear-cost ideal: the unshared time x (shared row tokens / unshared
+row tokens), what the shared layout would take if a micro-batch cost only its row's tokens;
+ratio = bound / shared time. Below 1 is expected: each sequence's attention still reads the whole
+prefix (per sequence it costs n x (prefix + n), not n x n), and the LM head and the loss run on the
+same response tokens in both layouts. It also checks that both layouts give the same logprobs
+(max abs difference in the JSON).
 
 Samples: ``--samples`` sequences, each the common ``--prefix`` tokens, then a prompt tail of
 ``--tail`` tokens and a response of ``--response`` tokens (each uniform in [L/2, 3L/2]), in
-micro-batches of ``--micro-size``. The defaults are the StateLM demo's shape (32 episodes' worth of
-segments a step on the tiny model). Progress goes to stderr; the last line of stdout is one JSON
+micro-batches of ``--micro-size``. The defaults are the StateLM demo's step on the tiny model: 32
+episodes' segments (its token cap, with the shared prefix counted once, holds ~25 a micro-batch). Progress goes to stderr; the last line of stdout is one JSON
 object. Run: ``.venv/bin/python bench/shared_prefix.py`` (``--help`` for the knobs).
 """
 

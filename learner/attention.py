@@ -59,9 +59,9 @@ def packed_attention(
             "packed micro-batches with sliding-window attention: set "
             "actor_rollout_ref.model.use_remove_padding=false"
         )
-    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
     if packed_prefix:
         return _prefixed_attention(module, query, key, value, packed_bounds, dropout, scaling), None
+    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
     if (
         kernel is not None
         and packed_cu_seqlens is not None
@@ -204,6 +204,7 @@ def torch_varlen_kernel() -> VarlenKernel | None:
     return run
 
 
+@torch.enable_grad()  # its first caller may be a forward-only pass (no_grad): it needs gradients
 def check_varlen_kernel(
     kernel: VarlenKernel, device: torch.device, dtype: torch.dtype
 ) -> str | None:

@@ -24,9 +24,10 @@ layouts give the same numbers to float rounding (tests/learner/test_packing.py).
 A packed micro-batch may also share its prefix (``share_prefix``): the tokens every sequence of the
 micro-batch starts with (in agentic batches the system prompt and the tool schemas, often most of
 each prompt) come once at the head of the row, and each sequence's rest attends to them and to
-itself. The prefix's activations feed every sequence, so the gradient is exactly the unshared one,
-and a micro-batch costs its distinct tokens. It runs on the per-sequence SDPA path; the varlen
-kernels take no shared prefix, so where one is used (CUDA) sequences are not shared.
+itself. The prefix's activations feed every sequence, so with no dropout (the Qwen2 family has
+none) the gradient is the unshared one. The linear layers then see each distinct token once;
+attention still reads the prefix's keys for every sequence. It runs on the per-sequence SDPA path;
+the varlen kernels take no shared prefix, so where one is used (CUDA) sequences are not shared.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import nn
 
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.attention import ATTENTION, register_attention, varlen_kernel
-from learner.samples import Sample, TokenField
+from learner.samples import Sample, TokenField, shared_prefix
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,8 +65,10 @@ class MicroBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # TOKEN_FIELDS present, [B, R]
     attention_mask: torch.Tensor | None = None  # [B, T], padded only
     position_ids: torch.Tensor | None = None  # [1, N], packed only
-    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, packed only
-    bounds: tuple[int, ...] = ()  # the same starts as Python ints (no device sync to read them)
+    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, packed unshared only
+    # the starts as Python ints (no device sync to read them); with a shared prefix B + 2 of them:
+    # 0, then the starts of the B sequences' parts after the prefix, then the end
+    bounds: tuple[int, ...] = ()
     prefix: int = 0  # packed only: > 0, [0, prefix) is the shared prefix, every later part's head
 
     @property
@@ -90,20 +93,6 @@ class MicroBatch:
         return torch.zeros(
             self.response_valid.shape, dtype=flat.dtype, device=flat.device
         ).masked_scatter(self.response_valid, flat)
-
-
-def shared_prefix(samples: Sequence[Sample]) -> int:
-    """Length of the token prefix all ``samples`` start with, short of every prompt's last token
-    (which predicts the first response token, so it stays in each sequence); 0 for one sample."""
-    if len(samples) < 2:
-        return 0
-    limit = min(s.prompt_len for s in samples) - 1
-    first = samples[0].input_ids[:limit]
-    n = len(first)
-    for s in samples[1:]:
-        diff = np.flatnonzero(s.input_ids[:n] != first[:n])
-        n = int(diff[0]) if diff.size else n
-    return max(n, 0)
 
 
 def collate(
@@ -155,7 +144,8 @@ def collate(
         out.input_ids = put(ids[None])
         out.position_ids = put(np.concatenate(pos).astype(np.int64)[None])
         bounds = np.concatenate([[0], starts]) if pre else starts
-        out.cu_seqlens = put(bounds.astype(np.int32))
+        # a varlen kernel would read the prefix as a sequence of its own: none for shared rows
+        out.cu_seqlens = None if pre else put(bounds.astype(np.int32))
         out.bounds = tuple(int(x) for x in bounds)
         out.prefix = pre
     else:

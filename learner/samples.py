@@ -15,7 +15,8 @@ collectives need every rank in every forward), padding short ranks with zero-wei
 micro-batch holds ``micro_size`` samples, or, with a token cap (``max_tokens``, verl's
 ``use_dynamic_bsz``), as many as fit under the cap, where a micro-batch costs what its tensors hold:
 the sum of its lengths when packed, count x longest when padded. Long and short sequences then share
-micro-batches so that each costs about the same, and a step costs its tokens, not its padding.
+micro-batches so that each costs about the same, and a step costs its tokens, not its padding. With
+shared prefixes (``Batching.share_prefix``) the prefix all samples share counts once a micro-batch.
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def even_chunks(items: Sequence[Sample], n: int) -> list[list[Sample]]:
     return out
 
 
+def shared_prefix(samples: Sequence[Sample]) -> int:
+    """Length of the token prefix all ``samples`` start with, short of every prompt's last token
+    (which predicts the first response token, so it stays in each sequence); 0 for one sample."""
+    if len(samples) < 2:
+        return 0
+    limit = max(min(s.prompt_len for s in samples) - 1, 0)
+    first = samples[0].input_ids[:limit]
+    n = len(first)
+    for s in samples[1:]:
+        diff = np.flatnonzero(s.input_ids[:n] != first[:n])
+        n = int(diff[0]) if diff.size else n
+    return max(n, 0)
+
+
 def balance_indices(
     lengths: Sequence[int], ranks: int, *, equal_counts: bool = True
 ) -> list[list[int]]:
@@ -254,15 +269,29 @@ def split_for_ranks(
     return per_rank
 
 
+def _cut_by(items: Sequence[Sample], batching: Batching) -> tuple[list[int], Batching]:
+    """The lengths to cut ``items`` into micro-batches by, and the batching to cut them with. With
+    shared prefixes under a token cap, every micro-batch's row holds one copy of the prefix all
+    ``items`` share (or a longer one): it comes off each length and once off the cap, so the cap
+    still bounds every row and a micro-batch holds as many sequences as its row has room for."""
+    lengths = [len(s.input_ids) for s in items]
+    if not (batching.packed and batching.share_prefix and batching.max_tokens > 0):
+        return lengths, batching
+    p = shared_prefix(items)
+    if p == 0 or p >= batching.max_tokens:
+        return lengths, batching
+    return [n - p for n in lengths], replace(batching, max_tokens=batching.max_tokens - p)
+
+
 def _deal(items: Sequence[Sample], ranks: int, batching: Batching) -> list[list[list[Sample]]]:
     """Per rank, its micro-batches of ``items``; every rank gets as many (dummies fill them: copies
     of the shortest item, the cheapest way to keep a rank in step)."""
     shortest = min(items, key=lambda s: len(s.input_ids))
-    idx = _deal_indices([len(s.input_ids) for s in items], ranks, batching)
+    idx = _deal_indices(*_cut_by(items, batching), ranks)
     return [[[shortest.dummy() if i < 0 else items[i] for i in m] for m in rank] for rank in idx]
 
 
-def _deal_indices(lengths: Sequence[int], ranks: int, batching: Batching) -> list[list[list[int]]]:
+def _deal_indices(lengths: Sequence[int], batching: Batching, ranks: int) -> list[list[list[int]]]:
     """Per rank, micro-batches of item indices, the same number on every rank; -1 is a dummy."""
     parts = balance_indices(lengths, ranks, equal_counts=batching.max_tokens <= 0)
     per_rank = [
@@ -280,6 +309,4 @@ def split_forward(
     samples: Sequence[Sample], *, ranks: int, micro_size: int = 4, batching: Batching | None = None
 ) -> list[list[list[int]]]:
     """Per rank, micro-batches of sample indices for a forward-only pass; -1 marks a dummy."""
-    return _deal_indices(
-        [len(s.input_ids) for s in samples], ranks, batching or Batching(micro_size=micro_size)
-    )
+    return _deal_indices(*_cut_by(samples, batching or Batching(micro_size=micro_size)), ranks)

@@ -197,6 +197,37 @@ def test_token_capped_micro_batches(n: int, ranks: int, cap: int, packed: bool) 
             assert len(real) <= 1 or batching.cost(real) <= cap
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_shared_prefix_counts_once_under_the_token_cap(ranks: int) -> None:
+    """Every row that collate lays out stays under the cap, every sample runs once, and a
+    micro-batch holds the sequences its shared row has room for, not what their full lengths
+    would fit."""
+    from learner.model import collate
+
+    samples = prefixed_samples(24, prefix=300, seed=5)
+    cap = 1200
+    share = Batching(max_tokens=cap, packed=True, share_prefix=True)
+    plans = split_for_ranks(samples, mini_batches=1, ranks=ranks, batching=share)
+    ids = {id(s): i for i, s in enumerate(samples)}
+    seen: list[int] = []
+    for rank in plans:
+        assert rank[0].share_prefix
+        for micro in rank[0].micro_batches:
+            assert collate(micro, CPU, packed=True, share_prefix=True).input_ids.numel() <= cap
+            seen += [ids[id(s)] for s in micro if id(s) in ids]
+    assert sorted(seen) == list(range(len(samples)))
+    unshared = split_for_ranks(
+        samples, mini_batches=1, ranks=ranks, batching=Batching(max_tokens=cap, packed=True)
+    )
+    assert len(plans[0][0].micro_batches) < len(unshared[0][0].micro_batches)
+    fwd = split_forward(samples, ranks=ranks, batching=share)
+    assert sorted(i for rank in fwd for m in rank for i in m if i >= 0) == list(range(24))
+    for rank in fwd:
+        for m in rank:
+            real = [samples[i] for i in m if i >= 0]
+            assert collate(real, CPU, packed=True, share_prefix=True).input_ids.numel() <= cap
+
+
 def test_token_cap_balances_micro_batches_and_ranks() -> None:
     lengths = [300, 10, 10, 250, 40, 40, 40, 120, 100, 90, 80, 5, 5, 5, 200, 60]
     bins = micro_batches(lengths, Batching(max_tokens=400, packed=True))
@@ -337,7 +368,7 @@ def prefixed_samples(n: int, prefix: int, seed: int = 0) -> list[Sample]:
 
 
 def test_shared_prefix_stops_before_the_shortest_prompts_last_token() -> None:
-    from learner.model import shared_prefix
+    from learner.samples import shared_prefix
 
     samples = prefixed_samples(4, prefix=20)
     assert shared_prefix(samples) >= 20
@@ -356,6 +387,25 @@ def test_a_shared_prefix_gives_the_unshared_logprobs_loss_and_gradient(policy: A
     assert shared.prefix >= 40
     total = sum(len(x.input_ids) for x in samples)
     assert shared.input_ids.shape == (1, total - (len(samples) - 1) * shared.prefix)
+    padded = training_pass(policy, samples, collate(samples, CPU))
+    assert_same_pass(training_pass(policy, samples, shared), padded)
+
+
+def test_a_group_sharing_its_whole_prompt_shares_all_but_its_last_token(policy: Any) -> None:
+    """A GRPO group: the same prompt, different responses. The prompt's last token predicts each
+    response's first, so it stays in every sequence's own part."""
+    from learner.model import collate
+
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 500, 30)
+    samples = []
+    for r in (5, 9, 3, 12):
+        s = Sample(np.concatenate([prompt, rng.integers(0, 500, r)]), 30, np.ones(r, np.float32))
+        s.old_logprobs = (-rng.random(r)).astype(np.float32)
+        s.advantages = rng.normal(size=r).astype(np.float32)
+        samples.append(s)
+    shared = collate(samples, CPU, packed=True, share_prefix=True)
+    assert shared.prefix == 29
     padded = training_pass(policy, samples, collate(samples, CPU))
     assert_same_pass(training_pass(policy, samples, shared), padded)
 
