@@ -70,7 +70,23 @@ def packed_attention(
         longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
         return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
-    parts = [
+    parts = _causal_parts(module, query, key, value, packed_bounds, dropout, scaling)
+    return torch.cat(parts, dim=1), None
+
+
+def _causal_parts(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: tuple[int, ...],
+    dropout: float,
+    scaling: float | None,
+) -> list[torch.Tensor]:
+    """Causal SDPA within each [a, b) of consecutive ``bounds``, one call per part."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return [
         sdpa_attention_forward(
             module,
             query[:, :, a:b],
@@ -81,9 +97,8 @@ def packed_attention(
             scaling=scaling,
             is_causal=True,
         )[0]
-        for a, b in itertools.pairwise(packed_bounds)
+        for a, b in itertools.pairwise(bounds)
     ]
-    return torch.cat(parts, dim=1), None
 
 
 def _prefixed_attention(
@@ -100,18 +115,7 @@ def _prefixed_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     pre = bounds[1]
-    parts = [
-        sdpa_attention_forward(
-            module,
-            query[:, :, :pre],
-            key[:, :, :pre],
-            value[:, :, :pre],
-            None,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=True,
-        )[0]
-    ]
+    parts = _causal_parts(module, query, key, value, bounds[:2], dropout, scaling)
     for a, b in itertools.pairwise(bounds[1:]):
         n = b - a
         # SDPA's is_causal aligns a short query with the keys' start, not their end: say it all

@@ -164,7 +164,7 @@ def shared_prefix(samples: Sequence[Sample]) -> int:
     for s in samples[1:]:
         diff = np.flatnonzero(s.input_ids[:n] != first[:n])
         n = int(diff[0]) if diff.size else n
-    return max(n, 0)
+    return n
 
 
 def balance_indices(
