@@ -178,7 +178,11 @@ def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> No
         ]
         j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
         jobs.append(j)
-        j.wait_for(lambda: "rollout server rs1 connected" in j.output(), 300, "rs1 to connect")
+        # Killed as soon as it runs, not once it has connected: rs0 alone can train both steps
+        # before a slow rs1 connects, and the run would end before the kill (CI, stop 32). The
+        # learner is not ready for tens of seconds after this, so the restart always happens
+        # inside the run; a kill after the first step is test_train's.
+        j.wait_for(lambda: "rollout server rs1 started" in j.output(), 300, "rs1 to start")
         children = j.processes()["children"]
         nodes = {children[f"rollout-{i}"]["node"] for i in (0, 1)}  # type: ignore[index]
         assert len(nodes) == 2, nodes  # one server per node
