@@ -272,15 +272,7 @@ def bare_micro_loss(lm: Any, b: Any, num_tokens: int, bf16: bool) -> Any:
     from learner.model import hidden_states
 
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        hidden = hidden_states(
-            lm.get_decoder(),
-            b.input_ids,
-            b.attention_mask,
-            b.position_ids,
-            b.cu_seqlens,
-            b.bounds,
-            b.prefix,
-        )
+        hidden = hidden_states(lm.get_decoder(), b.input_ids, b.attention_mask, b.packing)
         logits = lm.get_output_embeddings()(hidden[b.hidden_idx]).float()
     ce = torch.nn.functional.cross_entropy(logits, b.labels, reduction="none")
     return (ce * b.response_mask[b.response_valid]).sum() / max(num_tokens, 1)

@@ -50,6 +50,30 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How a packed row [1, N] holds its sequences: what the attention function needs besides the
+    tokens. Integer tensors and Python values only, so FSDP's mixed-precision input cast (which
+    rebuilds dataclasses field by field) leaves it as it is."""
+
+    position_ids: torch.Tensor  # [1, N]: restarting at each sequence, continuing after a prefix
+    # the starts as Python ints (no device sync to read them), then the end; with a shared prefix
+    # B + 2 of them: 0, then the starts of the B sequences' parts after the prefix, then the end
+    bounds: tuple[int, ...]
+    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, unshared rows only
+    prefix: int = 0  # > 0: [0, prefix) is the shared prefix, every later part's head
+
+    def decoder_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the decoder's forward, which hands the ``packed_*`` ones on to
+        `learner.attention.packed_attention`."""
+        return {
+            "position_ids": self.position_ids,
+            "packed_bounds": self.bounds,
+            "packed_cu_seqlens": self.cu_seqlens,
+            "packed_prefix": self.prefix,
+        }
+
+
 @dataclass
 class MicroBatch:
     """The tensors of one micro-batch. Response arrays are [B, R] (R: longest response), with the
@@ -64,16 +88,16 @@ class MicroBatch:
     response_mask: torch.Tensor  # [B, R] float: 1 = trained on
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # TOKEN_FIELDS present, [B, R]
     attention_mask: torch.Tensor | None = None  # [B, T], padded only
-    position_ids: torch.Tensor | None = None  # [1, N], packed only
-    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, packed unshared only
-    # the starts as Python ints (no device sync to read them); with a shared prefix B + 2 of them:
-    # 0, then the starts of the B sequences' parts after the prefix, then the end
-    bounds: tuple[int, ...] = ()
-    prefix: int = 0  # packed only: > 0, [0, prefix) is the shared prefix, every later part's head
+    packing: Packing | None = None  # packed only
 
     @property
     def packed(self) -> bool:
-        return self.position_ids is not None
+        return self.packing is not None
+
+    @property
+    def prefix(self) -> int:
+        """Tokens of the shared prefix at the head of the row (0: none)."""
+        return self.packing.prefix if self.packing is not None else 0
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of `PolicyHead` / `ValueHead` (integer tensors and Python values only,
@@ -82,10 +106,7 @@ class MicroBatch:
             "input_ids": self.input_ids,
             "hidden_idx": self.hidden_idx,
             "attention_mask": self.attention_mask,
-            "position_ids": self.position_ids,
-            "cu_seqlens": self.cu_seqlens,
-            "bounds": self.bounds,
-            "prefix": self.prefix,
+            "packing": self.packing,
         }
 
     def to_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -142,12 +163,14 @@ def collate(
         ids = np.concatenate(head + [s.input_ids[pre:] for s in samples]).astype(np.int64)
         pos = [np.arange(pre)] + [np.arange(pre, pre + n) for n in lens]
         out.input_ids = put(ids[None])
-        out.position_ids = put(np.concatenate(pos).astype(np.int64)[None])
         bounds = np.concatenate([[0], starts]) if pre else starts
-        # a varlen kernel would read the prefix as a sequence of its own: none for shared rows
-        out.cu_seqlens = None if pre else put(bounds.astype(np.int32))
-        out.bounds = tuple(int(x) for x in bounds)
-        out.prefix = pre
+        out.packing = Packing(
+            position_ids=put(np.concatenate(pos).astype(np.int64)[None]),
+            bounds=tuple(int(x) for x in bounds),
+            # a varlen kernel would read the prefix as a sequence of its own: none for shared rows
+            cu_seqlens=None if pre else put(bounds.astype(np.int32)),
+            prefix=pre,
+        )
     else:
         ids = np.zeros((b, max(lens)), np.int64)
         attn = np.zeros((b, max(lens)), np.int64)
@@ -158,15 +181,16 @@ def collate(
     return out
 
 
+def layout_counts(b: MicroBatch, sequences: int) -> dict[str, float]:
+    """The tokens ``b``'s rows hold, and those its shared prefix kept out of them (it comes once
+    instead of once per sequence): ``learner.prepare.reduce_worker_metrics`` makes the share."""
+    return {"row_tokens": float(b.input_ids.numel()), "shared_tokens": b.prefix * (sequences - 1.0)}
+
+
 def _decoder_kwargs(
-    config: object,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    bounds: tuple[int, ...],
-    prefix: int = 0,
+    config: object, attention_mask: torch.Tensor | None, packing: Packing | None
 ) -> dict[str, Any]:
-    if position_ids is None:
+    if packing is None:
         return {"attention_mask": attention_mask}
     attn = getattr(config, "_attn_implementation", None)  # a transformers PretrainedConfig's
     if attn != ATTENTION:
@@ -175,25 +199,17 @@ def _decoder_kwargs(
             f"a packed micro-batch needs a model loaded with attn_implementation={ATTENTION!r} "
             f"(learner.model.load_causal_lm), not {attn!r}"
         )
-    return {
-        "position_ids": position_ids,
-        "packed_bounds": bounds,
-        "packed_cu_seqlens": cu_seqlens,
-        "packed_prefix": prefix,
-    }
+    return packing.decoder_kwargs()
 
 
 def hidden_states(
     decoder: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    bounds: tuple[int, ...] = (),
-    prefix: int = 0,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """The decoder's last hidden states, flattened to [B*T or N, H]."""
-    kw = _decoder_kwargs(decoder.config, attention_mask, position_ids, cu_seqlens, bounds, prefix)
+    kw = _decoder_kwargs(decoder.config, attention_mask, packing)
     hidden = decoder(input_ids=input_ids, use_cache=False, **kw).last_hidden_state
     return hidden.reshape(-1, hidden.size(-1))
 
@@ -217,22 +233,11 @@ class PolicyHead(nn.Module):
         with_entropy: bool = False,
         *,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        bounds: tuple[int, ...] = (),
-        prefix: int = 0,
+        packing: Packing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.lm.get_output_embeddings()
         assert head is not None  # a causal LM has one
-        hidden = hidden_states(
-            self.lm.get_decoder(),
-            input_ids,
-            attention_mask,
-            position_ids,
-            cu_seqlens,
-            bounds,
-            prefix,
-        )
+        hidden = hidden_states(self.lm.get_decoder(), input_ids, attention_mask, packing)
         logits = head(hidden[hidden_idx]).float() / self.temperature
         logp = logprobs_from_logits(logits, labels)
         ent = entropy_from_logits(logits) if with_entropy else None
@@ -262,14 +267,9 @@ class ValueHead(nn.Module):
         hidden_idx: torch.Tensor,
         *,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        bounds: tuple[int, ...] = (),
-        prefix: int = 0,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
-        kw = _decoder_kwargs(
-            self.model.config, attention_mask, position_ids, cu_seqlens, bounds, prefix
-        )
+        kw = _decoder_kwargs(self.model.config, attention_mask, packing)
         out = self.model(input_ids=input_ids, use_cache=False, **kw).logits
         return out.float().reshape(-1)[hidden_idx]
 

@@ -199,7 +199,8 @@ def batch_metrics(
 
 def reduce_worker_metrics(per_rank: Sequence[UpdateResult], prefix: str) -> dict[str, float]:
     """Sums over ranks -> means: token-weighted (``*_tok``), sequence-weighted (``*_seq``), maxima
-    (``*_max``), per optimizer step (losses, grad norm). Keys are put under ``prefix/``, except
+    (``*_max``), per optimizer step (losses, grad norm); ``row_tokens`` and ``shared_tokens``
+    (`learner.model.layout_counts`) become ``shared_prefix_frac``. Keys are put under ``prefix/``, except
     those that name their own section (``off_policy/is_weight_mean_tok``)."""
     total: defaultdict[str, float] = defaultdict(float)
     for r in per_rank:
@@ -207,6 +208,7 @@ def reduce_worker_metrics(per_rank: Sequence[UpdateResult], prefix: str) -> dict
             total[k] = max(total.get(k, v), v) if k.endswith("_max") else total[k] + v
     tokens = max(total.pop("tokens", 0.0), 1.0)
     seqs = max(total.pop("seqs", 0.0), 1.0)
+    rows, shared = total.pop("row_tokens", 0.0), total.pop("shared_tokens", 0.0)
     first = per_rank[0]  # every rank takes the same optimizer steps with the same schedule
     steps = float(max(first.optimizer_steps, 1))
     out: dict[str, float] = {}
@@ -220,6 +222,8 @@ def reduce_worker_metrics(per_rank: Sequence[UpdateResult], prefix: str) -> dict
             out[name[:-4]] = v
         else:  # losses: each rank's sum over micro-batches is its share of the mini-batch loss
             out[f"{prefix}/{k}"] = v / steps
+    if rows > 0:  # the share of the sequences' tokens a shared prefix ran once for all of them
+        out[f"{prefix}/shared_prefix_frac"] = shared / (rows + shared)
     out[f"{prefix}/grad_norm"] = sum(r.grad_norm_sum for r in per_rank) / len(per_rank) / steps
     out[f"{prefix}/lr"] = first.lr
     out[f"{prefix}/optimizer_steps"] = float(first.optimizer_steps)

@@ -264,7 +264,7 @@ class TrainWorker:
         micro_loss: MicroLoss,
         old_from_forward: OldFromForward | None = None,
     ) -> UpdateResult:
-        from learner.model import collate, set_micro_batch
+        from learner.model import collate, layout_counts, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
         clip = self.s.grad_clip if role == "actor" else self.s.critic_grad_clip
@@ -278,17 +278,14 @@ class TrainWorker:
                 opt.zero_grad(set_to_none=True)
                 for i, micro in enumerate(plan.micro_batches):
                     set_micro_batch(model, i, len(plan.micro_batches))
+                    batch = collate(
+                        micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix
+                    )
                     loss, metrics = micro_loss(
-                        model,
-                        collate(
-                            micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix
-                        ),
-                        plan,
-                        self.s,
-                        self.world,
-                        old_from_forward,
+                        model, batch, plan, self.s, self.world, old_from_forward
                     )
                     loss.backward()
+                    metrics.update(layout_counts(batch, len(micro)))
                     for k, v in metrics.items():
                         sums[k] = (
                             max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v

@@ -20,7 +20,6 @@ from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
     UpdateRequest,
-    UpdateResult,
     WeightsFileRequest,
     WeightsRequest,
 )
@@ -61,7 +60,9 @@ def settings(model: Path, **kw: Any) -> WorkerSettings:
 
 async def _train(
     model: Path, world: int, samples: list[Sample], batching: Batching | None = None, **kw: Any
-) -> tuple[UpdateResult, dict]:
+) -> tuple[dict[str, float], dict]:
+    """The update's metrics as the trainer reports them, and the weights after it."""
+    from learner.prepare import reduce_worker_metrics
     from learner.workers import WorkerGroup
 
     group = WorkerGroup(settings(model, **kw), world)
@@ -73,7 +74,7 @@ async def _train(
         metrics = await group.update([UpdateRequest("actor", p) for p in plans])
         names = [n for n, _ in _hf_names(model)]
         weights = await group.full_weights(WeightsRequest(names))
-        return metrics[0], {n: a for n, _, _, a in weights}
+        return reduce_worker_metrics(metrics, "actor"), {n: a for n, _, _, a in weights}
     finally:
         group.shutdown()
 
@@ -116,6 +117,29 @@ def test_packed_token_capped_two_ranks_match_padded_one_rank(
             keep_gathered=keep_gathered,
         )
     )
+    for n in one:
+        np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
+
+
+def test_shared_prefix_reaches_the_workers_and_changes_no_update(
+    tiny_model: Path, ray_cluster: Any
+) -> None:
+    """Samples that share a 9-token head, packed under a token cap with ``share_prefix`` on 2
+    ranks: the workers lay the head out once per micro-batch (``shared_prefix_frac`` > 0) and the
+    weights move as with padded micro-batches on 1 rank, which share nothing."""
+    head = np.random.default_rng(3).integers(0, 500, 9)
+    samples = [
+        replace(s, input_ids=np.concatenate([head, s.input_ids]), prompt_len=s.prompt_len + 9)
+        for s in make_samples(12, seed=5)
+    ]
+    plain, one = anyio.run(lambda: _train(tiny_model, 1, samples))
+    shared, two = anyio.run(
+        lambda: _train(
+            tiny_model, 2, samples, Batching(max_tokens=90, packed=True, share_prefix=True)
+        )
+    )
+    assert plain["actor/shared_prefix_frac"] == 0
+    assert 0.1 < shared["actor/shared_prefix_frac"] < 0.5, shared
     for n in one:
         np.testing.assert_allclose(two[n], one[n], atol=2e-6, rtol=1e-4, err_msg=n)
 
