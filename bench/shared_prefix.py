@@ -18,8 +18,12 @@ same response tokens in both layouts. It also checks that both layouts give the 
 Samples: ``--samples`` sequences, each the common ``--prefix`` tokens, then a prompt tail of
 ``--tail`` tokens and a response of ``--response`` tokens (each uniform in [L/2, 3L/2]), in
 micro-batches of ``--micro-size``. The defaults are the StateLM demo's step on the tiny model: 32
-episodes' segments (its token cap, with the shared prefix counted once, holds ~25 a micro-batch). Progress goes to stderr; the last line of stdout is one JSON
-object. Run: ``.venv/bin/python bench/shared_prefix.py`` (``--help`` for the knobs).
+episodes' segments (its token cap, with the shared prefix counted once, holds ~25 a micro-batch).
+``--device cuda`` runs it on a GPU in bf16 (FSDP's compute dtype), where packed
+attention goes through the varlen kernel in both layouts, the shared one gathering each part's
+keys as [prefix | part]; ``--shape 0.5b`` is Qwen2.5-0.5B's shape (bench/learner.py's shapes).
+Progress goes to stderr; the last line of stdout is one JSON object. Run:
+``.venv/bin/python bench/shared_prefix.py`` (``--help`` for the knobs).
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--response", type=int, default=350, help="mean response tokens")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per layout (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(default cpu)")
+    p.add_argument("--shape", choices=("tiny", "small", "0.5b"), default="tiny", help="model shape")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="as the workers' option of that name"
+    )
     a = p.parse_args(argv)
     if min(a.samples, a.micro_size, a.prefix, a.tail, a.response, a.repeat, a.threads) < 1:
         p.error("every knob must be >= 1")
@@ -82,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import torch
 
+    from bench.learner import SHAPES
+    from learner.attention import prefix_kernel, varlen_kernel
     from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
     from learner.samples import MiniBatchPlan, count_tokens
     from learner.update import actor_micro_loss
@@ -89,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
     torch.set_num_threads(a.threads)
-    cpu = torch.device("cpu")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
     samples = make_samples(a)
     micro = [samples[i : i + a.micro_size] for i in range(0, len(samples), a.micro_size)]
     plan = MiniBatchPlan(
@@ -97,22 +109,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     settings = WorkerSettings(model_path="", entropy_coeff=0.01)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
-        progress("writing the tiny model")
-        path = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
-        lm = load_causal_lm(str(path), trust_remote_code=False, gradient_checkpointing=False)
-    policy = PolicyHead(lm).train()
+        progress(f"writing the {a.shape} model")
+        path = make_tiny_model(Path(tmp) / a.shape, TinyModelSpec(**SHAPES[a.shape]))
+        lm = load_causal_lm(
+            str(path), trust_remote_code=False, gradient_checkpointing=a.gradient_checkpointing
+        )
+    # On CUDA in bf16, as FSDP's mixed precision computes (its parameters cast to bf16): autocast
+    # over fp32 parameters would leave the queries fp32 (RoPE's tables follow the fp32 embeddings)
+    # and keep attention off the varlen kernel.
+    policy = PolicyHead(lm).to(dev, dtype=torch.bfloat16 if cuda else None).train()
     layouts = {
-        shared: [collate(m, cpu, packed=True, share_prefix=shared) for m in micro]
+        shared: [collate(m, dev, packed=True, share_prefix=shared) for m in micro]
         for shared in (False, True)
     }
     row_tokens = {k: sum(b.input_ids.numel() for b in v) for k, v in layouts.items()}
+    if row_tokens[True] == row_tokens[False]:
+        raise SystemExit(f"nothing was shared on {dev}: no prefix kernel (see the warning above)")
+    kernel = varlen_kernel(dev) is not None if cuda else False
+    prefix_path = "varlen kernel" if cuda and prefix_kernel(dev) else "per-sequence SDPA"
 
     def step(shared: bool) -> float:
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         policy.zero_grad(set_to_none=True)
         for b in layouts[shared]:
             loss, _ = actor_micro_loss(policy, b, plan, settings, world=1)
             loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     with torch.no_grad():
@@ -140,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "response": a.response,
         "threads": a.threads,
         "cpus": os.cpu_count(),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "shape": a.shape,
+        "gradient_checkpointing": a.gradient_checkpointing,
+        "unshared_attention": "varlen kernel" if kernel else "per-sequence SDPA",
+        "shared_attention": prefix_path,
         "row_tokens_unshared": row_tokens[False],
         "row_tokens_shared": row_tokens[True],
         "unshared_s": round(unshared_s, 3),

@@ -5,9 +5,13 @@ with. Packed (the sequences end to end in one row, ``packed_bounds`` their start
 attention within each sequence, through a varlen kernel on CUDA (flash-attn's when installed, else
 torch's ``torch.nn.attention.varlen`` once checked against SDPA on the device) or one SDPA call per
 sequence. With a shared prefix (``packed_prefix``: the row's first part is the prefix every later
-part continues) each part attends to the whole prefix and causally to itself, on the per-sequence
-path only. Padded: SDPA with the causal and padding masks. The kernels take q/k/v as
-[tokens, heads, D]; transformers hands [B, heads, T, D] in and takes [B, T, heads, D] back.
+part continues) each part attends to the whole prefix and causally to itself: on CUDA through the
+same varlen kernel, each part's queries against its own keys [prefix | part] (gathered by
+``packed_key_index``, the prefix's keys and values copied per sequence, which costs far less than
+running the prefix's tokens through every layer once per sequence), where the kernel passed the
+prefixed check too (`prefix_kernel`); else one SDPA call per part. Padded: SDPA with the causal and
+padding masks. The kernels take q/k/v as [tokens, heads, D]; transformers hands [B, heads, T, D]
+in and takes [B, T, heads, D] back.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ def packed_attention(
     packed_bounds: tuple[int, ...] | None = None,
     packed_cu_seqlens: torch.Tensor | None = None,
     packed_prefix: int = 0,
+    packed_keys: PrefixKeys | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function ([B, heads, T, D] in, [B, T, heads, D] out). Packed
@@ -59,17 +65,20 @@ def packed_attention(
             "packed micro-batches with sliding-window attention: set "
             "actor_rollout_ref.model.use_remove_padding=false"
         )
+    kernel_ok = query.is_cuda and not dropout and query.dtype in (torch.float16, torch.bfloat16)
     if packed_prefix:
+        kernel = prefix_kernel(query.device) if kernel_ok else None
+        if kernel is not None and packed_keys is not None and packed_cu_seqlens is not None:
+            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
+            out = _run_prefixed(kernel, q, k, v, packed_cu_seqlens, packed_keys, scaling)
+            return out.unsqueeze(0), None
         return _prefixed_attention(module, query, key, value, packed_bounds, dropout, scaling), None
-    kernel = varlen_kernel(query.device) if query.is_cuda and not dropout else None
-    if (
-        kernel is not None
-        and packed_cu_seqlens is not None
-        and query.dtype in (torch.float16, torch.bfloat16)
-    ):
+    kernel = varlen_kernel(query.device) if kernel_ok else None
+    if kernel is not None and packed_cu_seqlens is not None:
         longest = max(b - a for a, b in itertools.pairwise(packed_bounds))
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
-        return kernel(q, k, v, packed_cu_seqlens, longest, scaling).unsqueeze(0), None
+        cu = packed_cu_seqlens
+        return kernel(q, k, v, cu, cu, longest, longest, scaling).unsqueeze(0), None
     parts = _causal_parts(module, query, key, value, packed_bounds, dropout, scaling)
     return torch.cat(parts, dim=1), None
 
@@ -131,11 +140,61 @@ def _prefixed_attention(
     return torch.cat(parts, dim=1)
 
 
+@dataclass(frozen=True)
+class PrefixKeys:
+    """The keys of a shared-prefix row for a varlen kernel: sequence 0 is the prefix, sequence i > 0
+    the prefix again and then part i, so that part i's queries (the row's own, split at the row's
+    bounds) see the prefix and causally themselves (`prefix_key_layout`)."""
+
+    index: torch.Tensor  # int64 [prefix + sum(prefix + part)]: row positions, in key order
+    cu_seqlens: torch.Tensor  # int32 [B + 2]: key sequence starts, then the end
+    longest: tuple[int, int]  # the longest query part, the longest key sequence
+
+
+def _run_prefixed(
+    kernel: VarlenKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    keys: PrefixKeys,
+    scale: float | None,
+) -> torch.Tensor:
+    """A shared-prefix row ([N, heads, D] each, ``cu_q`` its bounds) through a varlen kernel."""
+    k, v = k.index_select(0, keys.index), v.index_select(0, keys.index)
+    return kernel(q, k, v, cu_q, keys.cu_seqlens, *keys.longest, scale)
+
+
+def prefix_key_layout(bounds: tuple[int, ...], device: torch.device) -> PrefixKeys:
+    """`PrefixKeys` of a row whose ``bounds`` are (0, prefix, part starts..., end)."""
+    pre = bounds[1]
+    parts = list(itertools.pairwise(bounds[1:]))
+    index = torch.cat(
+        [torch.arange(pre)] + [torch.cat([torch.arange(pre), torch.arange(a, b)]) for a, b in parts]
+    )
+    key_lens = [pre] + [pre + b - a for a, b in parts]
+    cu = torch.tensor([0, *itertools.accumulate(key_lens)], dtype=torch.int32)
+    longest_q = max([pre] + [b - a for a, b in parts])
+    return PrefixKeys(index.to(device), cu.to(device), (longest_q, max(key_lens)))
+
+
 VarlenKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "float | None"], torch.Tensor
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        int,
+        "float | None",
+    ],
+    torch.Tensor,
 ]
-"""(q [N, heads, D], k, v [N, kv heads, D], cu_seqlens int32 [B + 1], longest, scale) -> [N, heads, D],
-causal within each sequence."""
+"""(q [Nq, heads, D], k, v [Nk, kv heads, D], cu_seqlens_q, cu_seqlens_k int32 [B + 1], longest q,
+longest k, scale) -> [Nq, heads, D]: sequence i's queries attend to its keys causally, aligned at
+the end (query j of n over m keys sees keys 0 .. m - n + j: flash attention's convention), which is
+plain causal attention where queries and keys are the same tokens."""
 
 
 @functools.cache
@@ -149,8 +208,8 @@ def varlen_kernel(device: torch.device) -> VarlenKernel | None:
     except ImportError:  # optional package
         pass
     else:
-        return lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=True
+        return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True
         )
     kernel = torch_varlen_kernel()
     if kernel is None:
@@ -166,6 +225,35 @@ def varlen_kernel(device: torch.device) -> VarlenKernel | None:
         )
         return None
     return kernel
+
+
+@functools.cache
+def prefix_kernel(device: torch.device) -> VarlenKernel | None:
+    """`varlen_kernel` where it also runs shared-prefix rows right (`check_varlen_kernel` with a
+    prefix: queries fewer than keys, causality aligned at the end), else None."""
+    kernel = varlen_kernel(device)
+    if kernel is None:
+        return None
+    problem = check_varlen_kernel(kernel, device, torch.bfloat16, prefix=7)
+    if problem:
+        from common.logging import get_logger
+
+        get_logger("learner.attention").warning(
+            "the varlen kernel gets shared-prefix rows wrong: micro-batches share no prefix",
+            problem=problem,
+        )
+        return None
+    return kernel
+
+
+def can_share_prefix(device: torch.device) -> bool:
+    """Whether packed micro-batches on ``device`` may share their prefix: always where attention
+    runs one SDPA call per sequence (the CPU, a GPU with no varlen kernel), and on a GPU whose
+    varlen kernel passed the prefixed check (sharing there would otherwise mean leaving the kernel
+    for the per-sequence path)."""
+    return (
+        device.type != "cuda" or varlen_kernel(device) is None or prefix_kernel(device) is not None
+    )
 
 
 def torch_varlen_kernel() -> VarlenKernel | None:
@@ -187,8 +275,10 @@ def torch_varlen_kernel() -> VarlenKernel | None:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cu: torch.Tensor,
-        longest: int,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
         scale: float | None,
     ) -> torch.Tensor:
         extra = dict(causal)
@@ -201,7 +291,7 @@ def torch_varlen_kernel() -> VarlenKernel | None:
             extra["scale"] = scale
         elif scale is not None and scale != q.size(-1) ** -0.5:
             raise ValueError("this torch's varlen_attn takes no scale")
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
         assert isinstance(out, torch.Tensor)  # (out, aux) only when return_aux is asked for
         return out
 
@@ -210,30 +300,43 @@ def torch_varlen_kernel() -> VarlenKernel | None:
 
 @torch.enable_grad()  # its first caller may be a forward-only pass (no_grad): it needs gradients
 def check_varlen_kernel(
-    kernel: VarlenKernel, device: torch.device, dtype: torch.dtype
+    kernel: VarlenKernel, device: torch.device, dtype: torch.dtype, prefix: int = 0
 ) -> str | None:
     """None when ``kernel`` gives per-sequence causal SDPA's output and gradients (to ``dtype``'s
-    precision) on two sequences with grouped key/value heads; else what went wrong."""
+    precision) on two sequences with grouped key/value heads; with ``prefix`` > 0, on a row of a
+    shared prefix and two parts laid out as `collate` shares them (the kernel called as
+    `packed_attention` calls it); else what went wrong."""
     gen = torch.Generator().manual_seed(0)
     lens, heads, kv_heads, dim = (5, 11), 4, 2, 64
-    n = sum(lens)
+    bounds = tuple(itertools.accumulate((0, prefix, *lens) if prefix else (0, *lens)))
+    n = bounds[-1]
     q, k, v = (
         torch.randn(n, h, dim, generator=gen).to(device, dtype).requires_grad_()
         for h in (heads, kv_heads, kv_heads)
     )
-    cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     try:
-        out = kernel(q, k, v, cu, max(lens), dim**-0.5)
+        if prefix:
+            keys = prefix_key_layout(bounds, device)
+            out = _run_prefixed(kernel, q, k, v, cu, keys, dim**-0.5)
+        else:
+            out = kernel(q, k, v, cu, cu, max(lens), max(lens), dim**-0.5)
         got = [out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))]
     except Exception as exc:  # a prototype API: any failure means "do not use it"
         return f"{type(exc).__name__}: {exc}"
     parts = []
-    for a, b in itertools.pairwise((0, *itertools.accumulate(lens))):
-        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        rows = torch.cat([torch.arange(prefix), torch.arange(a, b)]) if prefix and i else None
+        qs = q[a:b].transpose(0, 1)[None]
+        ks, vs = (
+            (x[a:b] if rows is None else x[rows.to(device)]).transpose(0, 1)[None] for x in (k, v)
+        )
         ks, vs = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (ks, vs))
+        nq, nk = b - a, ks.shape[2]
+        seen = torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)
         parts.append(
             torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=dim**-0.5
+                qs, ks, vs, attn_mask=seen, scale=dim**-0.5
             )[0].transpose(0, 1)
         )
     ref = torch.cat(parts)

@@ -26,8 +26,9 @@ micro-batch starts with (in agentic batches the system prompt and the tool schem
 each prompt) come once at the head of the row, and each sequence's rest attends to them and to
 itself. The prefix's activations feed every sequence, so with no dropout (the Qwen2 family has
 none) the gradient is the unshared one. The linear layers then see each distinct token once;
-attention still reads the prefix's keys for every sequence. It runs on the per-sequence SDPA path;
-the varlen kernels take no shared prefix, so where one is used (CUDA) sequences are not shared.
+attention still reads the prefix's keys for every sequence: one SDPA call per part, or on CUDA the
+varlen kernel with each part's keys gathered as [prefix | part] (``Packing.keys``), where that
+kernel passed the prefixed check (`learner.attention.can_share_prefix`; else nothing is shared).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ import torch
 from torch import nn
 
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
-from learner.attention import ATTENTION, register_attention, varlen_kernel
+from learner.attention import (
+    ATTENTION,
+    PrefixKeys,
+    can_share_prefix,
+    prefix_key_layout,
+    register_attention,
+)
 from learner.samples import Sample, TokenField, shared_prefix
 
 if TYPE_CHECKING:
@@ -60,8 +67,11 @@ class Packing:
     # the starts as Python ints (no device sync to read them), then the end; with a shared prefix
     # B + 2 of them: 0, then the starts of the B sequences' parts after the prefix, then the end
     bounds: tuple[int, ...]
-    cu_seqlens: torch.Tensor | None = None  # [B + 1] int32 sequence starts, unshared rows only
+    # int32 ``bounds``, for a varlen kernel (CUDA); a shared row's only with ``keys``, which say
+    # what each part's queries attend to (a kernel would read it as separate sequences otherwise)
+    cu_seqlens: torch.Tensor | None = None
     prefix: int = 0  # > 0: [0, prefix) is the shared prefix, every later part's head
+    keys: PrefixKeys | None = None
 
     def decoder_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the decoder's forward, which hands the ``packed_*`` ones on to
@@ -71,6 +81,7 @@ class Packing:
             "packed_bounds": self.bounds,
             "packed_cu_seqlens": self.cu_seqlens,
             "packed_prefix": self.prefix,
+            "packed_keys": self.keys,
         }
 
 
@@ -126,7 +137,7 @@ def collate(
     """The micro-batch tensors of ``samples``. Response token j of sample i is predicted by the
     output at position prompt_len - 1 + j of its sequence. ``share_prefix`` (packed only): the
     prefix all samples share comes once, first in the row (module docstring)."""
-    share = share_prefix and packed and (device.type != "cuda" or varlen_kernel(device) is None)
+    share = share_prefix and packed and can_share_prefix(device)
     pre = shared_prefix(samples) if share else 0
     b = len(samples)
     lens = [len(s.input_ids) - pre for s in samples]  # what each sample puts in the row
@@ -163,13 +174,14 @@ def collate(
         ids = np.concatenate(head + [s.input_ids[pre:] for s in samples]).astype(np.int64)
         pos = [np.arange(pre)] + [np.arange(pre, pre + n) for n in lens]
         out.input_ids = put(ids[None])
-        bounds = np.concatenate([[0], starts]) if pre else starts
+        bounds = tuple(int(x) for x in (np.concatenate([[0], starts]) if pre else starts))
+        keys = prefix_key_layout(bounds, device) if pre and device.type == "cuda" else None
         out.packing = Packing(
             position_ids=put(np.concatenate(pos).astype(np.int64)[None]),
-            bounds=tuple(int(x) for x in bounds),
-            # a varlen kernel would read the prefix as a sequence of its own: none for shared rows
-            cu_seqlens=None if pre else put(bounds.astype(np.int32)),
+            bounds=bounds,
+            cu_seqlens=None if pre and keys is None else put(np.array(bounds, np.int32)),
             prefix=pre,
+            keys=keys,
         )
     else:
         ids = np.zeros((b, max(lens)), np.int64)

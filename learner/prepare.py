@@ -51,19 +51,29 @@ def mini_batch_count(config: Config) -> int:
     return max(1, config.data.train_batch_size * arr.rollout.n // arr.actor.ppo_mini_batch_size)
 
 
-def batching(config: Config, micro_size: int | None = None, *, can_pack: bool = True) -> Batching:
+def batching(
+    config: Config,
+    micro_size: int | None = None,
+    *,
+    can_pack: bool = True,
+    can_share: bool = True,
+) -> Batching:
     """How a learner pass cuts micro-batches: the actor's token cap with use_dynamic_bsz, else
     ``micro_size`` samples (default actor.ppo_micro_batch_size_per_gpu); packed with
     model.use_remove_padding when the workers ``can_pack`` (`learner.workers.WorkerGroup.can_pack`:
     a varlen attention kernel on their GPU, or CPU workers), sharing their prefix with
-    model.share_prefix."""
+    model.share_prefix where they ``can_share`` (`WorkerGroup.can_share_prefix`: the token cap
+    counts a shared prefix once, so it must be shared)."""
     arr = config.actor_rollout_ref
     actor = arr.actor
     return Batching(
         micro_size=micro_size or actor.ppo_micro_batch_size_per_gpu,
         max_tokens=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else 0,
         packed=arr.model.use_remove_padding and can_pack,
-        share_prefix=arr.model.use_remove_padding and can_pack and arr.model.share_prefix,
+        share_prefix=arr.model.use_remove_padding
+        and can_pack
+        and can_share
+        and arr.model.share_prefix,
     )
 
 

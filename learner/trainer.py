@@ -46,7 +46,7 @@ from learner.prepare import (
     to_samples,
     token_level_scores,
 )
-from learner.samples import Sample, split_for_ranks
+from learner.samples import Batching, Sample, split_for_ranks
 from learner.validation import due
 from learner.versions import VersionLedger
 from learner.worker import WorkerSettings
@@ -223,16 +223,27 @@ class Trainer:
         self.version, self._resume_metrics = r.version, r.metrics()
 
     # -- one step --------------------------------------------------------------------------------
+    def _batching(self, micro_size: int | None = None) -> Batching:
+        """How this learner's passes cut micro-batches, as far as its workers can lay them out."""
+        from learner.prepare import batching
+
+        return batching(
+            self.config,
+            micro_size,
+            can_pack=self.workers.can_pack,
+            can_share=self.workers.can_share_prefix,
+        )
+
     async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
         from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
-        from learner.prepare import batching, old_logprobs_from_update
+        from learner.prepare import old_logprobs_from_update
 
         cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
         metrics: dict[str, float] = {}
         # Old logprobs from the update's own forward: then the importance weights and logprob_diff
         # come from the workers with the update's metrics (the rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
-        passes = batching(self.config, can_pack=self.workers.can_pack)
+        passes = self._batching()
         if cfg.off_policy.old_logprobs == "rollout":
             for s in samples:
                 s.old_logprobs = s.rollout_logprobs
@@ -297,7 +308,7 @@ class Trainer:
         return metrics
 
     async def _update(self, samples: list[Sample]) -> StepUpdate:
-        from learner.prepare import batching, mini_batch_count, old_logprobs_from_update
+        from learner.prepare import mini_batch_count, old_logprobs_from_update
 
         cfg = self.config.actor_rollout_ref.actor
         n_mini = mini_batch_count(self.config)
@@ -313,11 +324,7 @@ class Trainer:
                 samples,
                 mini_batches=n_mini,
                 ranks=self.world,
-                batching=batching(
-                    self.config,
-                    self.config.critic.ppo_micro_batch_size_per_gpu,
-                    can_pack=self.workers.can_pack,
-                ),
+                batching=self._batching(self.config.critic.ppo_micro_batch_size_per_gpu),
             )
             res = await self.workers.update(
                 [UpdateRequest("critic", p, cfg.ppo_epochs) for p in plans]
@@ -329,7 +336,7 @@ class Trainer:
             samples,
             mini_batches=n_mini,
             ranks=self.world,
-            batching=batching(self.config, can_pack=self.workers.can_pack),
+            batching=self._batching(),
         )
         res = await self.workers.update(
             [UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans]

@@ -193,6 +193,14 @@ class TrainWorker:
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
+    def can_share_prefix(self) -> bool:
+        """Whether packed micro-batches may share their prefix here
+        (`learner.attention.can_share_prefix`): the token cap counts a shared prefix once, so it
+        must know whether `collate` will share it."""
+        from learner.attention import can_share_prefix
+
+        return can_share_prefix(self.device)
+
     def _add_optimizer(self, role: TrainedRole, lr: float, weight_decay: float) -> None:
         opt = torch.optim.AdamW(
             self.models[role].parameters(), lr=lr, betas=self.s.betas, weight_decay=weight_decay

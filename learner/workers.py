@@ -72,6 +72,7 @@ class WorkerGroup:
         self.world = world_size
         self.log = get_logger("learner.workers")
         self.can_pack = True  # packed micro-batches pay on these workers (known after start)
+        self.can_share_prefix = True  # and may share their prefix (known after start)
         if settings.device == "cuda":
             opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
         else:
@@ -91,6 +92,7 @@ class WorkerGroup:
         addr, port = await self.actors[0].rendezvous.remote()
         infos = await self._call(TrainWorker.setup, [(addr, port)] * self.world)
         self.can_pack = all(await self._call(TrainWorker.can_pack))
+        self.can_share_prefix = all(await self._call(TrainWorker.can_share_prefix))
         if not self.can_pack:
             self.log.warning(
                 "no varlen attention kernel on the workers' GPUs (flash-attn, or torch's "

@@ -54,8 +54,9 @@ class ModelConfig(Section):
     share_prefix: bool = True
     """With use_remove_padding: the tokens that every sequence of a micro-batch starts with (the
     system prompt, the tool schemas, a GRPO group's prompt) go through the model once, and each
-    sequence attends to them. Same numbers and gradient, fewer tokens. Used where packed attention
-    runs one SDPA call per sequence (CPU); a varlen kernel takes no shared prefix."""
+    sequence attends to them. Same numbers and gradient, fewer tokens. On the CPU one SDPA call per
+    sequence; on a GPU through the varlen kernel (each sequence's keys gathered as [prefix | own]),
+    once it passed a shared-prefix check on the device (else nothing is shared, with a warning)."""
 
 
 class OptimConfig(Section):

@@ -141,3 +141,39 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
             await group.stop_workers()
         finally:
             group.shutdown()
+
+
+@pytest.mark.anyio
+async def test_shared_prefix_micro_batches_on_cuda(bf16_model: Path, ray_one_gpu: Any) -> None:
+    """Samples sharing a 60-token head, packed under a token cap with the shared prefix, through
+    FSDP2 with bf16 mixed precision on CUDA: the workers share it (the cast of the inputs keeps the
+    row layout) and the update is one finite optimizer step."""
+    from dataclasses import replace
+
+    from learner.prepare import reduce_worker_metrics
+    from learner.samples import Batching, split_for_ranks
+    from learner.worker import WorkerSettings
+    from learner.worker_api import UpdateRequest
+    from learner.workers import WorkerGroup
+
+    head = np.random.default_rng(9).integers(0, 500, 60)
+    samples = [
+        replace(s, input_ids=np.concatenate([head, s.input_ids]), prompt_len=s.prompt_len + 60)
+        for s in make_samples(8)
+    ]
+    group = WorkerGroup(WorkerSettings(model_path=str(bf16_model), device="cuda", lr=1e-3), 1)
+    try:
+        await group.start()
+        assert group.can_pack and group.can_share_prefix
+        batching = Batching(max_tokens=400, packed=True, share_prefix=True)
+        plans = split_for_ranks(samples, mini_batches=1, ranks=1, batching=batching)
+        res = await group.update([UpdateRequest("actor", plans[0])])
+        metrics = reduce_worker_metrics(res, "actor")
+        assert res[0].optimizer_steps == 1 and res[0].skipped_steps == 0
+        assert math.isfinite(res[0].grad_norm_sum) and res[0].grad_norm_sum > 0
+        assert metrics["actor/shared_prefix_frac"] > 0.3, metrics
+    finally:
+        try:
+            await group.stop_workers()
+        finally:
+            group.shutdown()

@@ -6,6 +6,7 @@ the FSDP workers run; tests/learner/test_fsdp_workers.py covers the sharded path
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 from types import SimpleNamespace
@@ -311,47 +312,92 @@ def test_packing_needs_a_varlen_kernel_on_a_gpu() -> None:
     assert batching(config(), can_pack=False) == Batching(
         micro_size=2, max_tokens=1000, packed=False
     )
+    assert batching(config(), can_share=False) == Batching(
+        micro_size=2, max_tokens=1000, packed=True
+    )
 
 
 def _loop_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
     scale: float | None,
-    causal: bool = True,
+    align: str = "end",
 ) -> torch.Tensor:
-    """A `VarlenKernel` made of one SDPA call per sequence."""
+    """A `VarlenKernel` made of one SDPA call per sequence; ``align``: where causality is aligned
+    when a sequence has fewer queries than keys ("end", as flash attention; "start", as SDPA's
+    is_causal), or "none" (not causal)."""
     rep = q.size(1) // k.size(1)
-    bounds = cu.tolist()
-    return torch.cat(
-        [
+    out = []
+    for (a, b), (c, d) in zip(
+        itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True
+    ):
+        seen = torch.ones(b - a, d - c, dtype=torch.bool)
+        if align != "none":
+            seen = seen.tril((d - c) - (b - a) if align == "end" else 0)
+        out.append(
             torch.nn.functional.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1)[None],
-                k[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
-                v[a:b].repeat_interleave(rep, 1).transpose(0, 1)[None],
-                is_causal=causal,
+                k[c:d].repeat_interleave(rep, 1).transpose(0, 1)[None],
+                v[c:d].repeat_interleave(rep, 1).transpose(0, 1)[None],
+                attn_mask=seen,
                 scale=scale,
             )[0].transpose(0, 1)
-            for a, b in itertools.pairwise(bounds)
-        ]
-    )
+        )
+    return torch.cat(out)
 
 
 def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
-    """The check that guards torch's prototype varlen_attn: a kernel that computes per-sequence
-    causal attention passes, one that is not causal or that raises is refused with the reason."""
+    """The checks that guard torch's prototype varlen_attn: a kernel that computes per-sequence
+    causal attention passes, one that is not causal or that raises is refused with the reason; for
+    shared-prefix rows, one whose causality is aligned at the start of fewer queries than keys
+    (rather than at their end) is refused too, though it passes the plain check."""
     from learner.attention import check_varlen_kernel, torch_varlen_kernel
 
     assert check_varlen_kernel(_loop_kernel, CPU, torch.float32) is None
-    problem = check_varlen_kernel(lambda *a: _loop_kernel(*a, causal=False), CPU, torch.float32)
+    assert check_varlen_kernel(_loop_kernel, CPU, torch.float32, prefix=7) is None
+    problem = check_varlen_kernel(lambda *a: _loop_kernel(*a, align="none"), CPU, torch.float32)
+    assert problem is not None and "output differs" in problem
+    start = functools.partial(_loop_kernel, align="start")
+    assert check_varlen_kernel(start, CPU, torch.float32) is None
+    problem = check_varlen_kernel(start, CPU, torch.float32, prefix=7)
     assert problem is not None and "output differs" in problem
     kernel = torch_varlen_kernel()  # torch 2.13 has one; CUDA only
     if kernel is not None:
         assert (
             check_varlen_kernel(kernel, CPU, torch.float32) is not None
         )  # refused on the CPU, no raise
+
+
+def test_a_shared_prefix_row_through_a_varlen_kernel_is_the_per_sequence_one() -> None:
+    """What packed_attention does on CUDA with a shared prefix (each part's keys gathered as
+    [prefix | part], one kernel call) gives the per-part SDPA path's output and gradients."""
+    from learner.attention import _prefixed_attention, _run_prefixed, prefix_key_layout
+
+    bounds = (0, 9, 14, 26, 29)  # a 9-token prefix, then parts of 5, 12 and 3 tokens
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 29, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+    keys = prefix_key_layout(bounds, CPU)
+    assert keys.longest == (12, 21) and keys.cu_seqlens.tolist() == [0, 9, 23, 44, 56]
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2  # what transformers' SDPA path reads to repeat k/v heads
+    module.is_causal = True
+    want = _prefixed_attention(module, q, k, v, bounds, 0.0, 0.25)  # [1, N, heads, D]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    got = _run_prefixed(
+        _loop_kernel, *(x[0].transpose(0, 1) for x in (q, k, v)), cu, keys, 0.25
+    ).unsqueeze(0)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got.square().sum(), (q, k, v)),
+        torch.autograd.grad(want.square().sum(), (q, k, v)),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
 
 
 def prefixed_samples(n: int, prefix: int, seed: int = 0) -> list[Sample]:
