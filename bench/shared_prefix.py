@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.learner import SHAPES
-    from learner.attention import prefix_kernel, varlen_kernel
     from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
     from learner.samples import MiniBatchPlan, count_tokens
     from learner.update import actor_micro_loss
+    from learner.varlen import prefix_kernel, varlen_kernel
     from learner.worker import WorkerSettings
     from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 

@@ -28,7 +28,7 @@ itself. The prefix's activations feed every sequence, so with no dropout (the Qw
 none) the gradient is the unshared one. The linear layers then see each distinct token once;
 attention still reads the prefix's keys for every sequence: one SDPA call per part, or on CUDA the
 varlen kernel with each part's keys gathered as [prefix | part] (``Packing.keys``), where that
-kernel passed the prefixed check (`learner.attention.can_share_prefix`; else nothing is shared).
+kernel passed the prefixed check (`learner.varlen.can_share_prefix`; else nothing is shared).
 """
 
 from __future__ import annotations
@@ -44,14 +44,9 @@ import torch
 from torch import nn
 
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
-from learner.attention import (
-    ATTENTION,
-    PrefixKeys,
-    can_share_prefix,
-    prefix_key_layout,
-    register_attention,
-)
+from learner.attention import ATTENTION, register_attention
 from learner.samples import Sample, TokenField, shared_prefix
+from learner.varlen import PrefixKeys, can_share_prefix, prefix_kernel, prefix_key_layout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -175,7 +170,8 @@ def collate(
         pos = [np.arange(pre)] + [np.arange(pre, pre + n) for n in lens]
         out.input_ids = put(ids[None])
         bounds = tuple(int(x) for x in (np.concatenate([[0], starts]) if pre else starts))
-        keys = prefix_key_layout(bounds, device) if pre and device.type == "cuda" else None
+        kernel = pre and device.type == "cuda" and prefix_kernel(device) is not None
+        keys = prefix_key_layout(bounds, device) if kernel else None
         out.packing = Packing(
             position_ids=put(np.concatenate(pos).astype(np.int64)[None]),
             bounds=bounds,

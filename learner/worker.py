@@ -186,18 +186,18 @@ class TrainWorker:
 
     def can_pack(self) -> bool:
         """Whether packed micro-batches pay here: on the CPU always (one SDPA call per sequence is
-        cheap), on a GPU only with a varlen attention kernel (`learner.attention.varlen_kernel`): without
+        cheap), on a GPU only with a varlen attention kernel (`learner.varlen.varlen_kernel`): without
         one every sequence is its own SDPA call, and measured on an H100 a long-tail update took
         11-21 s packed that way vs 6 s padded."""
-        from learner.attention import varlen_kernel
+        from learner.varlen import varlen_kernel
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
     def can_share_prefix(self) -> bool:
         """Whether packed micro-batches may share their prefix here
-        (`learner.attention.can_share_prefix`): the token cap counts a shared prefix once, so it
+        (`learner.varlen.can_share_prefix`): the token cap counts a shared prefix once, so it
         must know whether `collate` will share it."""
-        from learner.attention import can_share_prefix
+        from learner.varlen import can_share_prefix
 
         return can_share_prefix(self.device)
 

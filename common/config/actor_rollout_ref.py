@@ -56,7 +56,9 @@ class ModelConfig(Section):
     system prompt, the tool schemas, a GRPO group's prompt) go through the model once, and each
     sequence attends to them. Same numbers and gradient, fewer tokens. On the CPU one SDPA call per
     sequence; on a GPU through the varlen kernel (each sequence's keys gathered as [prefix | own]),
-    once it passed a shared-prefix check on the device (else nothing is shared, with a warning)."""
+    once it passed a shared-prefix check on the device (else nothing is shared, with a warning).
+    There each sequence's keys and values hold a copy of the prefix's (kv heads only): GPU memory
+    beside the activations, B x prefix tokens a layer for B sequences of a micro-batch."""
 
 
 class OptimConfig(Section):

@@ -146,8 +146,9 @@ async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any)
 @pytest.mark.anyio
 async def test_shared_prefix_micro_batches_on_cuda(bf16_model: Path, ray_one_gpu: Any) -> None:
     """Samples sharing a 60-token head, packed under a token cap with the shared prefix, through
-    FSDP2 with bf16 mixed precision on CUDA: the workers share it (the cast of the inputs keeps the
-    row layout) and the update is one finite optimizer step."""
+    FSDP2 with bf16 mixed precision on CUDA: the forward pass gives the unshared logprobs (the
+    cast of the inputs keeps the row layout), and the update shares the prefix and takes one
+    finite optimizer step."""
     from dataclasses import replace
 
     from learner.prepare import reduce_worker_metrics
@@ -165,6 +166,14 @@ async def test_shared_prefix_micro_batches_on_cuda(bf16_model: Path, ray_one_gpu
     try:
         await group.start()
         assert group.can_pack and group.can_share_prefix
+        logprobs = {}
+        for share in (False, True):
+            copies = [replace(s) for s in samples]
+            await group.forward(
+                "actor", copies, "old_logprobs", Batching(packed=True, share_prefix=share)
+            )
+            logprobs[share] = np.concatenate([s.get("old_logprobs") for s in copies])
+        np.testing.assert_allclose(logprobs[True], logprobs[False], atol=2e-2)
         batching = Batching(max_tokens=400, packed=True, share_prefix=True)
         plans = split_for_ranks(samples, mini_batches=1, ranks=1, batching=batching)
         res = await group.update([UpdateRequest("actor", plans[0])])

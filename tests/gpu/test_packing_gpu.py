@@ -1,6 +1,6 @@
 """Shared-prefix micro-batches on CUDA, through the varlen kernel, no fakes.
 
-On a GPU whose varlen kernel passed the checks (`learner.attention.prefix_kernel`), a packed
+On a GPU whose varlen kernel passed the checks (`learner.varlen.prefix_kernel`), a packed
 micro-batch whose sequences share a prefix lays the prefix out once and runs every part's queries
 against its own keys [prefix | part] in one kernel call. Its logprobs and gradients must be those
 of the same samples packed without sharing, in bf16 (FSDP's compute dtype). Skipped
@@ -28,12 +28,12 @@ def test_shared_prefix_rows_through_the_varlen_kernel(
         pytest.skip(f"the learner needs {missing}, not installed here")
     import torch
 
-    from learner import attention
-    from learner.attention import prefix_kernel, varlen_kernel
+    from learner import varlen
     from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
     from learner.samples import Sample
+    from learner.varlen import prefix_kernel, varlen_kernel
 
-    dev = torch.device("cuda", torch.cuda.current_device())  # as query.device: one cache key
+    dev = torch.device("cuda")
     if varlen_kernel(dev) is None:
         pytest.skip("no varlen kernel here: shared rows take the per-sequence path (CPU tests)")
     assert prefix_kernel(dev) is not None, "the varlen kernel failed the shared-prefix check"
@@ -46,10 +46,10 @@ def test_shared_prefix_rows_through_the_varlen_kernel(
     # tables follow the embeddings) and attention leaves the kernel for the per-sequence path
     policy = PolicyHead(lm).to(dev, dtype=torch.bfloat16).train()
     through_kernel: list[int] = []
-    run_prefixed = attention._run_prefixed
+    run_prefixed = varlen.run_prefixed
     monkeypatch.setattr(
-        attention,
-        "_run_prefixed",
+        varlen,
+        "run_prefixed",
         lambda *a: through_kernel.append(1) or run_prefixed(*a),
     )
     rng = np.random.default_rng(0)

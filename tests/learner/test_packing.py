@@ -356,7 +356,7 @@ def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
     causal attention passes, one that is not causal or that raises is refused with the reason; for
     shared-prefix rows, one whose causality is aligned at the start of fewer queries than keys
     (rather than at their end) is refused too, though it passes the plain check."""
-    from learner.attention import check_varlen_kernel, torch_varlen_kernel
+    from learner.varlen import check_varlen_kernel, torch_varlen_kernel
 
     assert check_varlen_kernel(_loop_kernel, CPU, torch.float32) is None
     assert check_varlen_kernel(_loop_kernel, CPU, torch.float32, prefix=7) is None
@@ -364,8 +364,10 @@ def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
     assert problem is not None and "output differs" in problem
     start = functools.partial(_loop_kernel, align="start")
     assert check_varlen_kernel(start, CPU, torch.float32) is None
-    problem = check_varlen_kernel(start, CPU, torch.float32, prefix=7)
-    assert problem is not None and "output differs" in problem
+    for prefix in (7, 200):  # the long one: parts longer than a kernel's tile
+        assert check_varlen_kernel(_loop_kernel, CPU, torch.float32, prefix=prefix) is None
+        problem = check_varlen_kernel(start, CPU, torch.float32, prefix=prefix)
+        assert problem is not None and "output differs" in problem
     kernel = torch_varlen_kernel()  # torch 2.13 has one; CUDA only
     if kernel is not None:
         assert (
@@ -373,10 +375,29 @@ def test_a_varlen_kernel_is_used_only_when_it_matches_sdpa() -> None:
         )  # refused on the CPU, no raise
 
 
+@pytest.mark.parametrize(
+    ("kernel", "prefixed", "shares"),
+    [(False, False, True), (True, False, False), (True, True, True)],
+)
+def test_a_gpu_shares_prefixes_only_where_its_kernel_runs_them(
+    monkeypatch: pytest.MonkeyPatch, kernel: bool, prefixed: bool, shares: bool
+) -> None:
+    """No varlen kernel: shared rows take the per-sequence path, as on the CPU. A kernel that
+    failed the prefixed check: nothing is shared (the kernel stays in use for unshared rows)."""
+    from learner import varlen
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(varlen, "_varlen_kernel", lambda d: _loop_kernel if kernel else None)
+    monkeypatch.setattr(varlen, "_prefix_kernel", lambda d: _loop_kernel if prefixed else None)
+    assert varlen.can_share_prefix(gpu) is shares
+    assert varlen.can_share_prefix(CPU)
+
+
 def test_a_shared_prefix_row_through_a_varlen_kernel_is_the_per_sequence_one() -> None:
     """What packed_attention does on CUDA with a shared prefix (each part's keys gathered as
     [prefix | part], one kernel call) gives the per-part SDPA path's output and gradients."""
-    from learner.attention import _prefixed_attention, _run_prefixed, prefix_key_layout
+    from learner.attention import _prefixed_attention
+    from learner.varlen import prefix_key_layout, run_prefixed
 
     bounds = (0, 9, 14, 26, 29)  # a 9-token prefix, then parts of 5, 12 and 3 tokens
     gen = torch.Generator().manual_seed(1)
@@ -388,7 +409,7 @@ def test_a_shared_prefix_row_through_a_varlen_kernel_is_the_per_sequence_one() -
     module.is_causal = True
     want = _prefixed_attention(module, q, k, v, bounds, 0.0, 0.25)  # [1, N, heads, D]
     cu = torch.tensor(bounds, dtype=torch.int32)
-    got = _run_prefixed(
+    got = run_prefixed(
         _loop_kernel, *(x[0].transpose(0, 1) for x in (q, k, v)), cu, keys, 0.25
     ).unsqueeze(0)
     torch.testing.assert_close(got, want)
