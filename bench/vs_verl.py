@@ -55,17 +55,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGINS = ROOT / "bench" / "verl_plugins"
-VERL_TIMINGS = {  # verl's metric -> our split's name
-    "timing_s/gen": "generate",
-    "timing_s/reward": "reward",
-    "timing_s/old_log_prob": "old_log_prob",
-    "timing_s/ref": "ref",
-    "timing_s/adv": "adv",
-    "timing_s/update_actor": "update",
-    "timing_s/update_weights": "weights",
-    "timing_s/step": "step",
-}
+sys.path.insert(0, str(ROOT))
+
+from bench import verl_side  # noqa: E402
+
 OUR_TIMINGS = {
     "timing/wait_s": "wait",
     "timing/prepare_s": "prepare",
@@ -77,15 +70,14 @@ REWARD_WINDOW = 5
 CAVEATS = [
     "verl caps a turn only by the whole response budget; ours also at 64 tokens a turn",
     "verl's reward sees tool outputs: only a \\boxed answer counts (ours falls back to the last number)",
-    "no flash-attn on the machine: verl trains with SDPA on padded micro-batches (its padding "
-    "removal needs flash-attn's varlen kernel); ours packs sequences with its own SDPA-based kernel",
+    "both sides train packed rows through the same varlen kernel (verl through "
+    "bench/verl_plugins/varlen_attention.py); ours also runs a prefix shared by a micro-batch once",
+    "verl's fully-async trainer takes the old logprobs from vLLM (bypass mode, forced); ours and "
+    "verl's sync trainers recompute them in a forward pass (the job has 2 mini-batches a step)",
+    "verl's step is the wall-clock between two versions' metric records (stamped as they appear); "
+    "ours is the learner's own step time",
 ]
-PLACEMENT = {  # --gpus -> how each side uses them (the last caveat)
-    1: "verl runs generation colocated (vLLM sleeps during training); ours runs a rollout server "
-    "process beside the learner on the same GPU",
-    2: "verl colocated on both GPUs (FSDP over 2, a vLLM replica on each, sleeping during "
-    "training); ours disaggregated: the learner on GPU 0, the rollout server on GPU 1",
-}
+SYNC_LABELS = ("ours-sync", "verl-sync", "verl-v0-sync")
 
 
 def progress(msg: str) -> None:
@@ -111,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="1: both sides share GPU 0; 2: verl colocated on both (FSDP over 2, one vLLM replica "
         "each), ours with the learner on GPU 0 and the rollout server on GPU 1 (default 1)",
+    )
+    p.add_argument(
+        "--verl",
+        default="sync,fully-async-t0,fully-async-t1",
+        help="verl configurations, in order (bench/verl_side.py): sync (V1, colocated), v0-sync "
+        "(the deprecated trainer), fully-async-tT (staleness_threshold T, trainer and rollouter on "
+        "separate GPUs); default sync,fully-async-t0,fully-async-t1",
     )
     p.add_argument(
         "--verl-arg", action="append", default=[], help="one more hydra override for verl"
@@ -245,80 +244,6 @@ def stage_prepare(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def verl_overrides(a: argparse.Namespace, model: str, work: Path) -> list[str]:
-    """verl's hydra overrides for the job that configs/longtail_e2e.yaml describes for ours."""
-    data = work / "data-longtail-verl"
-    return [
-        "algorithm.adv_estimator=grpo",
-        "algorithm.use_kl_in_reward=false",
-        f"data.train_files={data / 'train.parquet'}",
-        f"data.val_files={data / 'val.parquet'}",
-        "data.train_batch_size=16",
-        "data.max_prompt_length=512",
-        "data.max_response_length=1792",
-        "data.return_raw_chat=true",
-        "data.dataloader_num_workers=0",
-        "data.shuffle=true",
-        "data.seed=0",
-        f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-        # no flash-attn on the GPU machines: SDPA, and so no padding removal (verl's remove-padding
-        # path runs flash-attn's varlen kernel); ours packs with its own SDPA-based kernel
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.model.use_remove_padding=false",
-        "actor_rollout_ref.actor.optim.lr=2e-5",
-        "actor_rollout_ref.actor.optim.weight_decay=0.01",
-        "actor_rollout_ref.actor.optim.clip_grad=1.0",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # prompts: 8 x n 8 = our 64 samples
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.kl_loss_coef=0.001",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        "actor_rollout_ref.actor.entropy_coeff=0",
-        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-        "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.mode=async",
-        "actor_rollout_ref.rollout.n=8",
-        "actor_rollout_ref.rollout.temperature=1.0",
-        "actor_rollout_ref.rollout.dtype=bfloat16",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.35",
-        "actor_rollout_ref.rollout.max_num_seqs=256",
-        "actor_rollout_ref.rollout.max_model_len=2304",
-        "actor_rollout_ref.rollout.enforce_eager=false",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=33",
-        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1",
-        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=128",
-        "actor_rollout_ref.rollout.multi_turn.format=hermes",
-        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={PLUGINS / 'calculator_tool.py'}",
-        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
-        "actor_rollout_ref.rollout.agent.num_workers=2",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        f"reward.custom_reward_function.path={PLUGINS / 'reward.py'}",
-        "reward.custom_reward_function.name=compute_score",
-        "reward.num_workers=2",
-        # verl's v1 trainer needs the TransferQueue service (package transfer_queue); its classic
-        # RayPPOTrainer (main_ppo_v0, "deprecated", still the documented GRPO path) does not
-        "trainer.use_v1=false",
-        f"trainer.n_gpus_per_node={a.gpus}",
-        "trainer.nnodes=1",
-        f"trainer.total_training_steps={a.steps}",
-        "trainer.total_epochs=100",
-        "trainer.logger=[console,file]",
-        "trainer.project_name=vs_verl",
-        "trainer.experiment_name=longtail",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.resume_mode=disable",
-        f"trainer.default_local_dir={work / 'verl-ckpt'}",
-        "ray_kwargs.ray_init.num_cpus=12",
-        *a.verl_arg,
-    ]
-
-
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -331,8 +256,36 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> dict[str, Any]:
-    run_dir = work / "verl-run"
+def check_plugin(a: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
+    """bench/verl_plugins/varlen_attention.py's check on this machine's GPU, on the warmed model,
+    in a child process (its GPU memory is gone before verl starts): packed logprobs through the
+    varlen kernel equal per-sequence SDPA's to bf16 tolerance. verl is not timed without it."""
+    cmd = [sys.executable, "-m", verl_side.ATTENTION_LIB, model, "--device", "cuda"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (work / "verl-attention-check.log").write_text(out.stdout + out.stderr)
+    try:
+        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        result = {"ok": False, "error": tail(work / "verl-attention-check.log", 15)}
+    return result
+
+
+def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> list[dict[str, Any]]:
+    check = check_plugin(a, work, prep["model"])
+    progress(f"verl attention plugin check: {json.dumps(check, sort_keys=True)}")
+    if not check.get("ok") or not check.get("varlen_kernel"):
+        raise RuntimeError(f"verl's packed attention failed its device check: {check}")
+    out = []
+    for name in a.verl.split(","):
+        cfg = verl_side.verl_config(name.strip(), a.gpus)
+        out.append({**run_verl(a, work, prep, cfg), "attention_check": check})
+    return out
+
+
+def run_verl(
+    a: argparse.Namespace, work: Path, prep: dict[str, Any], cfg: verl_side.VerlConfig
+) -> dict[str, Any]:
+    run_dir = work / f"run-{cfg.label}"
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -340,57 +293,31 @@ def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> dict[
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HYDRA_FULL_ERROR", "1")
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(a, prep["model"], work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        cfg.module,
+        *verl_side.overrides(cfg, a, prep["model"], work),
+    ]
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    progress(f"verl: {a.steps} steps, log {run_dir / 'train.log'}")
-    run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
-    records = [{"step": int(r["step"]), **r["data"]} for r in read_jsonl(metrics) if "data" in r]
-    out = {"label": "verl-sync", "side": "verl", "gpus": a.gpus, **run, **summarize_verl(records)}
-    if records == [] or run["exit_status"] != 0:
+    progress(f"{cfg.label}: {a.steps} steps, log {run_dir / 'train.log'}")
+    with verl_side.MetricsWatcher(metrics) as watch:
+        run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
+    (run_dir / "stamped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in watch.records))
+    summary = verl_side.summarize(watch.records)
+    out = {
+        "label": cfg.label,
+        "side": "verl",
+        "gpus": a.gpus,
+        "placement": cfg.placement(a.gpus),
+        "staleness": cfg.staleness,
+        "command": " ".join(cmd[2:]),
+        **run,
+        **summary,
+    }
+    if not summary.get("steps_done") or run["exit_status"] != 0:
         out["log_tail"] = tail(run_dir / "train.log")
     return out
-
-
-def _means(records: list[dict[str, Any]], keys: dict[str, str]) -> dict[str, float]:
-    body = records[1:] or records
-    out = {}
-    for key, name in keys.items():
-        vals = [float(r[key]) for r in body if isinstance(r.get(key), (int, float))]
-        if vals:
-            out[name] = round(statistics.fmean(vals), 4)
-    return out
-
-
-def summarize_verl(records: list[dict[str, Any]]) -> dict[str, Any]:
-    if not records:
-        return {"steps_done": 0}
-    body = records[1:] or records
-    tokens = [
-        float(r["perf/total_num_tokens"]) / float(r["timing_s/step"])
-        for r in body
-        if r.get("perf/total_num_tokens") and r.get("timing_s/step")
-    ]
-    clock, t = [], 0.0
-    for i, r in enumerate(records):
-        t += float(r.get("timing_s/step", 0.0)) if i else 0.0
-        clock.append(round(t, 2))
-    return {
-        "steps_done": len(records),
-        "split_s": _means(records, VERL_TIMINGS),
-        "tokens_per_s": round(statistics.fmean(tokens), 1) if tokens else None,
-        "response_length_mean": _means(records, {"response_length/mean": "x"}).get("x"),
-        "reward_curve": [
-            round(float(r.get("critic/score/mean", float("nan"))), 4) for r in records
-        ],
-        "clock_curve": clock,
-        "verl_memory_gb": _means(
-            records,
-            {
-                "perf/max_memory_allocated_gb": "allocated",
-                "perf/max_memory_reserved_gb": "reserved",
-            },
-        ),
-    }
 
 
 def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
@@ -454,33 +381,39 @@ def ratio(a: Any, b: Any) -> float | None:
 
 
 def report(work: Path, results: Path | None) -> dict[str, Any]:
-    stages = {s: _load(work / f"vs_verl-{s}.json") for s in ("prepare", "verl", "ours")}
-    configs = [c for s in ("verl", "ours") for c in (stages[s] or {}).get("configs", [])]
-    verl = next((c for c in configs if c["label"] == "verl-sync" and c.get("steps_done")), None)
-    gpus = max((int(c.get("gpus", 1)) for c in configs), default=1)
-    ratios: dict[str, Any] = {}
-    if verl:
-        vstep = verl["split_s"].get("step")
-        for c in configs:
-            if c is verl or not c.get("steps_done"):
-                continue
-            ratios[c["label"]] = {
-                "verl_step_over_ours": ratio(vstep, c["split_s"].get("step")),
-                "tokens_per_s_vs_verl": ratio(c.get("tokens_per_s"), verl.get("tokens_per_s")),
+    """Every configuration run in ``work`` side by side, with per-step speed-ups of each against
+    the best synchronous trainer of either side and against each verl configuration."""
+    prepare = _load(work / "vs_verl-prepare.json")
+    files = [*sorted(work.glob("vs_verl-verl-*.json")), work / "vs_verl-ours.json"]
+    configs = [c for f in files for c in (_load(f) or {}).get("configs", [])]
+    done = [c for c in configs if c.get("steps_done") and c.get("split_s", {}).get("step")]
+    syncs = [c for c in done if c["label"] in SYNC_LABELS]
+    best_sync = min(syncs, key=lambda c: c["split_s"]["step"], default=None)
+    versus: dict[str, Any] = {}
+    for base in [c for c in done if c["side"] == "verl"] + ([best_sync] if best_sync else []):
+        key = "best_sync" if base is best_sync else base["label"]
+        versus[key] = {
+            c["label"]: {
+                "step_speedup": ratio(base["split_s"]["step"], c["split_s"]["step"]),
+                "tokens_per_s_ratio": ratio(c.get("tokens_per_s"), base.get("tokens_per_s")),
             }
+            for c in done
+            if c is not base
+        }
     out = {
         "bench": "vs_verl",
         "workload": "longtail",
-        "gpus": gpus,
-        "prepare": stages["prepare"],
+        "gpus": max((int(c.get("gpus", 1)) for c in configs), default=1),
+        "prepare": prepare,
         "configs": configs,
-        "per_step_speedup_vs_verl_sync": ratios,
-        "caveats": [*CAVEATS, PLACEMENT[gpus]],
+        "best_sync": best_sync["label"] if best_sync else None,
+        "speedup_vs": versus,
+        "caveats": CAVEATS,
     }
     if results:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-        plot(results.with_suffix(".png"), configs, gpus)
+        plot(results.with_suffix(".png"), configs, out["gpus"])
     return out
 
 
@@ -539,10 +472,15 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            configs = [stage_verl(a, work, prep)] if stage == "verl" else stage_ours(a, work)
+            configs = stage_verl(a, work, prep) if stage == "verl" else stage_ours(a, work)
             saved = {"configs": configs}
+            if stage == "verl":  # one file per configuration: separate calls add up
+                for c in configs:
+                    path = work / f"vs_verl-verl-{c['label']}.json"
+                    path.write_text(json.dumps({"configs": [c]}, indent=1) + "\n")
         saved["stage_s"] = round(time.monotonic() - t0, 1)
-        (work / f"vs_verl-{stage}.json").write_text(json.dumps(saved, indent=1) + "\n")
+        if stage != "verl":
+            (work / f"vs_verl-{stage}.json").write_text(json.dumps(saved, indent=1) + "\n")
         progress(f"{stage}: done in {saved['stage_s']} s")
         print(json.dumps({"stage": stage, **saved}, sort_keys=True)[:4000])
     return 0

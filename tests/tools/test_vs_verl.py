@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench import vs_verl  # noqa: E402
+from bench import verl_side, vs_verl  # noqa: E402
 
 
 def test_verl_parquet_reads_back_as_our_rows(tmp_path: Path) -> None:
@@ -63,33 +64,76 @@ def test_verl_plugins_answer_as_ours() -> None:
     assert compute_score("longtail", "\\boxed{4801}", "4800") == 0.0
 
 
-def test_verl_metrics_summary() -> None:
+def test_verl_metrics_summary_per_version() -> None:
+    """Records stamped as they appeared; a version's records merge; a step's wall-clock is the
+    time between two versions; step 1 (start-up) is left out of the means."""
     recs = [
-        {
-            "step": s,
-            "timing_s/step": t,
-            "timing_s/gen": g,
-            "perf/total_num_tokens": 1000.0,
-            "critic/score/mean": r,
-        }
-        for s, t, g, r in ((1, 30.0, 20.0, 0.1), (2, 10.0, 6.0, 0.2), (3, 12.0, 8.0, 0.4))
+        {"t": 100.0, "step": 1, "data": {"timing_s/gen": 20.0, "critic/score/mean": 0.1}},
+        {"t": 110.0, "step": 2, "data": {"timing_s/gen": 6.0, "critic/score/mean": 0.2}},
+        {"t": 110.5, "step": 2, "data": {"perf/total_num_tokens": 1050.0}},
+        {"t": 122.5, "step": 3, "data": {"timing_s/gen": 8.0, "perf/total_num_tokens": 1200.0}},
+        {"t": 123.0, "step": "x", "data": {}},
     ]
-    out = vs_verl.summarize_verl(recs)
+    out = verl_side.summarize(recs)
     assert out["steps_done"] == 3
-    assert out["split_s"]["step"] == 11.0 and out["split_s"]["generate"] == 7.0
-    assert out["clock_curve"] == [0.0, 10.0, 22.0]  # seconds since the end of step 1
-    assert out["tokens_per_s"] == round((100.0 + 1000 / 12) / 2, 1)
+    assert out["step_s_each"] == [10.5, 12.0]
+    assert out["split_s"]["step"] == 11.25 and out["split_s"]["generate"] == 7.0
+    assert out["clock_curve"] == [0.0, 10.5, 22.5]
+    assert out["tokens_per_s"] == 100.0
+    assert out["reward_curve"][:2] == [0.1, 0.2]
 
 
-def test_two_gpus_reach_both_sides_and_the_report(tmp_path: Path) -> None:
-    a = vs_verl.parse_args(["--gpus", "2", "--work-dir", str(tmp_path)])
-    assert "trainer.n_gpus_per_node=2" in vs_verl.verl_overrides(a, "/m", tmp_path)
-    verl = {"label": "verl-sync", "gpus": 2, "steps_done": 3, "split_s": {"step": 20.0}}
-    ours = {"label": "ours-sync", "gpus": 2, "steps_done": 3, "split_s": {"step": 5.0}}
-    for stage, configs in (("verl", [verl]), ("ours", [ours])):
-        (tmp_path / f"vs_verl-{stage}.json").write_text(json.dumps({"configs": configs}))
+def test_metrics_watcher_stamps_lines_as_they_appear(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    with verl_side.MetricsWatcher(path, interval=0.01) as w:
+        with path.open("w") as f:
+            f.write(json.dumps({"step": 1, "data": {"a": 1}}) + "\n" + '{"step": 2, "da')
+            f.flush()
+            time.sleep(0.1)
+            f.write('ta": {"a": 2}}\nnot json\n')
+    assert [(r["step"], r["data"]) for r in w.records] == [(1, {"a": 1}), (2, {"a": 2})]
+    assert w.records[0]["t"] <= w.records[1]["t"]
+
+
+def test_verl_configurations() -> None:
+    a = vs_verl.parse_args(["--gpus", "2", "--steps", "4"])
+    sync = verl_side.overrides(verl_side.verl_config("sync", 2), a, "/m", Path("/w"))
+    assert "trainer.n_gpus_per_node=2" in sync and "trainer.v1.trainer_mode=sync" in sync
+    assert "actor_rollout_ref.actor.strategy=fsdp2" in sync
+    assert f"actor_rollout_ref.model.external_lib={verl_side.ATTENTION_LIB}" in sync
+    cfg = verl_side.verl_config("fully-async-t1", 2)
+    fa = verl_side.overrides(cfg, a, "/m", Path("/w"))
+    assert cfg.module.endswith("fully_async_main")
+    assert {"trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"} <= set(fa)
+    assert "async_training.staleness_threshold=1.0" in fa
+    assert "rollout.total_rollout_steps=80" in fa  # (4 steps + the start-up one) x 16 prompts
+    for bad, gpus in (("fully-async-t-1", 2), ("async", 2), ("fully-async-t1", 1)):
+        with pytest.raises(ValueError, match=r"sync|GPUs"):
+            verl_side.verl_config(bad, gpus)
+
+
+def test_report_against_the_best_sync_and_each_verl_run(tmp_path: Path) -> None:
+    def cfg(label: str, side: str, step: float, tps: float) -> dict:
+        return {
+            "label": label,
+            "side": side,
+            "gpus": 2,
+            "steps_done": 3,
+            "split_s": {"step": step},
+            "tokens_per_s": tps,
+        }
+
+    verl = [cfg("verl-sync", "verl", 8.0, 1000.0), cfg("verl-fully-async-t1", "verl", 5.0, 1600.0)]
+    ours = [cfg("ours-sync", "ours", 6.0, 1300.0), cfg("ours-async-s2", "ours", 2.0, 4000.0)]
+    for c in verl:
+        (tmp_path / f"vs_verl-verl-{c['label']}.json").write_text(json.dumps({"configs": [c]}))
+    (tmp_path / "vs_verl-ours.json").write_text(json.dumps({"configs": ours}))
     out = vs_verl.report(tmp_path, None)
-    assert out["gpus"] == 2 and out["caveats"][-1] == vs_verl.PLACEMENT[2]
-    assert out["per_step_speedup_vs_verl_sync"]["ours-sync"]["verl_step_over_ours"] == 4.0
+    assert out["best_sync"] == "ours-sync"
+    assert out["speedup_vs"]["best_sync"]["ours-async-s2"]["step_speedup"] == 3.0
+    assert out["speedup_vs"]["verl-fully-async-t1"]["ours-async-s2"] == {
+        "step_speedup": 2.5,
+        "tokens_per_s_ratio": 2.5,
+    }
     with pytest.raises(SystemExit):
         vs_verl.parse_args(["--gpus", "3"])
