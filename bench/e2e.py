@@ -1293,6 +1293,9 @@ def main(argv: list[str] | None = None) -> int:
                 args, s, overrides, work, run_limit(args, len(args.staleness_values) - i - 1)
             )
             episodes += run.pop("_episodes", [])
+            from tools.timeline import draw_beside  # where the run's time went (PNG + trace)
+
+            run["timeline"] = draw_beside(Path(run["run_dir"]), results_path, run["label"])
             result["runs"].append(run)
             result["comparison"] = compare(result["runs"])
             # every run starts from the warmed model: its version-0 episodes, pooled, are its lengths

@@ -155,6 +155,7 @@ def summary_lines(
     restarts: Mapping[str, int],
     plot: Path | None,
     checkpoints: Path,
+    timeline: tuple[Path, Path] | None = None,
 ) -> list[str]:
     """The final summary: steps, wall time, reward from first to last step, where things are."""
     steps = records[-1]["step"] if records else 0
@@ -175,6 +176,7 @@ def summary_lines(
         ("config", run_dir / "config.resolved.yaml"),
         ("metrics", run_dir / "metrics.jsonl"),
         ("plot", plot),
+        *((("timeline", timeline[0]), ("trace", timeline[1])) if timeline else ()),
         ("logs", run_dir / "logs"),
         ("checkpoints", checkpoints),
         ("model", run_dir / "final-hf"),

@@ -362,6 +362,14 @@ class Supervisor:
             self.log.info("training curves drawn", path=str(plot))
         except Exception as e:  # the run itself succeeded; a missing plot is worth a warning only
             self.log.warning("could not draw the training curves", error=f"{type(e).__name__}: {e}")
+        timeline: tuple[Path, Path] | None = None
+        try:
+            from tools.timeline import draw_timeline
+
+            timeline = draw_timeline(run_dir)
+            self.log.info("timeline drawn", png=str(timeline[0]), trace=str(timeline[1]))
+        except Exception as e:  # as for the curves: the run succeeded all the same
+            self.log.warning("could not draw the timeline", error=f"{type(e).__name__}: {e}")
         try:
             records = read_metrics(run_dir)
         except (OSError, ValueError):
@@ -375,6 +383,7 @@ class Supervisor:
             restarts,
             plot,
             checkpoint_dir(self.plan.config, run_dir),
+            timeline,
         ):
             self.display.print(line)
         return EXIT_OK

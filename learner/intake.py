@@ -50,6 +50,10 @@ validates token ids against its vocabulary, deduplicates, and grants credits fro
   (``learner.validation`` has the round and the metrics). Validation answers carry no trajectories:
   they never touch the buffer, the journal or the credits.
 
+- Timeline. With a ``timeline`` writer (the trainer's, ``common.timeline``), every grant and every
+  weight version published is recorded as it happens, and ``timeline_levels`` gives the buffer's
+  levels for the trainer's periodic samples.
+
 ``serve`` runs the intake alone (no trainer): every batch is marked trained as soon as it arrives.
 Either way the final stats are written to ``RUN_DIR/intake_stats.json`` when ``run`` returns.
 """
@@ -78,6 +82,7 @@ from common.log_throttle import PeerErrorLog
 from common.logging import get_logger
 from common.mixing import batch_counts
 from common.peer_auth import auth_mode, learner_token, token_path
+from common.timeline import GRANT_EVENT, PUBLISH_EVENT, TimelineWriter, Track
 from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer, GroupKey, mix_shortfall, mixed_pick
 from learner.journal import Journal
@@ -228,8 +233,10 @@ class Intake:
         state: dict[str, Any] | None = None,
         journal_dir: Path | None = None,
         fresh: bool = False,
+        timeline: TimelineWriter | None = None,
     ) -> None:
         self.config, self.run_dir = config, Path(run_dir)
+        self.timeline = timeline if timeline is not None else TimelineWriter.off()
         self._log = get_logger("learner.intake")
         # One window per (peer, code): a flood of bad frames costs a few lines and a summary.
         self._peer_log = PeerErrorLog(self._log.warning, what="invalid messages")
@@ -590,6 +597,9 @@ class Intake:
         self._server.publish_weights(
             version, tensors, chunk_bytes=self.config.transport.weight_chunk_bytes, file=file
         )
+        self.timeline.instant(
+            Track.WEIGHTS, PUBLISH_EVENT, version=version, via="file" if file else "chunks"
+        )
         if self._rule is not None:
             self._rule = (max(version, self._rule[0]), self._rule[1])
         return replaced_chunked
@@ -685,6 +695,16 @@ class Intake:
             **s,
             "traj_per_s": round(s["trajectories"] / dt, 1),
             "tokens_per_s": round(s["tokens"] / dt),
+        }
+
+    def timeline_levels(self) -> dict[str, float]:
+        """The values the learner's timeline samples (``common.timeline.LEARNER_COUNTERS``): groups
+        waiting in the buffer, groups granted and still generating (-1: no admission), and the
+        trajectories received so far."""
+        return {
+            "buffered_groups": len(self._buffer),
+            "generating_groups": self._admission.generating if self._admission is not None else -1,
+            "received_trajectories": self._counts["trajectories"],
         }
 
     @property
@@ -939,6 +959,13 @@ class Intake:
             held=held, remaining=self._remaining, min_version=self._proto.policy_version
         ):
             self._server.admit(peer, n, self._proto.policy_version)
+            self.timeline.instant(
+                Track.ADMISSION,
+                GRANT_EVENT,
+                server=peer,
+                groups=n,
+                min_version=self._proto.policy_version,
+            )
             self._log.debug(
                 "groups admitted", peer=peer, groups=n, min_version=self._proto.policy_version
             )

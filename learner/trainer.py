@@ -13,6 +13,9 @@ it, so it never stalls the learner. Without it, groups older than max_staleness 
 Validation (``trainer.val_before_train``, every ``trainer.test_freq`` steps) is the one wait on the
 rollout servers: ``_validate`` asks them to run the validation set and blocks training until they
 answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
+The learner's timeline (``RUN_DIR/timeline/learner.jsonl``, ``common.timeline``) gets a span per
+phase of every step (the same laps as the ``timing/*`` metrics), per validation and per checkpoint,
+the intake's grants and publishes, and the buffer's levels sampled by a task of the training group.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ from common.epochs import total_steps
 from common.logging import get_logger
 from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
+from common.timeline import (
+    CHECKPOINT_SPAN,
+    VALIDATE_SPAN,
+    Role,
+    TimelineWriter,
+    Track,
+    sample_every,
+    timeline_path,
+)
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
 from learner.loss_settings import policy_loss_settings
@@ -55,7 +67,7 @@ from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
-    from learner.intake import Intake
+    from learner.intake import Intake, TakenBatch
     from learner.publisher import WeightPublisher
     from learner.sinks import MetricSinks
     from learner.workers import WorkerGroup
@@ -112,15 +124,19 @@ def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
 @dataclass
 class Timer:
     marks: dict[str, float]
+    wall: float  # wall clock at the start of the current lap (time.time(): the timeline's clock)
 
     @classmethod
     def start(cls) -> Timer:
-        return cls({"_t": time.perf_counter()})
+        return cls({"_t": time.perf_counter()}, time.time())
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str) -> tuple[float, float]:
+        """End the lap ``name``; its (start, end) in wall-clock time, as long as the metric says."""
         now = time.perf_counter()
         self.marks[name] = now - self.marks["_t"]
         self.marks["_t"] = now
+        start, self.wall = self.wall, self.wall + self.marks[name]
+        return start, self.wall
 
     def metrics(self) -> dict[str, float]:
         parts = {f"timing/{k}_s": v for k, v in self.marks.items() if k != "_t"}
@@ -154,6 +170,7 @@ class Trainer:
             run_dir
         )  # versions only go up across restarts (learner.versions)
         self._resume_metrics: dict[str, float] = {}  # logged with the first step
+        self.timeline = TimelineWriter.off()  # opened by run()
 
     # The parts made at start-up (`run`), each checked once here rather than at every use.
     @property
@@ -348,11 +365,12 @@ class Trainer:
     async def train_step(self) -> dict[str, float]:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
+        step, tl = self.step + 1, self.timeline
         taken = await self.intake.next_batch(
             self.config.data.train_batch_size, self.version, self.max_staleness
         )
-        timer.lap("wait")
         trajs = list(taken.trajectories)
+        tl.span(Track.STEP, "wait", *timer.lap("wait"), step=step, groups=groups_by_server(taken))
         metrics = batch_metrics(trajs, taken.staleness, self.version)
         metrics |= agent_metrics(trajs, KnownNames.from_config(self.config))
         if taken.mix:  # mixed run: groups per source, and places another source filled
@@ -361,15 +379,15 @@ class Trainer:
                 metrics[f"batch/groups/{src or 'unknown'}"] = float(taken.sources.count(src))
         samples = to_samples(trajs)
         metrics |= await self._prepare(trajs, samples)
-        timer.lap("prepare")
+        tl.span(Track.STEP, "prepare", *timer.lap("prepare"), step=step)
         tokens = sum(len(s.input_ids) for s in samples)
         update = await self._update(samples)
         metrics |= update.metrics
-        timer.lap("update")
+        tl.span(Track.STEP, "update", *timer.lap("update"), step=step, tokens=tokens)
         if update.actor_updated:
             assert self.publisher is not None  # made in run(), before any step
             metrics |= await self.publisher.publish(self.version, self.workers)
-        timer.lap("broadcast")
+        tl.span(Track.STEP, "broadcast", *timer.lap("broadcast"), step=step, version=self.version)
         metrics |= self.intake.weight_update_metrics()
         self.intake.mark_trained(taken)
         metrics |= self.intake.waste_metrics()
@@ -407,6 +425,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     async def save_checkpoint(self) -> Path:
+        started = time.time()
         staging = checkpoints.staging_dir(self.ckpt_root, self.step)
         await self.workers.save_checkpoint(str(staging))
         await self.workers.export_hf(str(staging / "hf"), self.config.actor_rollout_ref.model.path)
@@ -420,6 +439,7 @@ class Trainer:
         path = checkpoints.finalize(self.ckpt_root, staging, self.step, state)
         self.intake.checkpoint_saved(intake_state)
         self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
+        self.timeline.span(Track.STEP, CHECKPOINT_SPAN, started, time.time(), step=self.step)
         return path
 
     # -- the run ---------------------------------------------------------------------------------
@@ -432,6 +452,9 @@ class Trainer:
 
         resume, state = self._resume_state()
         self._init_algorithm_state(state, resume)
+        self.timeline = TimelineWriter(
+            timeline_path(self.run_dir, Role.LEARNER, "learner"), role=Role.LEARNER
+        )
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
@@ -440,6 +463,7 @@ class Trainer:
             self.run_dir,
             state=state["intake"] if state else None,
             fresh=resume is None and self.config.trainer.resume_mode == "disable",
+            timeline=self.timeline,
         )
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
@@ -472,14 +496,18 @@ class Trainer:
                 try:
                     async with anyio.create_task_group() as training:
                         training.start_soon(self._on_signal, training.cancel_scope)
+                        training.start_soon(
+                            sample_every, self.timeline, self.intake.timeline_levels
+                        )
                         await self._train(resume, address, sinks, task_status)
-                        training.cancel_scope.cancel()  # stops the signal watcher
+                        training.cancel_scope.cancel()  # stops the signal watcher and sampler
                 finally:
                     self.intake.close()  # BYE to every rollout server; intake.run returns once sent
         finally:
             # The slot files first: a SIGKILL during the slower steps must not leave them on /dev/shm.
             publisher.close()
             sinks.close()
+            self.timeline.close()
             if self._workers is not None:
                 self._workers.shutdown()
         return 0
@@ -521,6 +549,7 @@ class Trainer:
         trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
         from learner.validation import validation_metrics
 
+        started = time.time()
         rnd = await self.intake.validate(
             self.version,
             timeout_s=self.config.trainer.val_timeout_s,
@@ -528,6 +557,7 @@ class Trainer:
             shard_wait_s=self.config.trainer.val_shard_wait_s,
         )
         metrics = validation_metrics(rnd)
+        self.timeline.span(Track.STEP, VALIDATE_SPAN, started, time.time(), step=self.step)
         missing = {
             **rnd.lost,
             **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s"),
@@ -563,3 +593,15 @@ class Trainer:
                 self.log.info("stopping", signal=signal.Signals(sig).name, step=self.step)
                 scope.cancel()
                 return
+
+
+def groups_by_server(taken: TakenBatch) -> dict[str, int]:
+    """How many of a step's groups each rollout server generated (the timeline's wait spans)."""
+    out: dict[str, int] = {}
+    i = 0
+    for size in taken.group_sizes:
+        if size:
+            server = taken.trajectories[i].source_server or "unknown"
+            out[server] = out.get(server, 0) + 1
+        i += size
+    return out

@@ -8,17 +8,19 @@ scrape may see a counter one update old, which is harmless), registered in a ``C
 of this object's own, so several servers (or tests) in one process never share or clash. Tool
 calls are also counted per tool and per data source (labelled counters): both label sets are
 bounded by the config, tool names being folded into ``other`` by the agents
-(``Episode.record_call``) and data sources being the server's own.
+(``Episode.record_call``) and data sources being the server's own. The agents reach the engine
+through ``CountingEngine``, which counts model requests in flight and the tokens they sampled (what
+the run's timeline draws as each server's generation, ``timeline_counters``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from threading import Thread
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 import anyio
@@ -27,6 +29,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.trajectory import TOOL_CALLS_PREFIX
+
+if TYPE_CHECKING:
+    from rollout_service.engine.base import Generation, SamplingEngine, SamplingSettings
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Counters:
     trajectories_shipped: int = 0
     batches_shipped: int = 0
     batches_acked: int = 0
+    sampled_tokens: int = 0
 
 
 # Counters.* fields that ``Episode.action_counts`` names (tool_calls/tool_errors come as arguments).
@@ -58,6 +64,7 @@ class Gauges:
     """Current levels."""
 
     episodes_in_flight: int = 0
+    requests_in_flight: int = 0
     spool_batches: int = 0
     unacked_batches: int = 0
     weight_version: int = 0
@@ -81,6 +88,8 @@ _HELP = {
     "batches_shipped": "Trajectory batches handed to the learner protocol",
     "batches_acked": "Trajectory batches acknowledged by the learner",
     "episodes_in_flight": "Episodes running now",
+    "requests_in_flight": "Generation requests (model turns) in the engine now",
+    "sampled_tokens": "Tokens the engine sampled, counted as each request returns (dropped and aborted episodes included)",
     "spool_batches": "Batches in the on-disk spool (written, not yet acknowledged)",
     "unacked_batches": "Batches handed to the protocol and not yet acknowledged",
     "weight_version": "Policy version the engine generates with",
@@ -150,6 +159,17 @@ class RolloutStats:
     def set_weight_version(self, version: int) -> None:
         self.gauges.weight_version = version
 
+    def timeline_counters(self) -> dict[str, float]:
+        """The values a rollout server's timeline samples (``common.timeline.ROLLOUT_COUNTERS``)."""
+        g = self.gauges
+        return {
+            "requests_in_flight": g.requests_in_flight,
+            "episodes_in_flight": g.episodes_in_flight,
+            "granted_groups": g.granted_groups,
+            "weight_version": g.weight_version,
+            "sampled_tokens": self.counters.sampled_tokens,
+        }
+
     # -- the log line -----------------------------------------------------------------------------
 
     def stats_line(self) -> str:
@@ -201,6 +221,35 @@ class RolloutStats:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+class CountingEngine:
+    """The engine as the agents see it: every ``generate`` is counted in ``stats`` (in flight while
+    it runs, its tokens once it returns). vLLM hands back a request's tokens only when it ends
+    (``FINAL_ONLY``), so tokens are counted then: a rate over an interval shorter than a turn is
+    lumpy, never wrong on average."""
+
+    def __init__(self, engine: SamplingEngine, stats: RolloutStats) -> None:
+        self.engine, self.stats = engine, stats
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
+        g = self.stats.gauges
+        g.requests_in_flight += 1
+        try:
+            gen = await self.engine.generate(request_id, prompt_ids, sampling)
+        finally:
+            g.requests_in_flight -= 1
+        self.stats.counters.sampled_tokens += len(gen.token_ids)
+        return gen
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.engine.abort(request_ids)
 
 
 class _StatsCollector(Collector):

@@ -28,12 +28,18 @@ Validation: the server offers the "validation" capability; each VALIDATE_REQUEST
 in the group (``_validate``) that waits until the engine runs the requested policy version (or
 newer), runs the shard of ``data.val_files`` (``rollout_service.validation``, beside training
 admission under its own limit) and answers with metrics only, never shipping an episode.
+
+Timeline: the server appends ``RUN_DIR/timeline/rollout-<server id>.jsonl`` (``common.timeline``;
+RUN_DIR is ``trainer.run_dir``, shared with the learner, not the server's own subdirectory):
+its generation counters (requests and episodes in flight, grants held, tokens sampled, weight
+version) every ``SAMPLE_INTERVAL_S`` from a task of the serving group, and a span per weight load.
 """
 
 from __future__ import annotations
 
 import math
 import signal
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -51,6 +57,7 @@ from common.peer_auth import auth_mode, token_path, wait_for_token
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.run_events import Kind, emit
 from common.rundir import resolve_run_dir
+from common.timeline import APPLY_SPAN, Role, TimelineWriter, Track, sample_every, timeline_path
 from protocol.events import (
     Connected,
     GroupsAdmitted,
@@ -74,7 +81,7 @@ from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
 from rollout_service.groups import RewardChoice, run_group, stale
-from rollout_service.metrics import RolloutStats
+from rollout_service.metrics import CountingEngine, RolloutStats
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
@@ -302,6 +309,8 @@ class RolloutServer:
                 "validation unavailable: requests will be answered with this error",
                 reason=self.validation.problem,
             )
+        self.stats = RolloutStats(server_id=self.server_id)
+        self.timeline = TimelineWriter.off()  # opened by run()
         self.renderer = ChatRenderer(
             AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         )
@@ -311,7 +320,7 @@ class RolloutServer:
         )
         set_shared(self.limiter)  # reward functions that call external APIs take tokens from it
         base = AgentDeps(
-            engine=self.engine,
+            engine=CountingEngine(self.engine, self.stats),
             renderer=self.renderer,
             sampling=sampling_settings(config),
             limits=agent_limits(config),
@@ -328,7 +337,6 @@ class RolloutServer:
             self._state_lock.release()
             raise StartupError(str(e)) from None
         self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
-        self.stats = RolloutStats(server_id=self.server_id)
         self.newest_version = 0  # newest policy version the learner announced
         self._running = 0  # episodes in flight
         self._groups_running = 0
@@ -342,8 +350,9 @@ class RolloutServer:
 
     def attach_engine(self, engine: Engine) -> None:
         self.engine = engine
+        counted = CountingEngine(engine, self.stats)  # the agents' requests, for the timeline
         for deps in self.deps.values():
-            deps.engine = engine
+            deps.engine = counted
 
     # -- wiring ------------------------------------------------------------------------------------
     def _build_shipper(self) -> Any:
@@ -444,6 +453,11 @@ class RolloutServer:
         if server.metrics_port is not None:
             port = self.stats.start_metrics_server(server.metrics_port, server.metrics_host)
             self.log.info("metrics endpoint", url=f"http://{server.metrics_host}:{port}/metrics")
+        self.timeline = TimelineWriter(  # in the run's shared directory, beside the learner's
+            timeline_path(resolve_run_dir(self.config), Role.ROLLOUT, self.server_id),
+            role=Role.ROLLOUT,
+            name=self.server_id,
+        )
         try:
             await self._serve(max_groups)
         except BaseExceptionGroup as group:  # refused for good: one clear error, not a task tree
@@ -453,6 +467,7 @@ class RolloutServer:
             raise refused from None
         finally:
             self.stats.stop_metrics_server()
+            self.timeline.close()
             self._state_lock.release()
             set_shared(None)
             with anyio.CancelScope(shield=True):
@@ -468,6 +483,7 @@ class RolloutServer:
             await tg.start(self.shipper.run)
             self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
             tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
+            tg.start_soon(sample_every, self.timeline, self.stats.timeline_counters)
             tg.start_soon(self._weights_loop)
             await self._admit(tg, max_groups)
             await self.shipper.flush()
@@ -656,6 +672,9 @@ class RolloutServer:
     async def _apply(self, w: ReceivedWeights) -> None:
         policy = self.config.actor_rollout_ref.rollout.on_weight_update
         mode = "abort" if policy == "abort" else "keep"
+        via = "file" if w.file else "chunks"
+        started = time.time()  # the span includes a drain's wait: admission is stopped during it
+        outcome = "cancelled"  # unless it ends either way below
         try:
             if policy == "drain":
                 self._drain_waiting = True
@@ -670,6 +689,7 @@ class RolloutServer:
                 ]
                 seconds = await self.engine.load_weights(w.version, tensors, mode=mode)
         except Exception as e:
+            outcome = "failed"
             self.log.error(
                 "weights not applied; generation continues on the old ones",
                 version=w.version,
@@ -679,9 +699,20 @@ class RolloutServer:
                 w.version, w.transfer_id, ok=False, error=str(e)[:500]
             )
             return
+        else:
+            outcome = "ok"
         finally:
             self._drain_waiting = False
             self._poke()
+            self.timeline.span(
+                Track.WEIGHTS,
+                APPLY_SPAN,
+                started,
+                time.time(),
+                version=w.version,
+                outcome=outcome,
+                via=via,
+            )
         self._announce(w.version)
         self.stats.set_weight_version(w.version)
         self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
@@ -691,7 +722,7 @@ class RolloutServer:
             version=w.version,
             policy=policy,
             seconds=round(seconds, 4),
-            via="file" if w.file else "chunks",
+            via=via,
             reload_s=round(timings.get("reload_s", 0.0), 4),
         )
 

@@ -4,7 +4,8 @@ Design: the panels are data (`PANELS`: a title and the metric keys or key patter
 choosing what to plot is separate from drawing it, and a metric a run does not log (no KL term, no
 validation, one data source) leaves its panel saying "no data" instead of failing. Records come
 from `learner.sinks.read_metrics`, which drops what a resumed run superseded. matplotlib is imported
-only when drawing, with the Agg backend: no display is ever needed.
+only when drawing, with the Agg backend: no display is ever needed. ``--timeline`` draws the run's
+timeline instead (``tools.timeline``: where the time of each step went, from RUN_DIR/timeline/).
 """
 
 from __future__ import annotations
@@ -159,14 +160,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="plot",
         description="Draw a run's training curves (reward, tool use, KL, entropy, staleness, "
-        "throughput, validation reward, agent actions) from RUN_DIR/metrics.jsonl into one PNG.",
+        "throughput, validation reward, agent actions) from RUN_DIR/metrics.jsonl into one PNG; "
+        "with --timeline, its timeline from RUN_DIR/timeline/ (the learner's phases per step, "
+        "weight updates, grants, each rollout server's generation) as a PNG and a "
+        "Chrome/Perfetto trace.",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory")
     parser.add_argument(
-        "--out", type=Path, metavar="PNG", help=f"output file (default: RUN_DIR/{PLOT_FILE})"
+        "--out",
+        type=Path,
+        metavar="PNG",
+        help=f"output file (default: RUN_DIR/{PLOT_FILE}, with --timeline RUN_DIR/timeline.png)",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="draw the run's timeline: a PNG and a trace for chrome://tracing or ui.perfetto.dev",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="JSON",
+        help="with --timeline: the trace file (default: RUN_DIR/timeline.trace.json)",
     )
     args = parser.parse_args(argv)
+    if args.trace is not None and not args.timeline:
+        parser.error("--trace goes with --timeline")
     try:
+        if args.timeline:
+            from tools.timeline import draw_timeline
+
+            png, trace = draw_timeline(args.run_dir, args.out, args.trace)
+            print(png)
+            print(trace)
+            return 0
         path = plot_run(args.run_dir, args.out)
     except (ValueError, ImportError) as e:
         print(f"plot: {e}", file=sys.stderr)

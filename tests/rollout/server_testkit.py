@@ -40,6 +40,7 @@ def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
         "data.max_response_length": 200,
         "data.train_batch_size": 4,
         "rollout_server.learner_address": address,
+        "trainer.run_dir": str(tmp / "run"),  # what the server shares with the learner (timeline)
         "rollout_server.server_id": "rs-test",
         "rollout_server.reward_fn": "test_mentions_42",
         "rollout_server.stats_interval_s": 0.2,

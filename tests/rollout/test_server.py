@@ -101,6 +101,16 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(
     expected = {b.name: bytes(b.data) for b in reference_weights(seed=1)}
     assert tensors == expected
     assert max(int(t.versions.max()) for t in learner.received) == 1
+    # Its timeline: the load as a span, the generation as counters (tools/timeline.py draws them).
+    from tools.timeline_read import level, read_timeline
+
+    (timeline,) = read_timeline(tmp_path / "run").servers
+    assert timeline.name == "rs-test"
+    assert [(r.name, r.args["version"], r.args["outcome"]) for r in timeline.spans] == [
+        ("apply", 1, "ok")
+    ]
+    _, tokens = level(timeline.samples, "sampled_tokens")
+    assert tokens and tokens[-1] > 0
 
 
 def test_unknown_names_are_refused_before_the_engine_starts(

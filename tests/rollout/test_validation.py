@@ -53,6 +53,7 @@ def make_config(tmp: Path, model: Path, **over: Any) -> Any:
         "data.train_batch_size": 4,
         "rollout_server.reward_fn": "test_val_says_yes",
         "rollout_server.server_id": "rs-val",
+        "trainer.run_dir": str(tmp / "run"),
         "rollout_server.stats_interval_s": 0.2,
         "transport.heartbeat_interval_s": 0.2,
         "transport.heartbeat_timeout_s": 2.0,

@@ -328,7 +328,46 @@ def test_full_run_survives_a_rollout_server_kill(job, tmp_path: Path) -> None:  
     png = j.run / "training_curves.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and str(png) in out
     assert "done: 3/3 steps" in out and "reward mean:" in out
+    check_timeline(j.run, out)
     j.assert_nothing_left()
+
+
+def check_timeline(run: Path, out: str) -> None:
+    """The run's timeline (common/timeline.py, tools/timeline.py), drawn by bin/train at the end:
+    every phase of every step, and the generation of each server whose groups were trained."""
+    from common.timeline import PHASES
+    from tools.timeline_read import read_timeline
+
+    png, trace = run / "timeline.png", run / "timeline.trace.json"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 30_000
+    assert str(png) in out and str(trace) in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    who = {pid: name.split(" · ")[0] for pid, name in names.items()}  # less the GPUs
+    spans = [e for e in events if e["ph"] == "X"]
+    phases = {(e["name"], e["args"]["step"]) for e in spans if e["name"] in PHASES}
+    assert phases == {(p, s) for p in PHASES for s in (1, 2, 3)}
+    assert {e["name"] for e in spans} >= {"step 1", "step 2", "step 3", "apply"}
+    instants = [e["name"] for e in events if e["ph"] == "i"]
+    assert "publish v3" in instants and any(i.startswith("grant ") for i in instants)
+    counters: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e["ph"] == "C":
+            counters.setdefault((who[e["pid"]], e["name"]), []).extend(e["args"].values())
+    assert max(counters["learner", "received_trajectories_per_s"]) > 0
+    # Which server a step's groups came from depends on timing (rs1 may die before it returns a
+    # token, or before it serves at all); every server whose groups were trained generated them.
+    trained = {s for e in spans if e["name"] == "wait" for s in e["args"]["groups"]}
+    servers = {name.removeprefix("rollout ") for name in who.values()} - {"learner"}
+    assert trained and trained <= servers <= {"rs0", "rs1"}
+    for server in trained:
+        assert max(counters[f"rollout {server}", "requests_in_flight"]) >= 1
+        assert max(counters[f"rollout {server}", "sampled_tokens_per_s"]) > 0
+    # rs1 was killed and restarted: each incarnation that got to serve appended to its one file.
+    pids = json.loads((run / "processes.json").read_text())["children"]["rollout-1"]["pids"]
+    for p in read_timeline(run).servers:
+        if p.name == "rs1":
+            assert p.pids and set(p.pids) <= set(pids)
 
 
 @pytest.mark.slow
