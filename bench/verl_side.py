@@ -249,10 +249,11 @@ def overrides(cfg: VerlConfig, a: argparse.Namespace, model: str, work: Path) ->
 
 class MetricsWatcher:
     """Tails verl's file-logger JSONL while the run goes on and stamps each record with the wall
-    clock (time.time()) at which it appeared: verl writes no time of its own."""
+    clock (time.time()) at which it appeared: verl writes no time of its own. With ``out``, each
+    stamped record is also appended there as it comes, so a run killed from outside keeps them."""
 
-    def __init__(self, path: Path, interval: float = 0.2) -> None:
-        self.path, self.interval = path, interval
+    def __init__(self, path: Path, interval: float = 0.2, out: Path | None = None) -> None:
+        self.path, self.interval, self.out = path, interval, out
         self.records: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -274,7 +275,11 @@ class MetricsWatcher:
             except ValueError:
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("data"), dict):
-                self.records.append({"t": now, "step": rec.get("step"), "data": rec["data"]})
+                stamped = {"t": now, "step": rec.get("step"), "data": rec["data"]}
+                self.records.append(stamped)
+                if self.out is not None:
+                    with self.out.open("a") as f:
+                        f.write(json.dumps(stamped) + "\n")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

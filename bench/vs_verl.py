@@ -301,9 +301,10 @@ def run_verl(
     ]
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     progress(f"{cfg.label}: {a.steps} steps, log {run_dir / 'train.log'}")
-    with verl_side.MetricsWatcher(metrics) as watch:
+    stamped = run_dir / "stamped.jsonl"
+    stamped.unlink(missing_ok=True)
+    with verl_side.MetricsWatcher(metrics, out=stamped) as watch:
         run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
-    (run_dir / "stamped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in watch.records))
     summary = verl_side.summarize(watch.records)
     out = {
         "label": cfg.label,

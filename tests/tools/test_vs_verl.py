@@ -85,7 +85,8 @@ def test_verl_metrics_summary_per_version() -> None:
 
 def test_metrics_watcher_stamps_lines_as_they_appear(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    with verl_side.MetricsWatcher(path, interval=0.01) as w:
+    out = tmp_path / "stamped.jsonl"
+    with verl_side.MetricsWatcher(path, interval=0.01, out=out) as w:
         with path.open("w") as f:
             f.write(json.dumps({"step": 1, "data": {"a": 1}}) + "\n" + '{"step": 2, "da')
             f.flush()
@@ -93,6 +94,7 @@ def test_metrics_watcher_stamps_lines_as_they_appear(tmp_path: Path) -> None:
             f.write('ta": {"a": 2}}\nnot json\n')
     assert [(r["step"], r["data"]) for r in w.records] == [(1, {"a": 1}), (2, {"a": 2})]
     assert w.records[0]["t"] <= w.records[1]["t"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == w.records
 
 
 def test_verl_configurations() -> None:
