@@ -12,6 +12,9 @@ job's two mini-batches a step: ours recomputes the old logprobs in its prepare p
   GPU of the run (vLLM sleeps while FSDP trains): what a verl user runs;
 - ``v0-sync``: the same job on the deprecated v0 RayPPOTrainer (``trainer.use_v1=false``), a
   labelled row;
+- ``separate-async-sK``: V1's ``separate_async`` mode, trainer and rollout on separate GPUs as
+  below, trajectories at most K versions old (``max_off_policy_threshold``, strategy ``wait``: it
+  drops nothing, as our admission), a version = 16 prompts;
 - ``fully-async-tT``: ``verl.experimental.fully_async_policy`` with ``staleness_threshold`` T, the
   trainer on the first half of the GPUs and the rollouter (standalone vLLM) on the rest, partial
   rollouts on, one version = 16 prompts (2 mini-batches), as our step. T = 0 is its separated
@@ -171,6 +174,29 @@ def _fully_async(a: argparse.Namespace, threshold: float) -> list[str]:
     ]
 
 
+def _separate_async(a: argparse.Namespace, versions: int) -> list[str]:
+    half = a.gpus // 2
+    # one version = parameter_sync_step x ppo_mini_batch_size prompts = 2 x 8 = 16, as our step
+    return [
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=separate_async",
+        f"data.train_batch_size={VERSION_PROMPTS}",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        f"trainer.v1.sampler.max_off_policy_threshold={versions}",
+        "trainer.v1.sampler.max_off_policy_strategy=wait",  # drops nothing, as our admission
+        "transfer_queue.enable=true",
+        "actor_rollout_ref.hybrid_engine=false",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+        "actor_rollout_ref.rollout.nnodes=1",
+        f"actor_rollout_ref.rollout.n_gpus_per_node={a.gpus - half}",
+        f"actor_rollout_ref.rollout.agent.num_workers={2 * (a.gpus - half)}",
+        f"trainer.n_gpus_per_node={half}",
+        f"trainer.total_training_steps={a.steps}",
+        f"trainer.experiment_name=separate_async_s{versions}",
+    ]
+
+
 @dataclass(frozen=True)
 class VerlConfig:
     """One verl trainer run: its label, entrypoint module, overrides and placement in words."""
@@ -208,6 +234,7 @@ FIXED = {
     ),
 }
 ASYNC_PREFIX = "fully-async-t"
+SEPARATE_PREFIX = "separate-async-s"
 
 
 def verl_config(name: str, gpus: int) -> VerlConfig:
@@ -215,14 +242,25 @@ def verl_config(name: str, gpus: int) -> VerlConfig:
     (fully-async needs a GPU for each side)."""
     if name in FIXED:
         return FIXED[name]
-    t = _threshold(name)
-    if t is None:
+    t = _threshold(name, ASYNC_PREFIX)
+    k = _threshold(name, SEPARATE_PREFIX)
+    if (t is None and k is None) or (k is not None and k != int(k)):
         raise ValueError(
-            f"unknown verl configuration {name!r}: expected one of {sorted(FIXED)} or "
-            f"{ASYNC_PREFIX}T (T >= 0, verl's async_training.staleness_threshold)"
+            f"unknown verl configuration {name!r}: expected one of {sorted(FIXED)}, "
+            f"{ASYNC_PREFIX}T (T >= 0, verl's async_training.staleness_threshold) or "
+            f"{SEPARATE_PREFIX}K (K >= 0 versions, V1's max_off_policy_threshold)"
         )
     if gpus < 2:
-        raise ValueError(f"{name}: verl's fully-async trainer needs >= 2 GPUs (--gpus {gpus})")
+        raise ValueError(f"{name}: verl's separated trainers need >= 2 GPUs (--gpus {gpus})")
+    if k is not None:
+        return VerlConfig(
+            f"verl-{name}",
+            "verl.trainer.main_ppo",
+            lambda a: _separate_async(a, int(k)),
+            _split_placement,
+            f"max_off_policy_threshold {int(k)} versions, strategy wait",
+        )
+    assert t is not None
     return VerlConfig(
         f"verl-{name}",
         "verl.experimental.fully_async_policy.fully_async_main",
@@ -232,11 +270,11 @@ def verl_config(name: str, gpus: int) -> VerlConfig:
     )
 
 
-def _threshold(name: str) -> float | None:
-    if not name.startswith(ASYNC_PREFIX):
+def _threshold(name: str, prefix: str) -> float | None:
+    if not name.startswith(prefix):
         return None
     try:
-        t = float(name.removeprefix(ASYNC_PREFIX))
+        t = float(name.removeprefix(prefix))
     except ValueError:
         return None
     return t if t >= 0 else None

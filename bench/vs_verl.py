@@ -7,8 +7,10 @@ The job: bench/e2e.py's long-tail agentic workload (multi-turn calculator chains
 episode lengths), the same warmed Qwen2-0.5B-shaped model, the same rows, batch (16 prompts x 8),
 response limits, optimizer (AdamW, lr 2e-5, weight decay 0.01, clip 1.0), KL loss (low_var_kl,
 0.001), mini-batches (64 samples: 2 optimizer steps a step), micro-batches (8) and GPUs
-(``--gpus 1``: one shared; ``--gpus 2``: each side's natural two-GPU placement, verl colocated on
-both, ours a learner GPU and a rollout GPU).
+(``--gpus 1``: one shared; ``--gpus 2``: each configuration's own two-GPU placement, named in its
+result). verl runs at its best on these machines (bench/verl_side.py: FSDP2, packed sequences
+through our learner's varlen kernel, token-capped micro-batches) in its maintained synchronous
+trainer and in its asynchronous ones.
 verl expresses the workload as it is: its tool agent loop (``tool_agent``) with our calculator as a
 function tool (bench/verl_plugins/calculator_tool.py: our evaluator, our schema byte for byte, so
 the prompts are the same tokens) and our math reward as its reward function
@@ -16,26 +18,27 @@ the prompts are the same tokens) and our math reward as its reward function
 ``data_source``, ``reward_model.ground_truth``, ``extra_info``, ``agent_name``); ours reads the
 same rows from the JSONL.
 
-Differences that remain, named in the result's ``caveats``: verl caps a turn only by the whole
-response budget (ours also at 64 tokens a turn, a right turn has ~25); verl's reward sees tool outputs
-(only the box counts: no last-number fallback); verl runs its rollout colocated in the training
-process group (sleeping vLLM between phases), ours a separate rollout server sharing the GPU.
+Differences that remain are named in the result's ``caveats`` (CAVEATS below).
 
 Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine:
 - ``prepare``: bench/e2e.py --prepare-only (model, data, warm-up) into ``--work-dir``;
-- ``verl``: ``python3 -m verl.trainer.main_ppo`` (its synchronous RayPPOTrainer) for ``--steps``;
-  its per-step metrics come from verl's file logger (VERL_FILE_LOGGER_PATH);
+- ``verl``: first the device check of the attention plugin on the warmed model (no verl run
+  without it), then each configuration of ``--verl`` for ``--steps``, one result file each
+  (``vs_verl-verl-LABEL.json``: separate calls add up); verl's per-step metrics come from its file
+  logger (VERL_FILE_LOGGER_PATH), stamped as they appear;
 - ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
 - ``report``: merges the stages' JSON files of ``--work-dir``: per configuration the step time and
   its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
   both sides), peak GPU memory (nvidia-smi, sampled every 0.5 s by this script, the same way for
   both), the reward against wall-clock (seconds since the end of step 1; step 1 pays start-up), and
-  the ratios ours async / verl sync and ours sync / verl sync per step. One JSON line on stdout,
+  per-step speed-ups of every configuration against the best synchronous trainer of either side
+  and against each verl configuration. One JSON line on stdout,
   the JSON and a PNG of the reward curves at ``--results``.
 - ``all``: the four in order (a GPU machine with time for it).
 
     python3 bench/vs_verl.py --stage prepare --work-dir /root/vs
-    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --steps 10
+    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --gpus 2 --steps 10 --verl sync
+    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --gpus 2 --steps 10 --verl fully-async-t1
     python3 bench/vs_verl.py --stage ours --work-dir /root/vs --steps 10 --staleness 0,2
     python3 bench/vs_verl.py --stage report --work-dir /root/vs --results docs/gpu/h100_vs_verl.json
 """
@@ -108,8 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--verl",
         default="sync,fully-async-t0,fully-async-t1",
         help="verl configurations, in order (bench/verl_side.py): sync (V1, colocated), v0-sync "
-        "(the deprecated trainer), fully-async-tT (staleness_threshold T, trainer and rollouter on "
-        "separate GPUs); default sync,fully-async-t0,fully-async-t1",
+        "(the deprecated trainer), separate-async-sK (V1, at most K versions old) and "
+        "fully-async-tT (staleness_threshold T), both with trainer and rollout on separate GPUs; "
+        "default sync,fully-async-t0,fully-async-t1",
     )
     p.add_argument(
         "--verl-arg", action="append", default=[], help="one more hydra override for verl"

@@ -109,7 +109,16 @@ def test_verl_configurations() -> None:
     assert {"trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"} <= set(fa)
     assert "async_training.staleness_threshold=1.0" in fa
     assert "rollout.total_rollout_steps=80" in fa  # (4 steps + the start-up one) x 16 prompts
-    for bad, gpus in (("fully-async-t-1", 2), ("async", 2), ("fully-async-t1", 1)):
+    sep = verl_side.overrides(verl_side.verl_config("separate-async-s2", 2), a, "/m", Path("/w"))
+    assert {"trainer.v1.trainer_mode=separate_async", "transfer_queue.enable=true"} <= set(sep)
+    assert "trainer.v1.sampler.max_off_policy_threshold=2" in sep
+    bad_names = (
+        ("fully-async-t-1", 2),
+        ("async", 2),
+        ("fully-async-t1", 1),
+        ("separate-async-s1.5", 2),
+    )
+    for bad, gpus in bad_names:
         with pytest.raises(ValueError, match=r"sync|GPUs"):
             verl_side.verl_config(bad, gpus)
 

@@ -59,7 +59,7 @@ VERL_TRAINER = ["datasets==5.2.0", "torchdata==0.11.0", "pyarrow>=24", "fsspec<=
 FORCE_STAGED = ["pyarrow", "fsspec"]
 # Installed with --no-deps on purpose: verl 0.9.1 pins transformers<5.11 (its runtime needs are the
 # project's `learner` extra); its other requirements are listed, not counted as missing.
-NO_DEPS = ["verl"]
+NO_DEPS = ["verl", "transferqueue"]  # transferqueue: verl V1's, pure Python
 # Versions seen on the image (KINDS.md 'pip list' row): requirements on them are checked as notes.
 IMAGE_VERSIONS = {
     "accelerate": "1.15.0",

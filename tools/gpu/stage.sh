@@ -26,6 +26,9 @@ for a in "$@"; do case $a in --force) force=1 ;; -h|--help) sed -n 2,6p "$0"; ex
 vllm_version=0.24.0
 fetch=${FETCH_VLLM_WHEELS:-$root/../shared/gpu/fetch-vllm-wheels.sh}
 verl_spec=$(grep -o 'verl==[0-9][0-9.]*' "$root/bin/setup" | head -1 || true)
+# verl's V1 trainer (bench/vs_verl.py --verl sync) imports TransferQueue; pure Python, staged --no-deps
+# as verl is: what it imports at run time (ray, tensordict, pyzmq, msgspec, omegaconf) is staged anyway
+tq_spec=transferqueue==0.1.11
 piece_max=$((58 * 1024 * 1024))
 t0=$SECONDS
 mkdir -p "$dest"; dest=$(cd "$dest" && pwd); stamp=$dest/vllm-set.txt
@@ -113,7 +116,7 @@ for item in json.load(open(f"{work}/report.json"))["install"]:
     if norm(name) not in skip and not item["download_info"]["url"].startswith(f"file://{work}/"):  # stand-ins, antlr
         print(f"{name}=={version}")
 PY
-quiet python3 -m pip download --quiet --no-deps "${plat[@]}" -d "$work/xwhl" $(cat "$work/specs.txt") ${verl_spec:-verl==0.9.1}
+quiet python3 -m pip download --quiet --no-deps "${plat[@]}" -d "$work/xwhl" $(cat "$work/specs.txt") ${verl_spec:-verl==0.9.1} $tq_spec
 cp "$work/built"/*.whl "$work/xwhl/"
 rm -rf "$dest"/xpart*.d
 tar cf - -C "$work/xwhl" . | split -b 58m -d - "$work/xpart"
@@ -130,6 +133,6 @@ for s in part xpart; do
     (($(stat -c %s "$p") <= piece_max)) || { echo "stage.sh: $p is over 58 MiB" >&2; exit 1; }
   done
 done
-echo "stage.sh: extras: $(tr '\n' ' ' < "$work/specs.txt")${verl_spec:-verl==0.9.1} (--no-deps) antlr4-python3-runtime==4.9.3 (built)"
+echo "stage.sh: extras: $(tr '\n' ' ' < "$work/specs.txt")${verl_spec:-verl==0.9.1} $tq_spec (--no-deps) antlr4-python3-runtime==4.9.3 (built)"
 echo "stage.sh: vLLM set $((t1 - t0)) s, extras $((t2 - t1)) s, total $((SECONDS - t0)) s"
 python3 "$root/tools/gpu/check_wheels.py" "$work/check/part" "$work/check/xpart"
