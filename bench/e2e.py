@@ -180,6 +180,11 @@ DEADLINE_CUDA_S = 570.0
 """longtail on a GPU: the four runs fit a 10-minute command (after a --prepare-only one)."""
 RUN_FLOOR_S = 100.0
 """With a deadline, the time left that the first run of a command needs to start."""
+LEGACY_WORDS = {
+    "learner=0;rollout=0": "one shared GPU",
+    "learner=0;rollout=1": "learner GPU 0, rollout GPU 1",
+}
+"""``gpus_used`` of the --gpus 1|2 placements, as bench/simulate.py and bench/clustersim read it."""
 EXIT_WARMUP_MISSED = 3
 """Exit status when the warm-up's probe is below --min-probe (nothing was timed)."""
 RESUME_KEYS = (
@@ -1404,10 +1409,10 @@ def prepare(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> lis
         "staleness": args.staleness_values,
         "repeats": args.repeats,
         "placement": placement.as_json(),
-        "gpus_used": placement.describe(),
     }
     if device == "cuda":
         result["gpus"] = gpu_names()
+        result["gpus_used"] = LEGACY_WORDS.get(placement.spec, placement.describe())
     check_placement(placement, args.overrides, device)
     workload = WORKLOADS[args.workload]
     progress(

@@ -119,3 +119,13 @@ def test_e2e_arguments_take_a_placement_or_a_shorthand() -> None:
     ):
         with pytest.raises(SystemExit):
             e2e.parse_args(bad)
+
+
+def test_simulate_reads_the_servers_of_a_placement() -> None:
+    from bench import simulate
+
+    two = pl.parse("learner=0;rollout=0;rollout=1").as_json()
+    d = {"config": "/x/configs/longtail_e2e.yaml", "device": "cuda", "placement": two}
+    assert simulate.run_settings(d)["servers"] == 2
+    older = {"config": d["config"], "device": "cuda", "overrides": ["launch.rollout_servers=3"]}
+    assert simulate.run_settings(older)["servers"] == 3
