@@ -70,6 +70,12 @@ class Placement:
         return ";".join([f"learner={gpus(self.learner)}", *servers])
 
     @property
+    def slug(self) -> str:
+        """The spec in a file name: ``learner=0,1;rollout=2@0.5`` -> ``l0-1_r2at0.5``."""
+        out = self.spec.replace("learner=", "l").replace("rollout=", "r")
+        return out.replace(";", "_").replace(",", "-").replace("@", "at")
+
+    @property
     def gpus(self) -> list[int]:
         """Every GPU it uses."""
         return sorted({*self.learner, *(g for s in self.servers for g in s.gpus)})

@@ -398,7 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="also write the JSON result here, after every run, and the reward plot beside it "
-        "(.png) (default WORK/e2e-results-<workload>.json)",
+        "(.png) (default WORK/e2e-results-<workload>-<placement>.json, e.g. "
+        "e2e-results-longtail-l0-1_r2_r3.json)",
     )
     p.add_argument(
         "--save-logs",
@@ -747,7 +748,7 @@ def run_train(
 ) -> dict[str, Any]:
     """One bin/train run of ``max_staleness`` ``staleness`` (repeat ``repeat``), followed step by
     step, stopped at ``limit_s``, its peak GPU memory sampled throughout. Returns its record."""
-    name = f"run-{args.workload}-s{staleness}-r{repeat}"
+    name = f"run-{args.workload}-{args.placement.slug}-s{staleness}-r{repeat}"
     run_dir = work / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -1337,7 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    results_path = args.results or work / f"e2e-results-{args.workload}.json"
+    results_path = args.results or work / f"e2e-results-{args.workload}-{args.placement.slug}.json"
     result: dict[str, Any] = {"bench": "e2e", "workload": args.workload, "ok": False, "runs": []}
     try:
         overrides = prepare(args, work, result)

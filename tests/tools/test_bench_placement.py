@@ -21,7 +21,7 @@ import e2e  # noqa: E402
 def test_four_gpus_two_learner_ranks_two_servers() -> None:
     p = pl.parse("learner=0,1;rollout=2;rollout=3")
     assert p.learner == (0, 1) and [s.gpus for s in p.servers] == [(2,), (3,)]
-    assert p.gpus == [0, 1, 2, 3] and not p.colocated
+    assert p.gpus == [0, 1, 2, 3] and not p.colocated and p.slug == "l0-1_r2_r3"
     assert p.fractions() == [pl.OWN_FRACTION, pl.OWN_FRACTION]
     assert p.overrides("cuda") == [
         "trainer.n_gpus_per_node=2",
@@ -53,6 +53,7 @@ def test_default_shares_follow_the_learner_and_the_crowd() -> None:
     own = pl.parse(" learner = 0 ; rollout = 0@0.25 ; rollout = 1@0.9 ")
     assert own.fractions() == [0.25, 0.9] and own.spec == "learner=0;rollout=0@0.25;rollout=1@0.9"
     assert pl.parse(own.spec) == own  # the spec parses back to the same placement
+    assert own.slug == "l0_r0at0.25_r1at0.9"
     tp2 = pl.parse("learner=0;rollout=1,2;rollout=3,4")
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in tp2.overrides("cuda")
 
