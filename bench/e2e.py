@@ -1156,7 +1156,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     head = (
         "run            steps "
         + "".join(n.rjust(9) for n, _ in cols)
-        + "stale max    waste    turns  GPU MiB"
+        + "".join(n.rjust(9) for n in ("st max", "waste", "turns", "GPU MiB"))
     )
     lines = ["mean over steps 2.. (seconds unless named):", head]
     for r in runs:
