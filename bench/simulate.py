@@ -107,14 +107,16 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
 
 def run_settings(d: dict[str, Any]) -> dict[str, int]:
     """Groups per step, episodes per group, the concurrency cap and the servers of an e2e JSON's
-    runs: the config it names, then bench/e2e.py's own CPU overrides on the CPU, then the JSON's
-    overrides (later ones win)."""
+    runs: the config it names, then bench/e2e.py's own CPU overrides on the CPU, the servers of its
+    placement, then the JSON's overrides (later ones win)."""
     from bench import e2e  # its CPU overrides and workloads
 
     cfg = yaml.safe_load((ROOT / "configs" / Path(d["config"]).name).read_text())
     overrides: list[str] = []
     if d.get("device") == "cpu":
         overrides += e2e.CPU_OVERRIDES + e2e.WORKLOADS[d.get("workload", "longtail")].cpu_overrides
+    if placement := d.get("placement"):  # --placement (older JSONs: launch.* in the overrides)
+        overrides.append(f"launch.rollout_servers={placement['rollout_servers']}")
     overrides += d.get("overrides", [])
     for o in overrides:
         key, _, value = o.partition("=")

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.multicast import MULTICAST_OFF
+
 LAUNCH_ID_ENV = "AGENTRL_LAUNCH_ID"
 """Environment variable naming the bin/train run a process belongs to (inherited by descendants)."""
 
@@ -111,15 +113,6 @@ class RemoteChild(Child):
     def kill_group(self, timeout: float = 10.0) -> list[int]:
         """SIGKILL its whole process group and wait until no member is alive; the pids killed."""
         raise NotImplementedError
-
-
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-"""Set in every child unless already set: NVLink multicast (NVLS) off for NCCL, torch's symmetric
-memory and NVSHMEM. The multi-GPU machines the project runs on fail collectives with it on."""
 
 
 VLLM_CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"

@@ -1,7 +1,8 @@
 """bin/train's plan: from one config, the run directory and the children it will run.
 
 Design: bin/train validates the config, then plans the learner, `launch.rollout_servers` rollout
-servers (shard i of N, server id rs<i>) and optionally a tool server as separate processes, each
+servers (shard i of N, server id rs<i>, its own vLLM memory share with
+`launch.rollout_gpu_memory_utilization`) and optionally a tool server as separate processes, each
 from the same config file and overrides plus a few of its own (the run directory, the shard), so
 every process could also be started by hand with the same command line. Ports are bound once: with
 `launch.auto_port` a loopback learner (and tool server) binds port 0 and reports the port it got on
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily (bin/train --help stays instant)
     from common.config import Config
+    from common.config.launch import LaunchConfig
     from launcher.children import Child
     from launcher.ray_placement import RayFleet
 
@@ -164,6 +166,22 @@ def rollout_overrides(
     return out
 
 
+def rollout_args(launch: LaunchConfig, index: int) -> list[str]:
+    """What rollout server `index` gets on top of every child's arguments: its shard, its id and,
+    with launch.rollout_gpu_memory_utilization, its own share of its GPUs' memory for vLLM."""
+    from common.config.launch import rollout_memory_of
+
+    n = launch.rollout_servers
+    out = [
+        f"rollout_server.shard_index={index}",
+        f"rollout_server.shard_count={n}",
+        f"rollout_server.server_id=rs{index}",
+    ]
+    if (fraction := rollout_memory_of(launch, index)) is not None:
+        out.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={fraction}")
+    return out
+
+
 def plan_run(
     config_file: str | None, user_overrides: Sequence[str], config: Config, log_format: str | None
 ) -> Plan:
@@ -205,6 +223,7 @@ def plan_run(
 
     n = final.launch.rollout_servers
     fleet = None
+    shards = [rollout_args(final.launch, i) for i in range(n)]
     if final.launch.placement == "ray":
         from launcher.ray_placement import RayChild, RayFleet
 
@@ -213,15 +232,7 @@ def plan_run(
             RayChild(
                 f"rollout-{i}",
                 f"rollout server rs{i}",
-                python_argv(
-                    ROOT / "bin" / "rollout-server",
-                    [
-                        *base,
-                        f"rollout_server.shard_index={i}",
-                        f"rollout_server.shard_count={n}",
-                        f"rollout_server.server_id=rs{i}",
-                    ],
-                ),
+                python_argv(ROOT / "bin" / "rollout-server", [*base, *shards[i]]),
                 logs / f"rollout-{i}.log",
                 # Only the run's own variables: the node's environment is the host actor's.
                 child_env(launch_id, None, {}, events_file=events),
@@ -238,9 +249,7 @@ def plan_run(
                 f"rollout-{i}",
                 f"rollout server rs{i}",
                 "rollout-server",
-                f"rollout_server.shard_index={i}",
-                f"rollout_server.shard_count={n}",
-                f"rollout_server.server_id=rs{i}",
+                *shards[i],
                 gpus=rollout_gpus_of(final.launch, i),
                 cpus=cpu_share(i, n),
             )

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.multicast import multicast_env
 from launcher.children import RemoteChild, live_group_members
 
 if TYPE_CHECKING:
@@ -188,7 +189,9 @@ class RayFleet:
         launch = self.config.launch
         address = self.config.ray.address or os.environ.get("RAY_ADDRESS") or None
         paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-        runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
+        runtime_env = {
+            "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **multicast_env()}
+        }
         if address:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
         else:  # "local": a cluster of our own, never one a `ray start` left on the machine

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from common.logging import get_logger
+from common.multicast import multicast_env
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker, WorkerSettings
 from learner.worker_api import (
@@ -48,6 +49,8 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
                 p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p
             ),
             "TOKENIZERS_PARALLELISM": "false",
+            # a cluster joined by address started its workers from its own environment
+            **multicast_env(),
         }
     }
     address = address or os.environ.get("RAY_ADDRESS") or None  # an explicit choice of cluster

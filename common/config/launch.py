@@ -3,8 +3,10 @@ or with its rollout servers placed on a Ray cluster's nodes (`placement: ray`).
 
 Design: only bin/train reads it; the learner and the rollout servers it starts get the same file and
 ignore it, so one config describes the job and every process in it. The GPU placement keys become
-each child's ``CUDA_VISIBLE_DEVICES``; the rules that compare them with other sections (a rollout
-server's GPUs against its tensor parallelism, the learner's against its workers) are in
+each child's ``CUDA_VISIBLE_DEVICES``, and `rollout_gpu_memory_utilization` one override on each
+rollout server's command line; the rules that compare them with other sections (a rollout server's
+GPUs against its tensor parallelism, the servers sharing a GPU against its memory, the learner's
+GPUs against its workers) are in
 `launch_issues`, which bin/train runs before anything starts (``--check`` included).
 """
 
@@ -67,6 +69,22 @@ class LaunchConfig(Section):
     GPUs. null: inherit bin/train's environment (every server on the GPUs it sees, vLLM taking
     actor_rollout_ref.rollout.gpu_memory_utilization of each)."""
 
+    rollout_gpu_memory_utilization: list[Annotated[float, Field(gt=0, le=1)]] | None = None
+    """vLLM's gpu_memory_utilization of each rollout server: server i gets entry i % len, in place of
+    actor_rollout_ref.rollout.gpu_memory_utilization (e.g. a small share for a server beside the
+    learner on its GPU, most of the GPU for a server alone on its own). null: that key, for every
+    server."""
+
+    @field_validator("rollout_gpu_memory_utilization")
+    @classmethod
+    def _some_fraction(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and not value:
+            raise ValueError(
+                "must list at least one fraction (null: every server takes "
+                "actor_rollout_ref.rollout.gpu_memory_utilization)"
+            )
+        return value
+
     @field_validator("learner_gpus")
     @classmethod
     def _distinct_learner(cls, value: list[int] | None) -> list[int] | None:
@@ -94,6 +112,44 @@ def rollout_gpus_of(launch: LaunchConfig, index: int) -> list[int] | None:
     return launch.rollout_gpus[index % len(launch.rollout_gpus)]
 
 
+def rollout_memory_of(launch: LaunchConfig, index: int) -> float | None:
+    """vLLM's gpu_memory_utilization of rollout server `index` (None: the rollout section's)."""
+    fractions = launch.rollout_gpu_memory_utilization
+    return None if fractions is None else fractions[index % len(fractions)]
+
+
+def _memory_issues(config: Any) -> list[Issue]:
+    """A GPU whose rollout servers together ask vLLM for more than all of its memory."""
+    launch = config.launch
+    if launch.rollout_gpus is None:
+        return []
+    default = config.actor_rollout_ref.rollout.gpu_memory_utilization
+    asked: dict[int, list[tuple[int, float]]] = {}
+    for i in range(launch.rollout_servers):
+        fraction = rollout_memory_of(launch, i) or default
+        for gpu in rollout_gpus_of(launch, i) or []:
+            asked.setdefault(gpu, []).append((i, fraction))
+    key = (
+        "launch.rollout_gpu_memory_utilization"
+        if launch.rollout_gpu_memory_utilization is not None
+        else "actor_rollout_ref.rollout.gpu_memory_utilization"
+    )
+    issues = []
+    for gpu, servers in sorted(asked.items()):
+        total = sum(f for _, f in servers)
+        if total > 1.0 + 1e-9:
+            names = ", ".join(f"rs{i} {f:g}" for i, f in servers)
+            issues.append(
+                Issue(
+                    key,
+                    f"the rollout servers on GPU {gpu} ask vLLM for {total:g} of its memory "
+                    f"({names}); together they must ask at most 1",
+                    related=("launch.rollout_gpus", "launch.rollout_servers"),
+                )
+            )
+    return issues
+
+
 def launch_issues(config: Any) -> list[Issue]:
     """Every rule the `launch` section breaks against the other sections of `config` (a root
     `Config`); bin/train refuses to start on any (exit 2, like any other config error)."""
@@ -111,6 +167,7 @@ def launch_issues(config: Any) -> list[Issue]:
                         related=("actor_rollout_ref.rollout.tensor_model_parallel_size",),
                     )
                 )
+    issues += _memory_issues(config)
     if launch.placement == "ray":
         for key in ("rollout_gpus", "learner_gpus"):
             if getattr(launch, key) is not None:

