@@ -119,6 +119,7 @@ sys.path.insert(0, str(ROOT))
 from bench import _placement  # noqa: E402  (after the checkout is on the path)
 from bench._common import GpuMemory, Progress, gpu_count, gpu_names, ratio, tail  # noqa: E402
 from bench._repeats import summarize_repeats, summary_text  # noqa: E402
+from tools.timeline import draw_beside  # noqa: E402
 
 MARKER_ENV = "AGENTRL_E2E_BENCH_ID"
 """Set in bin/train's environment; every process of a run inherits it (the final sweep's key)."""
@@ -1361,9 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
             run = run_train(args, s, repeat, overrides, work, limit)
             walls.append(run["wall_s"])
             episodes += run.pop("_episodes", [])
-            from tools.timeline import draw_beside  # where the run's time went (PNG + trace)
-
-            run["timeline"] = draw_beside(Path(run["run_dir"]), results_path, run["label"])
+            # where the run's time went (PNG + trace), one pair per run: repeats too
+            name = f"{run['label']}-r{repeat}" if args.repeats > 1 else run["label"]
+            run["timeline"] = draw_beside(Path(run["run_dir"]), results_path, name)
             result["runs"].append(run)
             result["pending"].pop(0)
             report(result, episodes)

@@ -99,7 +99,7 @@ def test_runs_interleave_and_the_deadline_leaves_runs_for_resume(
             monkeypatch.setattr(e2e, "T0", e2e.T0 - 1000)
         return run(
             e2e.label(s), repeat, 10.0 if s == 0 else 5.0, 100.0, wall_s=50.0, max_staleness=s
-        )
+        ) | {"run_dir": str(tmp_path / f"run-{s}-{repeat}")}  # no timeline there: none drawn
 
     monkeypatch.setattr(e2e, "run_train", fake_train)
     results = tmp_path / "r.json"
