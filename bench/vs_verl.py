@@ -49,10 +49,8 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +58,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import verl_side  # noqa: E402
+from bench import _placement, verl_side  # noqa: E402
+from bench import vs_verl_report as reporting  # noqa: E402
+from bench._common import GpuMemory, Progress, tail  # noqa: E402
 
 OUR_TIMINGS = {
     "timing/wait_s": "wait",
@@ -80,11 +80,7 @@ CAVEATS = [
     "verl's step is the wall-clock between two versions' metric records (stamped as they appear); "
     "ours is the learner's own step time",
 ]
-SYNC_LABELS = ("ours-sync", "verl-sync", "verl-v0-sync")
-
-
-def progress(msg: str) -> None:
-    print(f"[vs_verl {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = Progress("vs_verl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,13 +95,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--staleness", default="0,1,2", help="our runs (default 0,1,2; 0 = sync)")
     p.add_argument("--timeout-s", type=float, default=560.0, help="limit of a stage's run(s)")
     p.add_argument("--results", type=Path, default=None, help="report JSON (and .png beside it)")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--gpus",
         type=int,
-        choices=(1, 2),
-        default=1,
-        help="1: both sides share GPU 0; 2: verl colocated on both (FSDP over 2, one vLLM replica "
-        "each), ours with the learner on GPU 0 and the rollout server on GPU 1 (default 1)",
+        choices=sorted(_placement.SHORTHANDS),
+        help="1: both sides share GPU 0; 2: verl's sync trainer colocated on both, its async ones "
+        "and ours with the learner on GPU 0 and the rollout server on GPU 1 (default 1)",
+    )
+    where.add_argument(
+        "--placement",
+        help="our placement, as bench/e2e.py takes it ('learner=0;rollout=0;rollout=1'); verl "
+        "gets the same GPUs: sync colocated on all of them, async split in halves",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="our runs: bench/e2e.py --repeats (default 1)"
     )
     p.add_argument(
         "--verl",
@@ -121,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be >= 2 (step 1 pays the start-up and is left out of the means)")
+    try:
+        a.placement = _placement.parse(a.placement or _placement.SHORTHANDS[a.gpus or 1])
+    except _placement.PlacementError as e:
+        p.error(f"--placement {e}")
+    a.gpus = len(a.placement.gpus)  # verl's configurations use as many GPUs as ours
     return a
 
 
@@ -159,34 +168,6 @@ def write_verl_data(src: Path, out: Path) -> dict[str, Path]:
 # -- running ----------------------------------------------------------------------------------------
 
 
-class GpuMemory:
-    """Peak GPU memory used (MiB, summed over the GPUs), from nvidia-smi every ``interval`` s."""
-
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval, self.peak_mib, self.samples = interval, 0.0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-                used = sum(float(x) for x in out.split())
-                self.peak_mib, self.samples = max(self.peak_mib, used), self.samples + 1
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                return  # no nvidia-smi (a CPU machine): no memory figure
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> GpuMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-
 def run_bounded(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
     """Run ``cmd`` in its own session, output to ``log``; past ``timeout_s`` SIGTERM, then SIGKILL
     of its whole group. Returns exit status, wall time, whether it timed out and the peak GPU
@@ -212,19 +193,14 @@ def run_bounded(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]
                 except subprocess.TimeoutExpired:
                     continue
             rc = proc.wait()
+    peak = mem.summary() or {}
     return {
         "exit_status": rc,
         "timed_out": timed_out,
         "wall_s": round(time.monotonic() - t0, 1),
-        "peak_gpu_mib": round(mem.peak_mib) if mem.samples else None,
+        "peak_gpu_mib": peak.get("peak_gpu_mib"),
+        "peak_per_gpu_mib": peak.get("peak_per_gpu_mib"),
     }
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def stage_prepare(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -282,14 +258,23 @@ def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> list[
     out = []
     for name in a.verl.split(","):
         cfg = verl_side.verl_config(name.strip(), a.gpus)
-        out.append({**run_verl(a, work, prep, cfg), "attention_check": check})
+        # each call adds a repeat of each configuration: one file per run, saved as it ends
+        repeat = 1 + len(list(work.glob(f"vs_verl-verl-{cfg.label}-r*.json")))
+        result = {**run_verl(a, work, prep, cfg, repeat), "attention_check": check}
+        path = work / f"vs_verl-verl-{cfg.label}-r{repeat}.json"
+        path.write_text(json.dumps({"configs": [result]}, indent=1) + "\n")
+        out.append(result)
     return out
 
 
 def run_verl(
-    a: argparse.Namespace, work: Path, prep: dict[str, Any], cfg: verl_side.VerlConfig
+    a: argparse.Namespace,
+    work: Path,
+    prep: dict[str, Any],
+    cfg: verl_side.VerlConfig,
+    repeat: int,
 ) -> dict[str, Any]:
-    run_dir = work / f"run-{cfg.label}"
+    run_dir = work / f"run-{cfg.label}-r{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -313,6 +298,7 @@ def run_verl(
     out = {
         "label": cfg.label,
         "side": "verl",
+        "repeat": repeat,
         "gpus": a.gpus,
         "placement": cfg.placement(a.gpus),
         "staleness": cfg.staleness,
@@ -326,50 +312,22 @@ def run_verl(
 
 
 def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """bench/e2e.py on the same work directory (its warmed model), placement and steps, with its
+    repeats; a call cut short leaves the rest for the next one (``--resume``)."""
     results = work / "ours-e2e.json"
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "e2e.py"),
-        "--work-dir",
-        str(work),
-        "--staleness",
-        a.staleness,
-        "--steps",
-        str(a.steps),
-        "--results",
-        str(results),
-        "--deadline-s",
-        str(max(a.timeout_s - 20, 100)),
-        "--gpus",
-        str(a.gpus),
+        *("--work-dir", str(work), "--staleness", a.staleness, "--steps", str(a.steps)),
+        *("--results", str(results), "--deadline-s", str(max(a.timeout_s - 20, 100))),
+        *("--placement", a.placement.spec, "--repeats", str(a.repeats), "--resume"),
     ]
-    progress(f"ours: staleness {a.staleness}, {a.steps} steps each")
+    progress(f"ours: staleness {a.staleness}, {a.steps} steps, {a.repeats} repeat(s)")
     run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))
     e2e = json.loads(results.read_text()) if results.exists() else {"runs": []}
-    out = []
-    for r in e2e.get("runs", []):
-        m = r.get("means", {})
-        out.append(
-            {
-                "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
-                "side": "ours",
-                "gpus": a.gpus,
-                "max_staleness": r["max_staleness"],
-                "exit_status": r.get("exit_status"),
-                "timed_out": r.get("timed_out"),
-                "wall_s": r.get("wall_s"),
-                "steps_done": r.get("steps_done"),
-                "split_s": {n: m[k] for k, n in OUR_TIMINGS.items() if m.get(k) is not None},
-                "tokens_per_s": m.get("perf/tokens_per_s"),
-                "response_length_mean": m.get("response/length_mean"),
-                "reward_curve": r.get("reward_curve"),
-                "clock_curve": r.get("clock_curve"),
-                "waste": r.get("waste"),
-                "staleness_max": r.get("staleness_max"),
-                # one sampler over the whole e2e command: the peak of all its runs
-                "peak_gpu_mib": run["peak_gpu_mib"],
-            }
-        )
+    out = [our_run(r) for r in e2e.get("runs", [])]
+    if e2e.get("pending"):
+        progress(f"ours: {len(e2e['pending'])} runs pending: call --stage ours again")
     if not out:
         out.append(
             {"label": "ours", "side": "ours", **run, "log_tail": tail(work / "ours-e2e.log")}
@@ -377,83 +335,45 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     return out
 
 
+def our_run(r: dict[str, Any]) -> dict[str, Any]:
+    """One run of bench/e2e.py's results in the report's terms."""
+    m = r.get("means", {})
+    memory = r.get("gpu_memory") or {}
+    return {
+        "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
+        "side": "ours",
+        "repeat": r.get("repeat", 1),
+        "placement": (r.get("placement") or {}).get("description"),
+        "max_staleness": r["max_staleness"],
+        "exit_status": r.get("exit_status"),
+        "timed_out": r.get("timed_out"),
+        "wall_s": r.get("wall_s"),
+        "steps_done": r.get("steps_done"),
+        "split_s": {n: m[k] for k, n in OUR_TIMINGS.items() if m.get(k) is not None},
+        "tokens_per_s": m.get("perf/tokens_per_s"),
+        "response_length_mean": m.get("response/length_mean"),
+        "reward_curve": r.get("reward_curve"),
+        "clock_curve": r.get("clock_curve"),
+        "waste": r.get("waste"),
+        "staleness_max": r.get("staleness_max"),
+        "peak_gpu_mib": memory.get("peak_gpu_mib"),
+        "timeline": r.get("timeline"),
+    }
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 
-def ratio(a: Any, b: Any) -> float | None:
-    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
-    return round(float(a) / float(b), 3) if ok else None
-
-
 def report(work: Path, results: Path | None) -> dict[str, Any]:
-    """Every configuration run in ``work`` side by side, with per-step speed-ups of each against
-    the best synchronous trainer of either side and against each verl configuration."""
-    prepare = _load(work / "vs_verl-prepare.json")
-    files = [*sorted(work.glob("vs_verl-verl-*.json")), work / "vs_verl-ours.json"]
-    configs = [c for f in files for c in (_load(f) or {}).get("configs", [])]
-    done = [c for c in configs if c.get("steps_done") and c.get("split_s", {}).get("step")]
-    syncs = [c for c in done if c["label"] in SYNC_LABELS]
-    best_sync = min(syncs, key=lambda c: c["split_s"]["step"], default=None)
-    versus: dict[str, Any] = {}
-    for base in [c for c in done if c["side"] == "verl"] + ([best_sync] if best_sync else []):
-        key = "best_sync" if base is best_sync else base["label"]
-        versus[key] = {
-            c["label"]: {
-                "step_speedup": ratio(base["split_s"]["step"], c["split_s"]["step"]),
-                "tokens_per_s_ratio": ratio(c.get("tokens_per_s"), base.get("tokens_per_s")),
-            }
-            for c in done
-            if c is not base
-        }
-    out = {
-        "bench": "vs_verl",
-        "workload": "longtail",
-        "gpus": max((int(c.get("gpus", 1)) for c in configs), default=1),
-        "prepare": prepare,
-        "configs": configs,
-        "best_sync": best_sync["label"] if best_sync else None,
-        "speedup_vs": versus,
-        "caveats": CAVEATS,
-    }
+    out = reporting.report(work, CAVEATS)
     if results:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-        plot(results.with_suffix(".png"), configs, out["gpus"])
+        title = "bench/vs_verl.py: verl's trainers and ours, long-tail workload"
+        problem = reporting.plot(results.with_suffix(".png"), out["runs"], title)
+        if problem:
+            progress(f"could not draw the reward curves: {problem}")
     return out
-
-
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def plot(path: Path, configs: list[dict[str, Any]], gpus: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        for c in configs:
-            xs, ys = c.get("clock_curve"), c.get("reward_curve")
-            if not xs or not ys:
-                continue
-            trail = [
-                statistics.fmean(ys[max(0, i - REWARD_WINDOW + 1) : i + 1]) for i in range(len(ys))
-            ]
-            (line,) = ax.plot(xs, trail, lw=2, label=f"{c['label']} (mean of {REWARD_WINDOW})")
-            ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
-        ax.set_xlabel("wall-clock since the end of step 1 (s)")
-        ax.set_ylabel("mean reward per step")
-        where = "one GPU" if gpus == 1 else f"{gpus} GPUs"
-        ax.set_title(f"bench/vs_verl.py: verl's trainer vs ours, long-tail workload, {where}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    except Exception as e:  # the figures are in the JSON
-        progress(f"could not draw {path}: {type(e).__name__}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "prepare":
             saved: dict[str, Any] = stage_prepare(a, work)
         else:
-            prep = _load(work / "vs_verl-prepare.json")
+            prep = reporting.load(work / "vs_verl-prepare.json")
             if prep is None:
                 print(
                     f"vs_verl: run --stage prepare first (no {work}/vs_verl-prepare.json)",
@@ -479,10 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             configs = stage_verl(a, work, prep) if stage == "verl" else stage_ours(a, work)
             saved = {"configs": configs}
-            if stage == "verl":  # one file per configuration: separate calls add up
-                for c in configs:
-                    path = work / f"vs_verl-verl-{c['label']}.json"
-                    path.write_text(json.dumps({"configs": [c]}, indent=1) + "\n")
+
         saved["stage_s"] = round(time.monotonic() - t0, 1)
         if stage != "verl":
             (work / f"vs_verl-{stage}.json").write_text(json.dumps(saved, indent=1) + "\n")

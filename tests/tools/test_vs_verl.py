@@ -124,27 +124,48 @@ def test_verl_configurations() -> None:
 
 
 def test_report_against_the_best_sync_and_each_verl_run(tmp_path: Path) -> None:
-    def cfg(label: str, side: str, step: float, tps: float) -> dict:
+    def cfg(label: str, side: str, step: float, tps: float, repeat: int = 1) -> dict:
         return {
             "label": label,
             "side": side,
-            "gpus": 2,
+            "repeat": repeat,
             "steps_done": 3,
             "split_s": {"step": step},
             "tokens_per_s": tps,
         }
 
     verl = [cfg("verl-sync", "verl", 8.0, 1000.0), cfg("verl-fully-async-t1", "verl", 5.0, 1600.0)]
+    verl.append(cfg("verl-fully-async-t1", "verl", 6.0, 1400.0, repeat=2))
     ours = [cfg("ours-sync", "ours", 6.0, 1300.0), cfg("ours-async-s2", "ours", 2.0, 4000.0)]
+    ours += [
+        cfg("ours-async-s2", "ours", 3.0, 3000.0, 2),
+        cfg("ours-async-s2", "ours", 2.5, 3500.0, 3),
+    ]
+    ours.append(cfg("ours-async-s1", "ours", 1.0, 9.0) | {"steps_done": 0})  # failed: not a figure
     for c in verl:
-        (tmp_path / f"vs_verl-verl-{c['label']}.json").write_text(json.dumps({"configs": [c]}))
+        path = tmp_path / f"vs_verl-verl-{c['label']}-r{c['repeat']}.json"
+        path.write_text(json.dumps({"configs": [c]}))
     (tmp_path / "vs_verl-ours.json").write_text(json.dumps({"configs": ours}))
     out = vs_verl.report(tmp_path, None)
     assert out["best_sync"] == "ours-sync"
-    assert out["speedup_vs"]["best_sync"]["ours-async-s2"]["step_speedup"] == 3.0
-    assert out["speedup_vs"]["verl-fully-async-t1"]["ours-async-s2"] == {
-        "step_speedup": 2.5,
-        "tokens_per_s_ratio": 2.5,
+    s2 = out["configurations"]["ours-async-s2"]
+    assert s2["repeats"] == 3 and s2["figures"]["step_s"]["median"] == 2.5
+    assert out["configurations"]["ours-async-s1"] == out["configurations"]["ours-async-s1"] | {
+        "repeats": 0,
+        "failed": [1],
     }
-    with pytest.raises(SystemExit):
-        vs_verl.parse_args(["--gpus", "3"])
+    assert out["speedup_vs"]["best_sync"]["ours-async-s2"]["step_speedup"] == 2.4
+    vs_fa = out["speedup_vs"]["verl-fully-async-t1"]["ours-async-s2"]
+    assert vs_fa["step_speedup"] == 2.2  # median 5.5 / median 2.5
+    assert vs_fa["step_speedup_range"] == [round(5.0 / 3.0, 3), 3.0]
+    assert vs_fa["tokens_per_s_ratio"] == round(3500 / 1500, 3)
+    assert "ours-async-s1" not in out["speedup_vs"]["best_sync"]
+
+
+def test_placement_reaches_both_sides() -> None:
+    a = vs_verl.parse_args(["--placement", "learner=0;rollout=0;rollout=1"])
+    assert a.gpus == 2 and a.placement.spec == "learner=0;rollout=0;rollout=1"
+    assert vs_verl.parse_args([]).placement.spec == "learner=0;rollout=0"
+    for bad in (["--gpus", "3"], ["--placement", "rollout=0"], ["--gpus", "2", "--placement", "x"]):
+        with pytest.raises(SystemExit):
+            vs_verl.parse_args(bad)

@@ -1,0 +1,146 @@
+"""bench/vs_verl.py's report: every run of both sides in a work directory, grouped by configuration,
+with medians over the repeats and the speed-ups that README and docs quote.
+
+Design: a run is one dict per configuration and repeat (``label``, ``side``, ``repeat``,
+``split_s``, ``tokens_per_s``, ...), written by the verl stage (``vs_verl-verl-LABEL-rN.json``) or
+read from bench/e2e.py's results (ours). A configuration's figure is the median over its repeats
+that finished, with min and max (`bench._repeats.spread`). A speed-up of configuration C over a
+base B is the ratio of their medians (B's step time / C's, C's tokens/s / B's), and its range
+runs from the least to the most favourable pairing of their repeats. The base of the headline is
+the best synchronous trainer of either side (the lowest median step time among SYNC_LABELS).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench._common import ratio
+from bench._repeats import spread
+
+SYNC_LABELS = ("ours-sync", "verl-sync", "verl-v0-sync")
+REWARD_WINDOW = 5
+SPLIT_KEYS = (
+    "wait",
+    "generate",
+    "old_log_prob",
+    "ref",
+    "prepare",
+    "update",
+    "broadcast",
+    "weights",
+)
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_runs(work: Path) -> list[dict[str, Any]]:
+    """Every run of ``work``: verl's, one file each, then ours from the ours stage's file."""
+    files = [*sorted(work.glob("vs_verl-verl-*.json")), work / "vs_verl-ours.json"]
+    return [c for f in files for c in (load(f) or {}).get("configs", [])]
+
+
+def _finished(run: dict[str, Any]) -> bool:
+    return bool(run.get("steps_done")) and bool((run.get("split_s") or {}).get("step"))
+
+
+def configurations(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per label (in order of first appearance): side, placement, the repeats that finished and
+    those that did not, and each figure's `spread` over the finished ones."""
+    out: dict[str, dict[str, Any]] = {}
+    for label in dict.fromkeys(r["label"] for r in runs):
+        mine = [r for r in runs if r["label"] == label]
+        done = [r for r in mine if _finished(r)]
+        figures = {
+            "step_s": spread([r["split_s"]["step"] for r in done]),
+            "tokens_per_s": spread([r.get("tokens_per_s") for r in done]),
+            "peak_gpu_mib": spread([r.get("peak_gpu_mib") for r in done]),
+        }
+        for key in SPLIT_KEYS:
+            values = [r["split_s"].get(key) for r in done]
+            if any(v is not None for v in values):
+                figures[f"split_{key}_s"] = spread(values)
+        out[label] = {
+            "side": mine[0].get("side"),
+            "placement": mine[0].get("placement"),
+            "staleness": mine[0].get("staleness", mine[0].get("max_staleness")),
+            "repeats": len(done),
+            "failed": [r.get("repeat", 1) for r in mine if not _finished(r)],
+            "figures": figures,
+        }
+    return out
+
+
+def speedup(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """``other`` against ``base``: step time and tokens/s as ratios of medians, with their range."""
+    bs, os_ = base["figures"]["step_s"], other["figures"]["step_s"]
+    bt, ot = base["figures"]["tokens_per_s"], other["figures"]["tokens_per_s"]
+    return {
+        "step_speedup": ratio(bs["median"], os_["median"]),
+        "step_speedup_range": [ratio(bs["min"], os_["max"]), ratio(bs["max"], os_["min"])],
+        "tokens_per_s_ratio": ratio(ot["median"], bt["median"]),
+        "tokens_per_s_ratio_range": [ratio(ot["min"], bt["max"]), ratio(ot["max"], bt["min"])],
+    }
+
+
+def report(work: Path, caveats: list[str]) -> dict[str, Any]:
+    """The whole report of ``work`` (see the module docstring)."""
+    runs = load_runs(work)
+    confs = configurations(runs)
+    done = {k: c for k, c in confs.items() if c["repeats"]}
+    syncs = {k: c for k, c in done.items() if k in SYNC_LABELS}
+    best = min(syncs, key=lambda k: syncs[k]["figures"]["step_s"]["median"], default=None)
+    bases = [k for k, c in done.items() if c["side"] == "verl"] + ([best] if best else [])
+    versus = {
+        ("best_sync" if base == best else base): {
+            k: speedup(done[base], c) for k, c in done.items() if k != base
+        }
+        for base in dict.fromkeys(bases)
+    }
+    return {
+        "bench": "vs_verl",
+        "workload": "longtail",
+        "prepare": load(work / "vs_verl-prepare.json"),
+        "configurations": confs,
+        "best_sync": best,
+        "speedup_vs": versus,
+        "runs": runs,
+        "caveats": caveats,
+    }
+
+
+def plot(path: Path, runs: list[dict[str, Any]], title: str) -> str | None:
+    """Reward against wall-clock of every run (trailing mean of REWARD_WINDOW steps and the steps
+    themselves); None, or why it could not be drawn (the figures are in the JSON)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for r in runs:
+            xs, ys = r.get("clock_curve"), r.get("reward_curve")
+            if not xs or not ys:
+                continue
+            trail = [
+                statistics.fmean(ys[max(0, i - REWARD_WINDOW + 1) : i + 1]) for i in range(len(ys))
+            ]
+            name = f"{r['label']} r{r.get('repeat', 1)}"
+            (line,) = ax.plot(xs, trail, lw=2, label=f"{name} (mean of {REWARD_WINDOW})")
+            ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
+        ax.set_xlabel("wall-clock since the end of step 1 (s)")
+        ax.set_ylabel("mean reward per step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
