@@ -99,24 +99,31 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw the training curves of `run_dir` into `out` (default RUN_DIR/training_curves.png)."""
-    run_dir = Path(run_dir)
-    records = load_records(run_dir)
-    out = Path(out) if out is not None else run_dir / PLOT_FILE
-
+def pyplot(what: str) -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), or an ImportError saying that ``what``
+    needs matplotlib and how to get it."""
     try:
         import matplotlib
     except ImportError as e:
         if e.name != "matplotlib":
             raise
         raise ImportError(
-            "drawing the training curves needs matplotlib: bin/setup installs it "
-            "(or pip install matplotlib)",
+            f"{what} needs matplotlib: bin/setup installs it (or pip install matplotlib)",
             name="matplotlib",
         ) from None
     matplotlib.use("Agg")  # no display; must precede pyplot's import
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """Draw the training curves of `run_dir` into `out` (default RUN_DIR/training_curves.png)."""
+    run_dir = Path(run_dir)
+    records = load_records(run_dir)
+    out = Path(out) if out is not None else run_dir / PLOT_FILE
+
+    plt = pyplot("drawing the training curves")
 
     drawn = [(p, panel_series(records, p)) for p in PANELS]
     drawn = [(p, series) for p, series in drawn if series or not p.only_with_data]

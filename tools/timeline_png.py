@@ -26,6 +26,7 @@ from common.timeline import (
     VALIDATE_SPAN,
     Track,
 )
+from tools.plot import pyplot
 from tools.timeline_read import Timeline, level, rate, steps
 
 PHASE_COLORS = {
@@ -44,18 +45,7 @@ MAX_LABELS = 60  # more steps, versions or grants than this: fewer labels, never
 
 
 def draw_png(tl: Timeline, out: Path, *, title: str = "") -> Path:
-    try:
-        import matplotlib
-    except ImportError as e:
-        if e.name != "matplotlib":
-            raise
-        raise ImportError(
-            "drawing the timeline needs matplotlib: bin/setup installs it (or pip install "
-            "matplotlib)",
-            name="matplotlib",
-        ) from None
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot("drawing the timeline")
 
     servers = tl.servers
     rows = 1 + len(servers)
