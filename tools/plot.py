@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.figures import pyplot
+
 PLOT_FILE = "training_curves.png"
 
 
@@ -97,24 +99,6 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
     if not records:
         raise ValueError(f"no metrics in {path}: the run has not finished a step yet")
     return records
-
-
-def pyplot(what: str) -> Any:
-    """matplotlib's pyplot on the Agg backend (no display), or an ImportError saying that ``what``
-    needs matplotlib and how to get it."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        if e.name != "matplotlib":
-            raise
-        raise ImportError(
-            f"{what} needs matplotlib: bin/setup installs it (or pip install matplotlib)",
-            name="matplotlib",
-        ) from None
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:

@@ -26,7 +26,7 @@ from common.timeline import (
     VALIDATE_SPAN,
     Track,
 )
-from tools.plot import pyplot
+from tools.figures import pyplot
 from tools.timeline_read import Timeline, level, rate, steps
 
 PHASE_COLORS = {
