@@ -23,6 +23,13 @@ The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions
   Otherwise it waits for more groups to arrive. So a slow group makes the learner wait (at most as
   long as a synchronous trainer would) instead of being generated and then thrown away, and a fast
   group never waits for a slow one while the window has slack.
+- What that costs. A group granted on version ``V`` starts once the server runs ``V`` and must be
+  in the step of ``V + k``: it has about ``k`` of the learner's steps, less the weight hand-over,
+  to be generated. A group that takes longer (a long-tail episode) makes that step wait for it,
+  whatever the grants: the wait is for a group already running, and a grant on older weights
+  would only make a group due sooner.
+  When most versions have such a group, the waits come every ``k + 1`` steps: a wait lets the
+  groups behind it finish, so the next ``k`` steps find data ready (``bench/sim_waits.py``).
 
 Mixed runs (``chunk = B``, ``Intake.configure_mix``): each server's prompt stream holds the exact
 mix in every run of ``B`` consecutive prompts (whole schedule batches), but grants dealt one at a time

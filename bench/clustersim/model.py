@@ -55,9 +55,25 @@ class Setup:
     learner: LearnerCosts
     weights: WeightCosts
     shared_gpu: bool = False  # one GPU runs the learner and the (single) engine
+    # the last this many servers run on the learner's GPU (beside servers of their own GPUs): at
+    # ``gen.shared_gpu_share`` of their speed while the learner computes, full speed while it waits
+    on_learner_gpu: int = 0
     learner_scaling: float = 1.0  # tok/s per learner GPU at W GPUs, as a share of one GPU's
     transfer_s: Callable[[int], float] = lambda _i: 0.0  # extra delivery time to server i
     admission: bool = True  # learner.admission (false: servers generate ahead, stale drops)
+
+
+@dataclass
+class Wave:
+    """The groups that started on one version ``v`` of the weights: when the first started, when
+    the last one finished, and the longest episode among them (tokens the engine decoded). Their
+    oldest tokens are of version ``v``, so the step of version ``v + k`` is the last that may train
+    them."""
+
+    started: float
+    last_in: float = float("nan")
+    groups: int = 0
+    longest_tokens: int = 0
 
 
 @dataclass
@@ -104,6 +120,8 @@ class Engine:
         self._token = 0
         self.paused = False
         self.share = 1.0
+        self.decoding_seq_s = 0.0  # sequences decoding x seconds (not while paused)
+        self.paused_s = 0.0
 
     def _rate(self) -> float:
         """Tokens per second of each running sequence."""
@@ -113,7 +131,12 @@ class Engine:
 
     def _advance(self) -> None:
         now = self.clock.now
-        self.vclock += (now - self._last) * self._rate()
+        dt = now - self._last
+        self.vclock += dt * self._rate()
+        if self.paused:
+            self.paused_s += dt
+        else:
+            self.decoding_seq_s += dt * len(self._heap)
         self._last = now
 
     def decode(self, tokens: float, done: Callable[[], None]) -> None:
@@ -197,6 +220,7 @@ class SimServer:
         sim = self.sim
         s = sim.setup
         uid = f"{self.peer}-g{next(self._groups)}"
+        sim.waves.setdefault(self.engine.policy_version, Wave(started=sim.clock.now))
         lengths = s.lengths.draw(sim.rng, 1, s.n)[0]
         left = s.n
         episodes: list[Episode] = []
@@ -231,6 +255,10 @@ class SimServer:
         s = self.sim.setup
         trajs = [self.sim.trajectory(uid, j, ep, self.peer) for j, ep in enumerate(episodes)]
         self._running -= s.n
+        wave = self.sim.waves[min(ep.versions[0] for ep in episodes)]
+        wave.last_in = self.sim.clock.now
+        wave.groups += 1
+        wave.longest_tokens = max(wave.longest_tokens, *(sum(ep.turn_tokens) for ep in episodes))
         if stale(trajs, self.newest_version, s.max_staleness):
             self.sim.server_dropped += sum(int(np.count_nonzero(t.response_mask)) for t in trajs)
         else:
@@ -363,6 +391,7 @@ class Simulation:
         self.servers = [SimServer(self, i, e) for i, e in enumerate(self.engines)]
         self.servers_by_peer = {s.peer: s for s in self.servers}
         self._traj_ids = itertools.count()
+        self.waves: dict[int, Wave] = {}  # start version -> the groups started on it
 
     def trajectory(self, uid: str, j: int, ep: Episode, peer: str) -> Trajectory:
         versions = np.repeat(np.asarray(ep.versions, dtype=np.int64), ep.turn_tokens)
@@ -385,9 +414,10 @@ class Simulation:
         )
 
     def learner_computing(self, on: bool) -> None:
-        if self.setup.shared_gpu:
-            for e in self.engines:
-                e.set(share=self.setup.gen.shared_gpu_share if on else 1.0)
+        s = self.setup
+        shared = self.engines if s.shared_gpu else self.engines[s.servers - s.on_learner_gpu :]
+        for e in shared:
+            e.set(share=s.gen.shared_gpu_share if on else 1.0)
 
     def publish(self, version: int) -> None:
         """The gather of ``version`` starts: announced at once, applied ``applied_s`` later (plus

@@ -91,3 +91,20 @@ def test_validation_table_comes_from_the_json_files() -> None:
         expected = 100 * (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
         assert r["error_pct"] == pytest.approx(expected, abs=0.2)
     assert "sync" in simulate.table(rows)
+
+
+def test_at_1_plus_1_a_step_waits_exactly_for_the_groups_started_k_versions_before() -> None:
+    """bench/sim_waits.py's explanation of the async waits on 2 H200s: the step of version V
+    waits only for the last group started on V - k (it must train it), and exactly as long as
+    that group arrives after V is published. The faster learner of issue 34 makes it wait."""
+    from bench import sim_waits
+
+    base, _tokens = sim_waits.base_setup(tau0_s=0.00463, prepare_s=0.45, update_s=0.85)
+    k = 2
+    sim = model.Simulation(replace(base, max_staleness=k, steps=20), seed=0).run()
+    waits = [r.wait_s for r in sim.learner.steps][sim_waits.settled(k) :]
+    late = sim_waits.lateness(sim)[sim_waits.settled(k) :]
+    assert sum(w > 1.0 for w in waits) >= 3  # it does wait, and long
+    assert waits == pytest.approx(late, abs=1e-9)
+    s = model.summarize([sim])
+    assert s.staleness_max == k and s.waste_frac == 0
