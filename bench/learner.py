@@ -7,9 +7,12 @@ NCCL and bf16 on CUDA) runs the actor update (``TrainWorker.update``) on ``split
 (prompt + response tokens, ``old_logprobs`` and ``advantages``; ``--lengths longtail`` for the
 mixed lengths of agentic batches) for a Qwen2 model written locally by ``tools.make_tiny_model``
 (``--shape``), in packed or padded micro-batches (``--layout``) of ``--micro-size`` samples or of at
-most ``--max-tokens`` tokens. ``--old-logprobs`` adds what a training step spends on the old
-logprobs: a separate forward pass, or none when the update takes them from its own forward. The
-bound runs inside the same actors (same process, CPU share, torch threads and device), through
+most ``--max-tokens`` tokens. ``--old-logprobs`` and ``--ref`` add what a training step's prepare
+spends before the update (`learner.trainer.Trainer._forward_passes`): the old-logprob forward of
+every sample, or of the mini-batches after the first when the update takes the first's from its own
+forward; the reference forward (with a KL loss in the update). Prepare is then timed on its own and
+reported against the update (``prepare_over_update``, the trainer's ``timing/prepare_s`` over
+``timing/update_s``). The bound runs inside the same actors (same process, CPU share, torch threads and device), through
 Ray's ``__ray_call__``: a plain Hugging Face model loaded from the same directory with the
 learner's loader (no FSDP, no PPO loss), doing forward, backward and AdamW on exactly the same
 micro-batches (same ``collate``: the same packing or padding; ``--bound padded`` pads them, as a
@@ -149,8 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("none", "forward", "from-update"),
         default="none",
         help="also time the old logprobs as a training step gets them: none (the update only), "
-        "forward (a separate forward pass first, the recompute path), from-update (taken "
-        "from the update's own forward; needs --mini-batches 1 --epochs 1)",
+        "forward (a separate forward pass of every sample first), from-update (the first "
+        "mini-batch's from the update's own forward, a forward of the later mini-batches first; "
+        "needs --epochs 1)",
+    )
+    p.add_argument(
+        "--ref",
+        action="store_true",
+        help="a reference model's forward before the update and a KL loss in it (actor.use_kl_loss)",
     )
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per update call")
     p.add_argument(
@@ -182,8 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world < 1 or args.samples < args.world * args.mini_batches:
         p.error("need --world >= 1 and --samples >= world * mini-batches")
-    if args.old_logprobs == "from-update" and (args.mini_batches != 1 or args.epochs != 1):
-        p.error("--old-logprobs from-update needs --mini-batches 1 --epochs 1 (the trainer's rule)")
+    if args.old_logprobs == "from-update" and args.epochs != 1:
+        p.error("--old-logprobs from-update needs --epochs 1 (the trainer's rule)")
     return args
 
 
@@ -215,7 +224,8 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
 
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(args.samples):
+    first = -(-args.samples // args.mini_batches)  # the first mini-batch (`even_chunks`)
+    for i in range(args.samples):
         p = int(rng.integers(max(1, args.prompt_len // 2), args.prompt_len * 3 // 2 + 1))
         if args.lengths == "longtail":
             r = int(
@@ -235,8 +245,10 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
         old = (-rng.random(r) * 3).astype(np.float32) * mask
         if args.old_logprobs == "from-update":  # the workers compare their own with the rollout's
             s.rollout_logprobs = old
-        else:
+        if args.old_logprobs != "from-update" or i >= first:  # the first's come from the update
             s.old_logprobs = old
+        if args.ref:
+            s.ref_logprobs = old - 0.1 * mask
         s.advantages = rng.normal(size=r).astype(np.float32) * mask
         out.append(s)
     return out
@@ -560,6 +572,8 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         device=args.device,
         seed=1,
         gradient_checkpointing=args.gradient_checkpointing,
+        need_ref=args.ref,
+        use_kl_loss=args.ref,
     )
     progress(f"starting {args.world} worker(s) on {args.device}")
     t0 = time.perf_counter()
@@ -587,11 +601,12 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             c1 = await ray_all(group, cpu_seconds)  # waits for the device: part of the wall time
             return time.perf_counter() - t, max(b - a for a, b in zip(c0, c1, strict=True))
 
+        prepare_s: list[float] = []  # the prepare part of each call of `ours`
+
         async def ours() -> Any:
-            if (
-                args.old_logprobs == "forward"
-            ):  # as Trainer._prepare runs it (samples shipped each time)
-                await group.forward("actor", samples, "old_logprobs", batching)
+            t = time.perf_counter()
+            await prepare_passes(group, args, samples, batching)
+            prepare_s.append(time.perf_counter() - t)
             return await ray_all(
                 group, update_step, [(ref, args.epochs, old_from_forward) for ref in plan_refs]
             )
@@ -652,6 +667,8 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "update_cpu_s_rounds": [round(c, 3) for _, c in upd],
             "bare_cpu_s_rounds": [round(c, 3) for _, c in bnd],
         }
+        if args.old_logprobs != "none" or args.ref:
+            result |= prepare_figures(args, prepare_s[1:], [w for w, _ in upd])
         if args.profile:
             result["ablation"] = await ablation(group, plan_refs, args.epochs, args.repeat)
             parts = await ray_all(group, profile_update, [(ref, args.epochs) for ref in plan_refs])
@@ -680,6 +697,42 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     finally:
         group.shutdown()
         ray.shutdown()
+
+
+async def prepare_passes(
+    group: Any, args: argparse.Namespace, samples: list[Any], batching: Any
+) -> None:
+    """The forwards `learner.trainer.Trainer._forward_passes` runs before the update for these
+    flags (samples shipped each time, as there): the old logprobs of every sample (``forward``) or
+    of the mini-batches after the first (``from-update``), then the reference's (``--ref``)."""
+    from learner.samples import even_chunks
+
+    if args.old_logprobs == "forward":
+        await group.forward("actor", samples, "old_logprobs", batching)
+    elif args.old_logprobs == "from-update" and args.mini_batches > 1:
+        parts = even_chunks(range(len(samples)), args.mini_batches)[1:]
+        await group.forward("actor", samples, "old_logprobs", batching, parts=parts)
+    if args.ref:
+        await group.forward("ref", samples, "ref_logprobs", batching)
+
+
+def prepare_figures(
+    args: argparse.Namespace, prepare_s: list[float], step_s: list[float]
+) -> dict[str, Any]:
+    """Prepare against the update, per timed round (``step_s``: prepare + update, as timed)."""
+    update_s = [s - p for p, s in zip(prepare_s, step_s, strict=True)]
+    ratio = statistics.median(p / u for p, u in zip(prepare_s, update_s, strict=True))
+    progress(
+        f"prepare {statistics.median(prepare_s):.3f} s vs update {statistics.median(update_s):.3f} s "
+        f"(median ratio {ratio:.3f}; old logprobs {args.old_logprobs}, reference {args.ref})"
+    )
+    return {
+        "ref": args.ref,
+        "prepare_s_rounds": [round(p, 3) for p in prepare_s],
+        "update_only_s_rounds": [round(u, 3) for u in update_s],
+        # the trainer's timing/prepare_s over timing/update_s; median of per-round ratios
+        "prepare_over_update": round(ratio, 4),
+    }
 
 
 def update_step(worker: Any, plans: list[Any], epochs: int, old_from_forward: Any = None) -> Any:
@@ -1012,6 +1065,12 @@ def main(argv: list[str] | None = None) -> int:
             f"PPO update {result['update_tok_s']:,.0f} tok/s vs bare step {result['bare_tok_s']:,.0f} tok/s "
             f"(ratio {result['update_ratio']:.3f}, world {args.world}, {args.device}, {args.shape}, "
             f"{args.lengths} lengths, {args.layout}, bound {args.bound}, old logprobs {args.old_logprobs})"
+        )
+    if "prepare_over_update" in result:
+        print(
+            f"prepare {statistics.median(result['prepare_s_rounds']):.3f} s vs update "
+            f"{statistics.median(result['update_only_s_rounds']):.3f} s "
+            f"(prepare/update {result['prepare_over_update']:.3f})"
         )
     for n, r in result.get("publish", {}).items():
         print(

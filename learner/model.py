@@ -246,7 +246,9 @@ class PolicyHead(nn.Module):
         head = self.lm.get_output_embeddings()
         assert head is not None  # a causal LM has one
         hidden = hidden_states(self.lm.get_decoder(), input_ids, attention_mask, packing)
-        logits = head(hidden[hidden_idx]).float() / self.temperature
+        logits = head(hidden[hidden_idx]).float()
+        if self.temperature != 1.0:  # x / 1.0 is x: no pass over [tokens, vocabulary] for it
+            logits = logits / self.temperature
         logp = logprobs_from_logits(logits, labels)
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent

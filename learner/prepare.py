@@ -6,8 +6,10 @@ wire and the loss can be unit-tested without workers. Per-token quantities live 
 estimators are verl's), then are cut back to each sample's own length. The episode's reward is put
 on its last trained token (the last token with mask 1), where verl puts the score.
 
-The step's plan also starts here: how passes cut micro-batches (`batching`) and whether the update
-takes the old logprobs from its own forward (`old_logprobs_from_update`, the rule is its docstring).
+The step's plan also starts here: how passes cut micro-batches (`batching`), whether the update
+takes the first mini-batch's old logprobs from its own forward (`old_logprobs_from_update`, the rule
+is its docstring) and so which samples the separate old-logprob forward still runs
+(`old_logprob_parts`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from common.config.root import Config
-from learner.samples import Batching, OldFromForward, Sample, TokenField
+from learner.samples import Batching, OldFromForward, Sample, TokenField, even_chunks
 from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
 
@@ -78,17 +80,20 @@ def batching(
 
 
 def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None:
-    """Whether this step's actor update takes the old logprobs from its own forward (returned: what
-    the workers need for it) instead of a separate forward before it (None).
+    """Whether this step's actor update takes the first mini-batch's old logprobs from its own
+    forward (returned: what the workers need for it) instead of from a separate forward of every
+    sample before it (None).
 
     The rule: actor.off_policy.old_logprobs is recompute, skip_old_logprob_forward is auto, the
-    actor is updated this step (past trainer.critic_warmup), one PPO epoch and one mini-batch. Then
-    every forward of the update runs on the weights the separate pass would have used, so its
-    logprobs, detached, are the old logprobs: the ratio is 1 and the gradient unchanged. The
-    importance weights old/rollout and rollout/logprob_diff only need old and rollout logprobs of
-    the same token, so the workers compute them in the update, exactly. algorithm.use_kl_in_reward
-    is the exception: the reward, and so the advantages, need the old logprobs before the update
-    starts, so a step with it keeps the separate forward.
+    actor is updated this step (past trainer.critic_warmup), one PPO epoch. Then the first
+    mini-batch's forward runs on the weights the separate pass would have used, so its logprobs,
+    detached, are the old logprobs: the ratio is 1 and the gradient unchanged. The later
+    mini-batches run after an optimizer step, so their old logprobs still come from a forward
+    before the update, over their samples only, cut into the micro-batches the update will run
+    (`old_logprob_parts`). The importance weights old/rollout and rollout/logprob_diff only need
+    old and rollout logprobs of the same token, so the workers compute them in the update, for every
+    mini-batch. algorithm.use_kl_in_reward is the exception: the reward, and so the advantages,
+    need the old logprobs before the update starts, so a step with it keeps the separate forward.
 
     "The same numbers" needs the update's forward to compute what the forward-only pass computes:
     that pass runs in eval() under no_grad, the update in train(); FSDP's bf16 cast, gradient
@@ -103,10 +108,18 @@ def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None
         or alg.use_kl_in_reward
         or step < config.trainer.critic_warmup
         or actor.ppo_epochs != 1
-        or mini_batch_count(config) != 1
     ):
         return None
     return OldFromForward(is_level=off.is_level, is_cap=off.is_cap)
+
+
+def old_logprob_parts(config: Config, samples: int) -> list[list[int]]:
+    """With old logprobs from the update (`old_logprobs_from_update`): the sample indices the
+    forward before the update still runs, one part per mini-batch after the first, each as the
+    update's `learner.samples.split_for_ranks` takes it (`even_chunks`). A part cut on its own
+    (`learner.samples.split_forward`) gets the micro-batches the update runs it in, so its old
+    logprobs are those the update's forward of the same weights would give."""
+    return even_chunks(range(samples), mini_batch_count(config))[1:]
 
 
 def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 TokenField = Literal[
     "old_logprobs",
@@ -84,6 +86,11 @@ class Sample:
     def set(self, name: TokenField, arr: np.ndarray | None) -> None:
         setattr(self, name, arr)
 
+    def tokens_only(self) -> Sample:
+        """The sample without its per-token fields: all a forward-only pass reads, so none of them
+        is shipped to it or laid out by it."""
+        return Sample(self.input_ids, self.prompt_len, self.response_mask)
+
     def dummy(self) -> Sample:
         """A copy that contributes nothing to any loss: keeps a rank in step with the others."""
         zeros = {k: np.zeros_like(v) for k, v in self.token_fields().items()}
@@ -113,16 +120,20 @@ class Batching:
 
 @dataclass(frozen=True)
 class OldFromForward:
-    """Tells the actor update (``UpdateRequest.old_from_forward``) to take the old logprobs from
-    the update's own forward, detached, instead of from ``Sample.old_logprobs``: the same numbers,
-    one forward pass fewer, but only when every forward of the update runs on the weights before
-    it, i.e. one epoch and one mini-batch (the trainer's rule:
-    `learner.prepare.old_logprobs_from_update`). The truncated importance weights
-    (old / rollout, ``is_level``, ``is_cap``) and the metrics that compare old and rollout logprobs
-    are then computed there too, from ``rollout_logprobs``."""
+    """Tells the actor update (``UpdateRequest.old_from_forward``) to take the first mini-batch's
+    old logprobs from that mini-batch's own forward, detached, instead of from
+    ``Sample.old_logprobs``: the first mini-batch's forward is the one forward of a one-epoch update
+    that runs on the weights before it, so it gives the numbers a separate forward of the same
+    micro-batches would (the trainer's rule: `learner.prepare.old_logprobs_from_update`). Later
+    mini-batches bring theirs from a forward before the update, cut as the update cuts them
+    (`split_forward`'s ``parts``). The truncated importance weights (old / rollout, ``is_level``,
+    ``is_cap``) and the metrics that compare old and rollout logprobs are computed in the update for
+    every mini-batch, from ``rollout_logprobs``."""
 
     is_level: str = "off"  # token | sequence | off
     is_cap: float = 2.0
+    # set by the worker per mini-batch: True for the first, whose forward gives its old logprobs
+    from_own_forward: bool = True
 
 
 @dataclass
@@ -141,8 +152,9 @@ def count_tokens(samples: Sequence[Sample]) -> int:
     return int(sum(float(s.response_mask.sum()) for s in samples))
 
 
-def even_chunks(items: Sequence[Sample], n: int) -> list[list[Sample]]:
-    """``items`` in ``n`` contiguous chunks whose sizes differ by at most one."""
+def even_chunks(items: Sequence[T], n: int) -> list[list[T]]:
+    """``items`` in ``n`` contiguous chunks whose sizes differ by at most one: a step's mini-batches
+    (`split_for_ranks`), or their sample indices (`split_forward`'s ``parts``)."""
     n = max(1, min(n, len(items))) if items else 1
     q, r = divmod(len(items), n)
     out, start = [], 0
@@ -306,7 +318,25 @@ def _deal_indices(lengths: Sequence[int], batching: Batching, ranks: int) -> lis
 
 
 def split_forward(
-    samples: Sequence[Sample], *, ranks: int, micro_size: int = 4, batching: Batching | None = None
+    samples: Sequence[Sample],
+    *,
+    ranks: int,
+    micro_size: int = 4,
+    batching: Batching | None = None,
+    parts: Sequence[Sequence[int]] | None = None,
 ) -> list[list[list[int]]]:
-    """Per rank, micro-batches of sample indices for a forward-only pass; -1 marks a dummy."""
-    return _deal_indices(*_cut_by(samples, batching or Batching(micro_size=micro_size)), ranks)
+    """Per rank, micro-batches of sample indices for a forward-only pass; -1 marks a dummy.
+
+    ``parts`` (default: all samples, one part): index lists cut each on its own, as
+    `split_for_ranks` cuts each mini-batch, so that a part that is a mini-batch (`even_chunks` of
+    the indices) gets the micro-batches its update will run; per rank, the parts' micro-batches
+    follow each other (every rank has as many of each part)."""
+    batching = batching or Batching(micro_size=micro_size)
+    if parts is None:
+        return _deal_indices(*_cut_by(samples, batching), ranks)
+    per_rank: list[list[list[int]]] = [[] for _ in range(ranks)]
+    for part in parts:
+        local = _deal_indices(*_cut_by([samples[i] for i in part], batching), ranks)
+        for out, micro in zip(per_rank, local, strict=True):
+            out.extend([part[j] if j >= 0 else -1 for j in m] for m in micro)
+    return per_rank

@@ -251,25 +251,36 @@ class Trainer:
             can_share=self.workers.can_share_prefix,
         )
 
+    async def _forward_passes(self, samples: list[Sample], in_update: bool) -> None:
+        """The forwards before the update: old logprobs (unless the rollout's stand for them, or
+        the update takes the first mini-batch's from its own forward: then only the later
+        mini-batches run here, `learner.prepare.old_logprob_parts`), reference logprobs, values."""
+        from learner.prepare import old_logprob_parts
+
+        passes = self._batching()
+        if self.config.actor_rollout_ref.actor.off_policy.old_logprobs == "rollout":
+            for s in samples:
+                s.old_logprobs = s.rollout_logprobs
+        elif not in_update:
+            await self.workers.forward("actor", samples, "old_logprobs", passes)
+        elif parts := old_logprob_parts(self.config, len(samples)):
+            await self.workers.forward("actor", samples, "old_logprobs", passes, parts=parts)
+        if self.settings.need_ref:
+            await self.workers.forward("ref", samples, "ref_logprobs", passes)
+        if self.settings.critic_model_path:
+            await self.workers.forward("critic", samples, "values", passes)
+
     async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
         from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
         from learner.prepare import old_logprobs_from_update
 
         cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
         metrics: dict[str, float] = {}
-        # Old logprobs from the update's own forward: then the importance weights and logprob_diff
-        # come from the workers with the update's metrics (the rule: old_logprobs_from_update).
+        # Old logprobs (of the first mini-batch at least) from the update's own forward: then the
+        # importance weights and logprob_diff come from the workers with the update's metrics (the
+        # rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
-        passes = self._batching()
-        if cfg.off_policy.old_logprobs == "rollout":
-            for s in samples:
-                s.old_logprobs = s.rollout_logprobs
-        elif not in_update:
-            await self.workers.forward("actor", samples, "old_logprobs", passes)
-        if self.settings.need_ref:
-            await self.workers.forward("ref", samples, "ref_logprobs", passes)
-        if self.settings.critic_model_path:
-            await self.workers.forward("critic", samples, "values", passes)
+        await self._forward_passes(samples, in_update)
         mask = response_tensors(samples)
         old = None if in_update else response_tensors(samples, "old_logprobs")
         rewards = token_level_scores(trajs, mask)

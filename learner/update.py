@@ -9,8 +9,10 @@ Metrics are returned as sums for the trainer to reduce across ranks (`learner.pr
 reduce_worker_metrics`): ``*_tok`` token-weighted, ``*_seq`` sequence-weighted, ``*_max`` maxima;
 a key with a ``/`` keeps its own section (``off_policy/...``, ``rollout/...``).
 
-With `OldFromForward` the old logprobs are this forward's own, detached: the PPO ratio is exactly 1
-and the gradient the same as with old logprobs from a separate forward of the same weights.
+With `OldFromForward` the first mini-batch's old logprobs are this forward's own, detached: the PPO
+ratio is exactly 1 and the gradient the same as with old logprobs from a separate forward of the
+same weights; later mini-batches bring theirs, and every mini-batch's importance weights are
+computed here.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def actor_micro_loss(
     if old_from_forward is None:
         old, is_weights = b.fields["old_logprobs"], b.fields.get("is_weights")
     else:
-        old = logp.detach()
+        old = logp.detach() if old_from_forward.from_own_forward else b.fields["old_logprobs"]
         is_weights, out = off_policy_terms(old, b, old_from_forward)
     config = verl_actor_config(
         s.policy_loss,

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -234,10 +234,13 @@ class TrainWorker:
                 share_prefix=req.share_prefix,
             )
             out, ent = self._run(req.role, model, batch, req.with_entropy)
+            # one device-to-host copy per micro-batch, not one (and one sync) per sample
+            rows = out.float().cpu().numpy()
+            ent_rows = None if entropy is None or ent is None else ent.float().cpu().numpy()
             for i, s in enumerate(real):
-                outputs.append(out[i, : s.response_len].float().cpu().numpy())
-                if entropy is not None and ent is not None:
-                    entropy.append(ent[i, : s.response_len].float().cpu().numpy())
+                outputs.append(rows[i, : s.response_len])
+                if entropy is not None and ent_rows is not None:
+                    entropy.append(ent_rows[i, : s.response_len])
         return ForwardResult(outputs, entropy)
 
     def _run(
@@ -251,16 +254,16 @@ class TrainWorker:
 
     # -- updates --------------------------------------------------------------------------------
     def update(self, req: UpdateRequest) -> UpdateResult:
-        """One PPO update. ``old_from_forward``: the samples carry no old logprobs; each micro-batch
-        takes its own forward's, detached, which is exact only before the first optimizer step."""
+        """One PPO update. ``old_from_forward``: the first mini-batch's samples carry no old
+        logprobs; each of its micro-batches takes its own forward's, detached, which is exact only
+        before the first optimizer step, so only with one epoch."""
         from learner.update import actor_micro_loss, critic_micro_loss
 
         if req.role == "critic":
             return self._update("critic", req.plans, req.epochs, critic_micro_loss)
-        if req.old_from_forward is not None and (req.epochs != 1 or len(req.plans) != 1):
+        if req.old_from_forward is not None and req.epochs != 1:
             raise ValueError(
-                f"old logprobs from the update's forward need one epoch and one mini-batch "
-                f"(got {req.epochs} epochs, {len(req.plans)} mini-batches)"
+                f"old logprobs from the update's forward need one epoch (got {req.epochs})"
             )
         return self._update("actor", req.plans, req.epochs, actor_micro_loss, req.old_from_forward)
 
@@ -282,16 +285,18 @@ class TrainWorker:
         grad_norms: list[float] = []
         skipped = 0
         for _ in range(epochs):
-            for plan in plans:
+            for p, plan in enumerate(plans):
+                # only the first mini-batch's forward runs on the weights before the update
+                off_policy = old_from_forward
+                if off_policy is not None and p > 0:
+                    off_policy = replace(off_policy, from_own_forward=False)
                 opt.zero_grad(set_to_none=True)
                 for i, micro in enumerate(plan.micro_batches):
                     set_micro_batch(model, i, len(plan.micro_batches))
                     batch = collate(
                         micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix
                     )
-                    loss, metrics = micro_loss(
-                        model, batch, plan, self.s, self.world, old_from_forward
-                    )
+                    loss, metrics = micro_loss(model, batch, plan, self.s, self.world, off_policy)
                     loss.backward()
                     metrics.update(layout_counts(batch, len(micro)))
                     for k, v in metrics.items():

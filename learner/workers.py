@@ -127,14 +127,17 @@ class WorkerGroup:
         batching: Batching,
         *,
         with_entropy: bool = False,
+        parts: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """Forward-only pass of ``role`` over ``samples`` on every rank; each sample's logprobs
-        (values for the critic) land in its field ``key``."""
-        plan = split_forward(samples, ranks=self.world, batching=batching)
+        """Forward-only pass of ``role`` over ``samples`` (only those of ``parts``, each part cut
+        on its own: `split_forward`) on every rank; each sample's logprobs (values for the critic)
+        land in its field ``key``. The samples travel without their per-token fields
+        (`Sample.tokens_only`): a forward reads none of them."""
+        plan = split_forward(samples, ranks=self.world, batching=batching, parts=parts)
         requests = [
             ForwardRequest(
                 role,
-                [[samples[i] if i >= 0 else None for i in chunk] for chunk in rank],
+                [[samples[i].tokens_only() if i >= 0 else None for i in chunk] for chunk in rank],
                 with_entropy=with_entropy,
                 packed=batching.packed,
                 share_prefix=batching.share_prefix,

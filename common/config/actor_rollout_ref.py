@@ -102,11 +102,12 @@ class OffPolicyConfig(Section):
     is_cap: float = Field(default=2.0, gt=0)
     """Truncation of the importance weight (truncated IS): weights above it are clipped to it."""
     skip_old_logprob_forward: Literal["auto", "never"] = "auto"
-    """auto: in recompute mode, when a step has one PPO epoch and one mini-batch (ppo_mini_batch_size
-    >= data.train_batch_size * rollout.n) and algorithm.use_kl_in_reward is off, take the old
-    logprobs from the update's own forward pass (detached) instead of a separate forward: the same
-    weights give the same numbers, so the ratio, loss, gradient, importance weights and metrics are
-    unchanged (verl does the same). never: always run the separate forward."""
+    """auto: in recompute mode, when a step has one PPO epoch and algorithm.use_kl_in_reward is
+    off, take the first mini-batch's old logprobs from the update's own forward pass (detached)
+    instead of a separate forward; later mini-batches still get a separate forward, of their
+    samples only, in the micro-batches the update runs them in. The same weights give the same
+    numbers, so the ratio, loss, gradient, importance weights and metrics are unchanged (verl does
+    the same with one mini-batch). never: always run the separate forward over every sample."""
 
 
 class PolicyLossConfig(Section):

@@ -283,7 +283,7 @@ def config(**kw: Any) -> Any:
         ({}, True),
         ({"off_policy": {"is_level": "sequence", "is_cap": 3.0}}, True),
         ({"actor": {"ppo_epochs": 2}}, False),
-        ({"actor": {"ppo_mini_batch_size": 4}}, False),  # two optimizer steps
+        ({"actor": {"ppo_mini_batch_size": 4}}, True),  # two optimizer steps: the first's from it
         ({"use_kl_in_reward": True}, False),  # the reward needs old logprobs before the update
         ({"off_policy": {"skip_old_logprob_forward": "never"}}, False),
         ({"off_policy": {"old_logprobs": "rollout"}}, False),
@@ -291,13 +291,18 @@ def config(**kw: Any) -> Any:
     ],
 )
 def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bool) -> None:
-    from learner.prepare import batching, old_logprobs_from_update
+    from learner.prepare import batching, old_logprob_parts, old_logprobs_from_update
 
     got = old_logprobs_from_update(config(**kw), step=0)
     assert (got is not None) == skips
     if got is not None:
         off = config(**kw).actor_rollout_ref.actor.off_policy
-        assert (got.is_level, got.is_cap) == (off.is_level, off.is_cap)
+        assert (got.is_level, got.is_cap, got.from_own_forward) == (off.is_level, off.is_cap, True)
+    # 8 samples: the forward before the update runs the mini-batches after the first only
+    mini = config(**kw).actor_rollout_ref.actor.ppo_mini_batch_size
+    assert old_logprob_parts(config(**kw), 8) == [
+        list(range(i, i + mini)) for i in range(mini, 8, mini)
+    ]
     assert batching(config()) == Batching(
         micro_size=2, max_tokens=1000, packed=True, share_prefix=True
     )

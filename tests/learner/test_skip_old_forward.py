@@ -2,7 +2,8 @@
 the separate old-logprob forward (``never``): one training step of the real trainer code
 (`Trainer._prepare` + `Trainer._update`, two FSDP2 workers on gloo, tiny model) gives the same
 metrics (losses, importance weights, logprob_diff, grad norm) and the same updated parameters
-within 1e-6."""
+within 1e-6 (after two optimizer steps, nearly all of them), with one mini-batch or with two (the first's old
+logprobs from the update, the second's from a forward of its own samples)."""
 
 from __future__ import annotations
 
@@ -114,8 +115,15 @@ async def one_step(
             "actor_rollout_ref.actor.entropy_coeff=0.01",
             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
         ],
+        # two mini-batches: the first's old logprobs from the update, the second's from a forward
+        # of its samples alone, cut as the update cuts them
+        [
+            "actor_rollout_ref.actor.off_policy.is_level=token",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+        ],
     ],
-    ids=["packed-token", "padded-sequence-kl"],
+    ids=["packed-token", "padded-sequence-kl", "two-mini-batches-kl"],
 )
 def test_skipping_the_old_logprob_forward_changes_nothing(
     tiny_model: Path, ray_cluster: Any, tmp_path: Path, extra: list[str]
@@ -151,5 +159,14 @@ def test_skipping_the_old_logprob_forward_changes_nothing(
     assert max(float(np.abs(w_full[n] - before[n]).max()) for n in w_full) > 1e-4, (
         "the step moved the weights"
     )
-    for n in w_full:
-        np.testing.assert_allclose(w_skip[n], w_full[n], atol=1e-6, rtol=0, err_msg=n)
+    if "actor_rollout_ref.actor.ppo_mini_batch_size=4" not in extra:
+        for n in w_full:
+            np.testing.assert_allclose(w_skip[n], w_full[n], atol=1e-6, rtol=0, err_msg=n)
+        return
+    # Two optimizer steps: the old logprobs come from other micro-batches on the two paths (all
+    # samples in one with `never`, each mini-batch's own with `auto`), which changes them by float32
+    # rounding (~1e-7). Adam's second step divides each gradient by the root of a second moment
+    # that two steps barely filled, so for a weight whose gradient is near zero that rounding moves
+    # the step by a visible part of lr (1e-3); every other weight agrees to 1e-6.
+    diff = np.concatenate([np.abs(w_skip[n] - w_full[n]).ravel() for n in w_full])
+    assert (diff <= 1e-6).mean() > 0.999 and diff.max() < 5e-5, (diff.max(), (diff > 1e-6).sum())
