@@ -171,7 +171,7 @@ def plan_run(
     from common.config.launch import rollout_gpus_of
     from common.epochs import total_steps
     from common.rundir import resolve_run_dir
-    from launcher.children import Child, child_env, cpu_share, python_argv
+    from launcher.children import ROLLOUT_CPU_NICE, Child, child_env, cpu_share, python_argv
 
     run_dir = resolve_run_dir(config).resolve()
     decided = launch_overrides(config, run_dir)
@@ -194,6 +194,7 @@ def plan_run(
         *args: str,
         gpus: list[int] | None = None,
         cpus: list[int] | None = None,
+        nice: int = 0,
     ) -> Child:
         return Child(
             name,
@@ -201,6 +202,7 @@ def plan_run(
             python_argv(ROOT / "bin" / script, [*base, *args]),
             logs / f"{name}.log",
             child_env(launch_id, gpus, events_file=events, cpus=cpus),
+            nice=nice,
         )
 
     n = final.launch.rollout_servers
@@ -243,6 +245,8 @@ def plan_run(
                 f"rollout_server.server_id=rs{i}",
                 gpus=rollout_gpus_of(final.launch, i),
                 cpus=cpu_share(i, n),
+                # CPU run: the learner's step is the critical path (children.yield_cpu)
+                nice=ROLLOUT_CPU_NICE if final.trainer.device == "cpu" else 0,
             )
             for i in range(n)
         ]

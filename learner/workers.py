@@ -50,6 +50,10 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
             "TOKENIZERS_PARALLELISM": "false",
         }
     }
+    # Ray starts its workers at niceness 15, below everything else on the machine; the training
+    # workers are the learner's critical path, and a rollout server sharing their cores would take
+    # them (launcher.children.yield_cpu lowers the servers instead).
+    env["env_vars"]["RAY_worker_niceness"] = "0"
     address = address or os.environ.get("RAY_ADDRESS") or None  # an explicit choice of cluster
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
