@@ -10,7 +10,8 @@ process that left the group (a daemon that called setsid) and no process of a ru
 Output goes to one log file per child, appended, so a restarted child continues its file. Each
 child's environment (`child_env`) also carries its GPUs (``CUDA_VISIBLE_DEVICES`` from
 ``launch.learner_gpus`` / ``launch.rollout_gpus``), a local rollout server its own CPUs for
-vLLM-CPU (`cpu_share`), and NVLink multicast switched off.
+vLLM-CPU (`cpu_share`), and NVLink multicast switched off. On a CPU run with
+``launch.rollout_cpu_nice`` a local rollout server also yields the cores to the learner (`yield_cpu`).
 A `RemoteChild` (a rollout server placed on a Ray node, `launcher.ray_placement`) is the same
 child seen through its host: signals and the group kill go through the host, and `stop_all` and
 `kill_tree` treat it exactly like a local one.
@@ -45,6 +46,8 @@ class Child:
     log: Path
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    nice: int = 0
+    """> 0: started at this lower CPU priority, its session too (`yield_cpu`)."""
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
     """Every leader pid it has had (restarts included)."""
@@ -66,6 +69,8 @@ class Child:
                 env=self.env,
                 start_new_session=True,
             )
+        if self.nice > 0:
+            yield_cpu(self.proc.pid, self.nice)
         self.pids.append(self.proc.pid)
 
     @property
@@ -133,6 +138,28 @@ def cpu_share(index: int, count: int, cpus: Sequence[int] | None = None) -> list
         return [pool[index % len(pool)]]
     per = len(pool) // count
     return pool[index * per : (index + 1) * per]
+
+
+def yield_cpu(pid: int, nice: int) -> None:
+    """Lower the CPU priority of process `pid` (a child that leads its own session, before it
+    starts anything) to `nice`, and of its session where the kernel shares the CPU between sessions
+    first (autogroup: there a process's own niceness only ranks it within its session).
+
+    Why: on a CPU run the rollout servers and the learner share the cores, and the learner's step is
+    the run's critical path (the servers generate ahead, up to max_staleness). At equal priority each
+    session gets an equal share, so while two servers generate the next batch (right after each
+    weights update, during the learner's prepare) the learner's session gets a third of the cores,
+    and its torch thread pool, which waits at every parallel region for whichever of its threads is
+    off a core, all but stops. Best effort: a kernel without autogroup has no /proc/PID/autogroup,
+    and the niceness alone then does it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except OSError:
+        pass  # the process is gone: nothing to lower
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        pass  # no autogroup here (or no /proc): the niceness above is the whole of it
 
 
 def child_env(

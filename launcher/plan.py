@@ -212,6 +212,7 @@ def plan_run(
         *args: str,
         gpus: list[int] | None = None,
         cpus: list[int] | None = None,
+        nice: int = 0,
     ) -> Child:
         return Child(
             name,
@@ -219,6 +220,7 @@ def plan_run(
             python_argv(ROOT / "bin" / script, [*base, *args]),
             logs / f"{name}.log",
             child_env(launch_id, gpus, events_file=events, cpus=cpus),
+            nice=nice,
         )
 
     n = final.launch.rollout_servers
@@ -252,6 +254,8 @@ def plan_run(
                 *shards[i],
                 gpus=rollout_gpus_of(final.launch, i),
                 cpus=cpu_share(i, n),
+                # CPU run: the learner's step is the critical path (children.yield_cpu)
+                nice=final.launch.rollout_cpu_nice if final.trainer.device == "cpu" else 0,
             )
             for i in range(n)
         ]

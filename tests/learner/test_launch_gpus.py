@@ -16,7 +16,14 @@ import pytest
 from common.config import Config, ConfigError, load_config
 from common.config.launch import launch_issues, rollout_gpus_of, rollout_memory_of
 from common.multicast import multicast_env
-from launcher.children import LAUNCH_ID_ENV, MULTICAST_OFF, VLLM_CPU_BIND_ENV, child_env, cpu_share
+from launcher.children import (
+    LAUNCH_ID_ENV,
+    MULTICAST_OFF,
+    VLLM_CPU_BIND_ENV,
+    child_env,
+    cpu_share,
+    yield_cpu,
+)
 from launcher.plan import check_launch, plan_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +73,35 @@ def test_each_local_rollout_server_gets_its_own_cores() -> None:
         child_env("L", None, base={VLLM_CPU_BIND_ENV: "auto"}, cpus=[1])[VLLM_CPU_BIND_ENV]
         == "auto"
     )
+
+
+def test_local_rollout_servers_yield_the_cpu_to_the_learner_on_cpu_runs(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    cases = (("cpu", 19, 19), ("cuda", 19, 0), ("cpu", 0, 0))  # device, asked, got
+    for device, asked, nice in cases:
+        overrides = [
+            *BASE,
+            f"actor_rollout_ref.model.path={tmp_path / 'm'}",
+            f"trainer.run_dir={tmp_path / device}",
+            "launch.rollout_servers=2",
+            f"launch.rollout_cpu_nice={asked}",
+            f"trainer.device={device}",
+        ]
+        plan = plan_run(None, overrides, load_config(None, overrides, check_paths=False), None)
+        assert [c.nice for c in plan.rollouts] == [nice, nice], device
+        assert plan.learner.nice == 0
+    # a child in its own session, as Child.start makes it: its niceness, and its session's where
+    # the kernel groups by session
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        yield_cpu(proc.pid, 19)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == 19
+        group = Path(f"/proc/{proc.pid}/autogroup")
+        if group.exists():
+            assert group.read_text().split()[-1] == "19"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_rollout_gpus_wrap_around() -> None:
