@@ -6,6 +6,7 @@ here, and a missing matplotlib becomes an error that says which figure needs it 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -25,3 +26,11 @@ def pyplot(what: str) -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig: Any, out: Path) -> Path:
+    """Lay ``fig`` out and write it to ``out`` (its folder made), at the project's 100 dpi."""
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

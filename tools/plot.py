@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.figures import pyplot
+from tools.figures import pyplot, save
 
 PLOT_FILE = "training_curves.png"
 
@@ -139,9 +139,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             ax.axis("off")
         last = records[-1]["step"]
         fig.suptitle(f"{run_dir.resolve().name}: {len(records)} records, last step {last}")
-        fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
+        save(fig, out)
     finally:
         plt.close(fig)
     return out

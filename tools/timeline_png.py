@@ -26,7 +26,7 @@ from common.timeline import (
     VALIDATE_SPAN,
     Track,
 )
-from tools.figures import pyplot
+from tools.figures import pyplot, save
 from tools.timeline_read import Timeline, level, rate, steps
 
 PHASE_COLORS = {
@@ -102,9 +102,7 @@ def draw_png(tl: Timeline, out: Path, *, title: str = "") -> Path:
         if left > 0:
             summary += f"; the first {left:.0f} s (start-up) left out"
         fig.suptitle(f"{title}: {summary}" if title else summary, fontsize=11)
-        fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
+        save(fig, out)
     finally:
         plt.close(fig)
     return out
