@@ -85,13 +85,27 @@ async def check_handshake(fl: FakeLearner) -> None:
         fl.note(f"HELLO asked for weights (policy_version -1): sent version {fl.policy_version}")
 
 
+async def _generated_batch(fl: FakeLearner, what: str) -> Received:
+    """The session's next batch, which must first be generated: waited for like a validation run.
+
+    A real engine on a loaded machine may take longer than --timeout to finish a group, while its
+    heartbeats show that the session lives. So the wait runs up to --timeout + --wait, and ends
+    at once on a HELLO or an ERROR (the session was lost) or after --timeout s of silence.
+    """
+    return await fl.next(
+        what,
+        fl.from_session(TrajectoryBatch),
+        timeout=fl.timeout + fl.wait,
+        fail_if=lambda r: isinstance(r.msg, Error | Hello),
+        silence=fl.timeout,
+    )
+
+
 @register("rollout-server")
 async def check_credit_respected(fl: FakeLearner) -> None:
     """With 1 credit exactly 1 batch arrives (none more for ~1 s); an ACK granting 2 -> at most 2 more."""
     s = fl.require_session()
-    first = await fl.next(
-        "TRAJECTORY_BATCH (WELCOME granted 1 credit)", fl.from_session(TrajectoryBatch)
-    )
+    first = await _generated_batch(fl, "TRAJECTORY_BATCH (WELCOME granted 1 credit)")
     extra = await fl.collect(QUIET_S, fl.from_session(TrajectoryBatch))
     if extra:
         raise CheckFailed(
@@ -99,11 +113,7 @@ async def check_credit_respected(fl: FakeLearner) -> None:
             f"was in use (batch {first.as_(TrajectoryBatch).seq} not yet acknowledged)"
         )
     await fl.ack([first.as_(TrajectoryBatch).seq], 2)
-    more = [
-        await fl.next(
-            "TRAJECTORY_BATCH after an ACK granting 2 credits", fl.from_session(TrajectoryBatch)
-        )
-    ]
+    more = [await _generated_batch(fl, "TRAJECTORY_BATCH after an ACK granting 2 credits")]
     while True:  # until QUIET_S passes without a batch
         got = await fl.collect(QUIET_S, fl.from_session(TrajectoryBatch))
         more += got
