@@ -77,7 +77,8 @@ def main(
     `check_paths` False skips the filesystem checks (model directory, key files) for a process
     that never reads them. `preflight` ("module:function", see `check_preflight`) is what `--check`
     verifies beyond the config: the names and data files this process would refuse at start."""
-    args = build_parser(prog, description).parse_args(argv)
+    # intermixed: an option after the overrides (`bin/learner a=b --log-format json`) is still one
+    args = build_parser(prog, description).parse_intermixed_args(argv)
 
     from common.config import ConfigError, dump_config, load_config
     from common.logging import configure_logging, format_from_env, get_logger

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "directory; shows progress, restarts rollout servers that die, stops everything on "
         "Ctrl-C, and draws RUN_DIR/training_curves.png at the end.",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may follow the overrides
 
     from common.config import ConfigError, dump_config, load_config
     from common.logging import configure_logging, format_from_env, get_logger

@@ -196,9 +196,9 @@ def plan_run(
     extra = decided.overrides
     final = load_config(config_file, [*user_overrides, *extra], check_paths=True)
     base = ["--config", config_file] if config_file is not None else []
-    base += [*user_overrides, *extra]
-    if log_format is not None:
+    if log_format is not None:  # options before the overrides: each child appends its own after
         base += ["--log-format", log_format]
+    base += [*user_overrides, *extra]
     launch_id = uuid.uuid4().hex
     logs = run_dir / "logs"
     from common.run_events import EVENTS_FILE
