@@ -42,31 +42,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_launch(config, args.config, args.overrides)
         from common.cli import (
             LEARNER_PREFLIGHT,
-            ROLLOUT_PREFLIGHT,
             TOOL_SERVER_PREFLIGHT,
+            TRAIN_ROLLOUT_PREFLIGHT,
             check_preflight,
             print_aliases,
         )
 
+        # What the learner (its metric sinks), the rollout servers (names, every row of the data)
+        # and the tool server would refuse at start: checked before anything starts, since it
+        # would otherwise fail only after Ray started, or in rollout servers, one after another.
+        preflights = [
+            LEARNER_PREFLIGHT,
+            TRAIN_ROLLOUT_PREFLIGHT,
+            *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else []),
+        ]
         if args.check:
             print_aliases(config)
-            # What the learner (its metric sinks), the rollout servers (names, data) and the tool
-            # server would refuse at start.
-            preflights = [
-                LEARNER_PREFLIGHT,
-                ROLLOUT_PREFLIGHT,
-                *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else []),
-            ]
-            if status := max(check_preflight(p, config) for p in preflights):
-                return status
+        if status := max(check_preflight(p, config) for p in preflights):
+            return status
+        if args.check:
             sys.stdout.write(dump_config(config))
             return 0
-        # Cheap, and what would otherwise fail only after Ray started, or in a rollout server that
-        # is restarted over and over on a data file it cannot read.
-        if status := max(
-            check_preflight(p, config) for p in (LEARNER_PREFLIGHT, ROLLOUT_PREFLIGHT)
-        ):
-            return status
         plan = plan_run(args.config, args.overrides, config, args.log_format)
     except ConfigError as exc:
         print(exc, file=sys.stderr)

@@ -42,6 +42,8 @@ from launcher.plan import (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_REFUSED = 2
+"""How a process ends that refuses its config or data (common.cli, rollout_service.app)."""
 
 
 class Supervisor:
@@ -307,6 +309,12 @@ class Supervisor:
             self.finished.add(child.name)
             self.log.info(f"{child.title} finished", log=str(child.log))
             return None
+        if code == EXIT_REFUSED:
+            return self._fail(
+                f"{child.title} refused its config or data ({child.describe_exit()}); not "
+                "restarted, since a restart would meet the same",
+                child,
+            )
         limit = self.plan.config.launch.max_restarts
         if child.restarts >= limit:
             return self._fail(

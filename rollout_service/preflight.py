@@ -39,15 +39,25 @@ class _Findings:
     rewards: dict[str, str] = field(default_factory=dict)  # reward function named by rows -> where
 
 
-def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: bool) -> None:
-    """Read the first rows of each file and note the agent types and reward functions they name.
-    ``fatal`` False: data problems are only warnings (validation files)."""
+def _peek(
+    data: Any,
+    key: str,
+    paths: list[str],
+    found: _Findings,
+    *,
+    fatal: bool,
+    limit: int | None = PEEK_ROWS,
+    local: bool = False,
+) -> None:
+    """Read the first ``limit`` rows of each file (None: all) and note the agent types and reward
+    functions they name. ``fatal`` False: data problems are only warnings (validation files).
+    ``local``: the servers run on this machine, so a missing file is a problem, not a warning."""
     problems = found.issues if fatal else found.warnings
     for i, path in enumerate(paths):
         file_key = f"{key}.{i}" if len(paths) > 1 else key
         if not Path(path).is_file():
             # Data may live only on the rollout hosts (like their checkouts of a shared config).
-            found.warnings.append(
+            (problems if local else found.warnings).append(
                 Issue(
                     file_key,
                     f"{path}: no such data file on this machine; its "
@@ -59,7 +69,7 @@ def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: boo
             rows = located_rows(
                 path,
                 max_row_bytes=data.max_row_bytes,
-                limit=PEEK_ROWS,
+                limit=limit,
                 options=layout_options(data),
             )
         except DataError as e:
@@ -72,8 +82,11 @@ def _peek(data: Any, key: str, paths: list[str], found: _Findings, *, fatal: boo
                 found.rewards.setdefault(row["reward_fn"], f"{path}: {where}: field 'reward_fn'")
 
 
-def check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
-    """(problems a rollout server would refuse at start, warnings) for ``config``."""
+def check_issues(
+    config: Config, *, limit: int | None = PEEK_ROWS, local: bool = False
+) -> tuple[list[Issue], list[Issue]]:
+    """(problems a rollout server would refuse at start, warnings) for ``config``: the first
+    ``limit`` rows of each data file (None: every row); ``local`` as in `_peek`."""
     import rollout_service.rewards as rewards_pkg
     from rollout_service.agents import load_builtin_agents
     from rollout_service.agents.base import AGENTS
@@ -91,9 +104,17 @@ def check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
         key = f"data.datasets.{j}" if data.datasets else "data.train_files"
         if source.agent_type:
             found.agents.setdefault(source.agent_type, f"{key}.agent_type")
-        _peek(data, f"{key}.path" if data.datasets else key, list(source.paths), found, fatal=True)
+        _peek(
+            data,
+            f"{key}.path" if data.datasets else key,
+            list(source.paths),
+            found,
+            fatal=True,
+            limit=limit,
+            local=local,
+        )
     training_agents, training_rewards = dict(found.agents), dict(found.rewards)
-    _peek(data, "data.val_files", list(data.val_files), found, fatal=False)
+    _peek(data, "data.val_files", list(data.val_files), found, fatal=False, limit=limit)
 
     load_builtin_agents()
     known = ", ".join(AGENTS.names())
@@ -117,6 +138,13 @@ def check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
             )
             (found.issues if name in training_rewards else found.warnings).append(problem)
     return found.issues, found.warnings
+
+
+def train_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
+    """bin/train's check before it starts anything: every row of every data file (a bad row far
+    into a file would otherwise stop each rollout server after the learner and Ray started), and a
+    training file missing here is a problem when the servers run on this machine."""
+    return check_issues(config, limit=None, local=config.launch.placement == "local")
 
 
 def _tool_option_issues(config: Config, agents: set[str]) -> list[Issue]:

@@ -340,6 +340,27 @@ def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path
     assert "unknown agent type 'no_such_agent'" in result.stderr
 
 
+def test_train_reads_every_row_and_needs_its_data_here(config_file: Path, tmp_path: Path) -> None:
+    # A bad row past the rollout server's peek once started the learner, Ray and six rollout
+    # server launches before the run exited 1: bin/train reads every row before it starts anything.
+    rows = tmp_path / "long.jsonl"
+    lines = ['{"question": "q?", "answer": 1}'] * 300
+    lines[249] = '{"question": "q?", "answer": 1, "agent": "no_such_agent"}'
+    rows.write_text("\n".join(lines) + "\n")
+    server = run_bin(
+        ROLLOUT_SERVER, "--config", str(config_file), "--check", f"data.train_files={rows}"
+    )
+    assert server.returncode == 0, server.stderr  # a standalone server's check peeks
+    result = run_bin(TRAIN, "--config", str(config_file), "--check", f"data.train_files={rows}")
+    assert result.returncode == 2
+    assert f"{rows}: line 250: field 'agent': unknown agent type 'no_such_agent'" in result.stderr
+    # The servers bin/train starts here read their data here: a missing file is refused.
+    missing = tmp_path / "missing.jsonl"
+    result = run_bin(TRAIN, "--config", str(config_file), "--check", f"data.train_files={missing}")
+    assert result.returncode == 2
+    assert f"{missing}: no such data file" in result.stderr
+
+
 # ---------------------------------------------------------------- bin/* from any shell
 
 
