@@ -2,7 +2,9 @@
 
 Design: the engine is started before the server connects to the learner (a server that cannot
 load its model should fail before announcing itself) and shut down in ``finally``, so vLLM's
-worker processes go away on success, on error and on Ctrl-C / SIGTERM alike.
+worker processes go away on success, on error and on Ctrl-C / SIGTERM alike. For the ends that
+run no ``finally`` (SIGKILL, the OOM killer), `common.reaper` watches the server from outside and
+kills what vLLM started.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
 
 
 async def serve(config: Config, run_dir: Path) -> int:
+    from common import reaper
     from common.logging import get_logger
     from rollout_service.engine.vllm_engine import VllmEngine
     from rollout_service.server import RolloutServer, StartupError
@@ -28,6 +31,7 @@ async def serve(config: Config, run_dir: Path) -> int:
     except (StartupError, ValueError) as e:
         log.error(f"cannot start: {e}")
         return 2
+    reaper.watch()  # before the engine: its processes must not outlive a server killed -9
     engine = await VllmEngine.from_config(config.actor_rollout_ref)
     try:
         server.attach_engine(engine)
