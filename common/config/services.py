@@ -50,7 +50,8 @@ class RolloutServerConfig(Section):
     reward_by_data_source: dict[str, str] = Field(default_factory=dict)
     """Reward function per data source, overriding reward_fn (a row's own `reward_fn` field wins)."""
     tool_timeout_s: float = Field(default=30.0, gt=0)
-    """Wall-clock limit of one tool call of any kind; a slower call becomes an error response."""
+    """Wall-clock limit of one tool call of any kind; a slower call becomes an error response. A
+    rate-limited tool's wait for its token is not counted (tools.rate_limits.acquire_timeout_s)."""
     weights_timeout_s: float = Field(default=60.0, gt=0)
     """A weight transfer from the learner is abandoned when no new chunk has arrived for this long,
     or when it is not complete this long plus its size at ``weights_min_mb_per_s`` after its

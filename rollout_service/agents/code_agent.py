@@ -17,13 +17,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import anyio
-
 from common.config.agents import CodeAgentConfig
 from common.logging import get_logger
 from rollout_service.agents.base import AGENTS, AgentDeps, generate_turn, start
 from rollout_service.agents.episode import Episode, State
 from rollout_service.tools.base import ToolContext, ToolResult
+from rollout_service.tools.limited import call_tool
 
 log = get_logger("agent.code")
 
@@ -152,8 +151,7 @@ class CodeAgent:
         ctx = ToolContext(episode_id=ep.episode_id, row=ep.row, state=ep.tool_state)
         timeout = self.deps.limits.tool_timeout_s
         try:
-            with anyio.fail_after(timeout):
-                return await self.python.call({"code": code}, ctx)
+            return await call_tool(self.python, {"code": code}, ctx, timeout)
         except TimeoutError:
             return ToolResult(f"error: the code took longer than {timeout:g} s", ok=False)
         except Exception as e:  # a bug in the tool must not end the server

@@ -20,6 +20,7 @@ from rollout_service.agents.base import AGENTS, AgentDeps, generate_turn, start
 from rollout_service.agents.episode import Episode, State
 from rollout_service.agents.parsers import ParsedTurn, ToolCall
 from rollout_service.tools.base import ToolContext, ToolResult
+from rollout_service.tools.limited import call_tool
 
 log = get_logger("agent")
 
@@ -180,8 +181,7 @@ class ToolAgent:
             return ToolResult(f"error: unknown tool {call.name!r}; available: {known}", ok=False)
         timeout = self.deps.limits.tool_timeout_s
         try:
-            with anyio.fail_after(timeout):
-                return await tool.call(call.arguments, ctx)
+            return await call_tool(tool, call.arguments, ctx, timeout)
         except TimeoutError:
             return ToolResult(f"error: tool {call.name!r} took longer than {timeout:g} s", ok=False)
         except Exception as e:  # a bug in a tool must not end the episode, let alone the server

@@ -341,3 +341,38 @@ async def test_a_turn_ending_on_another_end_token_at_the_budget_stays_within_it(
         ).run(ep)
         assert len(ep.response_ids) == 5 + closed <= budget, (budget, ep.response_ids)
         assert (ep.response_ids[-1] == renderer.eos_id) == closed and ep.mask[:5] == [1] * 5
+
+
+@pytest.mark.anyio
+async def test_a_binding_rate_limit_paces_calls_instead_of_timing_them_out(
+    renderer: ChatRenderer, tokenizer: Any, tmp_path: Any
+) -> None:
+    # The wait for a token once counted against tool_timeout_s, so under a binding limit calls
+    # failed as "took longer than 30 s" long before acquire_timeout_s.
+    from common.ratelimit import Bucket, GlobalRateLimiter
+    from rollout_service.tools.limited import rate_limited
+
+    limiter = GlobalRateLimiter(tmp_path / "rl", {"echo": Bucket(per_minute=240, burst=1)})
+    tools = rate_limited({"echo": EchoTool()}, limiter)  # a token every 0.25 s
+    turns = [call("echo", text="a") + call("echo", text="b"), call("echo", text="c"), "done"]
+    agent = make(
+        renderer, ScriptedEngine(tokenizer, turns), [], tool_timeout_s=0.1, max_parallel_calls=2
+    )
+    agent.deps.tools.update(tools)
+    ep = episode()
+    await agent.run(ep)
+    assert ep.tool_calls == 3 and ep.tool_errors == 0, renderer.decode(ep.response_ids)
+    # the call itself is still bounded by tool_timeout_s
+    slow = make(renderer, ScriptedEngine(tokenizer, [call("echo"), "done"]), [], tool_timeout_s=0.1)
+    slow.deps.tools["echo"] = SlowTool()
+    ep = episode()
+    await slow.run(ep)
+    assert ep.tool_errors == 1 and "took longer than 0.1 s" in renderer.decode(ep.response_ids)
+
+
+class SlowTool(EchoTool):
+    async def call(self, args: dict[str, Any], ctx: Any) -> Any:
+        import anyio
+
+        await anyio.sleep(5)
+        return await super().call(args, ctx)

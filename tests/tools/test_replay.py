@@ -302,6 +302,25 @@ def test_rerun_of_an_untouched_recording_has_no_divergence(run_dir: Path, capsys
     assert "result: no divergence" in capsys.readouterr().out
 
 
+def test_rerun_does_not_wait_on_the_live_runs_rate_limits(run_dir: Path, capsys: Any) -> None:
+    # A rerun once took its tokens from the run's buckets: behind a live run it waited minutes and
+    # its calls failed. Here the run's calculator bucket is empty and refills once a minute.
+    from common.ratelimit import Bucket, GlobalRateLimiter
+
+    limits = [
+        "tools.rate_limits.limits={calculator: {per_minute: 1, burst: 50}}",
+        "tools.rate_limits.acquire_timeout_s=1",
+    ]
+    live = GlobalRateLimiter(run_dir / "ratelimit", {"calculator": Bucket(per_minute=1, burst=50)})
+    for _ in range(50):
+        live.acquire_blocking("calculator")
+    assert main(["rerun", str(run_dir), *limits, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["diverged"] == 0
+    # Asked to share the run's buckets, it meets the empty one: the calls fail, and it says so.
+    assert main(["rerun", str(run_dir), *limits, "--json", "--shared-limits"]) == 1
+    assert json.loads(capsys.readouterr().out)["summary"]["diverged"] > 0
+
+
 def test_rerun_finds_a_changed_tool_output_with_its_position(
     run_dir: Path, tiny_model: Path, tmp_path: Path, capsys: Any
 ) -> None:

@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=int, default=8, metavar="N", help="groups rerun at once (default 8)"
     )
     p.add_argument(
+        "--shared-limits",
+        action="store_true",
+        help="rate-limited tools take tokens from the run's own buckets (default: buckets of the "
+        "rerun's own, with the same limits, so a rerun never waits on a live run's tokens)",
+    )
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=args.overrides,
             as_json=args.json,
             concurrency=args.concurrency,
+            shared_limits=args.shared_limits,
         )
     except ReplayError as e:
         print(f"replay {args.command}: error: {e}", file=sys.stderr)

@@ -69,9 +69,13 @@ def _group_problem(episodes: list[RecordedEpisode]) -> str | None:
 
 
 async def rerun_recording(
-    rec: locate.Recording, config: Config, *, concurrency: int = 8
+    rec: locate.Recording, config: Config, *, concurrency: int = 8, shared_limits: bool = False
 ) -> dict[str, Any]:
-    """Rerun every episode of one server's recording; the report as a JSON-able dict."""
+    """Rerun every episode of one server's recording; the report as a JSON-able dict.
+
+    Rate-limited tools keep their limits, in buckets of the rerun's own: a rerun does not wait on
+    the tokens of a run that may still be live. `shared_limits` takes tokens from the run's own
+    buckets instead (when the rerun calls the same metered API as a live run)."""
     import anyio
     from transformers import AutoTokenizer
 
@@ -142,9 +146,11 @@ async def rerun_recording(
     )
     limits_cfg = config.tools.rate_limits
     with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
-        # Real limits share their state with the run (same buckets); without any, touch nothing of it.
-        state_root = rec.run_dir if limits_cfg.limits and rec.run_dir is not None else Path(scratch)
-        limiter = GlobalRateLimiter.from_config(limits_cfg, state_root)
+        shared = bool(shared_limits and limits_cfg.limits and rec.run_dir is not None)
+        state_root = rec.run_dir if shared and rec.run_dir is not None else Path(scratch)
+        # its own buckets: the run's state_dir (possibly shared by several jobs) is not touched
+        own = limits_cfg if shared else limits_cfg.model_copy(update={"state_dir": None})
+        limiter = GlobalRateLimiter.from_config(own, state_root)
         set_shared(limiter)
         mt = config.actor_rollout_ref.rollout.multi_turn
         base = AgentDeps(
@@ -299,6 +305,7 @@ def run(
     overrides: list[str] | None = None,
     as_json: bool = False,
     concurrency: int = 8,
+    shared_limits: bool = False,
     out: TextIO | None = None,
 ) -> int:
     """Rerun every recording ``path`` names; exit status 0 when nothing diverged and all reran."""
@@ -311,7 +318,15 @@ def run(
     for rec in locate.find(path):
         cfg = locate.load_run_config(rec, config=config, model=model, overrides=overrides or [])
         reports.append(
-            anyio.run(functools.partial(rerun_recording, rec, cfg, concurrency=concurrency))
+            anyio.run(
+                functools.partial(
+                    rerun_recording,
+                    rec,
+                    cfg,
+                    concurrency=concurrency,
+                    shared_limits=shared_limits,
+                )
+            )
         )
     keys = (
         "batches",
