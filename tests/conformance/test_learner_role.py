@@ -157,19 +157,13 @@ def test_a_strict_learner_rejects_exactly_the_excess_of_a_burst() -> None:
 
 def test_nothing_listening_fails_the_handshake_quickly() -> None:
     t0 = time.monotonic()
+    target = f"tcp://127.0.0.1:{free_port()}"
     out = run_cli(
-        "--target",
-        f"tcp://127.0.0.1:{free_port()}",
-        "--role",
-        "learner",
-        "--timeout",
-        "0.5",
-        "--only",
-        "handshake",
+        "--target", target, "--role", "learner", "--timeout", "0.5", "--only", "handshake"
     )
     assert out.returncode == 1
-    assert (
-        out.stdout.splitlines()[0] == "FAIL handshake: no WELCOME within 0.5 s (received: nothing)"
+    assert out.stdout.splitlines()[0] == (
+        f"FAIL handshake: nothing is listening at {target} (connection refused)"
     )
     assert time.monotonic() - t0 < 10
 
@@ -188,3 +182,32 @@ def test_usage_errors_and_help() -> None:
 @pytest.mark.parametrize("role", ["learner", "rollout-server"])
 def test_every_check_has_a_summary(role: str) -> None:
     assert all(c.summary for c in registry.checks(role))
+
+
+def test_missing_or_wrong_credentials_are_named_within_seconds() -> None:
+    import asyncio
+
+    import zmq.asyncio
+
+    from protocol.zmq_transport import ZmqServerChannel
+    from tools.conformance import reach
+
+    async def probe() -> tuple[str | None, str | None, str | None]:
+        zctx = zmq.asyncio.Context()
+        learner = ZmqServerChannel("tcp://127.0.0.1:0", token="s3cret", context=zctx)
+        try:
+            return (
+                await reach.diagnose(zctx, learner.address, None),
+                await reach.diagnose(zctx, learner.address, "wrong"),
+                await reach.diagnose(zctx, learner.address, "s3cret"),
+            )
+        finally:
+            learner.close()
+            zctx.destroy(linger=0)
+
+    t0 = time.monotonic()
+    none, wrong, right = asyncio.run(probe())
+    assert none is not None and "expects credentials" in none and "--token-file" in none
+    assert wrong is not None and "refused our credentials" in wrong
+    assert right is None
+    assert time.monotonic() - t0 < 5

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.messages import Identity
-from tools.conformance import registry, wire
+from tools.conformance import reach, registry, wire
 from tools.conformance.registry import Check, CheckContext, CheckFailed, Result, Role
 
 
@@ -153,10 +153,21 @@ async def run_suite(
             finally:
                 probe.close(linger=0)
             address = opts.target
+            unreachable = await reach.diagnose(
+                zctx, opts.target, opts.token, min(reach.PROBE_S, max(opts.timeout, 1.0))
+            )
             for check in checks:
                 limit, limit_name = _limit(opts, end)
                 if limit <= 0:
                     done(_not_run(check, opts))
+                    continue
+                if unreachable is not None:  # the first check says why; none of them can pass
+                    first = check is checks[0]
+                    done(
+                        Result(
+                            check.name, False, unreachable if first else "not run: " + unreachable
+                        )
+                    )
                     continue
                 ctx = LearnerTarget(
                     zctx,
