@@ -7,7 +7,11 @@ means reading a file back goes through ``protocol.codec.decode``, so a replay or
 trajectories validated by the same code as the learner's, and nothing is ever unpickled.
 
 Files are written to a temporary name and renamed, so a reader never sees half a batch; spool
-files are also fsynced (they are the only copy until the learner acknowledges them).
+files are also fsynced (they are the only copy until the learner acknowledges them). Each file
+carries an xxh3 checksum of every frame and of its meta, and every reader checks them (unless
+asked not to, ``verify=False``), so a flipped byte or an edited reward or mask is refused with the
+file and the part named, not replayed or trained. Format 1 files predate the checksums and are read
+unchecked.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, cast
 
 import anyio
 import msgpack
+import xxhash
 
 from common.fileio import atomic_write_bytes
 from protocol import codec
@@ -29,13 +34,19 @@ from protocol.errors import ProtocolError
 from protocol.messages import TrajectoryBatch
 from protocol.trajectory import Trajectory
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: with ``checksums``; 1 (without) is still read."""
+READABLE_FORMATS = (1, 2)
 _DEFAULT_LIMITS = codec.CodecLimits()
 _NAME = re.compile(r"^batch-(\d+)\.msgpack$")
 
 
 class BatchFileError(ValueError):
     """A batch file is not in the documented format or does not hold a valid batch."""
+
+
+class ChecksumError(BatchFileError):
+    """A batch file's content does not match the checksums written with it."""
 
 
 @dataclass(frozen=True)
@@ -68,17 +79,25 @@ def remove_temporaries(directory: Path) -> int:
     return len(stale)
 
 
+def _meta_sum(server_id: Any, seq: Any, at: Any) -> int:
+    return xxhash.xxh3_64_intdigest(cast(bytes, msgpack.packb([server_id, seq, at])))
+
+
 def pack_batch_file(
     frames: Sequence[codec.Frame], *, server_id: str, seq: int, at: float | None = None
 ) -> bytes:
+    at = time.time() if at is None else at
+    raw = [codec.view(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames]
     doc = {
         "format": FORMAT_VERSION,
         "server_id": server_id,
         "seq": seq,
-        "time": time.time() if at is None else at,
-        "frames": [
-            codec.view(f).cast("B").tobytes() if not isinstance(f, bytes) else f for f in frames
-        ],
+        "time": at,
+        "frames": raw,
+        "checksums": {
+            "meta": _meta_sum(server_id, seq, at),
+            "frames": [xxhash.xxh3_64_intdigest(f) for f in raw],
+        },
     }
     return cast(bytes, msgpack.packb(doc, use_bin_type=True))  # None only when given a stream
 
@@ -91,9 +110,10 @@ def write_batch_file(
 
 
 def read_batch_file(
-    path: Path, limits: codec.CodecLimits = _DEFAULT_LIMITS
+    path: Path, limits: codec.CodecLimits = _DEFAULT_LIMITS, *, verify: bool = True
 ) -> tuple[BatchMeta, TrajectoryBatch]:
-    """Blocking. The file's meta and its decoded, validated batch; ``BatchFileError`` otherwise."""
+    """Blocking. The file's meta and its decoded, validated batch; ``BatchFileError`` otherwise
+    (``ChecksumError`` for content that changed after it was written, unless not ``verify``)."""
     try:
         doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=True, ext_hook=_no_ext)
     except BatchFileError:
@@ -103,6 +123,8 @@ def read_batch_file(
             f"{path}: not a msgpack batch file ({type(e).__name__}: {e})"
         ) from None
     meta = _meta(doc, path)
+    if verify and meta.format >= 2:
+        _check_sums(doc, path)
     try:
         msg = codec.decode(doc["frames"], limits)
     except ProtocolError as e:
@@ -116,12 +138,47 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise BatchFileError(f"msgpack extension type {code} is not allowed in a batch file")
 
 
+def _frame_name(frames: list[bytes], i: int) -> str:
+    """What frame `i` of a TRAJECTORY_BATCH holds, for a message (see protocol/SPEC.md)."""
+    if i == 0:
+        return "frame 0 (the message type)"
+    if i == 1:
+        return "frame 1 (the header: per-trajectory fields such as reward, lengths and ids)"
+    try:
+        columns = msgpack.unpackb(frames[1], raw=False, ext_hook=_no_ext).get("columns")
+        return f"frame {i} (column {columns[i - 2][0]!r})"
+    except Exception:  # a damaged header: the index alone
+        return f"frame {i}"
+
+
+def _check_sums(doc: dict[str, Any], path: Path) -> None:
+    sums, frames = doc.get("checksums"), doc["frames"]
+    if (
+        not isinstance(sums, dict)
+        or not isinstance(sums.get("meta"), int)
+        or not isinstance(sums.get("frames"), list)
+    ):
+        raise ChecksumError(f"{path}: field 'checksums' missing or of the wrong type")
+    changed = "was changed after it was written (replay --unchecked reads it anyway)"
+    if sums["meta"] != _meta_sum(doc["server_id"], doc["seq"], doc["time"]):
+        raise ChecksumError(f"{path}: its meta (server_id, seq or time) {changed}")
+    if len(sums["frames"]) != len(frames):
+        raise ChecksumError(
+            f"{path}: {len(frames)} frames against {len(sums['frames'])} checksums: frames were "
+            "added or removed after it was written"
+        )
+    for i, (frame, expected) in enumerate(zip(frames, sums["frames"], strict=True)):
+        if xxhash.xxh3_64_intdigest(frame) != expected:
+            raise ChecksumError(f"{path}: {_frame_name(frames, i)} {changed}")
+
+
 def _meta(doc: Any, path: Path) -> BatchMeta:
     if not isinstance(doc, dict):
         raise BatchFileError(f"{path}: expected a msgpack map, got {type(doc).__name__}")
     fmt = doc.get("format")
-    if fmt != FORMAT_VERSION:
-        raise BatchFileError(f"{path}: format {fmt!r}, this build reads format {FORMAT_VERSION}")
+    if fmt not in READABLE_FORMATS or isinstance(fmt, bool):
+        readable = ", ".join(map(str, READABLE_FORMATS))
+        raise BatchFileError(f"{path}: format {fmt!r}, this build reads formats {readable}")
     checks = {"server_id": str, "seq": int, "time": (int, float), "frames": list}
     for key, kind in checks.items():
         if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
@@ -132,7 +189,10 @@ def _meta(doc: Any, path: Path) -> BatchMeta:
 
 
 def read_recording(
-    path: str | os.PathLike[str], limits: codec.CodecLimits = _DEFAULT_LIMITS
+    path: str | os.PathLike[str],
+    limits: codec.CodecLimits = _DEFAULT_LIMITS,
+    *,
+    verify: bool = True,
 ) -> Iterator[tuple[BatchMeta, list[Trajectory]]]:
     """Every batch of a recording (a directory of batch files, in order, or one file) as
     (meta, validated trajectories). Raises ``BatchFileError`` at the first bad file."""
@@ -141,7 +201,7 @@ def read_recording(
         raise BatchFileError(f"{p}: no such recording file or directory")
     files = [p] if p.is_file() else [f for _, f in batch_files(p)]
     for f in files:
-        meta, batch = read_batch_file(f, limits)
+        meta, batch = read_batch_file(f, limits, verify=verify)
         yield meta, list(batch.trajectories)
 
 

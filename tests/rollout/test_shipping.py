@@ -258,8 +258,8 @@ async def test_recording_round_trips_through_read_recording(tmp_path: Path) -> N
         await shipper.drain()
     batches = list(read_recording(rec_dir))
     assert [(m.seq, m.server_id, m.format) for m, _ in batches] == [
-        (1, "rs-test", 1),
-        (2, "rs-test", 1),
+        (1, "rs-test", 2),
+        (2, "rs-test", 2),
     ]
     replayed = [t for _, ts in batches for t in ts]
     shipped = [t for g in groups for t in g]
@@ -276,8 +276,8 @@ async def test_recording_round_trips_through_read_recording(tmp_path: Path) -> N
     # A second recorder on the same directory appends after the existing files.
     assert Recorder(rec_dir, "rs-test")._next == 3
     bad = rec_dir / "batch-0000000009.msgpack"
-    bad.write_bytes(b"\x81\xa6format\x02")
-    with pytest.raises(BatchFileError, match="format 2"):
+    bad.write_bytes(b"\x81\xa6format\x03")
+    with pytest.raises(BatchFileError, match="format 3"):
         list(read_recording(bad))
 
 

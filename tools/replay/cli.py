@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--config", metavar="FILE", help="the rollout server's config instead of the saved one"
         )
+        p.add_argument(
+            "--unchecked",
+            action="store_true",
+            help="read batch files whose checksums do not match (edited or damaged) anyway",
+        )
 
     p = sub.add_parser(
         "inspect",
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model,
                 config=args.config,
                 color=False if args.no_color else None,
+                verify=not args.unchecked,
             )
         if args.command == "stream":
             from tools.replay import stream
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 window=args.window,
                 as_json=args.json,
                 token_file=args.token_file,
+                verify=not args.unchecked,
             )
         from tools.replay import rerun
 
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             as_json=args.json,
             concurrency=args.concurrency,
             shared_limits=args.shared_limits,
+            verify=not args.unchecked,
         )
     except ReplayError as e:
         print(f"replay {args.command}: error: {e}", file=sys.stderr)

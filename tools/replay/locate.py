@@ -32,13 +32,14 @@ class Recording:
     directory: Path
     files: list[Path]
     run_dir: Path | None  # known when the recording sits in <run_dir>/recordings/<server_id>
+    verify: bool = True  # check each file's checksums (False: --unchecked)
     _server_id: str | None = field(default=None, repr=False)
 
     @property
     def server_id(self) -> str:
         """The id in the files (the directory name is only a hint: files may have been copied)."""
         if self._server_id is None:
-            self._server_id = str(read_meta(self.files[0]).server_id)
+            self._server_id = str(read_meta(self.files[0], verify=self.verify).server_id)
         return self._server_id
 
     @property
@@ -51,17 +52,17 @@ class Recording:
 
         for f in self.files:
             try:
-                meta, msg = read_batch_file(f)
+                meta, msg = read_batch_file(f, verify=self.verify)
             except BatchFileError as e:
                 raise ReplayError(str(e)) from None
             yield meta, list(msg.trajectories)
 
 
-def read_meta(path: Path) -> Any:
+def read_meta(path: Path, *, verify: bool = True) -> Any:
     from rollout_service.recording import BatchFileError, read_batch_file
 
     try:
-        return read_batch_file(path)[0]
+        return read_batch_file(path, verify=verify)[0]
     except BatchFileError as e:
         raise ReplayError(str(e)) from None
 
@@ -70,8 +71,9 @@ def _run_dir_of(directory: Path) -> Path | None:
     return directory.parent.parent if directory.parent.name == "recordings" else None
 
 
-def find(path: str | Path) -> list[Recording]:
-    """The recordings ``path`` names (a run dir, a recording dir or a batch file)."""
+def find(path: str | Path, *, verify: bool = True) -> list[Recording]:
+    """The recordings ``path`` names (a run dir, a recording dir or a batch file); ``verify``:
+    their readers check each file's checksums."""
     from rollout_service.recording import batch_files
 
     p = Path(path)
@@ -79,10 +81,10 @@ def find(path: str | Path) -> list[Recording]:
         raise ReplayError(f"{p}: no such file or directory")
     if p.is_file():
         d = p.parent
-        return [Recording(d, [p], _run_dir_of(d))]
+        return [Recording(d, [p], _run_dir_of(d), verify)]
     if (p / "recordings").is_dir():
         found = [
-            Recording(d, [f for _, f in batch_files(d)], p)
+            Recording(d, [f for _, f in batch_files(d)], p, verify)
             for d in sorted((p / "recordings").iterdir())
             if d.is_dir() and batch_files(d)
         ]
@@ -94,7 +96,7 @@ def find(path: str | Path) -> list[Recording]:
         return found
     files = [f for _, f in batch_files(p)]
     if files:
-        return [Recording(p, files, _run_dir_of(p))]
+        return [Recording(p, files, _run_dir_of(p), verify)]
     raise ReplayError(
         f"{p}: not a recording: expected a run directory holding recordings/, a directory "
         "of batch-*.msgpack files (RUN_DIR/recordings/<server_id>), or one such file"

@@ -307,6 +307,7 @@ def run(
     concurrency: int = 8,
     shared_limits: bool = False,
     out: TextIO | None = None,
+    verify: bool = True,
 ) -> int:
     """Rerun every recording ``path`` names; exit status 0 when nothing diverged and all reran."""
     import json
@@ -315,7 +316,7 @@ def run(
 
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     reports = []
-    for rec in locate.find(path):
+    for rec in locate.find(path, verify=verify):
         cfg = locate.load_run_config(rec, config=config, model=model, overrides=overrides or [])
         reports.append(
             anyio.run(

@@ -216,6 +216,7 @@ def run(
     config: str | None = None,
     color: bool | None = None,
     out: TextIO | None = None,
+    verify: bool = True,
 ) -> int:
     """Show (or write as HTML) the matching trajectories; exit status (1: nothing matched)."""
     from transformers import AutoTokenizer
@@ -226,7 +227,7 @@ def run(
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     if limit is None and html_out is None:
         limit = DEFAULT_TERMINAL_LIMIT
-    recordings = locate.find(path)
+    recordings = locate.find(path, verify=verify)
     renderers: dict[Path, Any] = {}
     parser = PARSERS.get("hermes")()
     views: list[View] = []

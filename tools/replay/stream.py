@@ -54,14 +54,14 @@ class StreamResult:
         return self.error is None and self.acked == self.batches
 
 
-def prescan(files: list[Path]) -> tuple[int, int]:
+def prescan(files: list[Path], verify: bool = True) -> tuple[int, int]:
     """(trajectories, newest sampled version) of all files; ReplayError at the first bad one."""
     n, newest = 0, 0
     from rollout_service.recording import BatchFileError, read_batch_file
 
     for f in files:
         try:
-            _, msg = read_batch_file(f)
+            _, msg = read_batch_file(f, verify=verify)
         except BatchFileError as e:
             raise locate.ReplayError(str(e)) from None
         trajs = msg.trajectories
@@ -84,6 +84,7 @@ async def stream(
     timeout_s: float = 120.0,
     window: int = 8,
     progress: Any = None,
+    verify: bool = True,
 ) -> StreamResult:
     """Send ``files`` (batch files, in order) to the learner at ``address`` and wait for every ACK."""
     import anyio
@@ -104,7 +105,7 @@ async def stream(
     from rollout_service.recording import read_batch_file
 
     res = StreamResult(batches=len(files))
-    res.trajectories, newest = await anyio.to_thread.run_sync(prescan, files)
+    res.trajectories, newest = await anyio.to_thread.run_sync(prescan, files, verify)
     model, tokenizer = wire_identities(model_dir)
     conn = RolloutConnection(
         peer_id=peer_id,
@@ -130,7 +131,9 @@ async def stream(
         for f in files:
             while len(pending) >= window:
                 await changed.wait()
-            _, msg = await anyio.to_thread.run_sync(read_batch_file, f)
+            _, msg = await anyio.to_thread.run_sync(
+                functools.partial(read_batch_file, f, verify=verify)
+            )
             seq = await client.submit(msg.trajectories)
             pending[seq] = (f, len(msg.trajectories))
         submitted.set()
@@ -215,6 +218,7 @@ def run(
     as_json: bool = False,
     out: TextIO | None = None,
     token_file: str | None = None,
+    verify: bool = True,
 ) -> int:
     """Stream the recording(s) ``path`` names to the learner at ``to``; exit status.
     ``token_file``: the learner's token (``transport.auth: token``), presented at the handshake;
@@ -224,7 +228,7 @@ def run(
     from common.peer_auth import wait_for_token
 
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
-    recordings = locate.find(path)
+    recordings = locate.find(path, verify=verify)
     token: Callable[[], Awaitable[str]] | None = None
     if token_file:
 
@@ -254,6 +258,7 @@ def run(
                     rec.files,
                     to,
                     peer_id=peer,
+                    verify=verify,
                     model_dir=mdir,
                     curve=curve,
                     token=token,
