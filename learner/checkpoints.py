@@ -5,6 +5,8 @@ trainer's state (`trainer_state.msgpack`: step, policy version, KL controller, R
 and a Hugging Face export (``hf/``). It is written under a ``.tmp`` name and renamed when complete,
 then ``latest_checkpointed_iteration.txt`` (verl's name) is replaced atomically; a learner killed at
 any moment leaves either the previous checkpoint or the new one as the latest, never half of one.
+Retention (`finalize`'s ``keep``) removes the oldest complete checkpoints after the new one is
+published, sparing the one with the best validation reward in its state when asked.
 """
 
 from __future__ import annotations
@@ -33,9 +35,17 @@ def staging_dir(root: Path, step: int) -> Path:
 
 
 def finalize(
-    root: Path, staging: Path, step: int, state: dict[str, Any], *, keep: int | None = None
+    root: Path,
+    staging: Path,
+    step: int,
+    state: dict[str, Any],
+    *,
+    keep: int | None = None,
+    keep_best: bool = False,
 ) -> Path:
-    """Write the trainer state, publish the staged directory as step ``step`` and mark it latest."""
+    """Write the trainer state, publish the staged directory as step ``step`` and mark it latest;
+    then keep only the newest ``keep`` checkpoints (and the best by ``val_reward`` if
+    ``keep_best``)."""
     # cast: msgpack's stub allows None (a Packer with autoreset off), packb always gives bytes
     atomic_write_bytes(staging / STATE, cast(bytes, msgpack.packb(state, use_bin_type=True)))
     final = step_dir(root, step)
@@ -43,18 +53,35 @@ def finalize(
     staging.rename(final)
     atomic_write_bytes(root / LATEST, f"{step}\n".encode())
     if keep:
-        _prune(root, keep)
+        prune(root, keep, keep_best=keep_best)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(
+def steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, oldest first."""
+    return sorted(
         int(p.name.removeprefix("global_step_"))
         for p in root.glob("global_step_*")
-        if p.name.removeprefix("global_step_").isdigit()
+        if p.name.removeprefix("global_step_").isdigit() and (p / STATE).exists()
     )
-    for s in steps[:-keep]:
+
+
+def _val_reward(root: Path, step: int) -> float:
+    value = read_state(step_dir(root, step)).get("val_reward")
+    return float(value) if isinstance(value, int | float) else float("-inf")
+
+
+def prune(root: Path, keep: int, *, keep_best: bool = False) -> list[int]:
+    """Remove all but the newest ``keep`` checkpoints (sparing the best by validation reward if
+    ``keep_best``); the steps removed."""
+    done = steps(root)
+    old = done[:-keep]
+    if keep_best and old:
+        best = max(done, key=lambda s: (_val_reward(root, s), s))
+        old = [s for s in old if s != best]
+    for s in old:
         shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    return old
 
 
 def latest(root: Path) -> Path | None:

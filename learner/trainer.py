@@ -170,6 +170,7 @@ class Trainer:
             run_dir
         )  # versions only go up across restarts (learner.versions)
         self._resume_metrics: dict[str, float] = {}  # logged with the first step
+        self._val_reward: float | None = None  # the last validation's val/reward/mean
         self.timeline = TimelineWriter.off()  # opened by run()
 
     # The parts made at start-up (`run`), each checked once here rather than at every use.
@@ -229,6 +230,7 @@ class Trainer:
         if state:
             self.step, self.version = state["step"], state["policy_version"]
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+            self._val_reward = state.get("val_reward")
         # After a restart the restored weights may need a version above every one published.
         r = versions.resume(
             self.run_dir,
@@ -446,8 +448,17 @@ class Trainer:
             "policy_version": self.version,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "intake": intake_state,
+            "val_reward": self._val_reward,  # the last validation's, for keep_best_ckpt
         }
-        path = checkpoints.finalize(self.ckpt_root, staging, self.step, state)
+        t = self.config.trainer
+        path = checkpoints.finalize(
+            self.ckpt_root,
+            staging,
+            self.step,
+            state,
+            keep=t.max_actor_ckpt_to_keep,
+            keep_best=t.keep_best_ckpt,
+        )
         self.intake.checkpoint_saved(intake_state)
         self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
         self.timeline.span(Track.STEP, CHECKPOINT_SPAN, started, time.time(), step=self.step)
@@ -568,6 +579,8 @@ class Trainer:
             shard_wait_s=self.config.trainer.val_shard_wait_s,
         )
         metrics = validation_metrics(rnd)
+        if "val/reward/mean" in metrics:
+            self._val_reward = float(metrics["val/reward/mean"])
         self.timeline.span(Track.STEP, VALIDATE_SPAN, started, time.time(), step=self.step)
         missing = {
             **rnd.lost,

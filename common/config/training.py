@@ -195,6 +195,11 @@ class TrainerConfig(Section):
     """Learner workers per node (GPUs, or processes with device=cpu)."""
     save_freq: int = Field(default=-1, ge=-1)
     """Checkpoint every this many steps; -1 or 0 never."""
+    max_actor_ckpt_to_keep: int | None = Field(default=None, gt=0)
+    """Keep only the newest this many checkpoints (verl's key); null: keep every one."""
+    keep_best_ckpt: bool = False
+    """With max_actor_ckpt_to_keep: also keep the checkpoint whose last validation before it had the
+    best reward (val/reward/mean), beyond the newest ones."""
     test_freq: int = Field(default=-1, ge=-1)
     """Validate every this many steps; -1 or 0 never."""
     val_before_train: bool = False

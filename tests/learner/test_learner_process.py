@@ -64,7 +64,7 @@ def trained_by_step(run: Path) -> dict[int, list[str]]:
 
 def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
-    cfg = write_config(tmp_path, tiny_model, port, save_freq=2)
+    cfg = write_config(tmp_path, tiny_model, port, save_freq=2, max_actor_ckpt_to_keep=1)
     run = tmp_path / "run"
     feed_log, learner_log = tmp_path / "feeder.log", tmp_path / "learner.log"
     learner = start([sys.executable, "bin/learner", "--config", str(cfg)], learner_log)
@@ -117,7 +117,8 @@ def test_learner_trains_publishes_and_checkpoints(tiny_model: Path, tmp_path: Pa
     assert len(ids) == 16 and len(set(ids)) == 16
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert (ckpt / "global_step_2" / "hf" / "model.safetensors").exists()
+    assert (ckpt / "global_step_4" / "hf" / "model.safetensors").exists()
+    assert not (ckpt / "global_step_2").exists()  # trainer.max_actor_ckpt_to_keep=1
     assert "training done" in learner_log.read_text()
 
 
