@@ -26,9 +26,8 @@ Design:
   all) and carries a CRC32; a missing, short or corrupt record reads as a full bucket (the only
   cost: at most ``burst`` extra tokens once). pwrite rather than temporary file + rename: it is a
   data write to an existing inode, while a rename is a directory operation (journal entry, and on
-  NFS a server round trip); bench/ratelimit.py measures both: open + pread + pwrite + close 5-10 us,
-  temporary file + rename 0.2-1 ms (2-core VM, ext4). A critical section costs ~80 us in
-  all, most of it filelock's own acquire/release (~70 us).
+  NFS a server round trip). bench/ratelimit.py measures both (figures in docs/performance.md); most
+  of a critical section is filelock's own acquire/release.
 - Across hosts: put ``state_dir`` on a shared filesystem whose flock works between hosts (NFSv4,
   CephFS, Lustre mounted with ``flock``). Each attempt then costs network round trips (lock, open,
   read, write, close, unlock; the state file is opened per attempt so NFS close-to-open consistency

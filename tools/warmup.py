@@ -17,14 +17,14 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   left to learn. A fixed step count cannot do this: the copying both turns need (question ->
   call, tool response -> box) appears abruptly, at a step that batch order decides;
 - a copy drill (random strings of the expression tokens shown twice) trains alongside and brings
-  that step forward and into line: over 8 seeds the probe reached 0.3 at steps 210-410 with it,
-  while the demonstrations alone left some seeds without the copy after 800 steps;
+  that step forward and into line across seeds (on demonstrations alone some seeds never learn
+  the copy);
 - deterministic for a seed (torch's CPU kernels, one seeded generator for batches and drill);
   ``max_seconds`` is a safety cap that breaks that promise only when it triggers, and the summary
   says so;
 - ``device``: ``auto`` (the default) trains on CUDA when it is available, with float32 master
-  weights and bfloat16 autocast (a ~0.5B model warms up in about a minute on one H100; GPU kernels
-  are not bit-deterministic), else on the CPU exactly as before (float32, no autocast). Batch order
+  weights and bfloat16 autocast (GPU kernels are not bit-deterministic), else on the CPU (float32,
+  no autocast). Batch order
   and drill strings come from the same CPU generator on both;
 - the output is the source directory with new weights: ``model.safetensors`` under the
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and

@@ -4,9 +4,9 @@ One rollout server connects to the suite's ROUTER and the checks run in registra
 connection, each starting from the state the previous one left (an open session, some batches
 unacknowledged); a check that finds no session fails with "not run". The last check ends the
 server with a fatal VERSION_MISMATCH. Timing: the WELCOME asks for heartbeats every 0.2 s and a
-3.0 s timeout, so waiting out a reconnect costs seconds, not the production ten. (At 1.0 s a server
-busy admitting its first episodes on a loaded 2-core machine missed a beat, timed the session out
-and reconnected, and every later check then talked to a dead connection.)
+3.0 s timeout, so waiting out a reconnect costs seconds, not the production ten. (Not shorter: a
+server busy admitting its first episodes on a loaded 2-core machine can miss a beat, time the
+session out and reconnect, and every later check would then talk to a dead connection.)
 """
 
 from __future__ import annotations
