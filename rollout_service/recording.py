@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,13 @@ import msgpack
 import xxhash
 
 from common.fileio import atomic_write_bytes
+from common.logging import get_logger
 from protocol import codec
 from protocol.errors import ProtocolError
 from protocol.messages import TrajectoryBatch
 from protocol.trajectory import Trajectory
 
+_log = get_logger("rollout_service.recording")
 FORMAT_VERSION = 2
 """2: with ``checksums``; 1 (without) is still read."""
 READABLE_FORMATS = (1, 2)
@@ -207,21 +210,54 @@ def read_recording(
 
 class Recorder:
     """Writes every shipped batch to ``<directory>/batch-<n>.msgpack`` (n continues after the files
-    already there, so a restarted server appends to its recording)."""
+    already there, so a restarted server appends to its recording).
 
-    def __init__(self, directory: str | os.PathLike[str], server_id: str) -> None:
+    ``max_bytes``: the oldest files are deleted once the recording holds more (the newest file is
+    always kept). A write that fails (a full disk) stops the recording with one error naming the
+    path; the recording is for debugging, and training goes on without it."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], server_id: str, *, max_bytes: int | None = None
+    ) -> None:
         self.directory, self.server_id = Path(directory), server_id
+        self.max_bytes = max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         existing = batch_files(self.directory)
         self._next = existing[-1][0] + 1 if existing else 1
-        self.written = 0
+        self._files = deque((p, p.stat().st_size) for _, p in existing)
+        self.bytes = sum(size for _, size in self._files)
+        self.written = self.removed = 0
+        self.failed: str | None = None
+        """Why recording stopped (None: it goes on)."""
 
-    async def record(self, seq: int, frames: Sequence[codec.Frame]) -> Path:
-        """Write one batch (``frames`` as sent under wire sequence number ``seq``) off the loop."""
+    async def record(self, seq: int, frames: Sequence[codec.Frame]) -> Path | None:
+        """Write one batch (``frames`` as sent under wire sequence number ``seq``) off the loop;
+        None once recording has stopped on a write error."""
+        if self.failed is not None:
+            return None
         path = batch_path(self.directory, self._next)
         self._next += 1  # taken before the await: concurrent callers get distinct files
-        await anyio.to_thread.run_sync(
-            lambda: write_batch_file(path, frames, server_id=self.server_id, seq=seq, durable=False)
-        )
+        try:
+            await anyio.to_thread.run_sync(
+                lambda: write_batch_file(
+                    path, frames, server_id=self.server_id, seq=seq, durable=False
+                )
+            )
+            size = path.stat().st_size
+        except OSError as e:
+            self.failed = f"{path}: {e.strerror or e}"
+            _log.error("recording stopped: cannot write a batch file", error=self.failed)
+            remove_temporaries(self.directory)
+            return None
+        self._files.append((path, size))
+        self.bytes += size
         self.written += 1
+        self._trim()
         return path
+
+    def _trim(self) -> None:
+        while self.max_bytes is not None and self.bytes > self.max_bytes and len(self._files) > 1:
+            old, size = self._files.popleft()
+            old.unlink(missing_ok=True)
+            self.bytes -= size
+            self.removed += 1

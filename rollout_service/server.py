@@ -406,7 +406,17 @@ class RolloutServer:
         recordings = (
             resolve_run_dir(c) / "recordings" / self.server_id
         )  # one place per run, for bin/replay
-        recorder = Recorder(recordings, server_id=self.server_id) if server.record else None
+        recorder = (
+            Recorder(
+                recordings,
+                server_id=self.server_id,
+                max_bytes=None
+                if server.record_max_mb is None
+                else int(server.record_max_mb * 2**20),
+            )
+            if server.record
+            else None
+        )
         # A group found in the spool at start is resent, not rerun; its prompt is committed once
         # the learner acknowledges the resent batch.
         return Shipper(

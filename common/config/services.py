@@ -38,6 +38,8 @@ class RolloutServerConfig(Section):
     (they wait on disk in the spool, never in memory only)."""
     record: bool = False
     """Write every shipped batch to <run_dir>/recordings/<server_id>/ (read by the replay tool)."""
+    record_max_mb: float | None = Field(default=None, gt=0)
+    """Bound of each server's recording: beyond it the oldest batch files are deleted; null: none."""
     stats_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between stats lines in the log."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
