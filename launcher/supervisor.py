@@ -186,12 +186,12 @@ class Supervisor:
             return self._fail(f"could not use the Ray cluster: {type(e).__name__}: {e}", None)
         if joins is not None:
             self.plan.learner.argv.append(f"ray.address={json.dumps(joins)}")
-            # ray.init may have turned token authentication on in this process only
-            # (RAY_AUTH_MODE): the learner needs the same mode to join (the token itself is in
-            # ~/.ray/auth_token).
-            for key, value in os.environ.items():
-                if key.startswith("RAY_AUTH_"):
-                    self.plan.learner.env[key] = value
+        # Joining may have turned token authentication on in this process only (RAY_AUTH_MODE,
+        # common.ray_auth): the learner needs the same mode (the token itself is in
+        # ~/.ray/auth_token).
+        for key, value in os.environ.items():
+            if key.startswith("RAY_AUTH_"):
+                self.plan.learner.env[key] = value
         config = self.plan.config
         bind, target = config.learner.bind_address, config.rollout_server.learner_address
         for child in fleet.elsewhere:  # ZeroMQ from their node to ours: loopback cannot work

@@ -205,7 +205,9 @@ class Trainer:
     async def _start_workers(self, resume: Path | None) -> None:
         from learner.workers import WorkerGroup
 
-        self.workers = WorkerGroup(self.settings, self.world)
+        self.workers = WorkerGroup(
+            self.settings, self.world, place_timeout_s=self.config.ray.place_timeout_s
+        )
         info = await self.workers.start()
         self.log.info(
             "workers ready",

@@ -10,6 +10,11 @@ The group is a typed facade over `learner.worker.TrainWorker`: each method takes
 dataclasses of `learner.worker_api`, and ``_call`` is the one place that names a worker method for
 Ray (taken from the method itself, so a rename is a type error, not a runtime one). `forward` runs
 a forward-only pass over whole samples and puts each sample's result into the named field.
+
+Ray keeps an actor it cannot place pending without a word, so `start` watches the placement:
+a cluster that could never hold a worker fails at the first look, and one whose free resources
+stay short (taken by rollout servers placed on it, or by other jobs) fails after
+``place_timeout_s``, with a warning naming the resource every ``PLACE_CHECK_S`` meanwhile.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, TypeVar
 
 from common.logging import get_logger
 from common.multicast import multicast_env
+from common.ray_auth import join_mode
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker, WorkerSettings
 from learner.worker_api import (
@@ -37,6 +43,39 @@ from learner.worker_api import (
 
 R = TypeVar("R")
 
+_RESOURCE = {"num_cpus": "CPU", "num_gpus": "GPU"}  # ray.remote's options -> resource names
+PLACE_CHECK_S = 5.0
+"""How often a worker group that has not started looks at why."""
+
+
+class PlacementError(RuntimeError):
+    """The learner's workers cannot be placed on the Ray cluster."""
+
+
+def placement_problem(need: dict[str, float], world: int) -> tuple[str, bool] | None:
+    """Why ``world`` actors needing ``need`` each may not be placed, and whether it is final (the
+    cluster could never hold one); None when the free resources would hold them."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    for key, each in need.items():
+        if each <= 0:
+            continue
+        if total.get(key, 0.0) < each:
+            return (
+                f"the Ray cluster has {key}={total.get(key, 0.0):g} in all, and each of the "
+                f"learner's {world} workers needs {key}={each:g}",
+                True,
+            )
+        if free.get(key, 0.0) < each:
+            return (
+                f"the learner's {world} workers wait for {key}: each needs {each:g}, "
+                f"{free.get(key, 0.0):g} of {total.get(key, 0.0):g} are free (rollout servers "
+                "placed on the cluster, launch.ray_server_cpus/gpus, or other jobs hold the rest)",
+                False,
+            )
+    return None
+
 
 def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool = True) -> None:
     import ray
@@ -51,10 +90,14 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
             "TOKENIZERS_PARALLELISM": "false",
             # a cluster joined by address started its workers from its own environment
             **multicast_env(),
+            # Ray starts workers at niceness 15; these are the learner's critical path, and on a
+            # CPU run the rollout servers beside them yield instead (launch.rollout_cpu_nice).
+            "RAY_worker_niceness": "0",
         }
     }
     address = address or os.environ.get("RAY_ADDRESS") or None  # an explicit choice of cluster
     if address:
+        join_mode()  # a cluster from `ray start` wants its token presented
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
     else:
         # "local": a cluster of our own. Without it ray.init() joins whatever cluster `ray start`
@@ -69,10 +112,12 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
 
 
 class WorkerGroup:
-    def __init__(self, settings: WorkerSettings, world_size: int) -> None:
+    def __init__(
+        self, settings: WorkerSettings, world_size: int, *, place_timeout_s: float = 120.0
+    ) -> None:
         import ray
 
-        self.world = world_size
+        self.world, self.place_timeout_s = world_size, place_timeout_s
         self.log = get_logger("learner.workers")
         self.can_pack = True  # packed micro-batches pay on these workers (known after start)
         self.can_share_prefix = True  # and may share their prefix (known after start)
@@ -86,13 +131,14 @@ class WorkerGroup:
                 settings = _with_threads(settings, max(1, int(share)))
         # Ray's actor handles are built at run time (method.remote(...)): typed here as Any, and
         # used only by _call and shutdown.
+        self.need = {_RESOURCE[k]: float(v) for k, v in opts.items()}
         actor_cls: Any = ray.remote(**opts)(TrainWorker)
         self.actors: list[Any] = [
             actor_cls.remote(r, world_size, settings) for r in range(world_size)
         ]
 
     async def start(self) -> list[WorkerInfo]:
-        addr, port = await self.actors[0].rendezvous.remote()
+        addr, port = await self._placed(self.actors[0].rendezvous.remote())
         infos = await self._call(TrainWorker.setup, [(addr, port)] * self.world)
         self.can_pack = all(await self._call(TrainWorker.can_pack))
         self.can_share_prefix = all(await self._call(TrainWorker.can_share_prefix))
@@ -102,6 +148,28 @@ class WorkerGroup:
                 "torch.nn.attention.varlen): model.use_remove_padding falls back to padded micro-batches"
             )
         return infos
+
+    async def _placed(self, ref: Any) -> Any:
+        """``ref``'s result once the workers run; PlacementError when they cannot be placed."""
+        import asyncio
+        import time
+
+        started, pending = time.monotonic(), asyncio.ensure_future(ref)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(pending), PLACE_CHECK_S)
+            except TimeoutError:
+                found = placement_problem(self.need, self.world)
+                if found is None:
+                    continue  # placed, still starting (importing torch takes a while)
+                problem, final = found
+                waited = time.monotonic() - started
+                if final or waited >= self.place_timeout_s:
+                    pending.cancel()
+                    raise PlacementError(
+                        problem if final else f"{problem}; gave up after {waited:.0f} s"
+                    ) from None
+                self.log.warning(f"workers not placed yet: {problem}", waited_s=round(waited))
 
     async def _call(
         self, method: Callable[..., R], args: Sequence[tuple[Any, ...]] | None = None

@@ -259,3 +259,6 @@ class RayConfig(Section):
     """Address of an existing cluster (e.g. `auto` or `host:6379`); null: start a local one."""
     num_cpus: int | None = Field(default=None, gt=0)
     """CPUs of the local cluster; null: all."""
+    place_timeout_s: float = Field(default=120.0, gt=0)
+    """How long the learner's workers may wait for free resources on the cluster before the learner
+    fails naming the one missing (a cluster that could never hold them fails at once)."""

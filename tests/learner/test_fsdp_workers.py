@@ -5,6 +5,7 @@ loads in transformers."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -325,3 +326,34 @@ def test_weights_file_matches_the_gathered_weights(
 
     loaded = st_load(str(tmp_path / "slot" / "model.safetensors"))
     assert {str(t.dtype) for t in loaded.values()} == {"torch.bfloat16"}
+
+
+def test_workers_that_cannot_be_placed_fail_naming_the_resource(
+    ray_cluster: Any, tiny_model: Path
+) -> None:
+    asyncio.run(_unplaceable(ray_cluster, tiny_model))
+
+
+async def _unplaceable(ray_cluster: Any, tiny_model: Path) -> None:
+    from learner.workers import PlacementError, WorkerGroup
+
+    # Both CPUs held (as rollout servers placed on the cluster once held them): the workers wait,
+    # then fail naming CPU, instead of leaving the learner at step 0 without a word.
+    class Hold:  # defined here: Ray ships it by value (the tests are no package on its workers)
+        def ping(self) -> bool:
+            return True
+
+    hold = ray_cluster.remote(num_cpus=2)(Hold).remote()
+    await hold.ping.remote()
+    try:
+        group = WorkerGroup(settings(tiny_model), 2, place_timeout_s=6)
+        with pytest.raises(PlacementError, match=r"wait for CPU: each needs 1, 0 of 2 are free"):
+            await group.start()
+        group.shutdown()
+    finally:
+        ray_cluster.kill(hold)
+    # GPU workers on a cluster without any: final at the first look.
+    gpu = WorkerGroup(settings(tiny_model, device="cuda"), 1, place_timeout_s=600)
+    with pytest.raises(PlacementError, match=r"has GPU=0 in all"):
+        await gpu.start()
+    gpu.shutdown()
