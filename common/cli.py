@@ -29,6 +29,7 @@ TOOL_SERVER_TARGET = "rollout_service.tool_server:run"
 LEARNER_PREFLIGHT = "learner.sinks:preflight_issues"  # metric sinks whose package is missing
 ROLLOUT_PREFLIGHT = "rollout_service.preflight:check_issues"
 TRAIN_ROLLOUT_PREFLIGHT = "rollout_service.preflight:train_issues"  # bin/train's: every data row
+TRAIN_CHECK_PREFLIGHT = "rollout_service.preflight:train_check_issues"  # its --check
 TOOL_SERVER_PREFLIGHT = "rollout_service.preflight:tool_server_issues"
 
 Resolver = Callable[["Config"], dict[str, Any]]

@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from common.cli import (
             LEARNER_PREFLIGHT,
             TOOL_SERVER_PREFLIGHT,
+            TRAIN_CHECK_PREFLIGHT,
             TRAIN_ROLLOUT_PREFLIGHT,
             check_preflight,
             print_aliases,
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # would otherwise fail only after Ray started, or in rollout servers, one after another.
         preflights = [
             LEARNER_PREFLIGHT,
-            TRAIN_ROLLOUT_PREFLIGHT,
+            TRAIN_CHECK_PREFLIGHT if args.check else TRAIN_ROLLOUT_PREFLIGHT,
             *([TOOL_SERVER_PREFLIGHT] if config.launch.tool_server else []),
         ]
         if args.check:

@@ -56,8 +56,13 @@ def _peek(
     for i, path in enumerate(paths):
         file_key = f"{key}.{i}" if len(paths) > 1 else key
         if not Path(path).is_file():
+            if local:  # the servers about to start here read it here
+                problems.append(
+                    Issue(file_key, f"{path}: no such data file (the rollout servers run here)")
+                )
+                continue
             # Data may live only on the rollout hosts (like their checkouts of a shared config).
-            (problems if local else found.warnings).append(
+            found.warnings.append(
                 Issue(
                     file_key,
                     f"{path}: no such data file on this machine; its "
@@ -140,10 +145,16 @@ def check_issues(
     return found.issues, found.warnings
 
 
+def train_check_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
+    """``bin/train --check``: every row of every data file (a bad row far into a file would
+    otherwise stop each rollout server after the learner and Ray started); a missing file is a
+    warning, as it may be made before the run."""
+    return check_issues(config, limit=None)
+
+
 def train_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
-    """bin/train's check before it starts anything: every row of every data file (a bad row far
-    into a file would otherwise stop each rollout server after the learner and Ray started), and a
-    training file missing here is a problem when the servers run on this machine."""
+    """bin/train's check before it starts anything: `train_check_issues`, and a training file
+    missing here is a problem when the servers run on this machine (``launch.placement: local``)."""
     return check_issues(config, limit=None, local=config.launch.placement == "local")
 
 
