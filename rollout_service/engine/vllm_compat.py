@@ -73,7 +73,16 @@ def resolve_dtype(dtype: str) -> str:
     return vllm_info().default_dtype() if dtype == "auto" else dtype
 
 
+ONEDNN_CACHE_CAPACITY = "64"
+"""oneDNN primitives kept per process (its default: 1,024). A primitive is built per distinct shape,
+and generation on CPU meets a new shape at almost every step (batch size times lengths), so under
+the default the worker's memory grows by hundreds of MiB before the cache fills; a small cache
+levels it off early (docs/chaos.md has the measurement)."""
+
+
 def set_platform_env() -> None:
-    """Before the engine starts: on CPU, a modest KV cache in RAM unless the user chose a size."""
+    """Before the engine starts, unless the user chose: on CPU a modest KV cache in RAM, and a
+    bounded oneDNN primitive cache (the engine processes inherit both)."""
     if vllm_info().platform == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
