@@ -544,7 +544,7 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     import ray
 
     from learner.samples import Batching, OldFromForward, split_for_ranks
-    from learner.worker import WorkerSettings
+    from learner.worker_settings import WorkerSettings
     from learner.workers import WorkerGroup, init_ray
 
     init_ray(None, args.cpus, log_to_driver=False)

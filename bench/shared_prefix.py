@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from learner.samples import MiniBatchPlan, count_tokens
     from learner.update import actor_micro_loss
     from learner.varlen import prefix_kernel, varlen_kernel
-    from learner.worker import WorkerSettings
+    from learner.worker_settings import WorkerSettings
     from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
     torch.set_num_threads(a.threads)

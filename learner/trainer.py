@@ -61,8 +61,8 @@ from learner.prepare import (
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.validation import due
 from learner.versions import VersionLedger
-from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
+from learner.worker_settings import WorkerSettings
 from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:

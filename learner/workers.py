@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from common.logging import get_logger
 from common.multicast import multicast_env
 from learner.samples import Batching, Sample, TokenField, split_forward
-from learner.worker import TrainWorker, WorkerSettings
+from learner.worker import TrainWorker
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -34,6 +34,7 @@ from learner.worker_api import (
     WeightsRequest,
     WorkerInfo,
 )
+from learner.worker_settings import WorkerSettings
 
 R = TypeVar("R")
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from learner.samples import Batching, Sample, split_for_ranks
-from learner.worker import WorkerSettings
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -23,6 +22,7 @@ from learner.worker_api import (
     WeightsFileRequest,
     WeightsRequest,
 )
+from learner.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.slow
 
