@@ -290,7 +290,7 @@ class Supervisor:
         return EXIT_OK
 
     def _last_step(self) -> int:
-        from learner.sinks import read_metrics
+        from common.metrics_file import read_metrics
 
         try:
             records = read_metrics(self.plan.run_dir)
@@ -350,8 +350,8 @@ class Supervisor:
             )
 
     def _finish(self, wall_s: float) -> int:
+        from common.metrics_file import read_metrics
         from common.rundir import checkpoint_dir
-        from learner.sinks import read_metrics
 
         run_dir = self.plan.run_dir
         plot: Path | None = None
