@@ -205,9 +205,9 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
     import anyio
 
     from protocol.batch import token_count
-    from protocol.codec import CodecLimits
     from protocol.driver import LearnerServer
     from protocol.events import BatchReceived, PeerClosed
+    from protocol.limits import CodecLimits
     from protocol.messages import Identity
     from protocol.receiver import LearnerProtocol
     from protocol.zmq_transport import ZmqServerChannel

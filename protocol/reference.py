@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -32,6 +31,7 @@ from protocol.events import (
     ValidationRequested,
     WeightsReceived,
 )
+from protocol.limits import CodecLimits
 from protocol.messages import VALIDATION_CAPABILITY, Identity, ValidateRequest, ValidateResult
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection
