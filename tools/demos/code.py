@@ -26,7 +26,7 @@ import os
 import random
 from typing import TYPE_CHECKING, Any
 
-from tools.warmup import Demonstration
+from tools.demos import Demonstration
 
 if TYPE_CHECKING:
     from common.config import Config

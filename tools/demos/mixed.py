@@ -26,7 +26,7 @@ import random
 import re
 from typing import TYPE_CHECKING, Any
 
-from tools.warmup import Demonstration
+from tools.demos import Demonstration
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -136,8 +136,8 @@ def build_demonstrations(
     config: Config | None = None,
 ) -> list[Demonstration]:
     """One episode per row by its source's agent (module docstring)."""
+    from tools.demos.calculator import build_demonstrations as calculator_demonstrations
     from tools.demos.code import code_episode, wrong_number
-    from tools.warmup import build_demonstrations as calculator_demonstrations
 
     del tools  # built from the config: see the module docstring
     config = config if config is not None else load()

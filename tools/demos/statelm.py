@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_service.agents.parsers import hermes_call_text
+from tools.demos import Demonstration
 from tools.demos.statelm_data import CODES
-from tools.warmup import Demonstration
 
 if TYPE_CHECKING:
     from rollout_service.agents.episode import Episode
