@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from common.console_format import short, step_line, step_progress
+from common.run_events import Event, Kind
 
 
 class JsonlTail:
@@ -78,7 +79,6 @@ class Connections:
         """(event, who) pairs since the last call: ("joined" | "rejoined" | "left", server id),
         ("listening", address) when the learner's intake is bound, ("tool listening", port), and
         ("ready", "") once the learner's workers are up."""
-        from common.run_events import Event, Kind
 
         events = []
         for record in self.tail.read():

@@ -26,6 +26,7 @@ import torch
 
 from learner import checkpoint_io
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
+from learner.varlen import can_share_prefix, varlen_kernel
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -101,6 +102,7 @@ class TrainWorker:
         )  # DTensors: global sizes
 
     def _build(self) -> None:
+        # lazy: learner.model imports verl
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
@@ -150,7 +152,6 @@ class TrainWorker:
         cheap), on a GPU only with a varlen attention kernel (`learner.varlen.varlen_kernel`): without
         one every sequence is its own SDPA call, and measured on an H100 a long-tail update took
         11-21 s packed that way vs 6 s padded."""
-        from learner.varlen import varlen_kernel
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
@@ -158,7 +159,6 @@ class TrainWorker:
         """Whether packed micro-batches may share their prefix here
         (`learner.varlen.can_share_prefix`): the token cap counts a shared prefix once, so it
         must know whether `collate` will share it."""
-        from learner.varlen import can_share_prefix
 
         return can_share_prefix(self.device)
 
@@ -178,6 +178,7 @@ class TrainWorker:
         """Per real sample: logprobs (+ entropy) for actor/ref, values for the critic. Placeholder
         (None) entries run nothing of their own; a micro-batch of placeholders only runs a dummy
         sample so that this rank joins the collectives."""
+        # lazy: learner.model imports verl
         from learner.model import collate
 
         model = self.models[req.role]
@@ -207,6 +208,7 @@ class TrainWorker:
     def _run(
         self, role: Role, model: torch.nn.Module, b: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # lazy: learner.model imports verl
         from learner.model import policy_outputs, value_outputs
 
         if role == "critic":
@@ -218,6 +220,7 @@ class TrainWorker:
         """One PPO update. ``old_from_forward``: the first mini-batch's samples carry no old
         logprobs; each of its micro-batches takes its own forward's, detached, which is exact only
         before the first optimizer step, so only with one epoch."""
+        # lazy: learner.update imports verl
         from learner.update import actor_micro_loss, critic_micro_loss
 
         if req.role == "critic":
@@ -236,6 +239,7 @@ class TrainWorker:
         micro_loss: MicroLoss,
         old_from_forward: OldFromForward | None = None,
     ) -> UpdateResult:
+        # lazy: learner.model imports verl
         from learner.model import collate, layout_counts, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
@@ -304,7 +308,6 @@ class TrainWorker:
     def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult | None:
         """Collective: the full policy written by rank 0 into the request's slot file (see
         ``learner.weights_file_writer``); rank 0 returns timings, others None."""
-        from learner.weights_file_writer import WeightsFileWriter
 
         if self._weights_writer is None:
             self._weights_writer = WeightsFileWriter()

@@ -90,6 +90,7 @@ def panel_series(records: Sequence[dict[str, Any]], panel: Panel) -> Series:
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metric records; ValueError naming the file when there are none."""
+    # lazy: this module is bin/plot's command line, whose --help stays instant
     from common.metrics_file import METRICS_FILE, read_metrics
 
     path = Path(run_dir) / METRICS_FILE
@@ -177,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--trace goes with --timeline")
     try:
         if args.timeline:
+            # lazy: this module is bin/plot's command line, whose --help stays instant
             from tools.timeline import draw_timeline
 
             png, trace = draw_timeline(args.run_dir, args.out, args.trace)

@@ -168,6 +168,7 @@ def warmup(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # lazy: this module is bin/warmup's command line, whose --help stays instant
     from rollout_service.agents.rendering import ChatRenderer
     from rollout_service.tools import load_builtin_tools
     from tools.demos import build as demos_for

@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # lazy: this module is bin/replay's command line, whose --help stays instant
     from common.logging import configure_logging
     from tools.replay.locate import ReplayError
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # a warning per call about its own timeouts
     try:
         if args.command == "inspect":
+            # lazy: this module is bin/replay's command line, whose --help stays instant
             from tools.replay import show
 
             return show.run(
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 color=False if args.no_color else None,
             )
         if args.command == "stream":
+            # lazy: this module is bin/replay's command line, whose --help stays instant
             from tools.replay import stream
 
             return stream.run(
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 as_json=args.json,
                 token_file=args.token_file,
             )
+        # lazy: this module is bin/replay's command line, whose --help stays instant
         from tools.replay import rerun
 
         return rerun.run(

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import ConfigError, load_config
+from rollout_service.recording import BatchFileError, batch_files, read_batch_file
+
 RESOLVED = "config.resolved.yaml"
 
 
@@ -47,7 +50,6 @@ class Recording:
 
     def batches(self) -> Iterator[tuple[Any, list[Any]]]:
         """(meta, trajectories) of every file in order; ReplayError naming a damaged file."""
-        from rollout_service.recording import BatchFileError, read_batch_file
 
         for f in self.files:
             try:
@@ -58,7 +60,6 @@ class Recording:
 
 
 def read_meta(path: Path) -> Any:
-    from rollout_service.recording import BatchFileError, read_batch_file
 
     try:
         return read_batch_file(path)[0]
@@ -72,7 +73,6 @@ def _run_dir_of(directory: Path) -> Path | None:
 
 def find(path: str | Path) -> list[Recording]:
     """The recordings ``path`` names (a run dir, a recording dir or a batch file)."""
-    from rollout_service.recording import batch_files
 
     p = Path(path)
     if not p.exists():
@@ -167,7 +167,6 @@ def load_run_config(
     overrides: list[str] | tuple[str, ...] = (),
 ) -> Any:
     """The validated ``Config`` the server ran with, plus overrides (``--model`` is one)."""
-    from common.config import ConfigError, load_config
 
     cfg = config_file(rec, config)
     if cfg is None:
