@@ -49,6 +49,7 @@ from common.timeline import (
 )
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
+from learner.intake import Intake, TakenBatch
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
@@ -63,20 +64,18 @@ from learner.prepare import (
     to_samples,
     token_level_scores,
 )
+from learner.publisher import WeightPublisher
 from learner.samples import Batching, Sample, split_for_ranks
+from learner.sinks import MetricSinks
 from learner.validation import due, validation_metrics
 from learner.versions import VersionLedger
 from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
-from learner.workers import init_ray
+from learner.workers import WorkerGroup, init_ray
 from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
-    from learner.intake import Intake, TakenBatch
-    from learner.publisher import WeightPublisher
-    from learner.sinks import MetricSinks
-    from learner.workers import WorkerGroup
 
 TRAINED_IDS = trained_log.TRAINED_IDS
 

@@ -27,6 +27,7 @@ import torch
 from learner import checkpoint_io
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
 from learner.varlen import can_share_prefix, varlen_kernel
+from learner.weights_file_writer import WeightsFileWriter
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -44,7 +45,6 @@ from learner.worker_settings import WorkerSettings
 
 if TYPE_CHECKING:
     from learner.model import MicroBatch
-    from learner.weights_file_writer import WeightsFileWriter
 
 
 def lr_factor(step: int, s: WorkerSettings) -> float:

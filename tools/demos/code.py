@@ -26,6 +26,7 @@ import os
 import random
 from typing import TYPE_CHECKING, Any
 
+from common.config.agents import CodeAgentConfig
 from common.config.loader import load_config
 from rollout_service.agents.code_agent import SYSTEM_PROMPT
 from rollout_service.tools.base import ToolContext
@@ -33,7 +34,6 @@ from tools.demos import Demonstration
 
 if TYPE_CHECKING:
     from common.config import Config
-    from common.config.agents import CodeAgentConfig
     from rollout_service.agents.rendering import ChatRenderer
 
 CONFIG_ENV = "WARMUP_CONFIG"

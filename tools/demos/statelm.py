@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 from common.config import load_config
 from rollout_service.agents.base import AgentDeps
+from rollout_service.agents.episode import Episode
 from rollout_service.agents.parsers import PARSERS, hermes_call_text
 from rollout_service.agents.statelm import StateLMAgent
+from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.server import agent_limits, sampling_settings
 from rollout_service.tools.factory import build_local_tools
 from tools.demos import Demonstration
 from tools.demos.statelm_data import CODES
 
 if TYPE_CHECKING:
-    from rollout_service.agents.episode import Episode
     from rollout_service.agents.rendering import ChatRenderer
-    from rollout_service.engine.base import Generation, SamplingSettings
 
 NOTE_KEY = "code"  # one key for every row: the note's only varying token is the digit
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_statelm.yaml"
