@@ -119,6 +119,12 @@ sys.path.insert(0, str(ROOT))
 from bench import _placement  # noqa: E402  (after the checkout is on the path)
 from bench._common import GpuMemory, Progress, gpu_count, gpu_names, ratio, tail  # noqa: E402
 from bench._repeats import summarize_repeats, summary_text  # noqa: E402
+from rollout_service.recording import read_recording  # noqa: E402
+from tools.make_tiny_data import make_longtail_data, make_tiny_data  # noqa: E402
+from tools.make_tiny_model import (  # noqa: E402
+    TinyModelSpec,
+    make_tiny_model,
+)
 from tools.timeline import draw_beside  # noqa: E402
 
 MARKER_ENV = "AGENTRL_E2E_BENCH_ID"
@@ -488,7 +494,6 @@ def resolve_device(asked: str) -> str:
 
 
 def model_spec(shape: str, vocab: str) -> Any:
-    from tools.make_tiny_model import TinyModelSpec
 
     fields = dict(SHAPES[shape])
     if vocab == "qwen2":
@@ -500,8 +505,6 @@ def write_model(out: Path, shape: str, vocab: str, dtype: str) -> Path:
     """The random model in `dtype`, reused when an earlier call wrote the same one."""
     import inspect
     from dataclasses import asdict
-
-    from tools.make_tiny_model import make_tiny_model
 
     spec = model_spec(shape, vocab)
     stamp = (
@@ -577,7 +580,6 @@ def params_of(model_dir: Path) -> int:
 def write_data(out: Path, workload: str) -> Path:
     """The workload's train.jsonl / val.jsonl: reused for calc; rewritten for longtail (milliseconds,
     deterministic), so a changed generator never leaves stale rows behind."""
-    from tools.make_tiny_data import make_longtail_data, make_tiny_data
 
     if workload == "longtail":
         make_longtail_data(out)
@@ -1041,7 +1043,6 @@ def read_episodes(recordings: Path) -> list[dict[str, Any]]:
     """Every episode the rollout servers shipped (rollout_server.record=true), trained or not."""
     if not recordings.is_dir():
         return []
-    from rollout_service.recording import read_recording
 
     out = []
     for server in sorted(p for p in recordings.iterdir() if p.is_dir()):

@@ -52,6 +52,35 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.safetensors_buffers import load_dir
+from learner.samples import (
+    Batching,
+    OldFromForward,
+    Sample,
+    even_chunks,
+    split_for_ranks,
+)
+from learner.worker_api import UpdateRequest
+from learner.worker_settings import WorkerSettings
+from protocol.driver import (
+    LearnerServer,
+    RolloutClient,
+)
+from protocol.events import (
+    PeerClosed,
+    PeerJoined,
+    PeerWeightsApplied,
+    WeightsReceived,
+)
+from protocol.messages import Identity
+from protocol.receiver import LearnerProtocol
+from protocol.sender import RolloutConnection
+from protocol.weights import NamedBuffer
+from protocol.zmq_transport import (
+    ZmqServerChannel,
+    client_factory,
+)
+from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
 
 # TinyModelSpec fields per --shape; vocab_size 512 is the tiny tokenizer's.
@@ -197,7 +226,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_model(workdir: Path, shape: str) -> tuple[Path, dict[str, Any]]:
-    from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(**SHAPES[shape])
     path = make_tiny_model(workdir / shape, spec)
@@ -219,8 +247,6 @@ def make_model(workdir: Path, shape: str) -> tuple[Path, dict[str, Any]]:
 
 def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
     import numpy as np
-
-    from learner.samples import Sample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -262,6 +288,7 @@ def bare_setup(worker: Any) -> dict[str, Any]:
     """Load the plain HF model and its AdamW next to the worker's FSDP model."""
     import torch
 
+    # lazy: learner.model imports torch, verl
     from learner.model import load_causal_lm
 
     s = worker.s
@@ -281,6 +308,7 @@ def bare_micro_loss(lm: Any, b: Any, num_tokens: int, bf16: bool) -> Any:
     ``b`` is a ``learner.model.MicroBatch``, packed or padded."""
     import torch
 
+    # lazy: learner.model imports torch, verl
     from learner.model import hidden_states
 
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -296,6 +324,7 @@ def bare_update(worker: Any, plans: list[Any], epochs: int, packed: bool | None 
     spent inside the actor."""
     import torch
 
+    # lazy: learner.model imports torch, verl
     from learner.model import collate
 
     lm, opt = worker.bench_bare
@@ -322,6 +351,7 @@ def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict
 
     import torch
 
+    # lazy: learner.model imports torch, verl; learner.update imports torch, verl
     from learner.model import collate, set_micro_batch
     from learner.update import actor_micro_loss
 
@@ -409,6 +439,7 @@ def ablation_setup(worker: Any) -> bool:
     the micro-batches of a step, or resharded after each forward and backward)."""
     import torch
 
+    # lazy: learner.model imports torch, verl
     from learner.model import PolicyHead, load_causal_lm, shard
 
     s = worker.s
@@ -448,6 +479,7 @@ def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> t
 
     import torch
 
+    # lazy: learner.model imports torch, verl; learner.update imports torch, verl
     from learner.model import collate, policy_outputs, set_micro_batch
     from learner.update import actor_micro_loss
 
@@ -543,8 +575,7 @@ def torch_profile(worker: Any, plans: list[Any], epochs: int, bare: bool) -> str
 async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     import ray
 
-    from learner.samples import Batching, OldFromForward, split_for_ranks
-    from learner.worker import WorkerSettings
+    # lazy: learner.workers imports torch
     from learner.workers import WorkerGroup, init_ray
 
     init_ray(None, args.cpus, log_to_driver=False)
@@ -705,7 +736,6 @@ async def prepare_passes(
     """The forwards `learner.trainer.Trainer._forward_passes` runs before the update for these
     flags (samples shipped each time, as there): the old logprobs of every sample (``forward``) or
     of the mini-batches after the first (``from-update``), then the reference's (``--ref``)."""
-    from learner.samples import even_chunks
 
     if args.old_logprobs == "forward":
         await group.forward("actor", samples, "old_logprobs", batching)
@@ -738,7 +768,6 @@ def prepare_figures(
 def update_step(worker: Any, plans: list[Any], epochs: int, old_from_forward: Any = None) -> Any:
     """TrainWorker.update of the actor, inside the actor (``plans`` arrive resolved from their
     object refs, which Ray does for top-level arguments only, not inside an UpdateRequest)."""
-    from learner.worker_api import UpdateRequest
 
     return worker.update(UpdateRequest("actor", plans, epochs, old_from_forward))
 
@@ -790,7 +819,6 @@ def expected_bytes(model: Path | None, mb: float) -> Any:
         for i, n in enumerate(synthetic_sizes(mb)):
             yield f"synthetic.{i:05d}", memoryview(synthetic_tensor(i, n)).cast("B")
         return
-    from common.safetensors_buffers import load_dir
 
     assert model is not None
     for t in load_dir(model):
@@ -802,13 +830,6 @@ def publish_learner(
 ) -> None:
     import anyio
     import numpy as np
-
-    from protocol.driver import LearnerServer
-    from protocol.events import PeerClosed, PeerJoined, PeerWeightsApplied
-    from protocol.messages import Identity
-    from protocol.receiver import LearnerProtocol
-    from protocol.weights import NamedBuffer
-    from protocol.zmq_transport import ZmqServerChannel
 
     arrays = publish_arrays(model, mb)
     buffers = [NamedBuffer(k, str(a.dtype), a.shape, memoryview(a).cast("B")) for k, a in arrays]
@@ -900,12 +921,6 @@ def publish_receiver(
     model: Path | None, mb: float, address: str, idx: int, rounds: int, pipe: Any
 ) -> None:
     import anyio
-
-    from protocol.driver import RolloutClient
-    from protocol.events import WeightsReceived
-    from protocol.messages import Identity
-    from protocol.sender import RolloutConnection
-    from protocol.zmq_transport import client_factory
 
     async def main() -> None:
         conn = RolloutConnection(

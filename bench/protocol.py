@@ -33,6 +33,27 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from protocol import codec
+from protocol.batch import (
+    Trajectories,
+    TrajectoryBuilder,
+    token_count,
+)
+from protocol.codec import view
+from protocol.driver import (
+    LearnerServer,
+    RolloutClient,
+)
+from protocol.events import BatchAcked, BatchReceived, Connected, PeerClosed
+from protocol.limits import CodecLimits
+from protocol.messages import Identity
+from protocol.receiver import LearnerProtocol
+from protocol.sender import RolloutConnection, encode_batch
+from protocol.trajectory import Trajectory
+from protocol.zmq_transport import (
+    ZmqServerChannel,
+    client_factory,
+)
 
 VOCAB = 151_936
 DISTINCT = 32  # distinct batches (own buffers) both phases cycle through (~200 MB by default)
@@ -131,8 +152,6 @@ def make_templates(cfg: Config) -> list[list[Any]]:
     """Distinct batches of realistic token arrays; submissions reuse them under fresh ids."""
     import numpy as np
 
-    from protocol.trajectory import Trajectory
-
     rng = np.random.default_rng(0)
     out = []
     for b in range(cfg.templates):
@@ -172,7 +191,6 @@ def distinct_batches(cfg: Config, templates: list[list[Any]], form: str) -> list
     """The batches both phases cycle through: ``DISTINCT`` of them in their own buffers, so no
     phase gains from one cache-hot buffer. Column-wise ones are built as a rollout server's
     ``TrajectoryBuilder`` builds them (one copy, as episodes end: producer work, outside the clock)."""
-    from protocol.batch import TrajectoryBuilder
 
     out: list[Any] = []
     for i in range(min(cfg.batches, DISTINCT)):
@@ -191,8 +209,6 @@ def fresh(batch: Any, prefix: str) -> Any:
     """The batch's arrays under new trajectory ids (the learner deduplicates on ids); no copy."""
     import dataclasses
 
-    from protocol.batch import Trajectories
-
     if isinstance(batch, Trajectories):
         ids = [f"{prefix}-{i}" for i in range(len(batch))]
         return Trajectories({**batch.meta, "trajectory_id": ids}, batch.columns)
@@ -203,14 +219,6 @@ def fresh(batch: Any, prefix: str) -> Any:
 def protocol_receiver(cfg: Config, pipe: Any) -> None:
     _child_setup(cfg)
     import anyio
-
-    from protocol.batch import token_count
-    from protocol.codec import CodecLimits
-    from protocol.driver import LearnerServer
-    from protocol.events import BatchReceived, PeerClosed
-    from protocol.messages import Identity
-    from protocol.receiver import LearnerProtocol
-    from protocol.zmq_transport import ZmqServerChannel
 
     async def main() -> None:
         channel = ZmqServerChannel("tcp://127.0.0.1:0")
@@ -259,13 +267,6 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
 def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
     _child_setup(cfg)
     import anyio
-
-    from protocol import codec
-    from protocol.driver import RolloutClient
-    from protocol.events import BatchAcked, Connected
-    from protocol.messages import Identity
-    from protocol.sender import RolloutConnection, encode_batch
-    from protocol.zmq_transport import client_factory
 
     templates = make_templates(cfg)
 
@@ -348,9 +349,6 @@ def protocol_sender(cfg: Config, address: str, pipe: Any) -> None:
 def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     _child_setup(cfg)
     import zmq
-
-    from protocol.codec import view
-    from protocol.sender import encode_batch
 
     # The protocol phase's batches (the first DISTINCT of them, cycled): distinct buffers, so the
     # bound does not gain from sending one cache-hot buffer over and over. Views, not copies.

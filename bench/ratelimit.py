@@ -36,6 +36,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.ratelimit import (
+    _POLL_MAX_S,
+    _POLL_MIN_S,
+    RECORD_SIZE,
+    Bucket,
+    GlobalRateLimiter,
+    encode_record,
+)
 
 KEY = "bench"
 LOOPS = ("bare", "blocking", "async")
@@ -72,8 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _bare_loop(lock_path: Path, stop: float) -> int:
     import filelock
 
-    from common.ratelimit import _POLL_MAX_S, _POLL_MIN_S
-
     lock, ops = filelock.FileLock(lock_path), 0
     while time.monotonic() < stop:
         poll = _POLL_MIN_S
@@ -90,7 +96,6 @@ def _bare_loop(lock_path: Path, stop: float) -> int:
 
 
 def _blocking_loop(state_dir: Path, stop: float) -> int:
-    from common.ratelimit import Bucket, GlobalRateLimiter
 
     rl, ops = GlobalRateLimiter(state_dir, {KEY: Bucket(per_minute=1e12, burst=10**9)}), 0
     while time.monotonic() < stop:
@@ -101,8 +106,6 @@ def _blocking_loop(state_dir: Path, stop: float) -> int:
 
 def _async_loop(state_dir: Path, stop: float) -> int:
     import anyio
-
-    from common.ratelimit import Bucket, GlobalRateLimiter
 
     rl = GlobalRateLimiter(state_dir, {KEY: Bucket(per_minute=1e12, burst=10**9)})
 
@@ -119,8 +122,6 @@ def _async_loop(state_dir: Path, stop: float) -> int:
 def _child(loop: str, state_dir: str, seconds: float, barrier: Any, results: Any) -> None:
     import anyio  # noqa: F401  (imports before the barrier, outside the clock)
     import filelock  # noqa: F401
-
-    import common.ratelimit  # noqa: F401
 
     barrier.wait()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -184,7 +185,6 @@ def throughput_phase(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 # -- phase 2: ways to write the state record ----------------------------------------------------------------
 def write_phase(ops: int, root: Path) -> dict[str, float]:
-    from common.ratelimit import RECORD_SIZE, encode_record
 
     record = encode_record(1.0, time.time())
     state, tmp = root / "w.state", root / ".w.state.tmp"

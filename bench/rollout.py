@@ -49,6 +49,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.safetensors_buffers import load_dir
+from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.vllm_engine import (
+    VllmEngine,
+    VllmEngineSettings,
+    _stage_safetensors,
+)
+from tools.make_tiny_model import (
+    bfloat16_bits_to_float32,
+    make_tiny_model,
+    preset_spec,
+)
 
 SHAPES = {"tiny": "tiny", "0.5b": "qwen2-0.5b"}  # --shape -> tools/make_tiny_model.py preset
 PROMPT_ID_LIMIT = 500  # prompt ids stay below the tiny tokenizer's 512 (and any model's vocab)
@@ -186,13 +198,11 @@ def compilation_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def write_model(workdir: Path, shape: str, dtype: str) -> Path:
-    from tools.make_tiny_model import preset_spec
 
     return make_model_from_spec(workdir / shape, preset_spec(SHAPES[shape], dtype=dtype))
 
 
 def make_model_from_spec(out: Path, spec: Any) -> Path:
-    from tools.make_tiny_model import make_tiny_model
 
     return make_tiny_model(out, spec)
 
@@ -201,7 +211,6 @@ def large_spec(dtype: str = "float32") -> Any:
     """The ~0.5B-parameter model of phase 2: the ``qwen2-0.5b`` preset (hidden 896, 24 layers,
     14 heads / 2 KV heads, intermediate 4864, vocabulary 151936, tied embeddings, the tiny
     model's tokenizer)."""
-    from tools.make_tiny_model import preset_spec
 
     return preset_spec(SHAPES["0.5b"], dtype=dtype)
 
@@ -216,8 +225,6 @@ def bfloat16_arrays() -> tuple[Any, str]:
     except ImportError:
         return None, "no ml_dtypes"
     try:
-        from rollout_service.engine.vllm_engine import _stage_safetensors
-
         with tempfile.TemporaryDirectory(prefix="bench-probe-") as d:
             _stage_safetensors([("probe", np.zeros(4, ml_dtypes.bfloat16))], d)
     except Exception as e:
@@ -233,8 +240,6 @@ def load_update_arrays(model_dir: Path) -> tuple[list[tuple[str, Any]], str]:
     while loading; twice the bytes staged)."""
     import numpy as np
 
-    from common.safetensors_buffers import load_dir
-
     buffers = load_dir(model_dir)
     bf16: Any = None
     how = "none"
@@ -249,8 +254,6 @@ def load_update_arrays(model_dir: Path) -> tuple[list[tuple[str, Any]], str]:
             if bf16 is not None:
                 array = np.frombuffer(b.data, dtype=bf16).reshape(b.shape)
             else:
-                from tools.make_tiny_model import bfloat16_bits_to_float32
-
                 array = bfloat16_bits_to_float32(np.frombuffer(b.data, np.uint16)).reshape(b.shape)
         else:
             array = np.frombuffer(b.data, dtype=np.dtype(b.dtype)).reshape(b.shape)
@@ -271,7 +274,6 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 
 async def round_engine(engine: Any, batch: list[list[int]], tokens: int, tag: str) -> float:
-    from rollout_service.engine.base import SamplingSettings
 
     sampling = SamplingSettings(max_tokens=tokens, temperature=1.0, ignore_eos=True)
     start = time.perf_counter()
@@ -395,7 +397,6 @@ async def update_times(
     """``repeats`` timed ``load_weights`` of the checkpoint's own weights, each followed by the
     bound: a bare ``reload_weights`` RPC of the same weights from the model directory (one
     untimed reload first: the first reload of a process sets things up). Fills ``out``."""
-    from rollout_service.engine.base import SamplingSettings
 
     weights, how = load_update_arrays(model_dir)
     nbytes = sum(a.nbytes for _, a in weights)
@@ -485,7 +486,6 @@ async def update_times(
 
 
 def engine_settings(args: argparse.Namespace, model: Path, **overrides: Any) -> Any:
-    from rollout_service.engine.vllm_engine import VllmEngineSettings
 
     values: dict[str, Any] = {
         "model": str(model),
@@ -519,7 +519,6 @@ async def guarded(result: dict[str, Any], key: str, coro: Any) -> bool:
 
 
 async def run(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
-    from rollout_service.engine.vllm_engine import VllmEngine
 
     result["config"] = {
         k: getattr(args, k)
@@ -607,7 +606,6 @@ async def run(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -
 
 async def large_update(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
     """--shape tiny: the 0.5B weight update on a second engine with a small KV cache."""
-    from rollout_service.engine.vllm_engine import VllmEngine
 
     progress(f"writing the ~0.5B-parameter random Qwen2 ({args.dtype})")
     start = time.perf_counter()

@@ -39,6 +39,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.learner import SHAPES
+from learner.samples import (
+    MiniBatchPlan,
+    Sample,
+    count_tokens,
+)
+from learner.worker_settings import WorkerSettings
+from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
 
 def progress(msg: str) -> None:
@@ -70,8 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_samples(a: argparse.Namespace) -> list[Any]:
     import numpy as np
 
-    from learner.samples import Sample
-
     rng = np.random.default_rng(0)
     head = rng.integers(0, 500, a.prefix)
     out = []
@@ -91,13 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import torch
 
-    from bench.learner import SHAPES
+    # lazy: learner.model imports torch, verl; learner.update imports torch, verl; learner.varlen imports torch
     from learner.model import PolicyHead, collate, load_causal_lm, policy_outputs
-    from learner.samples import MiniBatchPlan, count_tokens
     from learner.update import actor_micro_loss
     from learner.varlen import prefix_kernel, varlen_kernel
-    from learner.worker import WorkerSettings
-    from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)

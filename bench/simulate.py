@@ -59,6 +59,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import e2e  # noqa: E402
 from bench.clustersim.costs import (  # noqa: E402
     GPU_DIR,
     GenCosts,
@@ -109,7 +110,6 @@ def run_settings(d: dict[str, Any]) -> dict[str, int]:
     """Groups per step, episodes per group, the concurrency cap and the servers of an e2e JSON's
     runs: the config it names, then bench/e2e.py's own CPU overrides on the CPU, the servers of its
     placement, then the JSON's overrides (later ones win)."""
-    from bench import e2e  # its CPU overrides and workloads
 
     cfg = yaml.safe_load((ROOT / "configs" / Path(d["config"]).name).read_text())
     overrides: list[str] = []

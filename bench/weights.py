@@ -49,6 +49,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from protocol.driver import (  # noqa: E402
+    LearnerServer,
+    RolloutClient,
+)
+from protocol.events import (  # noqa: E402
+    PeerJoined,
+    PeerWeightsApplied,
+    WeightsReceived,
+)
+from protocol.messages import Identity  # noqa: E402
+from protocol.receiver import LearnerProtocol  # noqa: E402
+from protocol.sender import RolloutConnection  # noqa: E402
+from protocol.weights import NamedBuffer  # noqa: E402
+from protocol.zmq_transport import (  # noqa: E402
+    ZmqServerChannel,
+    client_factory,
+)
+
 PORT = 5700
 RAW_PORT = 5701
 
@@ -127,13 +145,6 @@ def payload(mb: float) -> Any:
 def role_learner(a: argparse.Namespace) -> None:
     import anyio
 
-    from protocol.driver import LearnerServer
-    from protocol.events import PeerJoined, PeerWeightsApplied
-    from protocol.messages import Identity
-    from protocol.receiver import LearnerProtocol
-    from protocol.weights import NamedBuffer
-    from protocol.zmq_transport import ZmqServerChannel
-
     arrays = payload(a.mb)
     buffers = [NamedBuffer(k, "float32", x.shape, memoryview(x).cast("B")) for k, x in arrays]
 
@@ -195,12 +206,6 @@ def role_receiver(a: argparse.Namespace) -> None:
     import uuid
 
     import anyio
-
-    from protocol.driver import RolloutClient
-    from protocol.events import WeightsReceived
-    from protocol.messages import Identity
-    from protocol.sender import RolloutConnection
-    from protocol.zmq_transport import client_factory
 
     async def main() -> None:
         conn = RolloutConnection(

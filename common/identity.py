@@ -21,6 +21,8 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from protocol.messages import Identity as WireIdentity
+
 # Files that decide how text is turned into ids (and back). Absent ones are skipped.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -166,7 +168,6 @@ def embedding_rows(model_dir: str | Path) -> int:
 
 def wire_identities(model_dir: str | Path) -> tuple[Identity, Identity]:
     """(model, tokenizer) identities of `model_dir` as the protocol's HELLO/handshake carries them."""
-    from protocol.messages import Identity as WireIdentity  # lazy: this module stays stdlib-only
 
     m, t = model_identity(model_dir), tokenizer_identity(model_dir)
     return WireIdentity(m["name"], m["sha256"]), WireIdentity(

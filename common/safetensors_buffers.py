@@ -15,6 +15,7 @@ import os
 import struct
 from pathlib import Path
 
+from common.identity import display_name
 from protocol.weights import ModelManifest, NamedBuffer
 
 DTYPES = {
@@ -86,7 +87,6 @@ def model_manifest(model_dir: str | Path) -> ModelManifest:
     """Names, dtypes and shapes of every tensor of the model in ``model_dir`` (its safetensors
     headers; no tensor data is read). With ``tie_word_embeddings`` and no ``lm_head.weight`` on
     disk, an update may still carry one, shaped like the embedding."""
-    from common.identity import display_name
 
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))

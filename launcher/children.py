@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.multicast import MULTICAST_OFF
+from common.run_events import EVENTS_ENV
 
 LAUNCH_ID_ENV = "AGENTRL_LAUNCH_ID"
 """Environment variable naming the bin/train run a process belongs to (inherited by descendants)."""
@@ -176,7 +177,6 @@ def child_env(
     ``CUDA_VISIBLE_DEVICES`` naming exactly those GPUs (an empty list hides every GPU) and, when
     `cpus` is not None, those cores for vLLM-CPU's threads (`VLLM_CPU_BIND_ENV`, unless `base`
     sets it: a user's own binding, or "auto" for vLLM's, wins)."""
-    from common.run_events import EVENTS_ENV
 
     env = dict(os.environ if base is None else base)
     env[LAUNCH_ID_ENV] = launch_id

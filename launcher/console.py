@@ -5,7 +5,7 @@ from where they ended when the launch began (a resumed run appends to them): the
 (``RUN_DIR/events.jsonl``, `common.run_events`: typed records, never log text) tells where the
 learner listens, when it is ready and which rollout servers are connected, and
 ``RUN_DIR/metrics.jsonl`` brings one record per finished step. The console shows a rich progress bar over the steps with the learner's own step
-line (`learner.sinks.step_line`) above it; when stdout is not a terminal only the lines are printed.
+line (`common.console_format.step_line`) above it; when stdout is not a terminal only the lines are printed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 from rich.console import Console
 
-from learner.sinks import short, step_line, step_progress
+from common.console_format import short, step_line, step_progress
+from common.run_events import Event, Kind
 
 
 class JsonlTail:
@@ -78,7 +79,6 @@ class Connections:
         """(event, who) pairs since the last call: ("joined" | "rejoined" | "left", server id),
         ("listening", address) when the learner's intake is bound, ("tool listening", port), and
         ("ready", "") once the learner's workers are up."""
-        from common.run_events import Event, Kind
 
         events = []
         for record in self.tail.read():

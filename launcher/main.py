@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # lazy: this module is bin/train's command line, whose --help stays instant
     from common.cli import build_parser
 
     parser = build_parser(
@@ -32,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_intermixed_args(argv)  # options may follow the overrides
 
+    # lazy: this module is bin/train's command line, whose --help stays instant
     from common.config import ConfigError, dump_config, load_config
     from common.logging import configure_logging, format_from_env, get_logger
     from common.rundir import prepare_run_dir
@@ -40,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides, check_paths=True)
         check_launch(config, args.config, args.overrides)
+        # lazy: this module is bin/train's command line, whose --help stays instant
         from common.cli import (
             LEARNER_PREFLIGHT,
             TOOL_SERVER_PREFLIGHT,
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         component="train",
         file=plan.run_dir / "logs" / "train.jsonl",
     )
+    # lazy: this module is bin/train's command line, whose --help stays instant
     from launcher.supervisor import Supervisor
 
     try:

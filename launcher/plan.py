@@ -22,6 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.config import ConfigError, load_config
+from common.config.launch import launch_issues, rollout_gpus_of, rollout_memory_of
+from common.config.loader import override_label, parse_override
+from common.epochs import total_steps
+from common.run_events import EVENTS_FILE
+from common.rundir import resolve_run_dir
+from launcher.children import Child, child_env, cpu_share, python_argv
+from launcher.ray_placement import RayChild, RayFleet
+
 if TYPE_CHECKING:  # imported lazily (bin/train --help stays instant)
     from common.config import Config
     from common.config.launch import LaunchConfig
@@ -65,7 +74,6 @@ class Plan:
 
     @property
     def events_file(self) -> Path:
-        from common.run_events import EVENTS_FILE
 
         return self.run_dir / EVENTS_FILE
 
@@ -169,7 +177,6 @@ def rollout_overrides(
 def rollout_args(launch: LaunchConfig, index: int) -> list[str]:
     """What rollout server `index` gets on top of every child's arguments: its shard, its id and,
     with launch.rollout_gpu_memory_utilization, its own share of its GPUs' memory for vLLM."""
-    from common.config.launch import rollout_memory_of
 
     n = launch.rollout_servers
     out = [
@@ -185,11 +192,6 @@ def rollout_args(launch: LaunchConfig, index: int) -> list[str]:
 def plan_run(
     config_file: str | None, user_overrides: Sequence[str], config: Config, log_format: str | None
 ) -> Plan:
-    from common.config import load_config
-    from common.config.launch import rollout_gpus_of
-    from common.epochs import total_steps
-    from common.rundir import resolve_run_dir
-    from launcher.children import Child, child_env, cpu_share, python_argv
 
     run_dir = resolve_run_dir(config).resolve()
     decided = launch_overrides(config, run_dir)
@@ -201,7 +203,6 @@ def plan_run(
     base += [*user_overrides, *extra]
     launch_id = uuid.uuid4().hex
     logs = run_dir / "logs"
-    from common.run_events import EVENTS_FILE
 
     events = run_dir / EVENTS_FILE
 
@@ -227,8 +228,6 @@ def plan_run(
     fleet = None
     shards = [rollout_args(final.launch, i) for i in range(n)]
     if final.launch.placement == "ray":
-        from launcher.ray_placement import RayChild, RayFleet
-
         fleet = RayFleet(final, launch_id)
         fleet.children = [
             RayChild(
@@ -283,9 +282,6 @@ def check_launch(config: Config, config_file: str | None, overrides: Sequence[st
     """Raise ConfigError for every rule the `launch` section breaks against the other sections
     (`common.config.launch.launch_issues`), each blamed on the override that set one of its keys,
     else on the config file, as the loader blames its own issues."""
-    from common.config import ConfigError
-    from common.config.launch import launch_issues
-    from common.config.loader import override_label, parse_override
 
     issues = launch_issues(config)
     if not issues:

@@ -27,7 +27,9 @@ from types import FrameType
 from typing import Any
 
 from common.fileio import atomic_write_bytes
+from common.metrics_file import read_metrics
 from common.run_events import Event, Kind, append
+from common.rundir import checkpoint_dir
 from launcher.children import Child, RemoteChild, kill_tree, stop_all, sweep
 from launcher.console import Connections, Display, JsonlTail, metric_values, summary_lines
 from launcher.plan import (
@@ -40,6 +42,9 @@ from launcher.plan import (
     rollout_overrides,
     tool_url,
 )
+from launcher.ray_placement import PlacementError
+from tools.plot import plot_run
+from tools.timeline import draw_timeline
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 EXIT_REFUSED = 2
@@ -176,7 +181,6 @@ class Supervisor:
         fleet = self.plan.fleet
         if fleet is None:
             return EXIT_OK
-        from launcher.ray_placement import PlacementError
 
         try:
             joins = fleet.open(self.log, lambda: bool(self.signals))
@@ -292,7 +296,6 @@ class Supervisor:
         return EXIT_OK
 
     def _last_step(self) -> int:
-        from learner.sinks import read_metrics
 
         try:
             records = read_metrics(self.plan.run_dir)
@@ -358,22 +361,16 @@ class Supervisor:
             )
 
     def _finish(self, wall_s: float) -> int:
-        from common.rundir import checkpoint_dir
-        from learner.sinks import read_metrics
 
         run_dir = self.plan.run_dir
         plot: Path | None = None
         try:
-            from tools.plot import plot_run
-
             plot = plot_run(run_dir)
             self.log.info("training curves drawn", path=str(plot))
         except Exception as e:  # the run itself succeeded; a missing plot is worth a warning only
             self.log.warning("could not draw the training curves", error=f"{type(e).__name__}: {e}")
         timeline: tuple[Path, Path] | None = None
         try:
-            from tools.timeline import draw_timeline
-
             timeline = draw_timeline(run_dir)
             self.log.info("timeline drawn", png=str(timeline[0]), trace=str(timeline[1]))
         except Exception as e:  # as for the curves: the run succeeded all the same

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from common.safetensors_buffers import load_dir
 from learner.worker_api import WeightArray
 
 TORCH_TO_WIRE = {
@@ -155,7 +156,6 @@ def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int)
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
     # Gathering unties tied weights (lm_head = embeddings): keep exactly the source checkpoint's names.
-    from common.safetensors_buffers import load_dir
 
     names = {t.name for t in load_dir(source_dir)}
     sd = {

@@ -1,7 +1,7 @@
 """The ``actor.policy_loss`` settings as the trainer hands them to its workers.
 
 Design: a frozen, hashable dataclass of plain values that imports neither torch nor verl, so that
-`learner.worker.WorkerSettings` stays cheap to import; `learner.algorithms.policy_losses` turns it
+`learner.worker_settings.WorkerSettings` stays cheap to import; `learner.algorithms.policy_losses` turns it
 into the ActorConfig that verl's loss functions read.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["PolicyLossSettings", "policy_loss_settings"]
 @dataclass(frozen=True)
 class PolicyLossSettings:
     """``actor.policy_loss`` keys, SAPO's taus and bypass_mode's importance-sampling settings; the
-    clip ratios and ``loss_agg_mode`` are the actor's own keys (`learner.worker.WorkerSettings`)."""
+    clip ratios and ``loss_agg_mode`` are the actor's own keys (`learner.worker_settings.WorkerSettings`)."""
 
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002

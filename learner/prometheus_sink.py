@@ -15,15 +15,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from common.logging import get_logger
-
-if TYPE_CHECKING:  # learner.sinks registers this class: a runtime import back would be a circle
-    from learner.sinks import SinkContext
+from learner.sink_api import SinkContext
 
 PREFIX = "agentrl_learner_"
 

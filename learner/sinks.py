@@ -9,7 +9,7 @@ float, the console prints "nan"), because a diverging run is when the metrics mu
 
 Resumption: a run restarted from a checkpoint passes ``start_step``; JSONL appends to the same
 file (after dropping a half-written last line), TensorBoard purges the abandoned steps from its
-view, W&B continues the same run id, and `read_metrics` hides records a restart superseded.
+view, W&B continues the same run id, and `common.metrics_file.read_metrics` hides records a restart superseded.
 wandb is optional and imported only when configured; tensorboardX only when "tensorboard" is.
 """
 
@@ -17,34 +17,25 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
 
+from common.console_format import step_line, step_progress
+from common.metrics_file import METRICS_FILE, drop_partial_line, json_value
 from common.registry import Registry
 from learner.prometheus_sink import PrometheusSink
+from learner.sink_api import Sink, SinkContext
 
 if TYPE_CHECKING:
     from common.config.root import Config
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 WANDB_MISSING = (
@@ -87,145 +78,11 @@ def preflight_issues(config: Config) -> tuple[list[str], list[str]]:
     return missing_sink_packages(config.trainer.logger), []
 
 
-@dataclass(frozen=True)
-class SinkContext:
-    """Everything a sink may need at construction; each sink reads only its part."""
-
-    run_dir: Path
-    total_steps: int | None
-    start_step: int = 0
-    project: str = "agentrl"
-    experiment: str = "run"
-    config: Mapping[str, Any] = field(default_factory=dict)
-    console: Console | None = None
-
-
-class Sink(Protocol):
-    """One destination of metrics. `step` is the global step just finished (verl counts from 1)."""
-
-    def __init__(self, ctx: SinkContext) -> None: ...
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
-
-    def close(self) -> None: ...
-
-
 SINKS: Registry[type[Sink]] = Registry("metric sink")
 SINKS.register("prometheus")(PrometheusSink)
 
 
-def short(value: float) -> str:
-    """A number in 3 significant digits with k/M/G/T for large magnitudes: 0.0123, 4.56k, 12.3M."""
-    if isinstance(value, numbers.Integral) and abs(int(value)) < 1000:
-        return str(int(value))
-    v = float(value)
-    if not math.isfinite(v):
-        return str(v)  # "nan", "inf", "-inf"
-    for suffix in ("", "k", "M", "G"):
-        # 999.5 would print as "1e+03" at 3 digits, so it already belongs to the next unit.
-        if abs(v) < 999.5:
-            return f"{v:.3g}{suffix}"
-        v /= 1000
-    return f"{v:.3g}T"
-
-
 # ---------------------------------------------------------------- console
-
-
-# (metric, label) pairs of the step line, in order; metrics absent from a step are left out.
-_HEADLINE = (
-    ("reward/mean", "reward"),
-    ("actor/pg_loss", "pg_loss"),
-    ("actor/kl_loss", "kl"),
-    ("actor/entropy", "entropy"),
-    ("actor/grad_norm", "grad_norm"),
-    ("val/reward/mean", "val"),
-)
-_TIMING_SPLIT = (
-    ("timing/wait_s", "wait"),
-    ("timing/prepare_s", "prep"),
-    ("timing/update_s", "update"),
-    ("timing/broadcast_s", "bcast"),
-)
-
-
-def agent_parts(metrics: Mapping[str, float]) -> list[tuple[str, str]]:
-    """What the agents did (``learner.agent_metrics``), compactly: StateLM's snapshots and
-    deletions and the code agent's sandbox runs whenever their agent ran (so a model that does not
-    act yet shows 0), tool calls per episode only when there were some, with the busiest tools."""
-    out = []
-    if "agent/snapshots_per_episode" in metrics:
-        snap = f"{short(metrics['agent/snapshots_per_episode'])}/ep"
-        if "agent/deletions_per_episode" in metrics:
-            snap += f" (del {short(metrics['agent/deletions_per_episode'])})"
-        out.append(("snap", snap))
-    if "agent/sandbox_runs_per_episode" in metrics:
-        episodes = metrics.get("agent/episodes", 1.0)
-        runs = metrics["agent/sandbox_runs_per_episode"] * episodes
-        errors = metrics.get("agent/sandbox_errors_per_episode", 0.0) * episodes
-        out.append(("sbx", f"{short(round(runs))} ({short(round(errors))} err)"))
-    calls = metrics.get("agent/tool_calls_per_episode", 0.0)
-    if calls > 0:
-        per_tool = sorted(
-            (
-                (v, k.removeprefix("agent/tool_calls/"))
-                for k, v in metrics.items()
-                if k.startswith("agent/tool_calls/") and v > 0
-            ),
-            reverse=True,
-        )
-        busiest = " ".join(f"{name} {short(v)}" for v, name in per_tool[:3])
-        out.append(("tools", f"{short(calls)}/ep" + (f" ({busiest})" if busiest else "")))
-    return out
-
-
-def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) -> Text:
-    """The console's line for one step: ``step 3/10  reward 0.5  pg_loss -0.01 ... time 12.3s``."""
-    line = Text()
-    line.append(f"step {step}" + (f"/{total_steps}" if total_steps is not None else ""), "bold")
-
-    def add(label: str, figure: str) -> None:
-        line.append("  ")
-        line.append(label + " ", "dim")
-        line.append(figure)
-
-    for key, label in _HEADLINE:
-        if key in metrics:
-            add(label, short(metrics[key]))
-    if "staleness/mean" in metrics:
-        stale = short(metrics["staleness/mean"])
-        if "staleness/max" in metrics:
-            stale += f" (max {short(metrics['staleness/max'])})"
-        add("stale", stale)
-    if "rollout/waste_frac" in metrics:
-        add("waste", short(metrics["rollout/waste_frac"]))
-    for label, figure in agent_parts(metrics):
-        add(label, figure)
-    if "perf/tokens_per_s" in metrics:
-        add("tok/s", short(metrics["perf/tokens_per_s"]))
-    split = " ".join(f"{lab} {short(metrics[k])}" for k, lab in _TIMING_SPLIT if k in metrics)
-    if "timing/step_s" in metrics or split:
-        total = f"{short(metrics['timing/step_s'])}s" if "timing/step_s" in metrics else ""
-        add("time", " ".join(p for p in (total, f"({split})" if split else "") if p))
-    return line
-
-
-def step_progress(console: Console) -> Progress:
-    """The progress bar over training steps (shared by the console sink and bin/train)."""
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("steps"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=console,
-        refresh_per_second=2,
-        # rich drops speed samples older than this period; RL steps can take minutes, and with
-        # rich's 30 s default the ETA would stay unknown. Its sample deque (1000) keeps it recent.
-        speed_estimate_period=6 * 3600,
-    )
 
 
 @SINKS.register("console")
@@ -261,33 +118,6 @@ class ConsoleSink:
 # ---------------------------------------------------------------- JSON lines
 
 
-def _json_value(value: float) -> int | float | None:
-    # Integral also covers numpy ints; keeping ints exact matters for counters like policy/version.
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    v = float(value)
-    return v if math.isfinite(v) else None  # JSON has no NaN; null keeps the file strict JSON
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Truncate a last line without its newline (the process was killed mid-write), so appended
-    records start on a line of their own."""
-    if not path.exists():
-        return
-    with path.open("rb+") as f:
-        end = pos = f.seek(0, os.SEEK_END)
-        while pos > 0:  # backwards in chunks: the file grows with the run, its tail is what matters
-            start = max(0, pos - 65536)
-            f.seek(start)
-            newline = f.read(pos - start).rfind(b"\n")
-            if newline >= 0:
-                if start + newline + 1 < end:
-                    f.truncate(start + newline + 1)
-                return
-            pos = start
-        f.truncate(0)
-
-
 @SINKS.register("jsonl")
 class JsonlSink:
     """Appends ``{"step": s, "time": unix_ts, **metrics}`` per step to ``run_dir/metrics.jsonl``,
@@ -296,7 +126,7 @@ class JsonlSink:
     def __init__(self, ctx: SinkContext) -> None:
         self.path = ctx.run_dir / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_partial_line(self.path)
+        drop_partial_line(self.path)
         self.file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -306,40 +136,12 @@ class JsonlSink:
                 f"metric names {sorted(clash)} clash with the JSONL record's own fields"
             )
         record = {"step": int(step), "time": time.time()}
-        record.update({k: _json_value(v) for k, v in metrics.items()})
+        record.update({k: json_value(v) for k, v in metrics.items()})
         self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
         self.file.close()  # idempotent
-
-
-def read_metrics(run_dir: Path, *, keep_superseded: bool = False) -> list[dict[str, Any]]:
-    """The records of ``run_dir/metrics.jsonl``, with null values read back as NaN.
-
-    A truncated last line (a killed writer) is skipped. When the step goes backwards (a run resumed
-    from an earlier checkpoint), the records of the abandoned attempt from that step on are dropped
-    unless `keep_superseded`, so the result is the history of the run that continued.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    lines = path.read_text(encoding="utf-8").split("\n")
-    records: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # no newline after it: the writer died mid-line
-                continue
-            raise ValueError(f"{path}:{number}: not a JSON line: {line[:80]!r}") from None
-        record = {k: (math.nan if v is None else v) for k, v in record.items()}
-        if not keep_superseded and records and records[-1]["step"] > record["step"]:
-            # A restart: equal steps are kept (a step may be logged twice), lower ones start over.
-            while records and records[-1]["step"] >= record["step"]:
-                records.pop()
-        records.append(record)
-    return records
 
 
 # ---------------------------------------------------------------- TensorBoard

@@ -37,6 +37,7 @@ from common.epochs import total_steps
 from common.logging import get_logger
 from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
+from common.safetensors_buffers import load_dir
 from common.timeline import (
     CHECKPOINT_SPAN,
     VALIDATE_SPAN,
@@ -48,9 +49,14 @@ from common.timeline import (
 )
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
+from learner.intake import Intake, TakenBatch
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
+    batching,
+    mini_batch_count,
+    old_logprob_parts,
+    old_logprobs_from_update,
     reduce_worker_metrics,
     remax_baselines,
     response_tensors,
@@ -58,19 +64,18 @@ from learner.prepare import (
     to_samples,
     token_level_scores,
 )
+from learner.publisher import WeightPublisher
 from learner.samples import Batching, Sample, split_for_ranks
-from learner.validation import due
+from learner.sinks import MetricSinks
+from learner.validation import due, validation_metrics
 from learner.versions import VersionLedger
-from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
+from learner.worker_settings import WorkerSettings
+from learner.workers import WorkerGroup, init_ray
 from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
-    from learner.intake import Intake, TakenBatch
-    from learner.publisher import WeightPublisher
-    from learner.sinks import MetricSinks
-    from learner.workers import WorkerGroup
 
 TRAINED_IDS = trained_log.TRAINED_IDS
 
@@ -203,7 +208,6 @@ class Trainer:
         return path, (checkpoints.read_state(path) if path else None)
 
     async def _start_workers(self, resume: Path | None) -> None:
-        from learner.workers import WorkerGroup
 
         self.workers = WorkerGroup(
             self.settings, self.world, place_timeout_s=self.config.ray.place_timeout_s
@@ -222,6 +226,7 @@ class Trainer:
     def _init_algorithm_state(
         self, state: dict[str, Any] | None, resume_path: Path | None = None
     ) -> None:
+        # lazy: learner.algorithms imports verl
         from learner.algorithms import make_kl_controller
 
         k = self.config.algorithm.kl_ctrl
@@ -246,7 +251,6 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
     def _batching(self, micro_size: int | None = None) -> Batching:
         """How this learner's passes cut micro-batches, as far as its workers can lay them out."""
-        from learner.prepare import batching
 
         return batching(
             self.config,
@@ -259,7 +263,6 @@ class Trainer:
         """The forwards before the update: old logprobs (unless the rollout's stand for them, or
         the update takes the first mini-batch's from its own forward: then only the later
         mini-batches run here, `learner.prepare.old_logprob_parts`), reference logprobs, values."""
-        from learner.prepare import old_logprob_parts
 
         passes = self._batching()
         if self.config.actor_rollout_ref.actor.off_policy.old_logprobs == "rollout":
@@ -275,8 +278,8 @@ class Trainer:
             await self.workers.forward("critic", samples, "values", passes)
 
     async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
+        # lazy: learner.algorithms imports verl
         from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
-        from learner.prepare import old_logprobs_from_update
 
         cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
         metrics: dict[str, float] = {}
@@ -340,7 +343,6 @@ class Trainer:
         return metrics
 
     async def _update(self, samples: list[Sample]) -> StepUpdate:
-        from learner.prepare import mini_batch_count, old_logprobs_from_update
 
         cfg = self.config.actor_rollout_ref.actor
         n_mini = mini_batch_count(self.config)
@@ -468,11 +470,6 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
-        from common.safetensors_buffers import load_dir
-        from learner.intake import Intake
-        from learner.publisher import WeightPublisher
-        from learner.sinks import MetricSinks
-        from learner.workers import init_ray
 
         resume, state = self._resume_state()
         self._init_algorithm_state(state, resume)
@@ -571,7 +568,6 @@ class Trainer:
     async def _validate(self) -> dict[str, float]:
         """Validate the current policy on the rollout servers (blocking, bounded by
         trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
-        from learner.validation import validation_metrics
 
         started = time.time()
         rnd = await self.intake.validate(

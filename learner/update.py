@@ -17,8 +17,6 @@ computed here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from learner.algorithms import (
@@ -32,9 +30,7 @@ from learner.algorithms import (
 )
 from learner.model import MicroBatch, policy_outputs, value_outputs
 from learner.samples import MiniBatchPlan, OldFromForward
-
-if TYPE_CHECKING:
-    from learner.worker import WorkerSettings
+from learner.worker_settings import WorkerSettings
 
 
 def loss_norm(plan: MiniBatchPlan, world: int) -> LossNorm:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from common.logging import get_logger
+
 
 @dataclass(frozen=True)
 class PrefixKeys:
@@ -136,8 +138,6 @@ def _varlen_kernel(device: torch.device) -> VarlenKernel | None:
         return None
     problem = check_varlen_kernel(kernel, device, torch.bfloat16)
     if problem:
-        from common.logging import get_logger
-
         get_logger("learner.attention").warning(
             "torch varlen_attn not used for packed micro-batches: one SDPA call "
             "per sequence instead",
@@ -163,8 +163,6 @@ def _prefix_kernel(device: torch.device) -> VarlenKernel | None:
         kernel, device, torch.bfloat16, prefix=200
     )
     if problem:
-        from common.logging import get_logger
-
         get_logger("learner.attention").warning(
             "the varlen kernel gets shared-prefix rows wrong: micro-batches share no prefix",
             problem=problem,

@@ -17,7 +17,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from learner import checkpoint_io
-from learner.loss_settings import PolicyLossSettings
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
+from learner.varlen import can_share_prefix, varlen_kernel
+from learner.weights_file_writer import WeightsFileWriter
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -40,49 +41,10 @@ from learner.worker_api import (
     WeightsRequest,
     WorkerInfo,
 )
+from learner.worker_settings import WorkerSettings
 
 if TYPE_CHECKING:
     from learner.model import MicroBatch
-    from learner.weights_file_writer import WeightsFileWriter
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    model_path: str
-    device: str = "cpu"  # "cpu" or "cuda"
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    total_steps: int = 1
-    lr_scheduler: str = "constant"
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
-    temperature: float = 1.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    policy_loss: PolicyLossSettings = field(default_factory=PolicyLossSettings)  # verl's modes
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    need_ref: bool = False
-    critic_model_path: str | None = None  # None: no critic
-    critic_lr: float = 1e-5
-    critic_weight_decay: float = 0.01
-    critic_grad_clip: float = 1.0
-    cliprange_value: float = 0.5
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0: leave torch's default
-    keep_gathered: bool | None = (
-        None  # FSDP2 parameters gathered through a step; None: by model size
-    )
 
 
 def lr_factor(step: int, s: WorkerSettings) -> float:
@@ -140,6 +102,7 @@ class TrainWorker:
         )  # DTensors: global sizes
 
     def _build(self) -> None:
+        # lazy: learner.model imports verl
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
@@ -189,7 +152,6 @@ class TrainWorker:
         cheap), on a GPU only with a varlen attention kernel (`learner.varlen.varlen_kernel`): without
         one every sequence is its own SDPA call, and measured on an H100 a long-tail update took
         11-21 s packed that way vs 6 s padded."""
-        from learner.varlen import varlen_kernel
 
         return self.device.type == "cpu" or varlen_kernel(self.device) is not None
 
@@ -197,7 +159,6 @@ class TrainWorker:
         """Whether packed micro-batches may share their prefix here
         (`learner.varlen.can_share_prefix`): the token cap counts a shared prefix once, so it
         must know whether `collate` will share it."""
-        from learner.varlen import can_share_prefix
 
         return can_share_prefix(self.device)
 
@@ -217,6 +178,7 @@ class TrainWorker:
         """Per real sample: logprobs (+ entropy) for actor/ref, values for the critic. Placeholder
         (None) entries run nothing of their own; a micro-batch of placeholders only runs a dummy
         sample so that this rank joins the collectives."""
+        # lazy: learner.model imports verl
         from learner.model import collate
 
         model = self.models[req.role]
@@ -246,6 +208,7 @@ class TrainWorker:
     def _run(
         self, role: Role, model: torch.nn.Module, b: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # lazy: learner.model imports verl
         from learner.model import policy_outputs, value_outputs
 
         if role == "critic":
@@ -257,6 +220,7 @@ class TrainWorker:
         """One PPO update. ``old_from_forward``: the first mini-batch's samples carry no old
         logprobs; each of its micro-batches takes its own forward's, detached, which is exact only
         before the first optimizer step, so only with one epoch."""
+        # lazy: learner.update imports verl
         from learner.update import actor_micro_loss, critic_micro_loss
 
         if req.role == "critic":
@@ -275,6 +239,7 @@ class TrainWorker:
         micro_loss: MicroLoss,
         old_from_forward: OldFromForward | None = None,
     ) -> UpdateResult:
+        # lazy: learner.model imports verl
         from learner.model import collate, layout_counts, set_micro_batch
 
         model, opt = self.models[role], self.optims[role]
@@ -343,7 +308,6 @@ class TrainWorker:
     def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult | None:
         """Collective: the full policy written by rank 0 into the request's slot file (see
         ``learner.weights_file_writer``); rank 0 returns timings, others None."""
-        from learner.weights_file_writer import WeightsFileWriter
 
         if self._weights_writer is None:
             self._weights_writer = WeightsFileWriter()

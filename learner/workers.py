@@ -27,7 +27,7 @@ from common.logging import get_logger
 from common.multicast import multicast_env
 from common.ray_auth import join_mode
 from learner.samples import Batching, Sample, TokenField, split_forward
-from learner.worker import TrainWorker, WorkerSettings
+from learner.worker import TrainWorker
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -40,6 +40,7 @@ from learner.worker_api import (
     WeightsRequest,
     WorkerInfo,
 )
+from learner.worker_settings import WorkerSettings
 
 R = TypeVar("R")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import msgpack
@@ -22,6 +21,7 @@ from protocol.batch import Trajectories, as_columns
 from protocol.budget import Truncated
 from protocol.columns import FRAMES_NUMBERS, decode_columns, decode_numbers_form
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import CodecLimits
 from protocol.messages import (
     MESSAGE_TYPES,
     TYPE_OF,
@@ -39,16 +39,8 @@ Frame = bytes | memoryview | np.ndarray
 _PEEK_HEADER_BYTES = 1 << 20  # an oversized message's header is still read if at most this big
 
 
-@dataclass(frozen=True)
-class CodecLimits:
-    max_message_bytes: int = 256 << 20
-    max_trajectories_per_batch: int = 4096
-    max_tokens_per_trajectory: int = 1 << 20
-    vocab_size: int = 0  # 0: token ids are only checked for >= 0
-    # Tied to the model and the run (0: unchecked). A trajectory longer than the model's context, or
-    # with more response tokens than the rollout budget, cannot be trained; refused before any ACK.
-    max_model_len: int = 0  # prompt_len + response_len
-    max_response_tokens: int = 0  # response_len
+DEFAULT_LIMITS = CodecLimits()
+"""What `decode` accepts unless told otherwise."""
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -234,7 +226,7 @@ def peek_type(frames: Sequence[Frame]) -> MsgType:
     return t
 
 
-def decode(frames: Sequence[Frame], limits: CodecLimits = CodecLimits()) -> Message:
+def decode(frames: Sequence[Frame], limits: CodecLimits = DEFAULT_LIMITS) -> Message:
     """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known)."""
     if isinstance(frames, Truncated):
         raise _over_budget(frames)

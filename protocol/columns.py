@@ -18,11 +18,12 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import CodecLimits
 from protocol.trajectory import (
     COLUMNS,
     FIELDS,
@@ -31,9 +32,6 @@ from protocol.trajectory import (
     TERMINATIONS,
     Field,
 )
-
-if TYPE_CHECKING:
-    from protocol.codec import CodecLimits
 
 # The 1.3/1.4 meta map: every per-trajectory field, validated in declaration order.
 LEGACY_META = tuple(f for f in FIELDS if f.placement != "token")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from protocol.codec import CodecLimits
+from common.identity import wire_identities
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -32,6 +32,7 @@ from protocol.events import (
     ValidationRequested,
     WeightsReceived,
 )
+from protocol.limits import CodecLimits
 from protocol.messages import VALIDATION_CAPABILITY, Identity, ValidateRequest, ValidateResult
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection
@@ -53,7 +54,6 @@ REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)
 
 def tokenizer_from_dir(model_dir: str) -> Identity:
     """The tokenizer identity of a model directory, as a real rollout server would announce it."""
-    from common.identity import wire_identities
 
     return wire_identities(model_dir)[1]
 

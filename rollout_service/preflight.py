@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rollout_service.rewards as rewards_pkg
 from common.config.errors import Issue
+from rollout_service.agents import load_builtin_agents
+from rollout_service.agents.base import AGENTS
 from rollout_service.data import DataError, layout_options, located_rows, sources_from_config
+from rollout_service.rewards.base import REWARDS
+from rollout_service.server import StartupError, agent_setup, check_names
+from rollout_service.tools import load_builtin_tools
+from rollout_service.tools.factory import tool_options
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -92,11 +99,6 @@ def check_issues(
 ) -> tuple[list[Issue], list[Issue]]:
     """(problems a rollout server would refuse at start, warnings) for ``config``: the first
     ``limit`` rows of each data file (None: every row); ``local`` as in `_peek`."""
-    import rollout_service.rewards as rewards_pkg
-    from rollout_service.agents import load_builtin_agents
-    from rollout_service.agents.base import AGENTS
-    from rollout_service.rewards.base import REWARDS
-    from rollout_service.server import StartupError, check_names
 
     data = config.data
     found = _Findings(agents={data.agent_type: "data.agent_type"})
@@ -161,8 +163,6 @@ def train_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
 def _tool_option_issues(config: Config, agents: set[str]) -> list[Issue]:
     """Options the in-process tools need from the config (a search corpus), as their factories
     would refuse them at start. Remote tools are the tool server's business."""
-    from rollout_service.agents.base import AGENTS
-    from rollout_service.server import agent_setup
 
     if config.tools.remote.url is not None:
         return []
@@ -176,7 +176,6 @@ def _tool_option_issues(config: Config, agents: set[str]) -> list[Issue]:
 
 
 def _option_issues(config: Config, names: list[str]) -> list[Issue]:
-    from rollout_service.tools.factory import tool_options
 
     issues = []
     for name in names:
@@ -191,7 +190,6 @@ def _option_issues(config: Config, names: list[str]) -> list[Issue]:
 def tool_server_issues(config: Config) -> tuple[list[Issue], list[Issue]]:
     """``tool_server.tools`` against the tool registry and their options (what bin/tool-server
     builds at start)."""
-    from rollout_service.tools import load_builtin_tools
 
     registry = load_builtin_tools()
     names = config.tool_server.tools

@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     import anyio
 
+    # lazy: this module is bin/weight-relay's command line, whose --help stays instant
     from protocol.zmq_transport import CurveClientKeys
     from rollout_service.relay import RelayRefused, WeightRelay
 

@@ -48,6 +48,8 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from common.logging import get_logger
+
 __all__ = ["SandboxLimits", "SandboxResult", "run_python"]
 
 # A range of uids that no account uses; a run draws one at random so that concurrent runs in this
@@ -554,7 +556,6 @@ def _warn_unisolated(notes: list[object]) -> None:
     if _warned_unisolated:
         return
     _warned_unisolated = True
-    from common.logging import get_logger
 
     get_logger(__name__).warning(
         "sandbox: no private filesystem view (needs root and mount namespaces); sandboxed code can "

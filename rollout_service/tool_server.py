@@ -52,6 +52,7 @@ from starlette.routing import Route
 from common.logging import get_logger
 from common.run_events import Kind, emit
 from rollout_service.tools.base import Tool, ToolContext, ToolResult
+from rollout_service.tools.factory import build_local_tools
 from rollout_service.tools.remote import result_to_json
 
 if TYPE_CHECKING:
@@ -239,8 +240,6 @@ def server_url(sock: socket.socket) -> str:
 async def run(config: Config, run_dir: Path) -> int:
     """Run target of bin/tool-server: serve until SIGINT/SIGTERM, then return 0."""
     import uvicorn
-
-    from rollout_service.tools.factory import build_local_tools
 
     settings = config.tool_server
     stopped_by: list[str] = []

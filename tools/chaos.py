@@ -38,6 +38,7 @@ from learner import trained_log
 from learner.trained_log import TRAINED_IDS
 from learner.weights_files import _NAME as WEIGHTS_DIR_NAME
 from learner.weights_files import PREFIX
+from rollout_service.recording import BatchFileError, read_recording
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "bin" / "train"
@@ -156,6 +157,7 @@ class Chaos:
 
     # -- set-up ----------------------------------------------------------------------------------
     def config(self) -> Path:
+        # lazy: torch and transformers, which bin/chaos --help must not wait for
         from tools.make_tiny_data import make_tiny_data
         from tools.make_tiny_model import make_tiny_model
 
@@ -325,8 +327,6 @@ def check(ctx: Chaos, report: Report) -> None:
 
 
 def _shipped_ids(run: Path) -> set[str]:
-    from rollout_service.recording import BatchFileError, read_recording
-
     out: set[str] = set()
     for directory in sorted((run / "recordings").glob("*")):
         try:

@@ -72,10 +72,12 @@ class Context:
         """(config, None), or (None, why it did not load); (None, None) without --config."""
         if self.config_file is None and not self.overrides:
             return None, None
+        # lazy: this module is bin/doctor's command line, whose --help stays instant
         from common.config import ConfigError, load_config
 
         try:
             config = load_config(self.config_file, self.overrides, check_paths=True)
+            # lazy: this module is bin/doctor's command line, whose --help stays instant
             from launcher.plan import check_launch
 
             check_launch(config, self.config_file, self.overrides)
@@ -582,6 +584,7 @@ def check_data(ctx: Context) -> CheckResult:
     if (skip := _needs_config(ctx, "data")) is not None:
         return skip
     assert ctx.config is not None
+    # lazy: this module is bin/doctor's command line, whose --help stays instant
     from common.cli import (
         LEARNER_PREFLIGHT,
         ROLLOUT_PREFLIGHT,
@@ -690,6 +693,7 @@ def check_keys(ctx: Context) -> CheckResult:
     if (skip := _needs_config(ctx, "keys")) is not None:
         return skip
     assert ctx.config is not None
+    # lazy: this module is bin/doctor's command line, whose --help stays instant
     from common.peer_auth import auth_mode, token_path
 
     mode = auth_mode(ctx.config)
@@ -724,6 +728,7 @@ def check_keys(ctx: Context) -> CheckResult:
     why = _readable(path) or _private(path)
     if why is None:
         try:
+            # lazy: this module is bin/doctor's command line, whose --help stays instant
             from common.peer_auth import read_token
 
             read_token(path)

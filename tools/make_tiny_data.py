@@ -113,6 +113,7 @@ def longtail_episode(row: dict[str, Any]) -> list[tuple[str, list[str]]]:
     digits: rules a tiny model learns from a short warm-up, whatever the episode's length.
     tools/warmup.py demonstrates it (calling the real calculator); the tests measure the set's
     budgets with it."""
+    # lazy: this module is bin/make-tiny-data's command line, whose --help stays instant
     from rollout_service.agents.parsers import hermes_call_text
 
     number, step, steps = int(row["number"]), str(row["step"]), int(row["steps"])
@@ -145,6 +146,7 @@ def make_tiny_data(
     if longtail:
         make_longtail_data(out / "longtail", train=train, val=val, seed=seed)
     if agents:
+        # lazy: this module is bin/make-tiny-data's command line, whose --help stays instant
         from tools.make_agent_data import make_agent_data
 
         make_agent_data(out, seed=seed)

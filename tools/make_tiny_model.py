@@ -521,6 +521,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
 
 
 def _write_metadata(out: Path, spec: TinyModelSpec, tokenizer: Tokenizer, n_params: int) -> None:
+    # lazy: this module is bin/make-tiny-model's command line, whose --help stays instant
     from common.identity import model_identity, tokenizer_identity
 
     files = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in OUTPUT_FILES}

@@ -3,7 +3,7 @@
 Design: the panels are data (`PANELS`: a title and the metric keys or key patterns it draws), so
 choosing what to plot is separate from drawing it, and a metric a run does not log (no KL term, no
 validation, one data source) leaves its panel saying "no data" instead of failing. Records come
-from `learner.sinks.read_metrics`, which drops what a resumed run superseded. matplotlib is imported
+from `common.metrics_file.read_metrics`, which drops what a resumed run superseded. matplotlib is imported
 only when drawing, with the Agg backend: no display is ever needed. ``--timeline`` draws the run's
 timeline instead (``tools.timeline``: where the time of each step went, from RUN_DIR/timeline/).
 """
@@ -90,7 +90,8 @@ def panel_series(records: Sequence[dict[str, Any]], panel: Panel) -> Series:
 
 def load_records(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metric records; ValueError naming the file when there are none."""
-    from learner.sinks import METRICS_FILE, read_metrics
+    # lazy: this module is bin/plot's command line, whose --help stays instant
+    from common.metrics_file import METRICS_FILE, read_metrics
 
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
@@ -177,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--trace goes with --timeline")
     try:
         if args.timeline:
+            # lazy: this module is bin/plot's command line, whose --help stays instant
             from tools.timeline import draw_timeline
 
             png, trace = draw_timeline(args.run_dir, args.out, args.trace)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.timeline import CUMULATIVE, PHASES, Record, Role, Track
+from tools.timeline_png import draw_png
 from tools.timeline_read import Timeline, level, rate, read_timeline, steps
 
 PNG_FILE = "timeline.png"
@@ -127,7 +128,6 @@ def draw_timeline(
     trace = Path(trace) if trace is not None else run_dir / TRACE_FILE
     trace.parent.mkdir(parents=True, exist_ok=True)
     trace.write_text(json.dumps(trace_events(tl), separators=(",", ":")) + "\n")
-    from tools.timeline_png import draw_png
 
     draw_png(tl, png, title=run_dir.resolve().name)
     return png, trace

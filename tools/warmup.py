@@ -30,8 +30,9 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and
   ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
   would no longer hold.
-Packing, the loss, the probe, bucketed batches and the drill are ``tools/warmup_batches.py``; this
-module builds the calculator's demonstrations, runs the loop and writes the model.
+Packing, the loss, the probe, bucketed batches and the drill are ``tools/warmup_batches.py``; the
+calculator's demonstrations are ``tools/demos/calculator.py``; this module runs the loop and writes
+the model.
 torch, transformers and the rollout service are imported inside functions: ``--help`` is instant.
 """
 
@@ -40,15 +41,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from rollout_service.agents.parsers import hermes_call_text as tool_call_text
+from tools.demos import Demonstration
 from tools.warmup_batches import (
     DRILL_BATCH,
     Bucket,
@@ -61,7 +60,7 @@ from tools.warmup_batches import (
 )
 
 if TYPE_CHECKING:
-    from rollout_service.agents.rendering import ChatRenderer
+    pass
 
 DEFAULT_STEPS = 500  # at most: training stops as soon as the probe reaches the target
 DEFAULT_TARGET = 0.3
@@ -78,27 +77,6 @@ METADATA = "warmup.json"
 # Files of the source directory that are not copied: its weights (rewritten) and the tiny model's
 # metadata (its file hashes would be wrong for the new weights).
 NOT_COPIED = {"model.safetensors", "tiny_model.json", METADATA}
-_QUESTION = re.compile(r"What is (.+?)\?")
-
-
-@dataclass
-class Demonstration:
-    ids: list[int]
-    train: list[bool]  # train[i]: the token at i + 1 is a model token (the loss position)
-    expression: str
-    answer: str
-
-
-def expression_of(question: str) -> str:
-    """The arithmetic in a make_tiny_data question: "What is 51 + 99? Use ..." -> "51 + 99"."""
-    m = _QUESTION.search(question)
-    if m is None:
-        raise ValueError(f"no 'What is ...?' in question {question!r}")
-    return m.group(1).strip()
-
-
-def answer_text(answer: str) -> str:
-    return f"The answer is \\boxed{{{answer}}}."
 
 
 def load_rows(data_file: str | Path, n: int) -> list[dict[str, Any]]:
@@ -112,127 +90,6 @@ def load_rows(data_file: str | Path, n: int) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{data_file} has no rows")
     return rows
-
-
-def build_demonstrations(
-    rows: list[dict[str, Any]],
-    renderer: ChatRenderer,
-    tools: dict[str, Any],
-    *,
-    guess_fraction: float = 0.0,
-    seed: int = DEFAULT_SEED,
-) -> list[Demonstration]:
-    """One episode per row, tokenised exactly as the tool agent's context grows. Rows whose
-    calculator result does not match their answer are refused: a demonstration must be right.
-    With ``guess_fraction`` f, every row whose seeded draw falls below f is instead an episode that
-    skips the tool and boxes a guess (a wrong number): the warmed model then calls the calculator
-    only some of the time, a choice RL can learn from the reward alone (the demo's task)."""
-    import random
-
-    import anyio
-
-    from rollout_service.tools.base import ToolContext
-
-    schemas = [t.schema for t in tools.values()]
-    calculator = tools["calculator"]
-    tok = renderer.tok
-    rng = random.Random(seed)
-    demos = []
-    for i, row in enumerate(rows):
-        if (
-            row.get("data_source") == "longtail"
-        ):  # before the guess draw: arithmetic rows keep their draws
-            demos.append(_longtail_demonstration(i, row, renderer, schemas, calculator))
-            continue
-        if rng.random() < guess_fraction:
-            demos.append(_guess_demonstration(row, renderer, schemas, rng))
-            continue
-        expression = expression_of(str(row["question"]))
-        result = anyio.run(
-            calculator.call,
-            {"expression": expression},
-            ToolContext(episode_id=f"warmup-{i}", row=row),
-        )
-        if not result.ok or result.text != str(row["answer"]).strip():
-            raise ValueError(
-                f"row {i}: calculator({expression!r}) gives {result.text!r}, the row says {row['answer']!r}"
-            )
-        prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
-        call = [
-            *tok.encode(
-                tool_call_text("calculator", {"expression": expression}), add_special_tokens=False
-            ),
-            renderer.eos_id,
-        ]
-        delta = renderer.tool_delta_ids([{"role": "tool", "content": result.text}])
-        answer = [*tok.encode(answer_text(result.text), add_special_tokens=False), renderer.eos_id]
-        ids = prompt + call + delta + answer
-        train = [False] * len(ids)
-        for start, n in (
-            (len(prompt), len(call)),
-            (len(prompt) + len(call) + len(delta), len(answer)),
-        ):
-            train[start - 1 : start - 1 + n] = [True] * n
-        demos.append(Demonstration(ids, train, expression, result.text))
-    return demos
-
-
-def _longtail_demonstration(
-    i: int,
-    row: dict[str, Any],
-    renderer: ChatRenderer,
-    schemas: list[dict[str, Any]],
-    calculator: Any,
-) -> Demonstration:
-    """The right episode of a long-tail row (tools.make_tiny_data.longtail_episode): a calculator
-    call per step on the last number, then the final number boxed. Each call is parsed from the
-    turn's text and run by the real calculator, whose responses are appended as the tool agent
-    appends them; the loss covers every model turn."""
-    import anyio
-
-    from rollout_service.agents.parsers import HermesParser
-    from rollout_service.tools.base import ToolContext
-    from tools.make_tiny_data import longtail_episode
-
-    tok, parser = renderer.tok, HermesParser()
-    ids = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
-    spans = []  # (start, length) of each model turn
-    for turn, (text, expected) in enumerate(longtail_episode(row)):
-        model = [*tok.encode(text, add_special_tokens=False), renderer.eos_id]
-        spans.append((len(ids), len(model)))
-        ids += model
-        calls = parser.parse(text).calls
-        got = [
-            anyio.run(
-                calculator.call, c.arguments, ToolContext(episode_id=f"warmup-{i}-{turn}", row=row)
-            ).text
-            for c in calls
-        ]
-        if got != expected:
-            raise ValueError(
-                f"row {i} turn {turn}: the calculator gives {got}, the episode says {expected}"
-            )
-        if got:
-            ids += renderer.tool_delta_ids([{"role": "tool", "content": r} for r in got])
-    train = [False] * len(ids)
-    for start, n in spans:
-        train[start - 1 : start - 1 + n] = [True] * n
-    return Demonstration(ids, train, f"{row['number']} {row['step']}", str(row["answer"]))
-
-
-def _guess_demonstration(
-    row: dict[str, Any], renderer: ChatRenderer, schemas: list[dict[str, Any]], rng: Any
-) -> Demonstration:
-    """A one-turn episode that boxes a wrong number without calling the tool."""
-    right = int(str(row["answer"]).strip())
-    guess = right + rng.choice([-1, 1]) * rng.randint(1, 50)
-    prompt = renderer.prompt_ids([{"role": "user", "content": str(row["question"])}], schemas)
-    answer = [
-        *renderer.tok.encode(answer_text(str(guess)), add_special_tokens=False),
-        renderer.eos_id,
-    ]
-    train = [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
-    return Demonstration(prompt + answer, train, expression_of(str(row["question"])), str(guess))
 
 
 def _cut(demos: list[Demonstration], max_tokens: int | None) -> list[Demonstration]:
@@ -295,7 +152,7 @@ def warmup(
     ``data_file`` (batches of ``batch_size``, plus the copy drill weighted ``drill_weight``; 0: off),
     stopping once the probe on the next PROBE_ROWS rows reaches ``target`` (None: never), and write
     the model to ``out_dir``. ``guess_fraction``: the share of episodes that skip the tool and box a
-    guess (see build_demonstrations; the probe always scores the tool episode). ``device``: auto
+    guess (see tools.demos.calculator.build_demonstrations; the probe always scores the tool episode). ``device``: auto
     (CUDA when available, else the CPU), cpu or cuda; on CUDA the forward passes run under bfloat16
     autocast. ``grad_clip``: clip the gradient norm to it (None: no clipping; a large model
     trained from random weights wants 1.0). ``max_tokens``: cut every demonstration to its first
@@ -311,6 +168,7 @@ def warmup(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # lazy: this module is bin/warmup's command line, whose --help stays instant
     from rollout_service.agents.rendering import ChatRenderer
     from rollout_service.tools import load_builtin_tools
     from tools.demos import build as demos_for

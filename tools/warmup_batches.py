@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from tools.demos import Demonstration
+
 if TYPE_CHECKING:
     import torch
 
-    from tools.warmup import Demonstration
 
 DRILL_BATCH = 32  # drill strings per step
 DRILL_MAX_LENGTH = 12  # a drill string has 2..12 tokens and is shown twice

@@ -22,6 +22,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from common.config.loader import load_config
+from rollout_service.agents.base import AGENTS, AgentDeps
+from rollout_service.agents.episode import Episode
+from rollout_service.agents.parsers import PARSERS
+from rollout_service.agents.rendering import ChatRenderer
+from rollout_service.engine.base import DetachedEngine
+from rollout_service.engine.vllm_engine import VllmEngine
+from rollout_service.groups import RewardChoice, score
+from rollout_service.rewards import load_builtin_rewards
+from rollout_service.server import agent_limits, sampling_settings
+from rollout_service.tools.factory import build_tools
+from tools.warmup import load_rows
+
 
 async def check(
     model: str,
@@ -36,20 +49,6 @@ async def check(
 ) -> dict[str, Any]:
     import anyio
     from transformers import AutoTokenizer
-
-    import rollout_service.agents.tool_agent  # noqa: F401  (registers the agents)
-    from common.config.loader import load_config
-    from rollout_service.agents.base import AGENTS, AgentDeps
-    from rollout_service.agents.episode import Episode
-    from rollout_service.agents.parsers import PARSERS
-    from rollout_service.agents.rendering import ChatRenderer
-    from rollout_service.engine.base import DetachedEngine
-    from rollout_service.engine.vllm_engine import VllmEngine
-    from rollout_service.groups import RewardChoice, score
-    from rollout_service.rewards import load_builtin_rewards
-    from rollout_service.server import agent_limits, sampling_settings
-    from rollout_service.tools.factory import build_tools
-    from tools.warmup import load_rows
 
     config = load_config(config_file, [f"actor_rollout_ref.model.path={model}"], check_paths=False)
     load_builtin_rewards()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from learner import varlen
 from learner.attention import packed_attention
 
 NAME = "torch_varlen"
@@ -142,8 +143,6 @@ def check(model_dir: str, device: str, dtype: str, lengths: list[int]) -> dict[s
     the packed logprobs are within twice the rounding floor of ``dtype`` of the per-sequence ones
     (in float32, 1e-4 of the largest logprob)."""
     from transformers import AutoModelForCausalLM
-
-    from learner import varlen
 
     torch_dtype = getattr(torch, dtype)
     model: Any = AutoModelForCausalLM.from_pretrained(

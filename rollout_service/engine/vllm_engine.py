@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from common.safetensors_buffers import CODES
+from common.safetensors_buffers import CODES, header_bytes, model_manifest, read_header
 from rollout_service.engine.base import (
     FinishReason,
     Generation,
@@ -52,6 +52,7 @@ from rollout_service.engine.base import (
     UpdateMode,
     WeightUpdateError,
 )
+from rollout_service.engine.vllm_compat import resolve_dtype, set_platform_env, vllm_info
 
 if TYPE_CHECKING:
     import numpy as np
@@ -162,8 +163,6 @@ class VllmEngine:
         """Builds the AsyncLLM (engine-core and worker processes); tens of seconds on CPU."""
         import psutil
 
-        from rollout_service.engine.vllm_compat import set_platform_env, vllm_info
-
         set_platform_env()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         llm = _build_async_llm(settings)
@@ -235,7 +234,6 @@ class VllmEngine:
     def weight_manifest(self) -> ModelManifest:
         """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs): the
         server checks weight announces against it before receiving anything."""
-        from common.safetensors_buffers import model_manifest
 
         return model_manifest(self._settings.model)
 
@@ -342,7 +340,6 @@ class VllmEngine:
         hand-over); returns the seconds taken. All or nothing, like ``load_weights``. The file's
         directory must hold no other weights; it is not copied, so the caller keeps it until the
         next version is applied (it is also the rollback source while it exists)."""
-        from common.safetensors_buffers import read_header
 
         start = time.perf_counter()
         async with self._updating(mode):
@@ -583,8 +580,6 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rollout_service.engine.vllm_compat import resolve_dtype
-
     # vLLM's annotations are narrower than what it accepts: max_model_len None means "from the
     # model's config" (its default), dtype is any of its dtype names, and compilation_config may be
     # a dict (its CLI passes one); pyright would check the unpacked dict against every parameter.
@@ -609,8 +604,6 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
 def _read_checkpoint(model_dir: Path) -> _Checkpoint:
     """Names and shapes from the safetensors headers (no tensor data is read)."""
     import json
-
-    from common.safetensors_buffers import read_header
 
     ckpt = _Checkpoint()
     files = sorted(model_dir.glob("*.safetensors"))
@@ -639,8 +632,6 @@ def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) 
     buffers: safetensors.numpy.save_file first copies every tensor with tobytes(), one more full
     copy of the model in RAM at the moment memory is tightest (same speed otherwise)."""
     import numpy as np
-
-    from common.safetensors_buffers import header_bytes
 
     if bad := [f"{n}: {a.dtype}" for n, a in tensors if a.dtype.name not in SAFETENSORS_DTYPES]:
         raise WeightUpdateError(

@@ -1,10 +1,10 @@
 """No import circles between the modules of the non-test packages.
 
 The graph is built from the source (ast), not by importing anything: an edge a -> b for every
-`import b` / `from b import x` in module a, at module level and inside functions alike. A deferred
-import inside a function is the usual way to hide a circle, so it counts: it still couples the two
-modules both ways. Imports under `if TYPE_CHECKING:` are left out: they never run, and annotations
-naming each other's types is not a dependency between the modules' code.
+`import b` / `from b import x` in module a, at module level, inside functions and under
+`if TYPE_CHECKING:` alike. A deferred import inside a function is the usual way to hide a circle,
+and a type-only import the other: both still couple the two modules both ways, and each circle
+found so far came from a definition kept in the wrong module (move it to a module both can import).
 
 `from pkg import name` is an edge to pkg.name when that is a module, else to pkg. An import of
 pkg.mod is not counted as an import of pkg/__init__.py as well (the packages' __init__ files import
@@ -41,23 +41,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, skipping the bodies of `if TYPE_CHECKING:`."""
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
+    """Every import statement: at module level, in functions, under `if TYPE_CHECKING:`."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-        else:
-            stack.extend(ast.iter_child_nodes(node))
 
 
 def _graph() -> dict[str, set[str]]:
@@ -156,10 +144,9 @@ def test_the_graph_sees_the_packages() -> None:
     assert "protocol.messages" in graph["protocol.codec"] or graph["rollout_service.server"]
 
 
-# Circles known when this test was written, to be removed (issue 17); each entry is the sorted
-# modules of one circle. The test fails on any other circle, and on an entry that is gone.
+# Circles tolerated for now, each to be removed (naming its issue): the sorted modules of one circle.
+# The test fails on any other circle, and on an entry that is gone.
 KNOWN: set[tuple[str, ...]] = set()
-"""Circles tolerated for now (each to be removed, naming its issue); none today."""
 
 
 def test_no_import_cycles() -> None:

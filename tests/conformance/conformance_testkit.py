@@ -24,7 +24,6 @@ from anyio.from_thread import start_blocking_portal
 
 from launcher.plan import free_port as launch_free_port
 from protocol import codec
-from protocol.codec import CodecLimits
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -34,6 +33,7 @@ from protocol.events import (
     ValidationRequested,
     WeightsReceived,
 )
+from protocol.limits import CodecLimits
 from protocol.messages import (
     VALIDATION_CAPABILITY,
     Hello,

@@ -92,8 +92,8 @@ def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Any]:
 async def test_one_rank_worker_group_on_cuda(bf16_model: Path, ray_one_gpu: Any) -> None:
     from common.safetensors_buffers import load_dir
     from learner.samples import split_for_ranks
-    from learner.worker import WorkerSettings
     from learner.worker_api import UpdateRequest, WeightsRequest
+    from learner.worker_settings import WorkerSettings
     from learner.workers import WorkerGroup
 
     checkpoint = {b.name: b for b in load_dir(bf16_model)}
@@ -153,8 +153,8 @@ async def test_shared_prefix_micro_batches_on_cuda(bf16_model: Path, ray_one_gpu
 
     from learner.prepare import reduce_worker_metrics
     from learner.samples import Batching, split_for_ranks
-    from learner.worker import WorkerSettings
     from learner.worker_api import UpdateRequest
+    from learner.worker_settings import WorkerSettings
     from learner.workers import WorkerGroup
 
     head = np.random.default_rng(9).integers(0, 500, 60)

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from common.config.loader import load_config
+from common.console_format import agent_parts, step_line
 from learner.agent_metrics import KnownNames, agent_metrics
-from learner.sinks import agent_parts, step_line
 from protocol.trajectory import Trajectory
 from tools.plot import PANELS, panel_series, plot_run
 

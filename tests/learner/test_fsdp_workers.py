@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from learner.samples import Batching, Sample, split_for_ranks
-from learner.worker import WorkerSettings
 from learner.worker_api import (
     ForwardRequest,
     ForwardResult,
@@ -24,6 +23,7 @@ from learner.worker_api import (
     WeightsFileRequest,
     WeightsRequest,
 )
+from learner.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from learner.samples import split_for_ranks
-from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
+from learner.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.slow
 

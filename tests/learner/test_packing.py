@@ -59,7 +59,7 @@ def training_pass(policy: Any, samples: list[Sample], b: Any) -> tuple[Any, ...]
     from learner.model import policy_outputs
     from learner.samples import MiniBatchPlan
     from learner.update import actor_micro_loss
-    from learner.worker import WorkerSettings
+    from learner.worker_settings import WorkerSettings
 
     plan = MiniBatchPlan(
         [samples], count_tokens(samples), len(samples), max(s.response_len for s in samples)

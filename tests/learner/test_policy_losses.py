@@ -346,7 +346,7 @@ def _stale(samples: list[Sample], rng: np.random.Generator, bypass: bool) -> Non
 async def _every_mode(model: Path) -> dict[str, Any]:
     import ray
 
-    from learner.worker import WorkerSettings
+    from learner.worker_settings import WorkerSettings
     from learner.workers import WorkerGroup
 
     world = 2

@@ -16,16 +16,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from common.console_format import short, step_line
+from common.metrics_file import METRICS_FILE, read_metrics
 from common.registry import UnknownEntry
-from learner.sinks import (
-    METRICS_FILE,
-    SINKS,
-    WANDB_MISSING,
-    MetricSinks,
-    read_metrics,
-    short,
-    step_line,
-)
+from learner.sinks import SINKS, WANDB_MISSING, MetricSinks
 
 STEP_METRICS: dict[str, float] = {
     "reward/mean": 0.53125,
@@ -324,7 +318,7 @@ def test_prometheus_serves_the_latest_step(tmp_path: Path) -> None:
     import urllib.request
 
     from learner.prometheus_sink import PrometheusSink, prometheus_name
-    from learner.sinks import SinkContext
+    from learner.sink_api import SinkContext
 
     assert prometheus_name("rollout/waste_frac") == "agentrl_learner_rollout_waste_frac"
     sink = PrometheusSink(

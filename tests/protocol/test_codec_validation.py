@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from protocol_testkit import decode_error, header, make_traj, on_wire, sample_messages, with_header
 
 from protocol import codec
-from protocol.codec import CodecLimits
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import CodecLimits
 from protocol.messages import MsgType, TrajectoryBatch
 from protocol.trajectory import COLUMNS
 

@@ -24,8 +24,8 @@ from protocol_testkit import (
 )
 
 from protocol import codec
-from protocol.codec import CodecLimits
 from protocol.errors import ErrorCode
+from protocol.limits import CodecLimits
 from protocol.messages import MsgType, TrajectoryBatch
 from protocol.sender import SenderState
 from protocol.trajectory import COLUMNS, HEADER_FIELDS, NUMBERS

@@ -12,9 +12,9 @@ import pytest
 from protocol_testkit import connected, header, make_traj, on_wire, rollout, tensors, with_header
 
 from protocol import codec
-from protocol.codec import CodecLimits
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import BatchRejected, WeightsFailed, WeightsReceived
+from protocol.limits import CodecLimits
 from protocol.messages import Error, Limits, MsgType, TrajectoryBatch, Welcome
 from protocol.schema import to_wire
 from protocol.weights import plan_transfer

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from protocol_testkit import header, make_traj, on_wire, with_header
 
 from protocol import codec, typed_header
-from protocol.codec import CodecLimits
 from protocol.errors import ErrorCode, ProtocolError
+from protocol.limits import CodecLimits
 from protocol.messages import TrajectoryBatch
 from protocol.trajectory import COLUMNS, HEADER_FIELDS, NUMBERS
 

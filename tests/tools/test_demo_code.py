@@ -24,10 +24,9 @@ from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.rewards.base import EpisodeView
 from rollout_service.rewards.math_answer import math_reward
 from rollout_service.tools.base import TOOLS
-from tools.demos import build
+from tools.demos import Demonstration, build
 from tools.demos.code_data import compute_rows
 from tools.make_tiny_model import make_tiny_model
-from tools.warmup import Demonstration
 
 REPO = Path(__file__).resolve().parents[2]
 CUSTOM = CodeAgentConfig(

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from learner.sinks import read_metrics
+from common.metrics_file import read_metrics
 from rollout_service.recording import read_recording
 
 REPO = Path(__file__).resolve().parents[2]

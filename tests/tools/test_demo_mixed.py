@@ -27,10 +27,11 @@ from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.rewards.base import EpisodeView
 from rollout_service.rewards.qa import qa_f1_reward
 from rollout_service.server import build_agent_deps
+from tools.demos import Demonstration
 from tools.demos.mixed import build_demonstrations
 from tools.demos.mixed_data import make_mixed_data
 from tools.make_tiny_model import make_tiny_model
-from tools.warmup import Demonstration, load_rows
+from tools.warmup import load_rows
 
 REPO = Path(__file__).resolve().parents[2]
 

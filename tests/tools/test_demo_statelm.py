@@ -27,11 +27,10 @@ from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.server import agent_limits, sampling_settings
 from rollout_service.tools import load_builtin_tools
 from rollout_service.tools.factory import build_local_tools
-from tools.demos import build
+from tools.demos import Demonstration, build
 from tools.demos.statelm import NOTE_KEY, load_demo_config, play_episode
 from tools.demos.statelm_data import CHUNK_CHARS, fact_text, statelm_rows
 from tools.make_tiny_model import make_tiny_model
-from tools.warmup import Demonstration
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -103,7 +103,7 @@ def test_demonstrations_are_right_and_heavy_tailed_in_tokens(tiny_model: Path) -
     """The rows bench/e2e.py trains on (256, seed 0), tokenised as the tool agent's context grows:
     response tokens (model + tool) and model tokens have p99 / median >= 8. The warm-up's
     demonstrations of some of them (every call run by the real calculator) hold the same tokens."""
-    from tools.warmup import build_demonstrations
+    from tools.demos.calculator import build_demonstrations
 
     renderer, tools = renderer_and_calculator(tiny_model)
     rows = make_longtail_rows(256, 0)
@@ -184,7 +184,7 @@ def test_bucketed_warmup_batches_and_trimmed_loss(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tools.warmup import build_demonstrations
+    from tools.demos.calculator import build_demonstrations
     from tools.warmup_batches import bucketed_epoch, demo_loss, pack
 
     renderer, tools = renderer_and_calculator(tiny_model)

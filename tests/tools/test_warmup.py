@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tools.demos.calculator import build_demonstrations, expression_of
 from tools.make_tiny_data import make_tiny_data
 from tools.make_tiny_model import make_tiny_model
-from tools.warmup import METADATA, build_demonstrations, expression_of, load_rows, warmup
+from tools.warmup import METADATA, load_rows, warmup
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "bin" / "warmup"

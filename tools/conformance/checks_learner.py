@@ -36,6 +36,7 @@ from protocol.messages import (
     WeightsChunk,
     Welcome,
 )
+from protocol.reference import synthetic_validation
 from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import WeightAssembler
 from tools.conformance import credit_window, wire
@@ -584,7 +585,6 @@ async def check_validation_request(t: LearnerTarget) -> None:
             timeout_s=req.timeout_s,
             after_s=round(time.monotonic() - started, 3),
         )
-        from protocol.reference import synthetic_validation
 
         await p.send_msg(synthetic_validation(req, req.policy_version))
         try:

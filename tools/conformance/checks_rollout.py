@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgpack
 
+from common.safetensors_buffers import load_dir
 from protocol import codec
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -34,6 +35,7 @@ from protocol.messages import (
     WeightsApplied,
     WeightsChunk,
 )
+from protocol.reference import reference_weights
 from protocol.version import PROTOCOL_VERSION
 from protocol.weights import NamedBuffer, plan_transfer
 from tools.conformance import wire
@@ -282,10 +284,7 @@ async def check_resend_after_reconnect(fl: FakeLearner) -> None:
 
 def _load_weights(directory: str | None) -> list[NamedBuffer]:
     if directory is None:
-        from protocol.reference import reference_weights
-
         return reference_weights()
-    from common.safetensors_buffers import load_dir
 
     return load_dir(Path(directory))
 

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _token(path: str) -> str:
     from pathlib import Path
 
+    # lazy: this module is bin/conformance's command line, whose --help stays instant
     from common.peer_auth import read_token
 
     return read_token(Path(path))
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0 or args.wait <= 0 or (args.deadline is not None and args.deadline <= 0):
         ap.error("--timeout, --wait and --deadline must be > 0")
 
+    # lazy: this module is bin/conformance's command line, whose --help stays instant
     from tools.conformance import report, runner
 
     if args.list:

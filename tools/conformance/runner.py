@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from common.identity import wire_identities
 from protocol.messages import Identity
 from tools.conformance import reach, registry, wire
+from tools.conformance.fake_learner import FakeLearner
+from tools.conformance.peer import LearnerTarget
 from tools.conformance.registry import Check, CheckContext, CheckFailed, Result, Role
 
 
@@ -117,7 +120,6 @@ async def _run_one(check: Check, ctx: CheckContext, limit: float, limit_name: st
 def _identities(model_dir: str | None) -> tuple[Identity, Identity]:
     if model_dir is None:
         return wire.DEFAULT_MODEL, wire.DEFAULT_TOKENIZER
-    from common.identity import wire_identities
 
     return wire_identities(model_dir)
 
@@ -142,8 +144,6 @@ async def run_suite(
     zctx = zmq.asyncio.Context()
     try:
         if opts.role == "learner":
-            from tools.conformance.peer import LearnerTarget
-
             model, tokenizer = _identities(opts.model_dir)
             probe = zctx.socket(
                 zmq.DEALER
@@ -182,8 +182,6 @@ async def run_suite(
                 finally:
                     await ctx.aclose()
         else:
-            from tools.conformance.fake_learner import FakeLearner
-
             fl = FakeLearner(
                 zctx,
                 opts.target,

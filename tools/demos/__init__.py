@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rollout_service.agents.rendering import ChatRenderer
-    from tools.warmup import Demonstration
 
-Builder = Callable[..., "list[Demonstration]"]
+
+@dataclass
+class Demonstration:
+    ids: list[int]
+    train: list[bool]  # train[i]: the token at i + 1 is a model token (the loss position)
+    expression: str
+    answer: str
+
+
+Builder = Callable[..., list[Demonstration]]
 """``builder(rows, renderer, tools, *, guess_fraction, seed) -> list[Demonstration]``."""
 
 # agent name -> "module:function"; the module is imported on first use
 BUILDERS: dict[str, str] = {
-    "calculator": "tools.warmup:build_demonstrations",
+    "calculator": "tools.demos.calculator:build_demonstrations",
     "statelm": "tools.demos.statelm:build_demonstrations",
     "code": "tools.demos.code:build_demonstrations",
     "mixed": "tools.demos.mixed:build_demonstrations",

@@ -26,11 +26,14 @@ import os
 import random
 from typing import TYPE_CHECKING, Any
 
-from tools.warmup import Demonstration
+from common.config.agents import CodeAgentConfig
+from common.config.loader import load_config
+from rollout_service.agents.code_agent import SYSTEM_PROMPT
+from rollout_service.tools.base import ToolContext
+from tools.demos import Demonstration
 
 if TYPE_CHECKING:
     from common.config import Config
-    from common.config.agents import CodeAgentConfig
     from rollout_service.agents.rendering import ChatRenderer
 
 CONFIG_ENV = "WARMUP_CONFIG"
@@ -42,8 +45,6 @@ def warmup_config(default: str | None = None) -> Config | None:
     None) with the overrides of $WARMUP_OVERRIDES (``key=value`` words, shell-quoted), unchecked."""
     import shlex
 
-    from common.config.loader import load_config
-
     path = os.environ.get(CONFIG_ENV) or default
     if not path:
         return None
@@ -52,7 +53,6 @@ def warmup_config(default: str | None = None) -> Config | None:
 
 def agent_options(options: CodeAgentConfig | None = None) -> CodeAgentConfig:
     """``options``, else the ``agents.code`` section of the warm-up's config, else the defaults."""
-    from common.config.agents import CodeAgentConfig
 
     if options is not None:
         return options
@@ -61,7 +61,6 @@ def agent_options(options: CodeAgentConfig | None = None) -> CodeAgentConfig:
 
 
 def system_prompt(o: CodeAgentConfig) -> str:
-    from rollout_service.agents.code_agent import SYSTEM_PROMPT
 
     return SYSTEM_PROMPT.format(
         cs=o.code_start_tag,
@@ -89,8 +88,6 @@ def answer_text(answer: str, o: CodeAgentConfig) -> str:
 def run_code(python: Any, code: str, row: dict[str, Any], episode_id: str) -> Any:
     """The python tool's real result for ``code`` (a ToolResult)."""
     import anyio
-
-    from rollout_service.tools.base import ToolContext
 
     return anyio.run(python.call, {"code": code}, ToolContext(episode_id=episode_id, row=row))
 

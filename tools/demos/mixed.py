@@ -26,7 +26,14 @@ import random
 import re
 from typing import TYPE_CHECKING, Any
 
-from tools.warmup import Demonstration
+from rollout_service.agents.parsers import hermes_call_text
+from rollout_service.agents.tool_agent import truncate
+from rollout_service.server import source_tools as per_source
+from rollout_service.tools.base import ToolContext
+from rollout_service.tools.factory import build_local_tools
+from tools.demos import Demonstration
+from tools.demos.calculator import build_demonstrations as calculator_demonstrations
+from tools.demos.code import code_episode, warmup_config, wrong_number
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -45,7 +52,6 @@ def town_of(question: str) -> str:
 
 
 def load() -> Config:
-    from tools.demos.code import warmup_config
 
     config = warmup_config(DEFAULT_CONFIG)
     assert config is not None  # a default was given
@@ -55,7 +61,6 @@ def load() -> Config:
 def source_tools(config: Config, source: str) -> list[str]:
     """The tools the tool agent offers on ``source``'s rows, as the rollout server picks them:
     its ``data.datasets[].tools``, else ``multi_turn.tools``."""
-    from rollout_service.server import source_tools as per_source
 
     default = config.actor_rollout_ref.rollout.multi_turn.tools
     return list(per_source(config).get(("tool_agent", source), default))
@@ -63,8 +68,6 @@ def source_tools(config: Config, source: str) -> list[str]:
 
 def local_tools(config: Config) -> dict[str, Any]:
     """Every tool of the tool agent's sources (in config order) and python, built in-process."""
-    from rollout_service.server import source_tools as per_source
-    from rollout_service.tools.factory import build_local_tools
 
     names = [*config.actor_rollout_ref.rollout.multi_turn.tools]
     for tools in per_source(config).values():
@@ -74,8 +77,6 @@ def local_tools(config: Config) -> dict[str, Any]:
 
 def _call(tool: Any, args: dict[str, Any], row: dict[str, Any], episode_id: str) -> Any:
     import anyio
-
-    from rollout_service.tools.base import ToolContext
 
     return anyio.run(tool.call, args, ToolContext(episode_id=episode_id, row=row))
 
@@ -92,8 +93,6 @@ def qa_episode(
 ) -> Demonstration:
     """search(town) -> its passages -> finish(founder), or with ``guess`` only finish(guess).
     The first passage must name the row's answer: a demonstration is right."""
-    from rollout_service.agents.parsers import hermes_call_text
-    from rollout_service.agents.tool_agent import truncate
 
     tok, mt = renderer.tok, config.actor_rollout_ref.rollout.multi_turn
     town = town_of(str(row["question"]))
@@ -136,8 +135,6 @@ def build_demonstrations(
     config: Config | None = None,
 ) -> list[Demonstration]:
     """One episode per row by its source's agent (module docstring)."""
-    from tools.demos.code import code_episode, wrong_number
-    from tools.warmup import build_demonstrations as calculator_demonstrations
 
     del tools  # built from the config: see the module docstring
     config = config if config is not None else load()

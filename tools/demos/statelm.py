@@ -29,14 +29,19 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_service.agents.parsers import hermes_call_text
+from common.config import load_config
+from rollout_service.agents.base import AgentDeps
+from rollout_service.agents.episode import Episode
+from rollout_service.agents.parsers import PARSERS, hermes_call_text
+from rollout_service.agents.statelm import StateLMAgent
+from rollout_service.engine.base import Generation, SamplingSettings
+from rollout_service.server import agent_limits, sampling_settings
+from rollout_service.tools.factory import build_local_tools
+from tools.demos import Demonstration
 from tools.demos.statelm_data import CODES
-from tools.warmup import Demonstration
 
 if TYPE_CHECKING:
-    from rollout_service.agents.episode import Episode
     from rollout_service.agents.rendering import ChatRenderer
-    from rollout_service.engine.base import Generation, SamplingSettings
 
 NOTE_KEY = "code"  # one key for every row: the note's only varying token is the digit
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_statelm.yaml"
@@ -57,7 +62,6 @@ class ScriptedEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
     ) -> Generation:
-        from rollout_service.engine.base import Generation
 
         text = self.next_text()
         ids = [*self.renderer.text_ids(text), self.renderer.eos_id]
@@ -78,7 +82,6 @@ def episode_actions(
     """The right actions for ``row`` as a function returning the next turn's text; msg ids are read
     from the episode's live context, as the model reads them from the tool responses. ``delete``
     False: an episode that keeps every chunk it read (the budget should end it)."""
-    from rollout_service.agents.statelm import StateLMAgent
 
     n = -(-len(row["documents"][0]["text"]) // chunk_chars)
 
@@ -117,13 +120,6 @@ def play_episode(
     episode that does not end answered with them is refused, unless ``delete`` is False (no
     deletions: returned however it ended)."""
     import anyio
-
-    from rollout_service.agents.base import AgentDeps
-    from rollout_service.agents.episode import Episode
-    from rollout_service.agents.parsers import PARSERS
-    from rollout_service.agents.statelm import StateLMAgent
-    from rollout_service.server import agent_limits, sampling_settings
-    from rollout_service.tools.factory import build_local_tools
 
     ep = Episode(episode_id, f"{episode_id}-group", row, agent_type="statelm")
     deps = AgentDeps(
@@ -164,7 +160,6 @@ def segment_demonstrations(ep: Episode, row: dict[str, Any]) -> list[Demonstrati
 
 
 def load_demo_config(path: Path | None = None) -> Any:
-    from common.config import load_config
 
     return load_config(path or config_path(), check_paths=False)
 

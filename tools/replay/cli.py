@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # lazy: this module is bin/replay's command line, whose --help stays instant
     from common.logging import configure_logging
     from tools.replay.locate import ReplayError
 
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # a warning per call about its own timeouts
     try:
         if args.command == "inspect":
+            # lazy: this module is bin/replay's command line, whose --help stays instant
             from tools.replay import show
 
             return show.run(
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 verify=not args.unchecked,
             )
         if args.command == "stream":
+            # lazy: this module is bin/replay's command line, whose --help stays instant
             from tools.replay import stream
 
             return stream.run(
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 token_file=args.token_file,
                 verify=not args.unchecked,
             )
+        # lazy: this module is bin/replay's command line, whose --help stays instant
         from tools.replay import rerun
 
         return rerun.run(

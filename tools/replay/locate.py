@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config import ConfigError, load_config
+from rollout_service.recording import BatchFileError, batch_files, read_batch_file
+
 RESOLVED = "config.resolved.yaml"
 
 
@@ -48,7 +51,6 @@ class Recording:
 
     def batches(self) -> Iterator[tuple[Any, list[Any]]]:
         """(meta, trajectories) of every file in order; ReplayError naming a damaged file."""
-        from rollout_service.recording import BatchFileError, read_batch_file
 
         for f in self.files:
             try:
@@ -59,7 +61,6 @@ class Recording:
 
 
 def read_meta(path: Path, *, verify: bool = True) -> Any:
-    from rollout_service.recording import BatchFileError, read_batch_file
 
     try:
         return read_batch_file(path, verify=verify)[0]
@@ -74,7 +75,6 @@ def _run_dir_of(directory: Path) -> Path | None:
 def find(path: str | Path, *, verify: bool = True) -> list[Recording]:
     """The recordings ``path`` names (a run dir, a recording dir or a batch file); ``verify``:
     their readers check each file's checksums."""
-    from rollout_service.recording import batch_files
 
     p = Path(path)
     if not p.exists():
@@ -169,7 +169,6 @@ def load_run_config(
     overrides: list[str] | tuple[str, ...] = (),
 ) -> Any:
     """The validated ``Config`` the server ran with, plus overrides (``--model`` is one)."""
-    from common.config import ConfigError, load_config
 
     cfg = config_file(rec, config)
     if cfg is None:

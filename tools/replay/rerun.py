@@ -28,6 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+from common.ratelimit import GlobalRateLimiter, set_shared
+from rollout_service.agents.base import AgentDeps, deps_for
+from rollout_service.agents.parsers import PARSERS
+from rollout_service.agents.rendering import ChatRenderer
+from rollout_service.data import DataError, PromptSource
+from rollout_service.groups import RewardChoice, run_group
+from rollout_service.server import (
+    StartupError,
+    agent_limits,
+    build_agent_deps,
+    check_names,
+    sampling_settings,
+)
+from rollout_service.tools.factory import close_tools
 from tools.replay import locate
 from tools.replay.compare import Divergence, compare_episode, render_text
 from tools.replay.engine import RecordedEpisode, ReplayEngine, group_episodes, stop_ids
@@ -78,21 +92,6 @@ async def rerun_recording(
     buckets instead (when the rerun calls the same metered API as a live run)."""
     import anyio
     from transformers import AutoTokenizer
-
-    from common.ratelimit import GlobalRateLimiter, set_shared
-    from rollout_service.agents.base import AgentDeps, deps_for
-    from rollout_service.agents.parsers import PARSERS
-    from rollout_service.agents.rendering import ChatRenderer
-    from rollout_service.data import DataError, PromptSource
-    from rollout_service.groups import RewardChoice, run_group
-    from rollout_service.server import (
-        StartupError,
-        agent_limits,
-        build_agent_deps,
-        check_names,
-        sampling_settings,
-    )
-    from rollout_service.tools.factory import close_tools
 
     model_dir = config.actor_rollout_ref.model.path
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from rollout_service.agents.parsers import PARSERS
+from rollout_service.agents.rendering import ChatRenderer
 from tools.replay import locate
 
 KINDS = ("prompt", "model", "tool")
@@ -220,9 +222,6 @@ def run(
 ) -> int:
     """Show (or write as HTML) the matching trajectories; exit status (1: nothing matched)."""
     from transformers import AutoTokenizer
-
-    from rollout_service.agents.parsers import PARSERS
-    from rollout_service.agents.rendering import ChatRenderer
 
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     if limit is None and html_out is None:

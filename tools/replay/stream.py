@@ -34,7 +34,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from common.identity import wire_identities
+from common.peer_auth import wait_for_token
 from protocol.batch import Trajectories
+from protocol.driver import RolloutClient
+from protocol.errors import ErrorCode
+from protocol.events import (
+    BatchAcked,
+    BatchRejected,
+    Connected,
+    PeerClosed,
+    WeightsFailed,
+    WeightsReceived,
+)
+from protocol.sender import RolloutConnection, SenderState
+from protocol.zmq_transport import CurveClientKeys, client_factory
+from rollout_service.recording import BatchFileError, read_batch_file
 from tools.replay import locate
 
 
@@ -57,7 +72,6 @@ class StreamResult:
 def prescan(files: list[Path], verify: bool = True) -> tuple[int, int]:
     """(trajectories, newest sampled version) of all files; ReplayError at the first bad one."""
     n, newest = 0, 0
-    from rollout_service.recording import BatchFileError, read_batch_file
 
     for f in files:
         try:
@@ -88,21 +102,6 @@ async def stream(
 ) -> StreamResult:
     """Send ``files`` (batch files, in order) to the learner at ``address`` and wait for every ACK."""
     import anyio
-
-    from common.identity import wire_identities
-    from protocol.driver import RolloutClient
-    from protocol.errors import ErrorCode
-    from protocol.events import (
-        BatchAcked,
-        BatchRejected,
-        Connected,
-        PeerClosed,
-        WeightsFailed,
-        WeightsReceived,
-    )
-    from protocol.sender import RolloutConnection, SenderState
-    from protocol.zmq_transport import client_factory
-    from rollout_service.recording import read_batch_file
 
     res = StreamResult(batches=len(files))
     res.trajectories, newest = await anyio.to_thread.run_sync(prescan, files, verify)
@@ -225,8 +224,6 @@ def run(
     read at each connection, once the learner has made it."""
     import anyio
 
-    from common.peer_auth import wait_for_token
-
     out = out or cast(TextIO, sys.stdout)  # typeshed: stdout may be None (pythonw)
     recordings = locate.find(path, verify=verify)
     token: Callable[[], Awaitable[str]] | None = None
@@ -321,7 +318,6 @@ def _transport(cfg: Path | None) -> tuple[Any, tuple[float, float]]:
     curve = transport.get("curve") or {}
     if not curve.get("enabled"):
         return None, hb
-    from protocol.zmq_transport import CurveClientKeys
 
     return CurveClientKeys(
         Path(curve["secret_key_file"]), Path(curve["server_public_key_file"])

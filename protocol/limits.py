@@ -1,0 +1,22 @@
+"""What a decoder accepts: the size limits of a message and of the trajectories it carries.
+
+Design: a frozen dataclass of plain numbers, apart from the codec (`protocol.codec`) and the column
+decoder (`protocol.columns`) that both check against it. The model-tied limits (vocabulary, context
+length, response budget) come from the run; 0 leaves them unchecked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    max_message_bytes: int = 256 << 20
+    max_trajectories_per_batch: int = 4096
+    max_tokens_per_trajectory: int = 1 << 20
+    vocab_size: int = 0  # 0: token ids are only checked for >= 0
+    # Tied to the model and the run (0: unchecked). A trajectory longer than the model's context, or
+    # with more response tokens than the rollout budget, cannot be trained; refused before any ACK.
+    max_model_len: int = 0  # prompt_len + response_len
+    max_response_tokens: int = 0  # response_len
