@@ -1,13 +1,13 @@
 """The learner's training loop: intake -> prepare -> update -> broadcast -> metrics -> checkpoint.
 
-Design: one async task owns the loop; the intake serves rollout servers concurrently in the same
-task group, so receiving, acknowledging and credit-granting never pause while the workers train.
+Design: one async task owns the loop; the learner link (``learner.link``) serves rollout servers
+concurrently in the same task group, so receiving, acknowledging and credit-granting never pause while the workers train.
 The workers (Ray actors, FSDP2) are driven through `WorkerGroup`'s typed calls; the trainer itself
 only does the light, batch-level work (advantages, KL-in-reward, importance weights, metrics).
 Each new policy version goes out through one call of `learner.publisher.WeightPublisher`.
 Freshness is enforced on data, not on acknowledgements: the learner never waits for a rollout
-server's WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the intake grants servers only
-groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
+server's WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the link grants servers
+only groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
 so nothing generated is wasted (``rollout/waste_frac``); a server that dies takes its grants with
 it, so it never stalls the learner. Without it, groups older than max_staleness are dropped.
 Validation (``trainer.val_before_train``, every ``trainer.test_freq`` steps) is the one wait on the
@@ -15,7 +15,7 @@ rollout servers: ``_validate`` asks them to run the validation set and blocks tr
 answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
 The learner's timeline (``RUN_DIR/timeline/learner.jsonl``, ``common.timeline``) gets a span per
 phase of every step (the same laps as the ``timing/*`` metrics), per validation and per checkpoint,
-the intake's grants and publishes, and the buffer's levels sampled by a task of the training group.
+the link's grants and publishes, and the buffer's levels sampled by a task of the training group.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from common.timeline import (
 )
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
+from learner.link import LearnerLink
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
@@ -63,11 +64,12 @@ from learner.validation import due
 from learner.versions import VersionLedger
 from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
+from protocol.staleness import weights_lag
 from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
-    from learner.intake import Intake, TakenBatch
+    from learner.intake import TakenBatch
     from learner.publisher import WeightPublisher
     from learner.sinks import MetricSinks
     from learner.workers import WorkerGroup
@@ -164,8 +166,8 @@ class Trainer:
         self.max_staleness = config.actor_rollout_ref.rollout.max_staleness
         self._kl_ctrl: KLController | None = None
         self._workers: WorkerGroup | None = None
-        self._intake: Intake | None = None
-        self.publisher: WeightPublisher | None = None  # made once the intake is bound
+        self._link: LearnerLink | None = None
+        self.publisher: WeightPublisher | None = None  # made once the link is bound
         self.ledger = VersionLedger(
             run_dir
         )  # versions only go up across restarts (learner.versions)
@@ -190,10 +192,10 @@ class Trainer:
         self._workers = group
 
     @property
-    def intake(self) -> Intake:
-        if self._intake is None:
-            raise RuntimeError("the intake is not bound yet")
-        return self._intake
+    def link(self) -> LearnerLink:
+        if self._link is None:
+            raise RuntimeError("the learner link is not bound yet")
+        return self._link
 
     # -- start-up --------------------------------------------------------------------------------
     def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
@@ -377,7 +379,7 @@ class Trainer:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
         step, tl = self.step + 1, self.timeline
-        taken = await self.intake.next_batch(
+        taken = await self.link.intake.next_batch(
             self.config.data.train_batch_size, self.version, self.max_staleness
         )
         trajs = list(taken.trajectories)
@@ -399,16 +401,15 @@ class Trainer:
             assert self.publisher is not None  # made in run(), before any step
             metrics |= await self.publisher.publish(self.version, self.workers)
         tl.span(Track.STEP, "broadcast", *timer.lap("broadcast"), step=step, version=self.version)
-        metrics |= self.intake.weight_update_metrics()
-        self.intake.mark_trained(taken)
-        metrics |= self.intake.waste_metrics()
-        metrics |= (
-            self.intake.peer_error_metrics()
-        )  # intake/violations/<CODE>: refused peer messages
+        metrics |= self.link.weights.metrics()
+        self.link.intake.mark_trained(taken)
+        metrics |= self.link.intake.waste_metrics()
+        # intake/violations/<CODE>: refused peer messages.
+        metrics |= self.link.peer_logs.metrics()
         self.step += 1
         self._audit(trajs)
         metrics |= timer.metrics()
-        stats = self.intake.stats
+        stats = self.link.stats
         metrics |= {
             "perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
             "perf/update_tokens_per_s": tokens
@@ -421,7 +422,7 @@ class Trainer:
             "kl_ctrl/coef": float(self.kl_ctrl.value),
             "rollout/n": float(rollout.n),
         }
-        lag = [self.version - v for v in self.intake.peer_versions.values()]
+        lag = [weights_lag(self.version, v) for v in self.link.weights.peer_versions.values()]
         if lag:
             metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
         return metrics
@@ -440,7 +441,7 @@ class Trainer:
         staging = checkpoints.staging_dir(self.ckpt_root, self.step)
         await self.workers.save_checkpoint(str(staging))
         await self.workers.export_hf(str(staging / "hf"), self.config.actor_rollout_ref.model.path)
-        intake_state = self.intake.state_dict()
+        intake_state = self.link.intake.state_dict()
         state = {
             "step": self.step,
             "policy_version": self.version,
@@ -448,7 +449,7 @@ class Trainer:
             "intake": intake_state,
         }
         path = checkpoints.finalize(self.ckpt_root, staging, self.step, state)
-        self.intake.checkpoint_saved(intake_state)
+        self.link.intake.checkpoint_saved(intake_state)
         self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
         self.timeline.span(Track.STEP, CHECKPOINT_SPAN, started, time.time(), step=self.step)
         return path
@@ -456,7 +457,6 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
         from common.safetensors_buffers import load_dir
-        from learner.intake import Intake
         from learner.publisher import WeightPublisher
         from learner.sinks import MetricSinks
         from learner.workers import init_ray
@@ -469,7 +469,7 @@ class Trainer:
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
-        self._intake = Intake(
+        self._link = LearnerLink(
             self.config,
             self.run_dir,
             state=state["intake"] if state else None,
@@ -478,15 +478,17 @@ class Trainer:
         )
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
-            self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
+            self.link.admission.configure(b, self.max_staleness, (self.total - self.step) * b)
         if self.config.data.datasets:  # each step in the configured mix (learner/intake.py)
-            self.intake.configure_mix(
+            self.link.intake.configure_mix(
                 {d.name: d.ratio for d in self.config.data.datasets},
                 self.config.learner.mix_wait_s,
             )
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
-        publisher = self.publisher = WeightPublisher.open(self.config, self.intake, self.ledger, v0)
+        publisher = self.publisher = WeightPublisher.open(
+            self.config, self.link.weights, self.ledger, v0
+        )
         publisher.publish_initial(self.version, v0 if resume is None else load_dir(resume / "hf"))
         t = self.config.trainer
         sinks = MetricSinks(
@@ -500,7 +502,7 @@ class Trainer:
         )
         try:
             async with anyio.create_task_group() as tg:
-                address = await tg.start(self.intake.run)
+                address = await tg.start(self.link.run)
                 emit(
                     Kind.LISTENING, "learner", address=address
                 )  # bin/train starts rollout servers on it
@@ -508,12 +510,12 @@ class Trainer:
                     async with anyio.create_task_group() as training:
                         training.start_soon(self._on_signal, training.cancel_scope)
                         training.start_soon(
-                            sample_every, self.timeline, self.intake.timeline_levels
+                            sample_every, self.timeline, self.link.intake.timeline_levels
                         )
                         await self._train(resume, address, sinks, task_status)
                         training.cancel_scope.cancel()  # stops the signal watcher and sampler
                 finally:
-                    self.intake.close()  # BYE to every rollout server; intake.run returns once sent
+                    self.link.close()  # BYE to every rollout server; link.run returns once sent
         finally:
             # The slot files first: a SIGKILL during the slower steps must not leave them on /dev/shm.
             publisher.close()
@@ -561,7 +563,7 @@ class Trainer:
         from learner.validation import validation_metrics
 
         started = time.time()
-        rnd = await self.intake.validate(
+        rnd = await self.link.validation.validate(
             self.version,
             timeout_s=self.config.trainer.val_timeout_s,
             request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}",
