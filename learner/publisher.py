@@ -21,7 +21,7 @@ weights go through on the learner side happens here, in this order:
 The first version of a run (the model, or the resumed checkpoint's export) is announced from
 disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
 and is called first on every way out of the trainer; stale ones of dead learners are removed when
-the next one opens them (`learner.weights_files.remove_stale`).
+the next one opens them (`protocol.slot_files.remove_stale`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from common.logging import get_logger
 from common.safetensors_buffers import load_file
 from learner.announcer import WeightAnnouncer
 from learner.versions import VersionLedger
-from learner.weights_files import WeightFiles, remove_stale
+from learner.weights_files import WeightFiles
 from learner.worker_api import WeightsFileRequest, WeightsRequest
+from protocol.slot_files import remove_stale
 from protocol.weights import NamedBuffer
 
 if TYPE_CHECKING:
