@@ -60,7 +60,7 @@ class WeightAnnouncer:
         Returns whether chunks were cut from the version this one replaces: ZeroMQ may then still be
         sending slices of its buffers (read just before the announce, with no await in between, so
         no later planning is missed; `learner.publisher` retires such a slot file)."""
-        replaced_chunked = self._proto.chunks_planned
+        replaced_chunked = self._proto.routing.chunks_planned
         self._published_at[version] = time.monotonic() if started is None else started
         self._server.publish_weights(version, tensors, chunk_bytes=self._chunk_bytes, file=file)
         self._timeline.instant(
@@ -133,4 +133,4 @@ class WeightAnnouncer:
     def file_peers_oldest_version(self) -> int | None:
         """The lowest version applied by a connected rollout server that loads weights files (None:
         no such server): slot files of older versions will not be read again."""
-        return self._proto.file_peers_oldest_version()
+        return self._proto.routing.file_peers_oldest_version()

@@ -44,12 +44,11 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.proto = SimpleNamespace(
-            chunks_planned=False,
+            routing=SimpleNamespace(chunks_planned=False, file_peers_oldest_version=lambda: None),
             policy_version=0,
             admission=False,
             capacity=4,
             admission_peers=lambda: self.admission_peers,
-            file_peers_oldest_version=lambda: None,
         )
         self.admission_peers: list[str] = []
         self.published: list[tuple[int, str]] = []
