@@ -12,10 +12,8 @@ from protocol.weight_routing import Frames, WeightRouting
 
 
 def peer(name: str, host: str, *caps: str, version: int = 0) -> Peer:
-    hello = Hello(
-        [1, 5], name, "rollout-server", "e", REFERENCE_MODEL, REFERENCE_TOKENIZER, version,
-        list(caps), host=host,
-    )  # fmt: skip
+    ids = (REFERENCE_MODEL, REFERENCE_TOKENIZER)
+    hello = Hello([1, 5], name, "rollout-server", "e", *ids, version, list(caps), host=host)
     return Peer(name.encode(), hello, policy_version=version)
 
 
