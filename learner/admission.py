@@ -3,8 +3,9 @@
 Without it a rollout server generates as far ahead as credits let it, and the learner drops what
 has grown too old by the time a step takes it: two thirds of all generation in the demo. With it
 (protocol 1.3, capability "admission") a server starts a group only under a grant (ADMIT) from the
-learner, and this module is the learner's policy for those grants. Sans-IO: the intake feeds it
-joins, departures and arrivals and sends the grants it returns.
+learner, and this module is the learner's policy for those grants. Sans-IO: the learner link's
+admission part (``learner.granting``) feeds it joins, departures and arrivals and sends the grants
+it returns.
 
 The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions count steps):
 
@@ -16,8 +17,8 @@ The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions
   and its oldest token is at most ``k`` versions old there. With ``k = 0`` this *is* a synchronous
   trainer: ``B`` groups per version, all generated on the newest weights, nothing generated ahead.
 - Deadlines instead of drops. A group whose oldest token is version ``u`` can be trained up to
-  the step of version ``u + k`` (its deadline, ``protocol.staleness``; a group still generating under a grant counts with
-  ``min_version + k``). The learner takes groups earliest deadline first, and takes a step of
+  the step of version ``u + k`` (its deadline, ``protocol.staleness``; a group still generating
+  under a grant counts with ``min_version + k``). The learner takes groups earliest deadline first, and takes a step of
   version ``w`` only when what it leaves behind can still all be trained in time: for every ``j >=
   w``, at most ``(j - w) * B`` of the groups not taken have a deadline ``<= j`` (``feasible``).
   Otherwise it waits for more groups to arrive. So a slow group makes the learner wait (at most as

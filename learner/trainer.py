@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import numpy as np
 import torch
 from anyio.abc import TaskStatus
 
@@ -39,7 +37,6 @@ from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
 from common.timeline import (
     CHECKPOINT_SPAN,
-    VALIDATE_SPAN,
     Role,
     TimelineWriter,
     Track,
@@ -52,15 +49,13 @@ from learner.link import LearnerLink
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
+    old_logprobs_from_update,
     reduce_worker_metrics,
-    remax_baselines,
-    response_tensors,
-    set_tokens,
+    rewards_and_advantages,
     to_samples,
-    token_level_scores,
 )
 from learner.samples import Batching, Sample, split_for_ranks
-from learner.validation import due
+from learner.validation import due, validate_policy
 from learner.versions import VersionLedger
 from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
@@ -273,69 +268,20 @@ class Trainer:
             await self.workers.forward("critic", samples, "values", passes)
 
     async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
-        from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
-        from learner.prepare import old_logprobs_from_update
-
-        cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
-        metrics: dict[str, float] = {}
+        """The forwards, then rewards, advantages and importance weights (``learner.prepare``)."""
         # Old logprobs (of the first mini-batch at least) from the update's own forward: then the
         # importance weights and logprob_diff come from the workers with the update's metrics (the
         # rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
         await self._forward_passes(samples, in_update)
-        mask = response_tensors(samples)
-        old = None if in_update else response_tensors(samples, "old_logprobs")
-        rewards = token_level_scores(trajs, mask)
-        if alg.use_kl_in_reward:
-            assert old is not None  # the rule keeps the separate forward with KL in the reward
-            rewards, km = apply_kl_in_reward(
-                rewards,
-                old,
-                response_tensors(samples, "ref_logprobs"),
-                mask,
-                controller=self.kl_ctrl,
-                kl_penalty_kind=alg.kl_penalty,
-            )
-            self.kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
-            metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
-        kwargs: dict[str, Any] = {
-            "token_level_rewards": rewards,
-            "response_mask": mask,
-            "index": np.array([t.group_uid for t in trajs], dtype=object),
-            "gamma": alg.gamma,
-            "lam": alg.lam,
-            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
-        }
-        if self.settings.critic_model_path:
-            kwargs["values"] = response_tensors(samples, "values")
-        if alg.adv_estimator == "remax":
-            kwargs["reward_baselines"] = remax_baselines(trajs)
-        adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
-        set_tokens(samples, "advantages", adv)
-        set_tokens(samples, "returns", returns)
-        if (
-            old is not None
-            and cfg.off_policy.old_logprobs == "recompute"
-            and cfg.off_policy.is_level != "off"
-        ):
-            w, wm = truncated_is_weights(
-                old,
-                response_tensors(samples, "rollout_logprobs"),
-                mask,
-                cap=cfg.off_policy.is_cap,
-                level=cfg.off_policy.is_level,
-            )
-            set_tokens(samples, "is_weights", w)
-            metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
-        m = mask.bool()
-        metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
-        if old is not None:
-            metrics["rollout/logprob_diff"] = (
-                float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean())
-                if m.any()
-                else 0.0
-            )
-        return metrics
+        return rewards_and_advantages(
+            self.config,
+            trajs,
+            samples,
+            self.kl_ctrl,
+            in_update=in_update,
+            critic=bool(self.settings.critic_model_path),
+        )
 
     async def _update(self, samples: list[Sample]) -> StepUpdate:
         from learner.prepare import mini_batch_count, old_logprobs_from_update
@@ -560,45 +506,16 @@ class Trainer:
     async def _validate(self) -> dict[str, float]:
         """Validate the current policy on the rollout servers (blocking, bounded by
         trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
-        from learner.validation import validation_metrics
-
-        started = time.time()
-        rnd = await self.link.validation.validate(
+        t = self.config.trainer
+        return await validate_policy(
+            self.link.validation,
             self.version,
-            timeout_s=self.config.trainer.val_timeout_s,
-            request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}",
-            shard_wait_s=self.config.trainer.val_shard_wait_s,
+            self.step,
+            timeout_s=t.val_timeout_s,
+            shard_wait_s=t.val_shard_wait_s,
+            timeline=self.timeline,
+            log=self.log,
         )
-        metrics = validation_metrics(rnd)
-        self.timeline.span(Track.STEP, VALIDATE_SPAN, started, time.time(), step=self.step)
-        missing = {
-            **rnd.lost,
-            **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s"),
-        }
-        self.log.info(
-            "validation",
-            step=self.step,
-            policy_version=self.version,
-            servers=len(rnd.asked),
-            episodes=int(metrics["val/count"]),
-            reward=metrics.get("val/reward/mean"),
-            seconds=round(rnd.duration_s, 1),
-            missing=missing or None,
-            failed=rnd.failed or None,
-            shards_missing=rnd.shards_missing or None,
-        )
-        if not rnd.asked:
-            self.log.warning(
-                "validation skipped: no rollout server connected within trainer.val_timeout_s, or "
-                "none offers validation",
-                step=self.step,
-            )
-        elif not metrics["val/count"] and not missing:
-            self.log.warning(
-                "validation ran no episode: do the rollout servers have data.val_files?",
-                step=self.step,
-            )
-        return metrics
 
     async def _on_signal(self, scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
+from common.timeline import VALIDATE_SPAN, TimelineWriter, Track
 from protocol.driver import LearnerServer
 from protocol.events import PeerJoined, ValidationAbandoned, ValidationReceived
 from protocol.messages import SourceMetrics, ValidateResult
@@ -227,6 +228,58 @@ class Validations:
         if self._joined is not None:
             self._joined.set()
             self._joined = None
+
+
+async def validate_policy(
+    validations: Validations,
+    version: int,
+    step: int,
+    *,
+    timeout_s: float,
+    shard_wait_s: float,
+    timeline: TimelineWriter,
+    log: structlog.stdlib.BoundLogger,
+) -> dict[str, float]:
+    """The trainer's validation after ``step``: one round on policy ``version`` (bounded by
+    ``timeout_s``, trainer.val_timeout_s), its span on the timeline and a log line naming the
+    servers that did not answer; the ``val/...`` metrics of what arrived."""
+    started = time.time()
+    rnd = await validations.validate(
+        version,
+        timeout_s=timeout_s,
+        request_id=f"step{step}-{uuid.uuid4().hex[:6]}",
+        shard_wait_s=shard_wait_s,
+    )
+    metrics = validation_metrics(rnd)
+    timeline.span(Track.STEP, VALIDATE_SPAN, started, time.time(), step=step)
+    missing = {
+        **rnd.lost,
+        **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s"),
+    }
+    log.info(
+        "validation",
+        step=step,
+        policy_version=version,
+        servers=len(rnd.asked),
+        episodes=int(metrics["val/count"]),
+        reward=metrics.get("val/reward/mean"),
+        seconds=round(rnd.duration_s, 1),
+        missing=missing or None,
+        failed=rnd.failed or None,
+        shards_missing=rnd.shards_missing or None,
+    )
+    if not rnd.asked:
+        log.warning(
+            "validation skipped: no rollout server connected within trainer.val_timeout_s, or "
+            "none offers validation",
+            step=step,
+        )
+    elif not metrics["val/count"] and not missing:
+        log.warning(
+            "validation ran no episode: do the rollout servers have data.val_files?",
+            step=step,
+        )
+    return metrics
 
 
 def validation_metrics(rnd: ValidationRound) -> dict[str, float]:
