@@ -3,8 +3,9 @@
 Without it a rollout server generates as far ahead as credits let it, and the learner drops what
 has grown too old by the time a step takes it: two thirds of all generation in the demo. With it
 (protocol 1.3, capability "admission") a server starts a group only under a grant (ADMIT) from the
-learner, and this module is the learner's policy for those grants. Sans-IO: the intake feeds it
-joins, departures and arrivals and sends the grants it returns.
+learner, and this module is the learner's policy for those grants. Sans-IO: the learner link's
+admission part (``learner.granting``) feeds it joins, departures and arrivals and sends the grants
+it returns.
 
 The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions count steps):
 
@@ -16,8 +17,8 @@ The rule, for ``B`` groups per training step and ``max_staleness = k`` (versions
   and its oldest token is at most ``k`` versions old there. With ``k = 0`` this *is* a synchronous
   trainer: ``B`` groups per version, all generated on the newest weights, nothing generated ahead.
 - Deadlines instead of drops. A group whose oldest token is version ``u`` can be trained up to
-  the step of version ``u + k`` (its deadline; a group still generating under a grant counts with
-  ``min_version + k``). The learner takes groups earliest deadline first, and takes a step of
+  the step of version ``u + k`` (its deadline, ``protocol.staleness``; a group still generating
+  under a grant counts with ``min_version + k``). The learner takes groups earliest deadline first, and takes a step of
   version ``w`` only when what it leaves behind can still all be trained in time: for every ``j >=
   w``, at most ``(j - w) * B`` of the groups not taken have a deadline ``<= j`` (``feasible``).
   Otherwise it waits for more groups to arrive. So a slow group makes the learner wait (at most as
@@ -55,14 +56,16 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from protocol.staleness import deadline, steps_left
+
 
 def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
     """Whether groups with deadlines ``untaken`` (one entry per group, a version) can all still be
     trained after the step of ``version``, ``per_step`` groups per later step, earliest first."""
     waiting = 0
-    for deadline, n in sorted(Counter(untaken).items()):
+    for last, n in sorted(Counter(untaken).items()):
         waiting += n
-        if waiting > max(0, deadline - version) * per_step:
+        if waiting > steps_left(last, version) * per_step:
             return False
     return True
 
@@ -126,7 +129,7 @@ class Admission:
     def deadlines(self) -> list[int]:
         """The deadline of every group still generating (at the earliest: ``min_version + k``)."""
         return [
-            m + self.max_staleness
+            deadline(m, self.max_staleness)
             for c in self._granted.values()
             for m, n in c.items()
             for _ in range(n)

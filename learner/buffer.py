@@ -5,12 +5,12 @@ samples of a prompt, plus the StateLM snapshots of its episodes, so groups vary 
 kept in arrival order under the key ``(record_id, group_uid)`` and taken earliest deadline first:
 the oldest ``oldest_version`` first (it is the first to grow too stale), arrival order among equals.
 
-Staleness of a group = the learner's policy version minus the *oldest* policy version that produced
-any of the group's trained tokens (``response_mask == 1``); a trajectory without such tokens counts
-with its oldest response token of any kind, and one without any response token does not count. A
-group with no response tokens at all has staleness 0. A group whose staleness exceeds
-``max_staleness`` is dropped (counted) instead of trained; versions only grow, so a group found
-stale once stays stale and is dropped as soon as it is seen.
+Staleness of a group is the token age of ``protocol.staleness`` (the rule lives there): the
+learner's policy version minus the *oldest* policy version that produced any of the group's trained
+tokens (``response_mask == 1``); a trajectory without such tokens counts with its oldest response
+token of any kind, and one without any response token does not count. A group with no response
+tokens at all has staleness 0. A group too old for ``max_staleness`` is dropped (counted) instead
+of trained as soon as it is seen (versions only grow: it stays stale).
 
 Room: the protocol counts room per received batch, not per group. The buffer therefore counts, per
 record, the groups not yet finished (queued, or taken and not yet trained); the record's room is
@@ -34,19 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol.staleness import deadline, oldest_version, token_age, too_old
 from protocol.trajectory import Trajectory
 
 GroupKey = tuple[int, str]  # (journal record id, group_uid)
-
-
-def oldest_version(t: Trajectory) -> int | None:
-    """The oldest policy version among ``t``'s trained tokens (any response token if none is
-    trained); None if it has no response."""
-    versions = t.versions
-    if not len(versions):
-        return None
-    trained = versions[np.asarray(t.response_mask).view(np.uint8) == 1]
-    return int(trained.min() if len(trained) else versions.min())
 
 
 @dataclass(eq=False)
@@ -64,7 +55,15 @@ class Group:
         return self.key[1]
 
     def staleness(self, policy_version: int) -> int:
-        return 0 if self.oldest_version is None else max(0, policy_version - self.oldest_version)
+        """Token age at ``policy_version`` (``protocol.staleness``)."""
+        return token_age(self.oldest_version, policy_version)
+
+    def deadline(self, max_staleness: int) -> int | None:
+        """The newest version whose step may train the group (None: never stale)."""
+        return None if self.oldest_version is None else deadline(self.oldest_version, max_staleness)
+
+    def too_old(self, policy_version: int, max_staleness: int) -> bool:
+        return too_old(self.oldest_version, policy_version, max_staleness)
 
     @property
     def deadline_key(self) -> float:
@@ -203,9 +202,7 @@ class GroupBuffer:
     def drop_stale(self, policy_version: int, max_staleness: int) -> Taken:
         """Drop every queued group whose staleness exceeds ``max_staleness``."""
         out = Taken()
-        for key in [
-            k for k, g in self._queue.items() if g.staleness(policy_version) > max_staleness
-        ]:
+        for key in [k for k, g in self._queue.items() if g.too_old(policy_version, max_staleness)]:
             g = self._queue.pop(key)
             out.dropped.append(g)
             out.done_records += self._finish_one(g.record_id)

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from common.config.root import Config
+from learner.algorithms import (
+    KLController,
+    apply_kl_in_reward,
+    compute_advantages,
+    truncated_is_weights,
+)
 from learner.samples import Batching, OldFromForward, Sample, TokenField, even_chunks
 from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
@@ -162,6 +169,77 @@ def remax_baselines(trajs: Sequence[Trajectory]) -> torch.Tensor:
             "running with the same algorithm.adv_estimator?"
         )
     return torch.tensor([float(t.reward_extras[REMAX_BASELINE]) for t in trajs])
+
+
+def rewards_and_advantages(
+    config: Config,
+    trajs: Sequence[Trajectory],
+    samples: Sequence[Sample],
+    kl_ctrl: KLController,
+    *,
+    in_update: bool,
+    critic: bool,
+) -> dict[str, float]:
+    """After the step's forwards: token-level rewards (KL in the reward when configured, which
+    updates ``kl_ctrl``), advantages and returns, and truncated importance weights, set on
+    ``samples``; returns the step's ``kl_in_reward/*``, ``off_policy/*``, ``advantages/mean`` and
+    ``rollout/logprob_diff``. ``in_update``: the update takes the old logprobs from its own forward
+    (``old_logprobs_from_update``), so none are here; ``critic``: ``samples`` carry values."""
+    cfg, alg = config.actor_rollout_ref.actor, config.algorithm
+    metrics: dict[str, float] = {}
+    mask = response_tensors(samples)
+    old = None if in_update else response_tensors(samples, "old_logprobs")
+    rewards = token_level_scores(trajs, mask)
+    if alg.use_kl_in_reward:
+        assert old is not None  # the rule keeps the separate forward with KL in the reward
+        rewards, km = apply_kl_in_reward(
+            rewards,
+            old,
+            response_tensors(samples, "ref_logprobs"),
+            mask,
+            controller=kl_ctrl,
+            kl_penalty_kind=alg.kl_penalty,
+        )
+        kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
+        metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
+    kwargs: dict[str, Any] = {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "index": np.array([t.group_uid for t in trajs], dtype=object),
+        "gamma": alg.gamma,
+        "lam": alg.lam,
+        "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
+    }
+    if critic:
+        kwargs["values"] = response_tensors(samples, "values")
+    if alg.adv_estimator == "remax":
+        kwargs["reward_baselines"] = remax_baselines(trajs)
+    adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
+    set_tokens(samples, "advantages", adv)
+    set_tokens(samples, "returns", returns)
+    if (
+        old is not None
+        and cfg.off_policy.old_logprobs == "recompute"
+        and cfg.off_policy.is_level != "off"
+    ):
+        w, wm = truncated_is_weights(
+            old,
+            response_tensors(samples, "rollout_logprobs"),
+            mask,
+            cap=cfg.off_policy.is_cap,
+            level=cfg.off_policy.is_level,
+        )
+        set_tokens(samples, "is_weights", w)
+        metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
+    m = mask.bool()
+    metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
+    if old is not None:
+        metrics["rollout/logprob_diff"] = (
+            float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean())
+            if m.any()
+            else 0.0
+        )
+    return metrics
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:

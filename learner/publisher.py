@@ -10,18 +10,18 @@ weights go through on the learner side happens here, in this order:
 3. **Gather.** Into the slot file: every rank takes part, rank 0 writes straight into the file's
    mapped pages (`learner.weights_file_writer`). Without a slot (none configured, or all still in
    use): the full policy gathered to rank 0 and brought back through Ray.
-4. **Announce.** `Intake.publish_weights`: servers on this machine get the file's name, the others
-   chunks cut lazily from the same bytes. It reports whether chunks were cut from the version this
+4. **Announce.** `WeightAnnouncer.announce` (the learner link's weight part): servers on this
+   machine get the file's name, the others chunks cut lazily from the same bytes. It reports whether chunks were cut from the version this
    one replaces, so that file is retired rather than overwritten while ZeroMQ may still send it.
 5. **Bookkeeping.** The slot becomes the current one (`WeightFiles.published`); a write that
    failed midway drops its slot, so a half-written file is never announced. The metrics
-   ``weights/*`` of the publish are returned (``weights/applied_s`` comes later, from the intake,
-   once every server applied the version).
+   ``weights/*`` of the publish are returned (``weights/applied_s`` comes later, from the link's
+   weight part once every server applied the version: `learner.announcer`).
 
 The first version of a run (the model, or the resumed checkpoint's export) is announced from
 disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
 and is called first on every way out of the trainer; stale ones of dead learners are removed when
-the next one opens them (`learner.weights_files.remove_stale`).
+the next one opens them (`protocol.slot_files.remove_stale`).
 """
 
 from __future__ import annotations
@@ -36,38 +36,45 @@ import numpy as np
 from common.config.root import Config
 from common.logging import get_logger
 from common.safetensors_buffers import load_file
+from learner.announcer import WeightAnnouncer
 from learner.versions import VersionLedger
-from learner.weights_files import WeightFiles, remove_stale
+from learner.weights_files import WeightFiles
 from learner.worker_api import WeightsFileRequest, WeightsRequest
+from protocol.slot_files import remove_stale
 from protocol.weights import NamedBuffer
 
 if TYPE_CHECKING:
-    from learner.intake import Intake
     from learner.workers import WorkerGroup
 
 
 @dataclass
 class WeightPublisher:
-    intake: Intake
+    announcer: WeightAnnouncer
     ledger: VersionLedger
     weights: WeightsRequest  # the checkpoint's tensor names and dtypes: what servers load
     files: WeightFiles | None = None  # None: chunks only
 
     @classmethod
     def open(
-        cls, config: Config, intake: Intake, ledger: VersionLedger, model: list[NamedBuffer]
+        cls,
+        config: Config,
+        announcer: WeightAnnouncer,
+        ledger: VersionLedger,
+        model: list[NamedBuffer],
     ) -> WeightPublisher:
         """A publisher of weights named and typed as ``model`` (the checkpoint the run starts from),
         with slot files when ``learner.weights_file_dir`` is set and has room for every slot (else
         weights go as chunks only, with a warning)."""
         request = WeightsRequest([t.name for t in model], {t.name: t.dtype for t in model})
-        return cls(intake, ledger, request, _open_files(config, sum(t.data.nbytes for t in model)))
+        return cls(
+            announcer, ledger, request, _open_files(config, sum(t.data.nbytes for t in model))
+        )
 
     def publish_initial(self, version: int, tensors: list[NamedBuffer]) -> None:
         """The policy the run starts from, straight from disk: rollout servers that join get it at
         once, before the workers are even up."""
         self.ledger.record(version)
-        self.intake.publish_weights(version, tensors)
+        self.announcer.announce(version, tensors)
 
     async def publish(self, version: int, workers: WorkerGroup) -> dict[str, float]:
         """Gather the workers' policy and announce it as ``version``; the ``weights/*`` metrics."""
@@ -76,7 +83,9 @@ class WeightPublisher:
         self.ledger.record(version)
         take = None
         if self.files is not None:
-            take = self.files.take(version, oldest_applied=self.intake.file_peers_oldest_version())
+            take = self.files.take(
+                version, oldest_applied=self.announcer.file_peers_oldest_version()
+            )
         if self.files is not None and take is not None:
             slot, path = take
             try:
@@ -86,7 +95,7 @@ class WeightPublisher:
             except BaseException:
                 self.files.failed(slot)
                 raise
-            replaced_chunked = self.intake.publish_weights(
+            replaced_chunked = self.announcer.announce(
                 version, load_file(path), file=str(path), started=started
             )
             self.files.published(version, replaced_chunked=replaced_chunked)
@@ -102,7 +111,7 @@ class WeightPublisher:
             NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
             for w in parts
         ]
-        replaced_chunked = self.intake.publish_weights(version, tensors, started=started)
+        replaced_chunked = self.announcer.announce(version, tensors, started=started)
         if self.files is not None:
             self.files.published(version, replaced_chunked=replaced_chunked)
         return {"weights/via_file": 0.0, "weights/publish_s": time.perf_counter() - t0}

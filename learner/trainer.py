@@ -1,13 +1,13 @@
 """The learner's training loop: intake -> prepare -> update -> broadcast -> metrics -> checkpoint.
 
-Design: one async task owns the loop; the intake serves rollout servers concurrently in the same
-task group, so receiving, acknowledging and credit-granting never pause while the workers train.
+Design: one async task owns the loop; the learner link (``learner.link``) serves rollout servers
+concurrently in the same task group, so receiving, acknowledging and credit-granting never pause while the workers train.
 The workers (Ray actors, FSDP2) are driven through `WorkerGroup`'s typed calls; the trainer itself
 only does the light, batch-level work (advantages, KL-in-reward, importance weights, metrics).
 Each new policy version goes out through one call of `learner.publisher.WeightPublisher`.
 Freshness is enforced on data, not on acknowledgements: the learner never waits for a rollout
-server's WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the intake grants servers only
-groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
+server's WEIGHTS_APPLIED. With admission (``learner.admission``, the default) the link grants servers
+only groups that can still be trained within max_staleness and waits for a slow one rather than drop it,
 so nothing generated is wasted (``rollout/waste_frac``); a server that dies takes its grants with
 it, so it never stalls the learner. Without it, groups older than max_staleness are dropped.
 Validation (``trainer.val_before_train``, every ``trainer.test_freq`` steps) is the one wait on the
@@ -15,20 +15,18 @@ rollout servers: ``_validate`` asks them to run the validation set and blocks tr
 answered, left, or ``trainer.val_timeout_s`` passed (``learner.validation``).
 The learner's timeline (``RUN_DIR/timeline/learner.jsonl``, ``common.timeline``) gets a span per
 phase of every step (the same laps as the ``timing/*`` metrics), per validation and per checkpoint,
-the intake's grants and publishes, and the buffer's levels sampled by a task of the training group.
+the link's grants and publishes, and the buffer's levels sampled by a task of the training group.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import numpy as np
 import torch
 from anyio.abc import TaskStatus
 
@@ -40,7 +38,6 @@ from common.rundir import checkpoint_dir
 from common.safetensors_buffers import load_dir
 from common.timeline import (
     CHECKPOINT_SPAN,
-    VALIDATE_SPAN,
     Role,
     TimelineWriter,
     Track,
@@ -49,7 +46,7 @@ from common.timeline import (
 )
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
-from learner.intake import Intake, TakenBatch
+from learner.link import LearnerLink
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
@@ -58,24 +55,23 @@ from learner.prepare import (
     old_logprob_parts,
     old_logprobs_from_update,
     reduce_worker_metrics,
-    remax_baselines,
-    response_tensors,
-    set_tokens,
+    rewards_and_advantages,
     to_samples,
-    token_level_scores,
 )
 from learner.publisher import WeightPublisher
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.sinks import MetricSinks
-from learner.validation import due, validation_metrics
+from learner.validation import due, validate_policy
 from learner.versions import VersionLedger
 from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
 from learner.workers import WorkerGroup, init_ray
+from protocol.staleness import weights_lag
 from protocol.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
+    from learner.intake import TakenBatch
 
 TRAINED_IDS = trained_log.TRAINED_IDS
 
@@ -169,8 +165,8 @@ class Trainer:
         self.max_staleness = config.actor_rollout_ref.rollout.max_staleness
         self._kl_ctrl: KLController | None = None
         self._workers: WorkerGroup | None = None
-        self._intake: Intake | None = None
-        self.publisher: WeightPublisher | None = None  # made once the intake is bound
+        self._link: LearnerLink | None = None
+        self.publisher: WeightPublisher | None = None  # made once the link is bound
         self.ledger = VersionLedger(
             run_dir
         )  # versions only go up across restarts (learner.versions)
@@ -196,10 +192,10 @@ class Trainer:
         self._workers = group
 
     @property
-    def intake(self) -> Intake:
-        if self._intake is None:
-            raise RuntimeError("the intake is not bound yet")
-        return self._intake
+    def link(self) -> LearnerLink:
+        if self._link is None:
+            raise RuntimeError("the learner link is not bound yet")
+        return self._link
 
     # -- start-up --------------------------------------------------------------------------------
     def _resume_state(self) -> tuple[Path | None, dict[str, Any] | None]:
@@ -278,69 +274,20 @@ class Trainer:
             await self.workers.forward("critic", samples, "values", passes)
 
     async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
-        # lazy: learner.algorithms imports verl
-        from learner.algorithms import apply_kl_in_reward, compute_advantages, truncated_is_weights
-
-        cfg, alg = self.config.actor_rollout_ref.actor, self.config.algorithm
-        metrics: dict[str, float] = {}
+        """The forwards, then rewards, advantages and importance weights (``learner.prepare``)."""
         # Old logprobs (of the first mini-batch at least) from the update's own forward: then the
         # importance weights and logprob_diff come from the workers with the update's metrics (the
         # rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
         await self._forward_passes(samples, in_update)
-        mask = response_tensors(samples)
-        old = None if in_update else response_tensors(samples, "old_logprobs")
-        rewards = token_level_scores(trajs, mask)
-        if alg.use_kl_in_reward:
-            assert old is not None  # the rule keeps the separate forward with KL in the reward
-            rewards, km = apply_kl_in_reward(
-                rewards,
-                old,
-                response_tensors(samples, "ref_logprobs"),
-                mask,
-                controller=self.kl_ctrl,
-                kl_penalty_kind=alg.kl_penalty,
-            )
-            self.kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
-            metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
-        kwargs: dict[str, Any] = {
-            "token_level_rewards": rewards,
-            "response_mask": mask,
-            "index": np.array([t.group_uid for t in trajs], dtype=object),
-            "gamma": alg.gamma,
-            "lam": alg.lam,
-            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo,
-        }
-        if self.settings.critic_model_path:
-            kwargs["values"] = response_tensors(samples, "values")
-        if alg.adv_estimator == "remax":
-            kwargs["reward_baselines"] = remax_baselines(trajs)
-        adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
-        set_tokens(samples, "advantages", adv)
-        set_tokens(samples, "returns", returns)
-        if (
-            old is not None
-            and cfg.off_policy.old_logprobs == "recompute"
-            and cfg.off_policy.is_level != "off"
-        ):
-            w, wm = truncated_is_weights(
-                old,
-                response_tensors(samples, "rollout_logprobs"),
-                mask,
-                cap=cfg.off_policy.is_cap,
-                level=cfg.off_policy.is_level,
-            )
-            set_tokens(samples, "is_weights", w)
-            metrics |= {f"off_policy/{k}": float(v) for k, v in wm.items()}
-        m = mask.bool()
-        metrics["advantages/mean"] = float(adv[m].mean()) if m.any() else 0.0
-        if old is not None:
-            metrics["rollout/logprob_diff"] = (
-                float((old - response_tensors(samples, "rollout_logprobs"))[m].abs().mean())
-                if m.any()
-                else 0.0
-            )
-        return metrics
+        return rewards_and_advantages(
+            self.config,
+            trajs,
+            samples,
+            self.kl_ctrl,
+            in_update=in_update,
+            critic=bool(self.settings.critic_model_path),
+        )
 
     async def _update(self, samples: list[Sample]) -> StepUpdate:
 
@@ -383,7 +330,7 @@ class Trainer:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
         step, tl = self.step + 1, self.timeline
-        taken = await self.intake.next_batch(
+        taken = await self.link.intake.next_batch(
             self.config.data.train_batch_size, self.version, self.max_staleness
         )
         trajs = list(taken.trajectories)
@@ -405,16 +352,15 @@ class Trainer:
             assert self.publisher is not None  # made in run(), before any step
             metrics |= await self.publisher.publish(self.version, self.workers)
         tl.span(Track.STEP, "broadcast", *timer.lap("broadcast"), step=step, version=self.version)
-        metrics |= self.intake.weight_update_metrics()
-        self.intake.mark_trained(taken)
-        metrics |= self.intake.waste_metrics()
-        metrics |= (
-            self.intake.peer_error_metrics()
-        )  # intake/violations/<CODE>: refused peer messages
+        metrics |= self.link.weights.metrics()
+        self.link.intake.mark_trained(taken)
+        metrics |= self.link.intake.waste_metrics()
+        # intake/violations/<CODE>: refused peer messages.
+        metrics |= self.link.peer_logs.metrics()
         self.step += 1
         self._audit(trajs)
         metrics |= timer.metrics()
-        stats = self.intake.stats
+        stats = self.link.stats
         metrics |= {
             "perf/tokens_per_s": tokens / max(metrics["timing/step_s"], 1e-9),
             "perf/update_tokens_per_s": tokens
@@ -427,7 +373,7 @@ class Trainer:
             "kl_ctrl/coef": float(self.kl_ctrl.value),
             "rollout/n": float(rollout.n),
         }
-        lag = [self.version - v for v in self.intake.peer_versions.values()]
+        lag = [weights_lag(self.version, v) for v in self.link.weights.peer_versions.values()]
         if lag:
             metrics["weights/servers_behind"] = float(sum(x > 0 for x in lag))
         return metrics
@@ -446,7 +392,7 @@ class Trainer:
         staging = checkpoints.staging_dir(self.ckpt_root, self.step)
         await self.workers.save_checkpoint(str(staging))
         await self.workers.export_hf(str(staging / "hf"), self.config.actor_rollout_ref.model.path)
-        intake_state = self.intake.state_dict()
+        intake_state = self.link.intake.state_dict()
         state = {
             "step": self.step,
             "policy_version": self.version,
@@ -463,14 +409,13 @@ class Trainer:
             keep=t.max_actor_ckpt_to_keep,
             keep_best=t.keep_best_ckpt,
         )
-        self.intake.checkpoint_saved(intake_state)
+        self.link.intake.checkpoint_saved(intake_state)
         self.log.info("checkpoint saved", step=self.step, version=self.version, path=str(path))
         self.timeline.span(Track.STEP, CHECKPOINT_SPAN, started, time.time(), step=self.step)
         return path
 
     # -- the run ---------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> int:
-
         resume, state = self._resume_state()
         self._init_algorithm_state(state, resume)
         self.timeline = TimelineWriter(
@@ -479,7 +424,7 @@ class Trainer:
         # ray.init blocks for seconds: done before the intake listens, so heartbeats never stall.
         init_ray(self.config.ray.address, self.config.ray.num_cpus)
         v0 = load_dir(self.config.actor_rollout_ref.model.path)
-        self._intake = Intake(
+        self._link = LearnerLink(
             self.config,
             self.run_dir,
             state=state["intake"] if state else None,
@@ -488,15 +433,17 @@ class Trainer:
         )
         if self.config.learner.admission:
             b = self.config.data.train_batch_size
-            self.intake.configure_admission(b, self.max_staleness, (self.total - self.step) * b)
+            self.link.admission.configure(b, self.max_staleness, (self.total - self.step) * b)
         if self.config.data.datasets:  # each step in the configured mix (learner/intake.py)
-            self.intake.configure_mix(
+            self.link.intake.configure_mix(
                 {d.name: d.ratio for d in self.config.data.datasets},
                 self.config.learner.mix_wait_s,
             )
         # The policy the run starts from, straight from disk (the model, or the resumed checkpoint's
         # export): rollout servers that join get it at once, before the workers are even up.
-        publisher = self.publisher = WeightPublisher.open(self.config, self.intake, self.ledger, v0)
+        publisher = self.publisher = WeightPublisher.open(
+            self.config, self.link.weights, self.ledger, v0
+        )
         publisher.publish_initial(self.version, v0 if resume is None else load_dir(resume / "hf"))
         t = self.config.trainer
         sinks = MetricSinks(
@@ -510,7 +457,7 @@ class Trainer:
         )
         try:
             async with anyio.create_task_group() as tg:
-                address = await tg.start(self.intake.run)
+                address = await tg.start(self.link.run)
                 emit(
                     Kind.LISTENING, "learner", address=address
                 )  # bin/train starts rollout servers on it
@@ -518,12 +465,12 @@ class Trainer:
                     async with anyio.create_task_group() as training:
                         training.start_soon(self._on_signal, training.cancel_scope)
                         training.start_soon(
-                            sample_every, self.timeline, self.intake.timeline_levels
+                            sample_every, self.timeline, self.link.intake.timeline_levels
                         )
                         await self._train(resume, address, sinks, task_status)
                         training.cancel_scope.cancel()  # stops the signal watcher and sampler
                 finally:
-                    self.intake.close()  # BYE to every rollout server; intake.run returns once sent
+                    self.link.close()  # BYE to every rollout server; link.run returns once sent
         finally:
             # The slot files first: a SIGKILL during the slower steps must not leave them on /dev/shm.
             publisher.close()
@@ -568,45 +515,18 @@ class Trainer:
     async def _validate(self) -> dict[str, float]:
         """Validate the current policy on the rollout servers (blocking, bounded by
         trainer.val_timeout_s); the ``val/...`` metrics of what arrived."""
-
-        started = time.time()
-        rnd = await self.intake.validate(
+        t = self.config.trainer
+        metrics = await validate_policy(
+            self.link.validation,
             self.version,
-            timeout_s=self.config.trainer.val_timeout_s,
-            request_id=f"step{self.step}-{uuid.uuid4().hex[:6]}",
-            shard_wait_s=self.config.trainer.val_shard_wait_s,
+            self.step,
+            timeout_s=t.val_timeout_s,
+            shard_wait_s=t.val_shard_wait_s,
+            timeline=self.timeline,
+            log=self.log,
         )
-        metrics = validation_metrics(rnd)
-        if "val/reward/mean" in metrics:
+        if "val/reward/mean" in metrics:  # for keep_best_ckpt
             self._val_reward = float(metrics["val/reward/mean"])
-        self.timeline.span(Track.STEP, VALIDATE_SPAN, started, time.time(), step=self.step)
-        missing = {
-            **rnd.lost,
-            **dict.fromkeys(rnd.outstanding, "no answer within trainer.val_timeout_s"),
-        }
-        self.log.info(
-            "validation",
-            step=self.step,
-            policy_version=self.version,
-            servers=len(rnd.asked),
-            episodes=int(metrics["val/count"]),
-            reward=metrics.get("val/reward/mean"),
-            seconds=round(rnd.duration_s, 1),
-            missing=missing or None,
-            failed=rnd.failed or None,
-            shards_missing=rnd.shards_missing or None,
-        )
-        if not rnd.asked:
-            self.log.warning(
-                "validation skipped: no rollout server connected within trainer.val_timeout_s, or "
-                "none offers validation",
-                step=self.step,
-            )
-        elif not metrics["val/count"] and not missing:
-            self.log.warning(
-                "validation ran no episode: do the rollout servers have data.val_files?",
-                step=self.step,
-            )
         return metrics
 
     async def _on_signal(self, scope: anyio.CancelScope) -> None:

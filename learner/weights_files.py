@@ -1,7 +1,8 @@
 """Which slot file the next policy version is written to (the weights file hand-over, driver side).
 
 Design: the learner keeps at most ``slots`` safetensors files under one run-private directory on
-/dev/shm (``<dir>/agentrl-weights-<id>/v<version>/model.safetensors``: vLLM reloads a directory).
+/dev/shm (``<dir>/agentrl-weights-<pid>-<id>/v<version>/model.safetensors``, the convention of
+``protocol.slot_files``).
 Version N reuses the file of an older version, renamed to ``v<N>`` and rewritten in place by rank 0
 (``weights_file_writer``), once that older file is safe to overwrite:
 - every rollout server that takes files has applied a newer version (servers apply versions in
@@ -13,59 +14,18 @@ When no slot is free and none can be added, the version goes out as chunks only.
 Cleanup. Everything is removed when the learner stops: ``close`` on every way out of the trainer
 (normal end, error, SIGTERM/Ctrl-C, which the trainer turns into cancellation), and an ``atexit``
 hook for a ``SystemExit`` raised outside it. A learner that could not run either (SIGKILL, OOM
-killer) leaves its directory behind: ``remove_stale`` at the next start deletes the directories
-whose pid (in the name) is no longer alive, so /dev/shm never fills up with dead runs' weights.
+killer) leaves its directory behind: ``protocol.slot_files.remove_stale`` at the next start deletes
+the directories whose pid (in the name) is no longer alive.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
-import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-FILE_NAME = "model.safetensors"
-PREFIX = "agentrl-weights-"
-_NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]+")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def remove_stale(parent: str | Path) -> list[Path]:
-    """Delete the weights directories under ``parent`` left by learners that are no longer alive
-    (killed with no chance to clean up); returns what was removed. A directory of a live process
-    (another learner on this machine) or of another user is left alone."""
-    removed = []
-    try:
-        entries = list(Path(parent).iterdir())
-    except OSError:
-        return removed
-    for d in entries:
-        m = _NAME.fullmatch(d.name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-            continue
-        try:
-            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
+from protocol.slot_files import FILE_NAME, make_root
 
 
 @dataclass
@@ -82,8 +42,7 @@ class _Slot:
 
 class WeightFiles:
     def __init__(self, parent: str | Path, slots: int) -> None:
-        self.root = Path(parent) / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.root.mkdir(parents=True)
+        self.root = make_root(parent)
         atexit.register(self.close)  # a SystemExit that bypasses the trainer's own cleanup
         self.max_slots = slots
         self._slots: list[_Slot] = []

@@ -23,10 +23,11 @@ and may start prompt groups only as ``admit`` grants (ADMIT); which peer gets ho
 weights, is the application's policy (``learner.admission``). Heartbeats carry each sender epoch's
 count of response tokens it generated and dropped itself (``dropped_tokens``, summed over epochs).
 
-Weight relays (1.4, ``protocol.relay``): a peer whose HELLO offers "weight_relay" takes no credits
-and gets a place in the relay chain (WELCOME ``relay_upstream``); only the head of the chain is
-sent chunks. Servers on a relay's host that offer "weights_file" are handed that relay's verified
-file once it reports it (WEIGHTS_APPLIED ``file``); everyone else still gets chunks.
+Weights: ``publish_weights`` hands the version to ``protocol.weight_routing``, the sans-IO piece
+beside this one that decides each peer's route (a slot file on this machine, a relay's file on its
+host, chunks, or down the relay chain). Weight relays (1.4, ``protocol.relay``): a peer whose HELLO
+offers "weight_relay" takes no credits and gets a place in the relay chain (WELCOME
+``relay_upstream``); only the head of the chain is sent chunks.
 
 Validation (1.1): ``request_validation`` asks every peer in session whose HELLO offered the
 "validation" capability (never another: a 1.0 peer would not know the message) and remembers the
@@ -65,9 +66,7 @@ from protocol.messages import (
     ADMISSION_CAPABILITY,
     PROBE_CAPABILITY,
     TYPE_OF,
-    VALIDATION_CAPABILITY,
     WEIGHT_RELAY_CAPABILITY,
-    WEIGHTS_FILE_CAPABILITY,
     Ack,
     Admit,
     Bye,
@@ -77,22 +76,23 @@ from protocol.messages import (
     Identity,
     Limits,
     MsgType,
-    TensorSpec,
     TrajectoryBatch,
     ValidateRequest,
     ValidateResult,
-    WeightsAnnounce,
     WeightsApplied,
     Welcome,
 )
+from protocol.peers import Peer
 from protocol.relay import RelayTier
 from protocol.trajectory import Trajectory
 from protocol.version import PROTOCOL_VERSION, ProtocolVersion
-from protocol.weights import NamedBuffer, plan_transfer
+from protocol.weight_routing import WeightRouting
+from protocol.weights import NamedBuffer
 
 Frames = list[codec.Frame]
 
 SMALL_MESSAGE_BYTES = 1 << 20  # what a peer may send before HELLO, or in session without a credit
+STATS = ("batches", "duplicate_batches", "duplicate_trajectories", "errors_sent", "refused_batches")
 _BATCH_FRAMES = 2 + FRAMES_NUMBERS  # the most frames any message to a learner has (a 1.5 batch)
 
 
@@ -115,42 +115,6 @@ class _Stream:
             self.above.discard(self.next_seq)
             self.next_seq += 1
         return True
-
-
-@dataclass
-class _Peer:
-    identity: bytes
-    hello: Hello | None = None
-    credits: int = 0  # granted and not yet used
-    last_recv: float = 0.0
-    last_sent: float = 0.0
-    policy_version: int = 0
-    validations: set[str] = field(default_factory=set)  # requests sent and not answered yet
-    refused_file: bool = False  # failed a file hand-over: gets chunks
-
-    @property
-    def name(self) -> str:
-        return self.hello.peer_id if self.hello else self.identity.hex()
-
-    @property
-    def validates(self) -> bool:
-        return self.hello is not None and VALIDATION_CAPABILITY in self.hello.capabilities
-
-    @property
-    def admits(self) -> bool:
-        return self.hello is not None and ADMISSION_CAPABILITY in self.hello.capabilities
-
-
-@dataclass
-class _Publication:
-    """The latest published weights; chunk frames are planned lazily (``_chunk_frames``)."""
-
-    version: int
-    tensors: list[NamedBuffer]
-    chunk_bytes: int
-    file: str = ""
-    file_frames: Frames | None = None
-    file_transfer_id: str = ""
 
 
 @dataclass
@@ -220,6 +184,48 @@ class RecentIds:
         return keep
 
 
+class Senders:
+    """What the learner remembers of its senders, per sender epoch ``(peer_id, epoch)``: two-level
+    deduplication, batch sequence numbers per epoch (cheap, catches resends after reconnects) and
+    trajectory ids in a recency window (catches a restarted sender resending spooled trajectories
+    in a new epoch); and the response tokens each epoch reported dropping itself (1.3)."""
+
+    def __init__(self, window: int) -> None:
+        self.streams: dict[tuple[str, str], _Stream] = {}
+        self.seen = RecentIds(window)
+        self.dropped: dict[tuple[str, str], int] = {}  # cumulative per epoch: the largest seen
+
+    def heard(self, hello: Hello, heartbeat: Heartbeat) -> None:
+        """A heartbeat of the sender of ``hello``: its epoch's dropped tokens so far."""
+        if heartbeat.dropped_tokens:
+            key = (hello.peer_id, hello.epoch)
+            self.dropped[key] = max(self.dropped.get(key, 0), heartbeat.dropped_tokens)
+
+    def stream(self, peer_id: str, epoch: str) -> _Stream:
+        return self.streams.setdefault((peer_id, epoch), _Stream())
+
+    def record(self, peer_id: str, epoch: str, seq: int, ids: list[str]) -> None:
+        """Batch ``seq`` of that sender epoch, holding trajectories ``ids``, is received."""
+        self.stream(peer_id, epoch).add(seq)
+        self.seen.add_new(ids)
+
+    def export(self) -> dict[str, Any]:
+        return {
+            "streams": [
+                [pid, epoch, s.next_seq, sorted(s.above)]
+                for (pid, epoch), s in self.streams.items()
+            ],
+            "recent_ids": self.seen.export(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.streams = {
+            (pid, epoch): _Stream(next_seq, set(above))
+            for pid, epoch, next_seq, above in state["streams"]
+        }
+        self.seen.restore(state["recent_ids"])
+
+
 class LearnerProtocol:
     def __init__(
         self,
@@ -238,60 +244,29 @@ class LearnerProtocol:
         admission: bool = False,
         small_message_bytes: int = SMALL_MESSAGE_BYTES,
     ) -> None:
-        self.admission = (
-            admission  # grant prompt groups to peers that offer "admission" (``admit``)
-        )
-        self.host = (
-            host  # this machine's key (``common.hostkey``): peers with the same may get files
-        )
+        # Grant prompt groups to peers that offer "admission" (``admit``).
+        self.admission = admission
         self.tokenizer, self.peer_id = tokenizer, peer_id
         self.capacity, self.max_credits_per_peer = capacity, max_credits_per_peer
         self.limits = limits or codec.CodecLimits()
-        self.heartbeat_interval_s, self.heartbeat_timeout_s = (
-            heartbeat_interval_s,
-            heartbeat_timeout_s,
-        )
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.dedup_window, self.version = dedup_window, version
         self.session_id = uuid.uuid4().hex
-        self.policy_version = 0
         self.buffered = 0  # batches handed to the application and not yet consumed
-        self.peers: dict[bytes, _Peer] = {}
-        self._streams: dict[tuple[str, str], _Stream] = {}
-        self._seen = RecentIds(dedup_window)
-        self._weights: list[Frames] = []  # frames of the latest published version, for joiners
-        self._publication: _Publication | None = None
-        self.relays = RelayTier()  # weight relays (1.4, ``protocol.relay``)
+        self.peers: dict[bytes, Peer] = {}
+        self._senders = Senders(dedup_window)
+        self._seen = self._senders.seen
         self._out: list[tuple[bytes, Frames]] = []
+        self.routing = WeightRouting(
+            self.peers, host=host, send=self._send, relay_welcome=self._relay_welcome
+        )
+        self.relays = self.routing.relays  # weight relays (1.4, ``protocol.relay``)
         self.hold_batches = hold_batches
         self._held: _Held | None = None
-        self._dropped: dict[tuple[str, str], int] = {}  # (peer_id, epoch) -> its dropped_tokens
-        self.stats = {
-            "batches": 0,
-            "duplicate_batches": 0,
-            "duplicate_trajectories": 0,
-            "errors_sent": 0,
-            "refused_batches": 0,
-        }
-        # Per-message budgets (``message_budget``): only a TRAJECTORY_BATCH is big, and only a peer
-        # in session holding a credit may send one.
+        self.stats = dict.fromkeys(STATS, 0)
         self.small_message_bytes = small_message_bytes
-        self._budgets = (
-            MessageBudget(
-                small_message_bytes,
-                2,
-                "before HELLO",
-                ErrorCode.HELLO_REQUIRED,
-                ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),),
-            ),
-            MessageBudget(
-                small_message_bytes,
-                2,
-                "a peer without a credit",
-                ErrorCode.TOO_LARGE,
-                ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),),
-            ),
-            MessageBudget(self.limits.max_message_bytes, _BATCH_FRAMES, "max_message_bytes"),
-        )
+        self._budgets = _budgets(small_message_bytes, self.limits.max_message_bytes)
 
     # -- application API -------------------------------------------------------------------------
     @property
@@ -327,7 +302,7 @@ class LearnerProtocol:
     def dropped_tokens(self) -> int:
         """Response tokens the peers reported generating and dropping themselves, over all sender
         epochs seen (peers that left included)."""
-        return sum(self._dropped.values())
+        return sum(self._senders.dropped.values())
 
     def request_validation(
         self, request_id: str, policy_version: int, *, timeout_s: float = 0.0
@@ -336,18 +311,23 @@ class LearnerProtocol:
         returns the names of the peers asked. Their answers come as ``ValidationReceived``, or as
         ``ValidationAbandoned`` for a peer that leaves first."""
         frames = codec.encode(ValidateRequest(request_id, policy_version, timeout_s))
-        asked = []
-        for p in self.peers.values():
-            if p.validates and request_id not in p.validations:
-                p.validations.add(request_id)
-                self._out.append((p.identity, frames))
-                asked.append(p.name)
-        return asked
+        asked = [p for p in self.peers.values() if p.ask(request_id)]
+        self._out += [(p.identity, frames) for p in asked]
+        return [p.name for p in asked]
 
     def batch_consumed(self, n: int = 1) -> None:
         """The application finished with ``n`` batches: their room becomes credits again."""
         self.buffered = max(0, self.buffered - n)
         self._grant()
+
+    @property
+    def policy_version(self) -> int:
+        """The latest version published (or restored)."""
+        return self.routing.version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.routing.version = version
 
     def publish_weights(
         self,
@@ -361,26 +341,9 @@ class LearnerProtocol:
 
         With ``file`` (a safetensors file holding exactly ``tensors``, e.g. memory-mapped from it),
         peers on this machine that offer "weights_file" get only a manifest naming the file; the
-        chunks (and their checksums) are made only once some other peer needs them."""
-        self.policy_version = version
-        self._weights = []
-        self._publication = _Publication(version, tensors, chunk_bytes, file)
-        specs = [
-            TensorSpec(t.name, t.dtype, list(t.shape), memoryview(t.data).nbytes, 0)
-            for t in tensors
-        ]
-        self.relays.published(version, specs)
-        if file:
-            announce = WeightsAnnounce(version, uuid.uuid4().hex, specs, 0, file=file)
-            self._publication.file_frames, self._publication.file_transfer_id = (
-                codec.encode(announce),
-                announce.transfer_id,
-            )
-        else:
-            self._chunk_frames()
-        for p in self.peers.values():
-            if p.hello is not None:
-                self._send_weights(p)
+        chunks (and their checksums) are made only once some other peer needs them. Which peer gets
+        what is ``protocol.weight_routing``'s."""
+        self.routing.publish(version, tensors, chunk_bytes, file)
 
     @property
     def held_batch(self) -> BatchReceived | None:
@@ -394,8 +357,7 @@ class LearnerProtocol:
         is the learner's all the same (the sender's resend will be a duplicate)."""
         held = self._take_held()
         ev = held.event
-        self._streams.setdefault((ev.peer_id, ev.epoch), _Stream()).add(ev.seq)
-        self._seen.add_new(held.ids)
+        self._senders.record(ev.peer_id, ev.epoch, ev.seq, held.ids)
         self.stats["batches"] += 1
         self.stats["duplicate_trajectories"] += ev.duplicate_trajectories
         if (peer := self.peers.get(held.identity)) is not None:
@@ -423,30 +385,18 @@ class LearnerProtocol:
 
     def export_state(self) -> dict[str, Any]:
         """The dedup state and policy version as plain msgpack/JSON types, for a checkpoint."""
-        return {
-            "streams": [
-                [pid, epoch, s.next_seq, sorted(s.above)]
-                for (pid, epoch), s in self._streams.items()
-            ],
-            "recent_ids": self._seen.export(),
-            "policy_version": self.policy_version,
-        }
+        return {**self._senders.export(), "policy_version": self.policy_version}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Take over ``export_state``'s output (of an earlier lifetime): reconnecting senders are told
         the right ``next_seq`` and their resends are recognised as duplicates."""
-        self._streams = {
-            (pid, epoch): _Stream(next_seq, set(above))
-            for pid, epoch, next_seq, above in state["streams"]
-        }
-        self._seen.restore(state["recent_ids"])
+        self._senders.restore(state)
         self.policy_version = int(state["policy_version"])
 
     def replay_batch(self, peer_id: str, epoch: str, seq: int, trajectory_ids: list[str]) -> None:
         """A batch stored in an earlier lifetime (a journal) is back in the application's buffer:
         record it as received (idempotent) and count its room until ``batch_consumed``."""
-        self._streams.setdefault((peer_id, epoch), _Stream()).add(seq)
-        self._seen.add_new(trajectory_ids)
+        self._senders.record(peer_id, epoch, seq, trajectory_ids)
         self.buffered += 1
 
     def close(self, reason: str = "learner shutting down") -> None:
@@ -486,13 +436,11 @@ class LearnerProtocol:
 
     def tick(self, now: float) -> list[Event]:
         events: list[Event] = []
-        for ident, p in list(self.peers.items()):
+        for p in list(self.peers.values()):
             if now - p.last_recv >= self.heartbeat_timeout_s:
-                del self.peers[ident]
-                self._relay_left(p)
+                abandoned = self._drop(p, "timed out")
                 if p.hello is not None:
-                    events.append(PeerTimedOut(p.name))
-                    events += _abandoned(p, "timed out")
+                    events += [PeerTimedOut(p.name), *abandoned]
         if events:
             self._grant()
         return events
@@ -527,128 +475,58 @@ class LearnerProtocol:
             return [ProtocolViolation(peer.name if peer else identity.hex(), e)]
 
     # -- internals -------------------------------------------------------------------------------
-    def _dispatch(self, peer: _Peer, msg: object) -> list[Event]:
+    def _dispatch(self, peer: Peer, msg: object) -> list[Event]:
         match msg:
             case TrajectoryBatch():
                 return self._on_batch(peer, msg)
             case Heartbeat():
-                if msg.dropped_tokens and peer.hello is not None:
-                    key = (peer.hello.peer_id, peer.hello.epoch)
-                    self._dropped[key] = max(self._dropped.get(key, 0), msg.dropped_tokens)
+                if peer.hello is not None:
+                    self._senders.heard(peer.hello, msg)
                 return []
             case WeightsApplied():
-                if msg.ok:
-                    peer.policy_version = msg.version
-                    if msg.file and (
-                        host := self.relays.completed(peer.identity, msg.version, msg.file)
-                    ):
-                        self._relay_file_ready(host)
-                elif msg.transfer_id in self.relays.transfer_ids:
-                    # The relay's file could not be used. A file older than the host's newest may
-                    # just be gone (a relay keeps its newest few; a "drain" server loads late): the
-                    # newer one is handed already. Otherwise chunks from now on.
-                    newest = self.relays.newest_file(peer.hello.host if peer.hello else "")
-                    if (
-                        newest is None
-                        or self.relays.transfer_ids[msg.transfer_id] >= newest.version
-                    ):
-                        peer.refused_file = True
-                        self._send_weights(peer)
-                elif (
-                    pub := self._publication
-                ) is not None and msg.transfer_id == pub.file_transfer_id:
-                    # The peer could not use the file (another /dev/shm, say): chunks from now on.
-                    peer.refused_file = True
-                    self._send_weights(peer)
+                self.routing.applied(peer, msg)
                 return [PeerWeightsApplied(peer.name, msg)]
             case Error():
                 return [PeerError(peer.name, msg)]
             case ValidateResult():
-                if msg.request_id not in peer.validations:
-                    raise ProtocolError(
-                        ErrorCode.UNEXPECTED,
-                        f"VALIDATE_RESULT for request {msg.request_id!r}, "
-                        "which this peer was not asked or has answered already",
-                    )
-                peer.validations.discard(msg.request_id)
+                peer.answered(msg.request_id)
                 return [ValidationReceived(peer.name, msg)]
             case Bye():
-                del self.peers[peer.identity]
-                self._relay_left(peer)
+                abandoned = self._drop(peer, "closed")
                 self._grant()
-                return [PeerClosed(peer.name, msg.reason), *_abandoned(peer, "closed")]
+                return [PeerClosed(peer.name, msg.reason), *abandoned]
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a learner")
 
     def _on_hello(self, identity: bytes, msg: Hello, now: float) -> list[Event]:
-        theirs = ProtocolVersion(*msg.protocol_version)
-        if not self.version.compatible_with(theirs):
-            raise ProtocolError(
-                ErrorCode.VERSION_MISMATCH,
-                f"peer {msg.peer_id} speaks protocol {theirs}, this learner speaks {self.version}; "
-                "major versions must match",
-            )
-        if msg.role != "rollout-server":
-            raise ProtocolError(
-                ErrorCode.INVALID_FIELD,
-                f"role must be 'rollout-server', got {msg.role!r}",
-                field="HELLO.role",
-            )
-        if (
-            self.tokenizer.sha256
-            and msg.tokenizer.sha256 != self.tokenizer.sha256
-            and not RelayTier.is_relay(msg)  # a relay never tokenizes: it forwards bytes
-        ):
-            raise ProtocolError(
-                ErrorCode.INCOMPATIBLE_MODEL,
-                f"peer {msg.peer_id} uses tokenizer {msg.tokenizer.name} ({msg.tokenizer.sha256[:12]}), "
-                f"the learner {self.tokenizer.name} ({self.tokenizer.sha256[:12]})",
-                field="HELLO.tokenizer",
-            )
+        _check_hello(msg, self.version, self.tokenizer)
         replaced: list[Event] = []
         for ident, p in list(self.peers.items()):  # same server, new socket: forget the old one
             if p.hello is not None and (p.hello.peer_id == msg.peer_id or ident == identity):
-                del self.peers[ident]
-                self._relay_left(p)
-                replaced += _abandoned(p, "replaced by a new session")
-        peer = self.peers[identity] = _Peer(identity, msg, 0, now, now, msg.policy_version)
-        stream = self._streams.setdefault((msg.peer_id, msg.epoch), _Stream())
+                replaced += self._drop(p, "replaced by a new session")
+        peer = self.peers[identity] = Peer(identity, msg, 0, now, now, msg.policy_version)
+        stream = self._senders.stream(msg.peer_id, msg.epoch)
         relay = RelayTier.is_relay(msg)
         credits = 0 if relay else self._take_room(self.max_credits_per_peer)
         peer.credits = credits
-        welcome = Welcome(
-            protocol_version=list(self.version),
-            peer_id=self.peer_id,
-            session_id=self.session_id,
-            credits=credits,
-            policy_version=self.policy_version,
-            next_seq=stream.next_seq,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            limits=Limits(
-                self.limits.max_message_bytes,
-                self.limits.max_trajectories_per_batch,
-                self.limits.max_tokens_per_trajectory,
-            ),
-            capabilities=[ADMISSION_CAPABILITY] if self.admission and peer.admits else [],
-        )
         if relay:  # a weight relay: no credits, a place in the chain (SPEC §"Weight relays")
-            self._reroute(self.relays.join(identity, msg))
+            self.routing.relay_joined(identity, msg)
             return [*replaced, PeerJoined(msg.peer_id, msg)]
-        self._out.append((identity, codec.encode(welcome)))
-        if self._publication and (
+        caps = [ADMISSION_CAPABILITY] if self.admission and peer.admits else []
+        self._send(identity, codec.encode(self._welcome(credits, stream.next_seq, caps)))
+        if self.routing.published and (
             msg.policy_version < 0 or msg.policy_version < self.policy_version
         ):
-            self._send_weights(peer)
+            self.routing.send_to(peer)
         return [*replaced, PeerJoined(msg.peer_id, msg)]
 
-    def _on_batch(self, peer: _Peer, msg: TrajectoryBatch) -> list[Event]:
+    def _on_batch(self, peer: Peer, msg: TrajectoryBatch) -> list[Event]:
         assert peer.hello is not None
         if peer.credits <= 0:
             e = ProtocolError(ErrorCode.CREDIT_EXCEEDED, f"batch {msg.seq} sent without a credit")
             e.ref_type, e.ref_seq = 3, msg.seq
             raise e
         peer.credits -= 1
-        stream = self._streams[(peer.hello.peer_id, peer.hello.epoch)]
+        stream = self._senders.stream(peer.hello.peer_id, peer.hello.epoch)
         if msg.seq in stream:
             self.stats["duplicate_batches"] += 1
             peer.credits += 1  # a duplicate occupies no room: give its credit straight back
@@ -657,7 +535,7 @@ class LearnerProtocol:
             )
             return []
         batch = as_columns(msg.trajectories)
-        keep = self._seen.unseen(batch.ids)
+        keep = self._senders.seen.unseen(batch.ids)
         dups = 0 if keep is None else len(batch) - len(keep)
         # The common case (nothing seen before) hands the columns on untouched.
         fresh: Sequence[Trajectory] = batch if keep is None else [batch[i] for i in keep]
@@ -668,9 +546,8 @@ class LearnerProtocol:
             peer.credits += 1
             self._out.append((peer.identity, codec.encode(Ack([msg.seq], 1 + self._top_up(peer)))))
             return []
-        self.buffered += (
-            1  # its credit's room is buffered now, also while held (never granted twice)
-        )
+        # Its credit's room is buffered now, also while held (never granted twice).
+        self.buffered += 1
         self._held = _Held(
             peer.identity,
             batch.ids,
@@ -694,7 +571,7 @@ class LearnerProtocol:
     def _take_room(self, want: int) -> int:
         return max(0, min(want, self.free_room))
 
-    def _top_up(self, peer: _Peer) -> int:
+    def _top_up(self, peer: Peer) -> int:
         """Grant ``peer`` credits from free room up to its cap; returns the number granted."""
         if peer.identity in self.relays.relays:
             return 0  # a weight relay sends no batches
@@ -711,124 +588,94 @@ class LearnerProtocol:
             if n:
                 self._out.append((p.identity, codec.encode(Ack([], n))))
 
-    def _send_weights(self, peer: _Peer) -> None:
-        pub = self._publication
-        if pub is None:
-            return
-        if peer.identity in self.relays.relays:  # only the head of the chain gets them from here
-            if self.relays.fed_by_learner(peer.identity):
-                self._out.extend((peer.identity, frames) for frames in self._chunk_frames())
-            return
-        if pub.file_frames is not None and self._takes_files(peer):
-            self._out.append((peer.identity, pub.file_frames))
-            return
-        if self._takes_relay_files(peer):
-            assert peer.hello is not None
-            frames = self.relays.file_announce(peer.identity, peer.hello.host, peer.policy_version)
-            if frames is not None:
-                self._out.append((peer.identity, frames))
-            return  # the rest comes when its host's relay has verified it (``_relay_file_ready``)
-        self._out.extend((peer.identity, frames) for frames in self._chunk_frames())
-
-    # -- weight relays (1.4) ---------------------------------------------------------------------
-    def _takes_relay_files(self, peer: _Peer) -> bool:
-        h = peer.hello
-        return (
-            h is not None
-            and not peer.refused_file
-            and WEIGHTS_FILE_CAPABILITY in h.capabilities
-            and self.relays.serves(h.host)
+    def _welcome(
+        self, credits: int, next_seq: int, capabilities: list[str], relay_upstream: str = ""
+    ) -> Welcome:
+        return Welcome(
+            protocol_version=list(self.version),
+            peer_id=self.peer_id,
+            session_id=self.session_id,
+            credits=credits,
+            policy_version=self.policy_version,
+            next_seq=next_seq,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            limits=Limits(
+                self.limits.max_message_bytes,
+                self.limits.max_trajectories_per_batch,
+                self.limits.max_tokens_per_trajectory,
+            ),
+            capabilities=capabilities,
+            relay_upstream=relay_upstream,
         )
 
-    def _relay_file_ready(self, host: str) -> None:
-        """A relay of ``host`` verified a newer version: hand its file to the servers there."""
-        for p in self.peers.values():
-            if p.hello is not None and p.hello.host == host and self._takes_relay_files(p):
-                if (
-                    frames := self.relays.file_announce(p.identity, host, p.policy_version)
-                ) is not None:
-                    self._out.append((p.identity, frames))
+    def _relay_welcome(self, upstream: str) -> Welcome:
+        """A weight relay's WELCOME: no credits, its place in the chain (``relay_upstream``)."""
+        return self._welcome(0, 1, [WEIGHT_RELAY_CAPABILITY], upstream)
 
-    def _reroute(self, routes: list[tuple[bytes, str]]) -> None:
-        """WELCOME (again) to every relay whose upstream changed, naming it in ``relay_upstream``;
-        one now fed by the learner gets the current version from here if it lacks it."""
-        for ident, upstream in routes:
-            p = self.peers.get(ident)
-            if p is None or p.hello is None:
-                continue
-            welcome = Welcome(
-                protocol_version=list(self.version),
-                peer_id=self.peer_id,
-                session_id=self.session_id,
-                credits=0,
-                policy_version=self.policy_version,
-                next_seq=1,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                heartbeat_timeout_s=self.heartbeat_timeout_s,
-                limits=Limits(
-                    self.limits.max_message_bytes,
-                    self.limits.max_trajectories_per_batch,
-                    self.limits.max_tokens_per_trajectory,
-                ),
-                capabilities=[WEIGHT_RELAY_CAPABILITY],
-                relay_upstream=upstream,
-            )
-            self._out.append((ident, codec.encode(welcome)))
-            if upstream == "" and p.policy_version < self.policy_version:
-                self._send_weights(p)
+    def _send(self, identity: bytes, frames: Frames) -> None:
+        self._out.append((identity, frames))
 
-    def _relay_left(self, peer: _Peer) -> None:
-        """``peer`` is gone: as a relay, the chain closes over it, and the servers of a host left
-        without a relay get what they miss as chunks; as a server, its hand-over record goes."""
-        self.relays.forget(peer.identity)
-        if peer.identity not in self.relays.relays:
-            return
-        host = self.relays.relays[peer.identity].host
-        self._reroute(self.relays.leave(peer.identity))
-        if not self.relays.serves(host):
-            for p in self.peers.values():
-                if (
-                    p.hello is not None
-                    and p.hello.host == host
-                    and p.identity not in self.relays.relays
-                    and p.policy_version < self.policy_version
-                ):
-                    self._send_weights(p)
-
-    def file_peers_oldest_version(self) -> int | None:
-        """The lowest weights version applied by a connected peer that takes weight files (None:
-        no such peer): files of older versions will not be read again."""
-        versions = [p.policy_version for p in self.peers.values() if self._takes_files(p)]
-        return min(versions) if versions else None
-
-    @property
-    def chunks_planned(self) -> bool:
-        """Chunks of the current publication were planned (some peer needed them)."""
-        return bool(self._weights)
-
-    def _takes_files(self, peer: _Peer) -> bool:
-        h = peer.hello
-        return (
-            h is not None
-            and not peer.refused_file
-            and bool(self.host)
-            and h.host == self.host
-            and WEIGHTS_FILE_CAPABILITY in h.capabilities
-        )
-
-    def _chunk_frames(self) -> list[Frames]:
-        """The chunked transfer of the current publication, planned on first use."""
-        pub = self._publication
-        if pub is not None and not self._weights:
-            announce, chunks = plan_transfer(pub.version, pub.tensors, chunk_bytes=pub.chunk_bytes)
-            self._weights = [codec.encode(announce), *(codec.encode(c) for c in chunks)]
-        return self._weights
+    def _drop(self, peer: Peer, reason: str) -> list[ValidationAbandoned]:
+        """``peer``'s session is over (``reason``): forgotten, and off the weight routes."""
+        del self.peers[peer.identity]
+        self.routing.left(peer)
+        return peer.abandoned(reason)
 
     def error_for(self, identity: bytes, code: ErrorCode, message: str) -> None:
         """Queue an ERROR to a peer (used by drivers for transport-level problems)."""
         self._out.append((identity, codec.encode(Error(int(code), message, code.fatal))))
 
 
-def _abandoned(peer: _Peer, reason: str) -> list[Event]:
-    """One ``ValidationAbandoned`` per request ``peer`` leaves unanswered."""
-    return [ValidationAbandoned(peer.name, rid, reason) for rid in sorted(peer.validations)]
+def _check_hello(msg: Hello, ours: ProtocolVersion, tokenizer: Identity) -> None:
+    """A HELLO this learner cannot serve: another major version, role or tokenizer (a relay never
+    tokenizes: it forwards bytes)."""
+    theirs = ProtocolVersion(*msg.protocol_version)
+    if not ours.compatible_with(theirs):
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"peer {msg.peer_id} speaks protocol {theirs}, this learner speaks {ours}; "
+            "major versions must match",
+        )
+    if msg.role != "rollout-server":
+        raise ProtocolError(
+            ErrorCode.INVALID_FIELD,
+            f"role must be 'rollout-server', got {msg.role!r}",
+            field="HELLO.role",
+        )
+    if (
+        tokenizer.sha256
+        and msg.tokenizer.sha256 != tokenizer.sha256
+        and not RelayTier.is_relay(msg)  # a relay never tokenizes: it forwards bytes
+    ):
+        raise ProtocolError(
+            ErrorCode.INCOMPATIBLE_MODEL,
+            f"peer {msg.peer_id} uses tokenizer {msg.tokenizer.name} ({msg.tokenizer.sha256[:12]}), "
+            f"the learner {tokenizer.name} ({tokenizer.sha256[:12]})",
+            field="HELLO.tokenizer",
+        )
+
+
+def _budgets(
+    small: int, max_message_bytes: int
+) -> tuple[MessageBudget, MessageBudget, MessageBudget]:
+    """Per-message budgets (``LearnerProtocol.message_budget``): before HELLO, in session without a
+    credit, in session with one. Only a TRAJECTORY_BATCH is big, and only a peer in session holding
+    a credit may send one."""
+    return (
+        MessageBudget(
+            small,
+            2,
+            "before HELLO",
+            ErrorCode.HELLO_REQUIRED,
+            ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),),
+        ),
+        MessageBudget(
+            small,
+            2,
+            "a peer without a credit",
+            ErrorCode.TOO_LARGE,
+            ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),),
+        ),
+        MessageBudget(max_message_bytes, _BATCH_FRAMES, "max_message_bytes"),
+    )

@@ -23,7 +23,7 @@ File hand-over (1.2, capability "weights_file"): to a rollout server on its own 
 sends only the manifest, naming a safetensors file (on /dev/shm) that holds exactly those tensors;
 no chunks follow and the assembler returns the file path at once. With ``file_roots`` set, the path
 must resolve (symlinks followed) to a regular file inside ``<root>/agentrl-weights-*/`` of one of
-them, as the learner's ``learner.weights_files`` lays them out, and be big enough for the manifest;
+them, as ``protocol.slot_files`` lays them out, and be big enough for the manifest;
 the resolved path is what the application gets. It checks the file's header against its model before loading it. This is
 the only part that touches the file system (a ``stat``), and only when ``file_roots`` is given.
 """
@@ -41,6 +41,7 @@ import xxhash
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ChunkPart, MsgType, TensorSpec, WeightsAnnounce, WeightsChunk
+from protocol.slot_files import PREFIX as SLOT_DIR_PREFIX
 
 DTYPE_SIZES = {
     "float64": 8,
@@ -59,8 +60,6 @@ DTYPE_SIZES = {
 FLOAT_DTYPES = frozenset(
     {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 )
-# The learner's slot files lie in <weights_file_dir>/agentrl-weights-<pid>-<id>/ (learner.weights_files).
-WEIGHTS_DIR_PREFIX = "agentrl-weights-"
 DEFAULT_TIMEOUT_S = 60.0  # rollout_server.weights_timeout_s
 DEFAULT_MIN_BYTES_PER_S = 5e6  # rollout_server.weights_min_mb_per_s
 MAX_PROBLEMS = 5  # listed in one refusal; the count says how many there were
@@ -217,14 +216,13 @@ def check_weights_file(path: str, roots: Sequence[str], needed_bytes: int) -> st
             rel != os.curdir
             and parts[0] != os.pardir
             and len(parts) >= 2
-            and parts[0].startswith(WEIGHTS_DIR_PREFIX)
+            and parts[0].startswith(SLOT_DIR_PREFIX)
         ):
             inside = True
             break
     if not inside:
         dirs = (
-            ", ".join(os.path.join(r, WEIGHTS_DIR_PREFIX + "*") for r in roots)
-            or "(none configured)"
+            ", ".join(os.path.join(r, SLOT_DIR_PREFIX + "*") for r in roots) or "(none configured)"
         )
         raise ProtocolError(
             ErrorCode.INVALID_FIELD,

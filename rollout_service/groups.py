@@ -1,9 +1,9 @@
-"""A prompt group: rollout.n episodes of one prompt, run concurrently, scored, and checked for
-staleness; the unit a rollout server ships (GRPO needs the whole group in one batch).
+"""A prompt group: rollout.n episodes of one prompt, run concurrently and scored; the unit a
+rollout server ships (GRPO needs the whole group in one batch). The server checks its staleness
+(``protocol.staleness``).
 
-Design: this module knows agents, rewards and the staleness rule, and nothing about sockets or
-data files, so the server composes it with the data source and the shipper, and tests drive it
-with a scripted engine. Reward functions are chosen per row (its ``reward_fn``), else per data
+Design: this module knows agents and rewards, and nothing about sockets or data files, so the
+server composes it with the data source and the shipper, and tests drive it with a scripted engine. Reward functions are chosen per row (its ``reward_fn``), else per data
 source (the config's table, else verl's: ``rewards.data_sources``), else the default; a reward
 function that raises scores the episode 0 with the error in its extras instead of losing the group.
 """
@@ -149,13 +149,3 @@ async def run_group(
     for t in flat if remax else []:
         t.reward_extras[REMAX_BASELINE] = baseline[0]
     return GroupResult(flat, episodes)
-
-
-def stale(trajectories: list[Trajectory], newest_version: int, max_staleness: int) -> bool:
-    """True if any trajectory's oldest sampled token is more than ``max_staleness`` versions behind
-    ``newest_version`` (the group is then dropped whole: GRPO needs it complete)."""
-    for t in trajectories:
-        sampled = t.versions[t.response_mask == 1]
-        if len(sampled) and newest_version - int(sampled.min()) > max_staleness:
-            return True
-    return False

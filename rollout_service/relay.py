@@ -14,7 +14,7 @@ Slot files live in ``<dir>/agentrl-weights-<pid>-<id>/v<version>-<transfer>/mode
 (the layout rollout servers accept, ``protocol.weights.check_weights_file``). The newest ``keep``
 verified versions stay; an older one is unlinked (a server that has it mapped keeps its pages).
 Everything is removed on exit; a relay killed outright leaves a directory that the next relay or
-learner on the host removes (``learner.weights_files.remove_stale``).
+learner on the host removes (``protocol.slot_files.remove_stale``).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import anyio
 from anyio.abc import TaskStatus
 
 from common.safetensors_buffers import header_bytes
-from learner.weights_files import FILE_NAME, PREFIX, remove_stale
 from protocol import codec
 from protocol.messages import Bye, Identity, WeightsAnnounce
 from protocol.relay import Completed, Frames, LearnerLost, RelayEvent, RelayNode, Routed
+from protocol.slot_files import FILE_NAME, make_root, remove_stale
 from protocol.weights import DTYPE_SIZES, WeightAssembler
 from protocol.zmq_transport import CurveClientKeys, ZmqClientChannel, ZmqServerChannel
 
@@ -61,8 +61,7 @@ class SlotFiles:
 
     def __init__(self, parent: str | Path, *, keep: int = 2) -> None:
         remove_stale(parent)
-        self.root = Path(parent) / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.root.mkdir(parents=True)
+        self.root = make_root(parent)
         atexit.register(self.close)
         self.keep = keep
         self._slots: dict[str, _Slot] = {}  # transfer id -> slot

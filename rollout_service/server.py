@@ -75,12 +75,13 @@ from protocol.messages import (
     ValidateRequest,
     ValidateResult,
 )
+from protocol.staleness import group_too_old, weights_too_old
 from protocol.weights import ReceivedWeights, WeightAssembler
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
-from rollout_service.groups import RewardChoice, run_group, stale
+from rollout_service.groups import RewardChoice, run_group
 from rollout_service.metrics import CountingEngine, RolloutStats
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
@@ -519,7 +520,7 @@ class RolloutServer:
         server, rollout = self.config.rollout_server, self.config.actor_rollout_ref.rollout
         if self._drain_waiting or not self._connected:
             return False
-        if self.newest_version - self.engine.policy_version > rollout.max_staleness:
+        if weights_too_old(self.newest_version, self.engine.policy_version, rollout.max_staleness):
             return False
         if self._granted is not None and self._grant() is None:
             return False
@@ -602,7 +603,7 @@ class RolloutServer:
                 actions=ep.action_counts(),
                 data_source=ep.data_source,
             )
-        if stale(result.trajectories, self.newest_version, rollout.max_staleness):
+        if group_too_old(result.trajectories, self.newest_version, rollout.max_staleness):
             self.stats.staleness_dropped(
                 len(result.trajectories),
                 sum(int(np.count_nonzero(t.response_mask)) for t in result.trajectories),

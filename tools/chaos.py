@@ -36,8 +36,8 @@ import yaml
 
 from learner import trained_log
 from learner.trained_log import TRAINED_IDS
-from learner.weights_files import _NAME as WEIGHTS_DIR_NAME
-from learner.weights_files import PREFIX
+from protocol.slot_files import NAME as WEIGHTS_DIR_NAME
+from protocol.slot_files import PREFIX
 from rollout_service.recording import BatchFileError, read_recording
 
 REPO = Path(__file__).resolve().parent.parent

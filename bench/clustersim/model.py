@@ -4,11 +4,12 @@ policy code.
 The policy objects are the real ones, used unchanged:
 - the learner's grants, the EDF take, the feasibility wait and the stale drops come from
   ``learner.admission.Admission`` and ``learner.buffer.GroupBuffer``, fed real ``Trajectory``
-  objects with per-token versions. The glue between them repeats ``learner.intake``'s few lines
-  (``_admit``, ``_can_take``, ``_received``), because the intake itself owns sockets and a journal;
+  objects with per-token versions. The glue between them repeats the few lines of ``learner.intake``
+  and ``learner.granting`` (``admit``, ``_can_take``, ``received``), because those parts are fed by
+  the learner link's socket and a journal;
 - a server starts a group only when ``RolloutServer._may_admit`` says so. ``RolloutServer._grant``
   picks the grant. Both are the server's own functions, bound to ``SimServer`` here;
-- a finished group is dropped at the server when ``rollout_service.groups.stale`` says so.
+- a finished group is dropped at the server when ``protocol.staleness.group_too_old`` says so.
 
 Everything else is a cost model:
 - an engine decodes its running sequences in lock-step: one step of ``c`` sequences takes
@@ -36,8 +37,8 @@ import numpy as np
 from bench.clustersim.costs import GenCosts, LearnerCosts, Lengths, WeightCosts
 from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer
+from protocol.staleness import group_too_old
 from protocol.trajectory import Trajectory
-from rollout_service.groups import stale
 from rollout_service.server import RolloutServer
 
 
@@ -259,7 +260,7 @@ class SimServer:
         wave.last_in = self.sim.clock.now
         wave.groups += 1
         wave.longest_tokens = max(wave.longest_tokens, *(sum(ep.turn_tokens) for ep in episodes))
-        if stale(trajs, self.newest_version, s.max_staleness):
+        if group_too_old(trajs, self.newest_version, s.max_staleness):
             self.sim.server_dropped += sum(int(np.count_nonzero(t.response_mask)) for t in trajs)
         else:
             self.sim.learner.received(self.peer, trajs)
@@ -292,7 +293,7 @@ class Learner:
         self.dropped_tokens = 0
         self._scanned = -1  # the version at which the queue was last scanned for stale groups
 
-    # -- the intake's glue (learner/intake.py: _admit, _received, _can_take, _drop_stale) --------
+    # -- the intake's glue (learner/intake.py, learner/granting.py) ------------------------------
     def admit(self) -> None:
         if self.admission is None:
             return
@@ -331,11 +332,7 @@ class Learner:
         if self.admission is None:
             return True
         k = self.sim.setup.max_staleness
-        left = [
-            g.oldest_version + k
-            for g in self.buffer.by_deadline()[n_groups:]
-            if g.oldest_version is not None
-        ]
+        left = [d for g in self.buffer.by_deadline()[n_groups:] if (d := g.deadline(k)) is not None]
         return self.admission.can_take(left, self.version)
 
     # -- the step ------------------------------------------------------------------------------

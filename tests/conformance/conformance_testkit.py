@@ -41,7 +41,8 @@ from protocol.messages import (
     ValidateRequest,
     ValidateResult,
 )
-from protocol.receiver import LearnerProtocol, _Peer
+from protocol.peers import Peer
+from protocol.receiver import LearnerProtocol
 from protocol.reference import (
     REFERENCE_MODEL,
     REFERENCE_TOKENIZER,
@@ -62,7 +63,7 @@ SMALL_LIMITS = CodecLimits(max_message_bytes=1 << 20, max_trajectories_per_batch
 class NeverAcks(LearnerProtocol):
     """Takes batches and never answers them."""
 
-    def _on_batch(self, peer: _Peer, msg: object) -> list:
+    def _on_batch(self, peer: Peer, msg: object) -> list:
         return []
 
 
@@ -78,7 +79,7 @@ class AcceptsAnyMajor(LearnerProtocol):
 class IgnoresCredits(LearnerProtocol):
     """Accepts batches whether or not it granted a credit for them."""
 
-    def _on_batch(self, peer: _Peer, msg: object) -> list:
+    def _on_batch(self, peer: Peer, msg: object) -> list:
         peer.credits = max(peer.credits, 1)
         return super()._on_batch(peer, msg)
 
@@ -100,7 +101,7 @@ class AsksEveryone(LearnerProtocol):
 class IgnoresStrayResults(LearnerProtocol):
     """Drops a VALIDATE_RESULT nobody asked for without a word."""
 
-    def _dispatch(self, peer: _Peer, msg: object) -> list:
+    def _dispatch(self, peer: Peer, msg: object) -> list:
         if isinstance(msg, ValidateResult) and msg.request_id not in peer.validations:
             return []
         return super()._dispatch(peer, msg)

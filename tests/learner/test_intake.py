@@ -1,7 +1,7 @@
 """The durable intake against real rollout senders: ZeroMQ on loopback, the protocol's RolloutClient.
 
 Covers the protocol's held-batch mode sans-IO first (no ACK before the batch is stored, refusal,
-dedup state export), then ``Intake`` end to end: groups to the trainer, credits bounded by the
+dedup state export), then ``LearnerLink`` end to end: groups to the trainer, credits bounded by the
 buffer, deduplication, staleness drops, the ACK-after-persist order, a failing disk, and a learner
 that dies without closing and is restarted from a checkpointed state. asyncio only (zmq.asyncio).
 """
@@ -25,7 +25,8 @@ import pytest
 
 from common.config import load_config
 from common.identity import wire_identities
-from learner.intake import Intake, IntakeClosed, IntakeStarved
+from learner.intake import IntakeClosed, IntakeStarved
+from learner.link import LearnerLink
 from protocol import codec
 from protocol.driver import RolloutClient
 from protocol.errors import ErrorCode
@@ -173,13 +174,13 @@ async def sending(address: str, model: Path, **kw: Any) -> AsyncIterator[Sender]
 
 
 @asynccontextmanager
-async def serving(intake: Intake) -> AsyncIterator[str]:
+async def serving(link: LearnerLink) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
-        address = await tg.start(intake.run)
+        address = await tg.start(link.run)
         try:
             yield address
         finally:
-            intake.close()  # run() returns once the BYEs are out
+            link.close()  # run() returns once the BYEs are out
 
 
 # -- the protocol's held-batch mode, sans-IO --------------------------------------------------------
@@ -371,17 +372,17 @@ async def test_driver_acknowledges_only_stored_batches(in_thread: bool) -> None:
 async def test_groups_flow_to_the_trainer_whole_and_in_order(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link = LearnerLink(make_config(tiny_model), tmp_path)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         b1, b2 = make_batch("a", (3, 1)), make_batch("b", (2,))
         for b in (b1, b2):
             await s.client.submit(b)
-        taken = await intake.next_batch(3, policy_version=0, max_staleness=0)
+        taken = await link.intake.next_batch(3, policy_version=0, max_staleness=0)
         assert taken.group_uids == ["a-g0", "a-g1", "b-g0"] and taken.group_sizes == [3, 1, 2]
         assert ids(taken.trajectories) == ids(b1) + ids(b2)
         assert taken.staleness == [0, 0, 0] and taken.dropped_stale == 0 and taken.wait_s >= 0
         assert np.array_equal(taken.trajectories[0].response_ids, b1[0].response_ids)
-        st = intake.stats
+        st = link.stats
         assert (st["peers"], st["batches"], st["trajectories"], st["in_flight_groups"]) == (
             1,
             2,
@@ -392,51 +393,49 @@ async def test_groups_flow_to_the_trainer_whole_and_in_order(
             st["tokens"] == 6 * (5 + 6) and st["persisted_bytes"] > 0 and st["journal_records"] == 2
         )
         assert st["buffered_batches"] == 2
-        intake.mark_trained(taken)
-        assert intake.stats["buffered_batches"] == 0 and intake.stats["in_flight_groups"] == 0
+        link.intake.mark_trained(taken)
+        assert link.stats["buffered_batches"] == 0 and link.stats["in_flight_groups"] == 0
         with pytest.raises(ValueError):
-            intake.mark_trained(taken)  # trained twice
+            link.intake.mark_trained(taken)  # trained twice
 
 
 async def test_credits_never_exceed_the_buffer_room(tiny_model: Path, tmp_path: Path) -> None:
-    intake = Intake(make_config(tiny_model, buffer_batches=3, credits=3), tmp_path)
-    proto = intake._proto
+    link = LearnerLink(make_config(tiny_model, buffer_batches=3, credits=3), tmp_path)
+    proto = link._proto
 
     def room_ok() -> bool:
         return proto.buffered + sum(p.credits for p in proto.peers.values()) <= proto.capacity
 
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i in range(8):
             await s.client.submit(make_batch(f"b{i}", (1,)))
-        await until(lambda: intake.stats["batches"] == 3)
+        await until(lambda: link.stats["batches"] == 3)
         await anyio.sleep(0.3)  # nothing more may come while the room holds 3 untrained batches
-        assert intake.stats["batches"] == 3 and s.conn.pending == 5 and room_ok()
-        taken = await intake.next_batch(2, 0, 0)
+        assert link.stats["batches"] == 3 and s.conn.pending == 5 and room_ok()
+        taken = await link.intake.next_batch(2, 0, 0)
         await anyio.sleep(0.3)  # taken is not trained: still no room
-        assert intake.stats["batches"] == 3 and room_ok()
-        intake.mark_trained(taken)
-        await until(lambda: intake.stats["batches"] == 5)
+        assert link.stats["batches"] == 3 and room_ok()
+        link.intake.mark_trained(taken)
+        await until(lambda: link.stats["batches"] == 5)
         await anyio.sleep(0.2)
-        assert intake.stats["batches"] == 5 and room_ok()
+        assert link.stats["batches"] == 5 and room_ok()
         got = ids(taken.trajectories)
         while len(got) < 8:
-            t = await intake.next_batch(1, 0, 0)
-            intake.mark_trained(t)
+            t = await link.intake.next_batch(1, 0, 0)
+            link.intake.mark_trained(t)
             got += ids(t.trajectories)
             assert room_ok()
         assert got == [f"b{i}-g0-0" for i in range(8)]
-        assert intake.stats["violations"] == 0
+        assert link.stats["violations"] == 0
 
 
 async def test_resent_batches_and_trajectories_are_deduplicated(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path)
-    async with serving(intake) as address:
+    link = LearnerLink(make_config(tiny_model), tmp_path)
+    async with serving(link) as address:
         b1, b2 = make_batch("a"), make_batch("b")
-        async with sending(
-            address, tiny_model, token=intake.token, peer_id="rs-0", epoch="e1"
-        ) as s:
+        async with sending(address, tiny_model, token=link.token, peer_id="rs-0", epoch="e1") as s:
             seq = await s.client.submit(b1)
             await s.client.submit(b2)
             await until(lambda: s.acked == {1, 2})
@@ -444,18 +443,16 @@ async def test_resent_batches_and_trajectories_are_deduplicated(
             await s.client.submit(make_batch("c"))
             await until(lambda: len(s.acked) == 3 and 1 in s.duplicates)
         # A restarted rollout server (new epoch) resends spooled trajectories, plus one new one.
-        async with sending(
-            address, tiny_model, token=intake.token, peer_id="rs-0", epoch="e2"
-        ) as s2:
+        async with sending(address, tiny_model, token=link.token, peer_id="rs-0", epoch="e2") as s2:
             await s2.client.submit(b2)
             await s2.client.submit([*b1[:1], traj("new-1", "a-g0")])
             await until(lambda: s2.acked == {1, 2})
-        st = intake.stats
+        st = link.stats
         assert st["duplicate_batches"] == 1 and st["duplicate_trajectories"] == 3 + 1
         assert (
             st["batches"] == 4 and st["journal_records"] == 4
         )  # 3 + the one with a new trajectory
-        taken = await intake.next_batch(st["buffered_groups"], 0, 0)
+        taken = await link.intake.next_batch(st["buffered_groups"], 0, 0)
         got = ids(taken.trajectories)
         assert sorted(got) == sorted(ids(b1) + ids(b2) + ids(make_batch("c")) + ["new-1"])
         assert len(got) == len(set(got))
@@ -464,40 +461,42 @@ async def test_resent_batches_and_trajectories_are_deduplicated(
 async def test_stale_groups_are_dropped_and_free_their_room(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
-        intake.publish_weights(5, tiny_weights())
-        await until(lambda: intake.peer_versions == {"rs-0": 5})  # WEIGHTS_APPLIED(ok) recorded
+    link = LearnerLink(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
+        link.weights.announce(5, tiny_weights())
+        await until(
+            lambda: link.weights.peer_versions == {"rs-0": 5}
+        )  # WEIGHTS_APPLIED(ok) recorded
         await s.client.submit(make_batch("old", (1, 1), version=3))  # staleness 2
         await s.client.submit(
             make_batch("mixed", (1,), version=3) + make_batch("ok", (2,), version=4)
         )
-        await until(lambda: intake.stats["batches"] == 2)
+        await until(lambda: link.stats["batches"] == 2)
         # The room is full of batches. A request drops the stale groups; the freed room lets more in.
         waiting = anyio.Event()
         result: list[Any] = []
 
         async def trainer() -> None:
             waiting.set()
-            result.append(await intake.next_batch(2, policy_version=5, max_staleness=1))
+            result.append(await link.intake.next_batch(2, policy_version=5, max_staleness=1))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
             await waiting.wait()
-            await until(lambda: intake.stats["dropped_stale_groups"] == 3)
+            await until(lambda: link.stats["dropped_stale_groups"] == 3)
             await s.client.submit(make_batch("late-stale", (1,), version=1))
             await s.client.submit(make_batch("fresh", (1,), version=5))
         (taken,) = result
         assert taken.group_uids == ["ok-g0", "fresh-g0"] and taken.staleness == [1, 0]
-        assert taken.dropped_stale == 4 and intake.stats["dropped_stale_groups"] == 4
-        assert intake.stats["buffered_batches"] == 2  # "mixed" (ok-g0 in flight) and "fresh"
-        intake.mark_trained(taken)
-        assert intake.stats["buffered_batches"] == 0
+        assert taken.dropped_stale == 4 and link.stats["dropped_stale_groups"] == 4
+        assert link.stats["buffered_batches"] == 2  # "mixed" (ok-g0 in flight) and "fresh"
+        link.intake.mark_trained(taken)
+        assert link.stats["buffered_batches"] == 0
 
 
 async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_path: Path) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path)
-    real = intake._journal.append
+    link = LearnerLink(make_config(tiny_model), tmp_path)
+    real = link._journal.append
     acked_before_stored: list[bool] = []
     sender: list[Sender] = []
 
@@ -508,22 +507,22 @@ async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_p
         acked_before_stored.append(seq in sender[0].acked)
         return real(peer_id, epoch, seq, trajs)
 
-    intake._journal.append = slow_append  # type: ignore[method-assign]
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link._journal.append = slow_append  # type: ignore[method-assign]
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         sender.append(s)
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}"))
         await until(lambda: s.acked == {1, 2, 3})
     assert acked_before_stored == [False, False, False]
-    assert intake._journal.record_ids == [1, 2, 3]
+    assert link._journal.record_ids == [1, 2, 3]
 
 
 async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path)
-    intake._server.persist_retry_delay_s = 0.05
-    real = intake._journal.append
+    link = LearnerLink(make_config(tiny_model), tmp_path)
+    link._server.persist_retry_delay_s = 0.05
+    real = link._journal.append
     calls = []
 
     def flaky(*args: Any) -> tuple[int, int]:
@@ -532,8 +531,8 @@ async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
             raise OSError(28, "No space left on device")
         return real(*args)
 
-    intake._journal.append = flaky  # type: ignore[method-assign]
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link._journal.append = flaky  # type: ignore[method-assign]
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}"))
         await until(lambda: s.acked == {1, 2, 3})
@@ -544,14 +543,14 @@ async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
             2,
             3,
         ]  # 1 refused, then resent (after those in flight) and stored
-        st = intake.stats
+        st = link.stats
         assert (st["persist_failures"], st["batches"], st["violations"], st["journal_records"]) == (
             1,
             3,
             0,
             3,
         )
-        taken = await intake.next_batch(6, 0, 0)
+        taken = await link.intake.next_batch(6, 0, 0)
         assert sorted(ids(taken.trajectories)) == sorted(
             i for b in range(3) for i in ids(make_batch(f"b{b}"))
         )
@@ -564,22 +563,26 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
     config = make_config(tiny_model, address, buffer_batches=16, credits=8)
     journal = tmp_path / "journal"
     batches = {seq: make_batch(f"s{seq}", (seq % 3 + 1, 2)) for seq in range(1, 8)}
-    a = Intake(config, tmp_path, journal_dir=journal)
+    a = LearnerLink(config, tmp_path, journal_dir=journal)
     async with sending(address, tiny_model, token=a.token, peer_id="rs-0", epoch="e1") as s:
         # -- life A: dies without close() after accepting batch 7 and storing it, before its ACK.
         async with anyio.create_task_group() as life_a:
             await life_a.start(a.run)
-            a.publish_weights(2, tiny_weights())
+            a.weights.announce(2, tiny_weights())
             for seq in range(1, 5):
                 await s.client.submit(batches[seq])
             await until(lambda: s.acked == {1, 2, 3, 4})
-            before = await a.next_batch(3, 2, 10)
-            a.mark_trained(before)  # in the checkpoint
-            state = msgpack.unpackb(msgpack.packb(a.state_dict(), use_bin_type=True), raw=False)
-            a.checkpoint_saved(state)
-            after = await a.next_batch(2, 2, 10)
-            a.mark_trained(after)  # trained after the checkpoint: the restarted model never saw it
-            await a.next_batch(1, 2, 10)  # taken, never trained
+            before = await a.intake.next_batch(3, 2, 10)
+            a.intake.mark_trained(before)  # in the checkpoint
+            state = msgpack.unpackb(
+                msgpack.packb(a.intake.state_dict(), use_bin_type=True), raw=False
+            )
+            a.intake.checkpoint_saved(state)
+            after = await a.intake.next_batch(2, 2, 10)
+            a.intake.mark_trained(
+                after
+            )  # trained after the checkpoint: the restarted model never saw it
+            await a.intake.next_batch(1, 2, 10)  # taken, never trained
             for seq in (5, 6):
                 await s.client.submit(batches[seq])
             await until(lambda: s.acked == set(range(1, 7)))
@@ -606,9 +609,9 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
         ]
 
         # -- life B: same address, same journal, the checkpointed state.
-        b = Intake(config, tmp_path, state=state, journal_dir=journal)
+        b = LearnerLink(config, tmp_path, state=state, journal_dir=journal)
         assert (
-            b.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
+            b.weights.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
         )  # batch 1 was fully trained
         async with serving(b):
             await until(
@@ -638,7 +641,7 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
                 batches[2] + batches[7]
             )
             n_groups = b.stats["buffered_groups"]
-            taken = await b.next_batch(n_groups, 2, 10)
+            taken = await b.intake.next_batch(n_groups, 2, 10)
             got = ids(taken.trajectories)
             assert sorted(got) == sorted(expected + ids(make_batch("s8")))  # none lost
             assert len(got) == len(set(got))  # none twice
@@ -648,9 +651,9 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
                 for t in taken.trajectories
                 if t.trajectory_id in by_id
             )
-            b.mark_trained(taken)
+            b.intake.mark_trained(taken)
             assert b.stats["buffered_batches"] == 0
-            b.checkpoint_saved(b.state_dict())  # nothing pending: the journal can go
+            b.intake.checkpoint_saved(b.intake.state_dict())  # nothing pending: the journal can go
             assert b.stats["journal_records"] == 0
 
 
@@ -658,56 +661,58 @@ async def test_resume_without_the_needed_records_fails_and_fresh_starts_over(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     config = make_config(tiny_model)
-    a = Intake(config, tmp_path)
+    a = LearnerLink(config, tmp_path)
     async with serving(a) as address, sending(address, tiny_model, token=a.token) as s:
         await s.client.submit(make_batch("a"))
         await until(lambda: s.acked == {1})
-    state = a.state_dict()
+    state = a.intake.state_dict()
     assert state["pending"] == [[1, "a-g0"], [1, "a-g1"]] and state["position"] == 1
-    replay = Intake(config, tmp_path)  # no state: a learner that died before its first checkpoint
+    replay = LearnerLink(
+        config, tmp_path
+    )  # no state: a learner that died before its first checkpoint
     assert replay.stats["buffered_groups"] == 2
     replay.close()
     with pytest.raises(ValueError, match="lacks 1 records"):
-        Intake(config, tmp_path, state=state, journal_dir=tmp_path / "elsewhere")
-    fresh = Intake(config, tmp_path, fresh=True)
+        LearnerLink(config, tmp_path, state=state, journal_dir=tmp_path / "elsewhere")
+    fresh = LearnerLink(config, tmp_path, fresh=True)
     assert fresh.stats["buffered_groups"] == 0 and fresh.stats["journal_records"] == 0
     fresh.close()
     with pytest.raises(ValueError, match="lacks"):
-        Intake(config, tmp_path, state=state)
+        LearnerLink(config, tmp_path, state=state)
 
 
 async def test_a_training_batch_bigger_than_the_buffer_fails_fast(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link = LearnerLink(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i in range(3):
             await s.client.submit(make_batch(f"b{i}", (1,)))
         with anyio.fail_after(10), pytest.raises(IntakeStarved, match="buffer_batches=2"):
-            await intake.next_batch(3, 0, 0)
-        taken = await intake.next_batch(2, 0, 0)  # a batch that fits is fine
-        intake.mark_trained(taken)
+            await link.intake.next_batch(3, 0, 0)
+        taken = await link.intake.next_batch(2, 0, 0)  # a batch that fits is fine
+        link.intake.mark_trained(taken)
 
 
 async def test_close_wakes_a_waiting_trainer(tiny_model: Path, tmp_path: Path) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path)
-    async with serving(intake):
+    link = LearnerLink(make_config(tiny_model), tmp_path)
+    async with serving(link):
         async with anyio.create_task_group() as tg:
 
             async def close_soon() -> None:
                 await anyio.sleep(0.1)
-                intake.close()
+                link.close()
 
             tg.start_soon(close_soon)
             with anyio.fail_after(5), pytest.raises(IntakeClosed):
-                await intake.next_batch(1, 0, 0)
+                await link.intake.next_batch(1, 0, 0)
 
 
 async def test_serve_alone_consumes_everything_and_writes_its_stats(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     from common.peer_auth import client_token
-    from learner.intake import serve
+    from learner.intake_only import serve
 
     config = make_config(tiny_model, buffer_batches=2, credits=2)
     async with anyio.create_task_group() as tg:
@@ -730,7 +735,7 @@ async def test_token_ids_are_checked_against_the_embedding_rows(
     import shutil
 
     from common.identity import embedding_rows
-    from learner.intake import build_server
+    from learner.bind import build_server
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from common.mixing import batch_counts
 from learner.admission import feasible
 from learner.buffer import Group, mix_shortfall, mixed_pick
-from learner.intake import Intake
+from learner.link import LearnerLink
 from protocol.trajectory import Trajectory
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # test_intake's senders (importlib mode)
@@ -151,7 +151,7 @@ def test_a_source_the_mix_does_not_name_only_fills() -> None:
     assert mix_shortfall(pick, quotas) == 1
 
 
-# -- the real intake, real senders --------------------------------------------------------------------
+# -- the real link, real senders --------------------------------------------------------------------
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -172,19 +172,19 @@ MIX = {"math": 0.4, "qa": 0.3, "code": 0.3}  # 4/3/3 of 10
 async def test_intake_steps_hold_the_exact_mix_whatever_the_arrival_order(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
-    intake.configure_mix(MIX, wait_s=30.0)
+    link = LearnerLink(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    link.intake.configure_mix(MIX, wait_s=30.0)
     rng = np.random.default_rng(0)
     # three steps' worth, 12/9/9, sent in clumps: all of math first, then the rest shuffled
     plan = ["math"] * 12 + list(rng.permutation(["qa"] * 9 + ["code"] * 9))
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i, src in enumerate(plan):
             await s.client.submit(source_batch(f"b{i}", src))
         steps: list[Any] = []
         for _ in range(3):
-            taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+            taken = await link.intake.next_batch(10, policy_version=0, max_staleness=4)
             steps.append(taken)
-            intake.mark_trained(taken)
+            link.intake.mark_trained(taken)
     for taken in steps:
         assert {src: taken.sources.count(src) for src in MIX} == {"math": 4, "qa": 3, "code": 3}
         assert taken.mix_shortfall == 0 and taken.mix == {"math": 4, "qa": 3, "code": 3}
@@ -211,16 +211,16 @@ async def test_a_missing_source_delays_a_step_at_most_mix_wait_s(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     wait_s = 1.0
-    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
-    intake.configure_mix(MIX, wait_s=wait_s)
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link = LearnerLink(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    link.intake.configure_mix(MIX, wait_s=wait_s)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i, src in enumerate(["math"] * 6 + ["qa"] * 6):  # no code at all
             await s.client.submit(source_batch(f"b{i}", src))
-        await until_buffered(intake, 12)
+        await until_buffered(link, 12)
         t0 = time.monotonic()
-        taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+        taken = await link.intake.next_batch(10, policy_version=0, max_staleness=4)
         elapsed = time.monotonic() - t0
-        intake.mark_trained(taken)
+        link.intake.mark_trained(taken)
         assert (
             wait_s * 0.9 <= elapsed < wait_s + 2.0
         )  # waited for code, and no longer than the bound
@@ -231,7 +231,7 @@ async def test_a_missing_source_delays_a_step_at_most_mix_wait_s(
             await s.client.submit(source_batch(f"c{i}", "code"))
         for i in range(5):
             await s.client.submit(source_batch(f"d{i}", "math" if i < 4 else "qa"))
-        taken = await intake.next_batch(10, policy_version=0, max_staleness=4)
+        taken = await link.intake.next_batch(10, policy_version=0, max_staleness=4)
         assert taken.mix_shortfall == 0 and taken.wait_s < wait_s
         assert {src: taken.sources.count(src) for src in MIX} == {"math": 4, "qa": 3, "code": 3}
 
@@ -242,24 +242,24 @@ async def test_a_group_due_now_is_trained_even_beyond_its_source_count(
 ) -> None:
     """Five math groups of version 0 at version 1 with max_staleness 1: all due now. The mix wants
     only four; the fifth takes the place of a fresher group instead of being dropped."""
-    intake = Intake(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
-    intake.configure_mix(MIX, wait_s=30.0)
-    async with serving(intake) as address, sending(address, tiny_model, token=intake.token) as s:
+    link = LearnerLink(make_config(tiny_model, buffer_batches=64, credits=64), tmp_path)
+    link.intake.configure_mix(MIX, wait_s=30.0)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         for i in range(5):
             await s.client.submit(source_batch(f"old{i}", "math", version=0))
         for i, src in enumerate(["math"] * 4 + ["qa"] * 3 + ["code"] * 3):
             await s.client.submit(source_batch(f"new{i}", src, version=1))
-        await until_buffered(intake, 15)
-        taken = await intake.next_batch(10, policy_version=1, max_staleness=1)
+        await until_buffered(link, 15)
+        taken = await link.intake.next_batch(10, policy_version=1, max_staleness=1)
         assert sum(u.startswith("old") for u in taken.group_uids) == 5
         assert taken.mix_shortfall == 1 and taken.dropped_stale == 0
 
 
-async def until_buffered(intake: Intake, n: int, timeout: float = 10.0) -> None:
+async def until_buffered(link: LearnerLink, n: int, timeout: float = 10.0) -> None:
     import anyio
 
     with anyio.fail_after(timeout):
-        while intake.stats["buffered_groups"] < n:
+        while link.stats["buffered_groups"] < n:
             await anyio.sleep(0.01)
 
 

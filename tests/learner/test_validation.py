@@ -1,7 +1,7 @@
 """Validation on the learner side without Ray: when it is due, the ``val/...`` metrics of a round,
-and ``Intake.validate`` against rollout senders over ZeroMQ (answers merged, a server that leaves
-mid-validation reported at once, a server without the capability never asked, nobody connected
-bounded by the timeout, late answers ignored). asyncio only (zmq.asyncio)."""
+and ``Validations.validate`` (the learner link's validation part) against rollout senders over
+ZeroMQ (answers merged, a server that leaves mid-validation reported at once, a server without
+the capability never asked, nobody connected bounded by the timeout, late answers ignored). asyncio only (zmq.asyncio)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from common.config import load_config
 from common.identity import wire_identities
-from learner.intake import Intake
+from learner.link import LearnerLink
 from learner.validation import ValidationRound, due, validation_metrics
 from protocol.driver import RolloutClient
 from protocol.events import Event, ValidationRequested
@@ -70,7 +70,7 @@ def test_metrics_merge_servers_by_counts_and_count_the_missing() -> None:
     assert empty["val/count"] == 0 and "val/reward/mean" not in empty
 
 
-# -- Intake.validate over ZeroMQ ---------------------------------------------------------------------------
+# -- LearnerLink.validation over ZeroMQ --------------------------------------------------------------
 def make_config(model: Path) -> Any:
     return load_config(
         None,
@@ -126,36 +126,36 @@ class Server:
 
 
 @asynccontextmanager
-async def serving(intake: Intake, *servers_args: dict[str, Any]) -> AsyncIterator[list[Server]]:
+async def serving(link: LearnerLink, *servers_args: dict[str, Any]) -> AsyncIterator[list[Server]]:
     async with anyio.create_task_group() as tg:
-        address = await tg.start(intake.run)
-        servers = [Server(address, token=intake.token, **kw) for kw in servers_args]
+        address = await tg.start(link.run)
+        servers = [Server(address, token=link.token, **kw) for kw in servers_args]
         async with anyio.create_task_group() as clients:
             for s in servers:
                 await clients.start(s.client.run)
                 clients.start_soon(s.drain)
             with anyio.fail_after(10):
-                while len(intake._proto.ready_peers()) < len(servers):
+                while len(link._proto.ready_peers()) < len(servers):
                     await anyio.sleep(0.01)
             try:
                 yield servers
             finally:
                 clients.cancel_scope.cancel()
-                intake.close()
+                link.close()
 
 
 @pytest.mark.anyio
 async def test_validate_merges_the_answers_of_the_servers_that_offer_it(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
     async with serving(
-        intake,
+        link,
         {"model": tiny_model, "peer_id": "a"},
         {"model": tiny_model, "peer_id": "b"},
         {"model": tiny_model, "peer_id": "old", "validates": False},
     ) as (a, b, old):
-        rnd = await intake.validate(3, timeout_s=10.0, request_id="step2-x")
+        rnd = await link.validation.validate(3, timeout_s=10.0, request_id="step2-x")
         assert (
             sorted(rnd.asked) == ["a", "b"]
             and sorted(rnd.results) == ["a", "b"]
@@ -168,18 +168,16 @@ async def test_validate_merges_the_answers_of_the_servers_that_offer_it(
             and m["val/servers_missing"] == 0
         )
         assert a.requests == b.requests == ["step2-x"] and old.requests == []
-        assert (
-            intake.stats["batches"] == 0 and intake._proto.buffered == 0
-        )  # no trajectories, no room
+        assert link.stats["batches"] == 0 and link._proto.buffered == 0  # no trajectories, no room
 
 
 @pytest.mark.anyio
 async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
     silent = {"model": tiny_model, "peer_id": "silent", "answer": lambda req: None}
-    async with serving(intake, {"model": tiny_model, "peer_id": "ok"}, silent) as (_, quitter):
+    async with serving(link, {"model": tiny_model, "peer_id": "ok"}, silent) as (_, quitter):
 
         async def leave_soon() -> None:
             while not quitter.requests:
@@ -189,7 +187,7 @@ async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(
         t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
             tg.start_soon(leave_soon)
-            rnd = await intake.validate(0, timeout_s=30.0)
+            rnd = await link.validation.validate(0, timeout_s=30.0)
         assert time.monotonic() - t0 < 5, "the learner waited for a server that had left"
         assert list(rnd.results) == ["ok"] and rnd.lost == {"silent": "closed"}
         assert validation_metrics(rnd)["val/servers_missing"] == 1
@@ -197,17 +195,19 @@ async def test_a_server_that_leaves_mid_validation_does_not_hang_the_learner(
 
 @pytest.mark.anyio
 async def test_timeouts_bound_the_wait(tmp_path: Path, tiny_model: Path) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
     mute = {"model": tiny_model, "peer_id": "mute", "answer": lambda req: None}
     async with anyio.create_task_group() as tg:
-        await tg.start(intake.run)
+        await tg.start(link.run)
         t0 = time.monotonic()
-        nobody = await intake.validate(0, timeout_s=0.5)  # no rollout server connected at all
+        nobody = await link.validation.validate(
+            0, timeout_s=0.5
+        )  # no rollout server connected at all
         assert nobody.asked == [] and 0.4 < time.monotonic() - t0 < 3
-        intake.close()
-    intake = Intake(make_config(tiny_model), tmp_path / "2", fresh=True)
-    async with serving(intake, mute) as (server,):
-        rnd = await intake.validate(0, timeout_s=0.5)
+        link.close()
+    link = LearnerLink(make_config(tiny_model), tmp_path / "2", fresh=True)
+    async with serving(link, mute) as (server,):
+        rnd = await link.validation.validate(0, timeout_s=0.5)
         assert rnd.asked == ["mute"] and rnd.outstanding == ["mute"] and rnd.results == {}
         server.client.validation_result(result(rnd.request_id, [1.0]))  # late: logged, ignored
         await anyio.sleep(0.3)
@@ -218,10 +218,10 @@ async def test_timeouts_bound_the_wait(tmp_path: Path, tiny_model: Path) -> None
 async def test_validate_waits_for_the_first_server_to_join(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
     async with anyio.create_task_group() as tg:
-        address = await tg.start(intake.run)
-        server = Server(address, tiny_model, "late", token=intake.token)
+        address = await tg.start(link.run)
+        server = Server(address, tiny_model, "late", token=link.token)
 
         async def join_later() -> None:
             await anyio.sleep(0.5)
@@ -229,22 +229,20 @@ async def test_validate_waits_for_the_first_server_to_join(
             tg.start_soon(server.drain)
 
         tg.start_soon(join_later)
-        rnd = await intake.validate(0, timeout_s=20.0)
+        rnd = await link.validation.validate(0, timeout_s=20.0)
         assert rnd.asked == ["late"] and rnd.results["late"].count == 2
         tg.cancel_scope.cancel()
-        intake.close()
+        link.close()
 
 
 @pytest.mark.anyio
 async def test_servers_without_the_capability_are_not_waited_for(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
-    async with serving(intake, {"model": tiny_model, "peer_id": "old", "validates": False}) as (
-        old,
-    ):
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(link, {"model": tiny_model, "peer_id": "old", "validates": False}) as (old,):
         t0 = time.monotonic()
-        rnd = await intake.validate(0, timeout_s=30.0)
+        rnd = await link.validation.validate(0, timeout_s=30.0)
         assert rnd.asked == [] and time.monotonic() - t0 < 2 and old.requests == []
         assert validation_metrics(rnd)["val/count"] == 0
 
@@ -275,10 +273,10 @@ async def test_a_server_that_joins_mid_round_is_asked_and_its_shard_waited_for(
 ) -> None:
     """Before the first step the second server's engine may still be loading when the first one
     answers: the round asks it once it joins and waits (bounded) for its shard."""
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
-    async with serving(intake, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}) as (a,):
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(link, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}) as (a,):
         async with anyio.create_task_group() as tg:
-            late = Server(intake.address, tiny_model, "b", answer=shard(1), token=intake.token)
+            late = Server(link.address, tiny_model, "b", answer=shard(1), token=link.token)
 
             async def join_after_a_answered() -> None:
                 while not a.requests:
@@ -288,7 +286,9 @@ async def test_a_server_that_joins_mid_round_is_asked_and_its_shard_waited_for(
                 tg.start_soon(late.drain)
 
             tg.start_soon(join_after_a_answered)
-            rnd = await intake.validate(0, timeout_s=30.0, request_id="step0-x", shard_wait_s=20)
+            rnd = await link.validation.validate(
+                0, timeout_s=30.0, request_id="step0-x", shard_wait_s=20
+            )
             assert rnd.asked == ["a", "b"] and sorted(rnd.results) == ["a", "b"]
             assert late.requests == ["step0-x"] and rnd.duration_s < 10
             m = validation_metrics(rnd)
@@ -298,12 +298,12 @@ async def test_a_server_that_joins_mid_round_is_asked_and_its_shard_waited_for(
 
 @pytest.mark.anyio
 async def test_the_wait_for_an_uncovered_shard_is_bounded(tmp_path: Path, tiny_model: Path) -> None:
-    intake = Intake(make_config(tiny_model), tmp_path, fresh=True)
-    async with serving(intake, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}):
+    link = LearnerLink(make_config(tiny_model), tmp_path, fresh=True)
+    async with serving(link, {"model": tiny_model, "peer_id": "a", "answer": shard(0)}):
         t0 = time.monotonic()
-        rnd = await intake.validate(0, timeout_s=30.0, shard_wait_s=0.5)
+        rnd = await link.validation.validate(0, timeout_s=30.0, shard_wait_s=0.5)
         assert 0.4 < time.monotonic() - t0 < 5 and rnd.shards_missing == 1
         assert validation_metrics(rnd)["val/shards_missing"] == 1
         t0 = time.monotonic()
-        rnd = await intake.validate(0, timeout_s=30.0)  # shard_wait_s 0: not at all
+        rnd = await link.validation.validate(0, timeout_s=30.0)  # shard_wait_s 0: not at all
         assert time.monotonic() - t0 < 2 and list(rnd.results) == ["a"]

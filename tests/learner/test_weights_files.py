@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.weights_files import WeightFiles, remove_stale
+from learner.weights_files import WeightFiles
+from protocol.slot_files import remove_stale
 
 
 def _publish(

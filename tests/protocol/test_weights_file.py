@@ -63,23 +63,23 @@ def test_local_file_peer_gets_the_file_others_get_chunks() -> None:
         assert _announces(net, ident)[0].file == ""
         (ev,) = net.events(ident, WeightsReceived)
         assert len(ev.weights.tensors) == 2 and not ev.weights.file
-    assert net.learner.chunks_planned
+    assert net.learner.routing.chunks_planned
 
 
 def test_chunks_are_planned_only_when_a_peer_needs_them() -> None:
     net = _net((b"local", "machine-a", [WEIGHTS_FILE_CAPABILITY]))
     net.learner.publish_weights(1, tensors([4]), file=FILE)
     net.pump()
-    assert not net.learner.chunks_planned
-    assert net.learner.file_peers_oldest_version() == 0
+    assert not net.learner.routing.chunks_planned
+    assert net.learner.routing.file_peers_oldest_version() == 0
     conn = net.conns[b"local"]
     (ev,) = net.events(b"local", WeightsReceived)
     conn.weights_applied(1, ev.weights.transfer_id, ok=True, apply_time_s=0.1)
     net.pump()
-    assert net.learner.file_peers_oldest_version() == 1
+    assert net.learner.routing.file_peers_oldest_version() == 1
     net.add(b"joiner", rollout("joiner", host="machine-c"), request_weights=True)
     net.pump()
-    assert net.learner.chunks_planned and net.events(b"joiner", WeightsReceived)
+    assert net.learner.routing.chunks_planned and net.events(b"joiner", WeightsReceived)
 
 
 def test_a_peer_that_cannot_use_the_file_gets_chunks_from_then_on() -> None:
@@ -97,7 +97,7 @@ def test_a_peer_that_cannot_use_the_file_gets_chunks_from_then_on() -> None:
     net.learner.publish_weights(3, tensors([4], seed=1), file=FILE)
     net.pump()
     assert _announces(net, b"local")[-1].file == ""  # remembered for later versions too
-    assert net.learner.file_peers_oldest_version() is None
+    assert net.learner.routing.file_peers_oldest_version() is None
 
 
 def test_a_server_without_the_capability_refuses_a_file_announce() -> None:

@@ -44,14 +44,14 @@ def long_or_short(episode: str) -> list[str]:
     return ["42"]
 
 
-async def play_trainer(intake: Any, max_staleness: int, train_s: float) -> list[tuple[int, Any]]:
+async def play_trainer(link: Any, max_staleness: int, train_s: float) -> list[tuple[int, Any]]:
     steps = []
     for version in range(STEPS):
-        taken = await intake.next_batch(B, version, max_staleness)
+        taken = await link.intake.next_batch(B, version, max_staleness)
         steps.append((version, taken))
         await anyio.sleep(train_s)  # the update; generation goes on meanwhile
-        intake.publish_weights(version + 1, reference_weights(seed=version + 1))
-        intake.mark_trained(taken)
+        link.weights.announce(version + 1, reference_weights(seed=version + 1))
+        link.intake.mark_trained(taken)
     return steps
 
 
@@ -61,7 +61,7 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from learner.intake import Intake
+    from learner.link import LearnerLink
     from rollout_service.server import RolloutServer
 
     config = make_config(
@@ -70,7 +70,7 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
         "tcp://127.0.0.1:0",
         **{
             "learner.bind_address": "tcp://127.0.0.1:0",
-            "transport.auth": "token",  # the real intake, as a run has it
+            "transport.auth": "token",  # the real link, as a run has it
             "actor_rollout_ref.rollout.n": N,
             "actor_rollout_ref.rollout.max_staleness": max_staleness,
             "actor_rollout_ref.rollout.on_weight_update": "abort",
@@ -79,22 +79,22 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
             "learner.weights_file_dir": None,
         },
     )
-    intake = Intake(config, tmp_path / "learner", fresh=True)
-    intake.publish_weights(0, reference_weights(seed=0))
-    intake.configure_admission(B, max_staleness, STEPS * B)
-    config.rollout_server.learner_address = intake.address
+    link = LearnerLink(config, tmp_path / "learner", fresh=True)
+    link.weights.announce(0, reference_weights(seed=0))
+    link.admission.configure(B, max_staleness, STEPS * B)
+    config.rollout_server.learner_address = link.address
     engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [])
     engine.per_request, engine.token_s = long_or_short, 0.004
     server = RolloutServer(config, tmp_path / "run", engine=engine)
     async with anyio.create_task_group() as tg:
-        await tg.start(intake.run)
+        await tg.start(link.run)
         tg.start_soon(server.run)
         with anyio.fail_after(90):
-            steps = await play_trainer(intake, max_staleness, train_s=0.15)
-        waste = intake.waste_metrics()
+            steps = await play_trainer(link, max_staleness, train_s=0.15)
+        waste = link.intake.waste_metrics()
         await anyio.sleep(0.5)  # anything generated beyond the run would arrive now
-        stats = intake.stats
-        intake.close()
+        stats = link.stats
+        link.close()
         tg.cancel_scope.cancel()
 
     assert stats["dropped_stale_groups"] == 0 and server.stats.counters.staleness_drops == 0

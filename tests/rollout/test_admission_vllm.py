@@ -50,7 +50,7 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
 ) -> None:
     from safetensors.numpy import load_file
 
-    from learner.intake import Intake
+    from learner.link import LearnerLink
     from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
     from rollout_service.server import RolloutServer
 
@@ -67,7 +67,7 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
         "tcp://127.0.0.1:0",
         **{
             "learner.bind_address": "tcp://127.0.0.1:0",
-            "transport.auth": "token",  # the real intake, as a run has it
+            "transport.auth": "token",  # the real link, as a run has it
             "actor_rollout_ref.rollout.n": N,
             "actor_rollout_ref.rollout.max_staleness": K,
             "actor_rollout_ref.rollout.on_weight_update": "abort",
@@ -85,10 +85,10 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
         },
     )
     base = load_file(str(tiny_model / "model.safetensors"))
-    intake = Intake(config, tmp_path / "learner", fresh=True)
-    intake.publish_weights(0, weights(base, 0))
-    intake.configure_admission(B, K, STEPS * B)
-    config.rollout_server.learner_address = intake.address
+    link = LearnerLink(config, tmp_path / "learner", fresh=True)
+    link.weights.announce(0, weights(base, 0))
+    link.admission.configure(B, K, STEPS * B)
+    config.rollout_server.learner_address = link.address
     engine = await VllmEngine.start(
         VllmEngineSettings(model=str(tiny_model), max_model_len=1024, max_num_seqs=32)
     )
@@ -96,12 +96,12 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
     try:
         server = RolloutServer(config, tmp_path / "run", engine=engine)
         async with anyio.create_task_group() as tg:
-            await tg.start(intake.run)
+            await tg.start(link.run)
             tg.start_soon(server.run)
             # ~30 s alone; a fresh clone under heavy load once took >240
             with anyio.fail_after(480):
                 for version in range(STEPS):
-                    taken = await intake.next_batch(B, version, K)
+                    taken = await link.intake.next_batch(B, version, K)
                     steps.append((version, taken))
                     # Publish while episodes run where any do (a busy machine can make "between
                     # them" the common case); bounded: when the next batch is already done, nothing
@@ -109,11 +109,11 @@ async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
                     with anyio.move_on_after(2):
                         while server.stats.gauges.episodes_in_flight == 0:
                             await anyio.sleep(0.01)
-                    intake.publish_weights(version + 1, weights(base, version + 1))
-                    intake.mark_trained(taken)
-            waste = intake.waste_metrics()
-            stats = intake.stats
-            intake.close()
+                    link.weights.announce(version + 1, weights(base, version + 1))
+                    link.intake.mark_trained(taken)
+            waste = link.intake.waste_metrics()
+            stats = link.stats
+            link.close()
             tg.cancel_scope.cancel()
     finally:
         await engine.shutdown()

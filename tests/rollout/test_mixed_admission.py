@@ -57,7 +57,7 @@ async def test_every_learner_step_holds_the_exact_mix(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from learner.intake import Intake
+    from learner.link import LearnerLink
     from rollout_service.server import RolloutServer
 
     datasets = [
@@ -71,7 +71,7 @@ async def test_every_learner_step_holds_the_exact_mix(
             "tcp://127.0.0.1:0",
             **{
                 "learner.bind_address": "tcp://127.0.0.1:0",
-                "transport.auth": "token",  # the real intake, as a run has it
+                "transport.auth": "token",  # the real link, as a run has it
                 "actor_rollout_ref.rollout.n": N,
                 "actor_rollout_ref.rollout.max_staleness": max_staleness,
                 "data.train_batch_size": B,
@@ -87,31 +87,31 @@ async def test_every_learner_step_holds_the_exact_mix(
         for i in range(n_servers)
     ]
     config = configs[0]
-    intake = Intake(config, tmp_path / "learner", fresh=True)
-    intake.publish_weights(0, reference_weights(seed=0))
-    intake.configure_admission(B, max_staleness, STEPS * B)
-    intake.configure_mix({d.name: d.ratio for d in config.data.datasets}, wait_s=60.0)
+    link = LearnerLink(config, tmp_path / "learner", fresh=True)
+    link.weights.announce(0, reference_weights(seed=0))
+    link.admission.configure(B, max_staleness, STEPS * B)
+    link.intake.configure_mix({d.name: d.ratio for d in config.data.datasets}, wait_s=60.0)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     servers = []
     for i, c in enumerate(configs):
-        c.rollout_server.learner_address = intake.address
+        c.rollout_server.learner_address = link.address
         engine = ScriptedEngine(tokenizer, [])
         engine.per_request, engine.token_s = long_or_short, 0.004 * (i + 1)  # unequal speeds
         servers.append(RolloutServer(c, tmp_path / f"run{i}", engine=engine))
     steps = []
     async with anyio.create_task_group() as tg:
-        await tg.start(intake.run)
+        await tg.start(link.run)
         for server in servers:
             tg.start_soon(server.run)
         with anyio.fail_after(120):
             for version in range(STEPS):
-                taken = await intake.next_batch(B, version, max_staleness)
+                taken = await link.intake.next_batch(B, version, max_staleness)
                 steps.append(taken)
                 await anyio.sleep(0.1)
-                intake.publish_weights(version + 1, reference_weights(seed=version + 1))
-                intake.mark_trained(taken)
-        stats = intake.stats
-        intake.close()
+                link.weights.announce(version + 1, reference_weights(seed=version + 1))
+                link.intake.mark_trained(taken)
+        stats = link.stats
+        link.close()
         tg.cancel_scope.cancel()
 
     assert stats["dropped_stale_groups"] == 0

@@ -150,7 +150,7 @@ def test_a_second_server_on_the_same_shard_is_refused(
 
 def test_stale_groups_are_dropped_whole() -> None:
     from protocol.reference import synthetic_trajectory
-    from rollout_service.groups import stale
+    from protocol.staleness import group_too_old as stale
 
     rng = np.random.default_rng(0)
     fresh = [synthetic_trajectory(rng, server="s", version=4) for _ in range(2)]
