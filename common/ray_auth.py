@@ -1,17 +1,18 @@
 """Joining a Ray cluster that uses Ray's token authentication.
 
 Design: `ray start --head` turns token authentication on by default and leaves the token in
-``~/.ray/auth_token``, but a process that then joins it with ``ray.init(address=...)`` presents the
-token only when ``RAY_AUTH_MODE=token`` is set; without it every call fails with InvalidAuthToken.
-`join_mode` sets that mode, before ``ray.init``, whenever a token is there to present and the user
-chose no mode; an explicit ``RAY_AUTH_MODE`` is always respected. The children it starts inherit
-the mode through the environment.
+``~/.ray/auth_token``, but a process that joins with ``ray.init(address=...)`` presents it only in
+token mode (``RAY_AUTH_MODE=token``); without it every call fails with InvalidAuthToken. A cluster
+may also run without authentication, and a client in token mode breaks there. So `join` connects
+as the environment says, and only when that is refused while a token is at hand and the user chose
+no mode does it switch this process (and the children it starts) to token mode and connect again.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 MODE = "RAY_AUTH_MODE"
 
@@ -23,16 +24,22 @@ def _token_available() -> bool:
     return Path(path).is_file() if path else (Path.home() / ".ray" / "auth_token").is_file()
 
 
-def join_mode() -> str | None:
-    """Set RAY_AUTH_MODE=token when it is unset and a token exists; the mode now in effect."""
-    if MODE not in os.environ and _token_available():
-        try:  # Ray's own switch also refreshes the config it cached at import
-            from ray._private.authentication.authentication_token_setup import (
-                maybe_enable_token_auth_if_token_available,
-            )
+def join(address: str, **init_kwargs: Any) -> None:
+    """``ray.init(address=address, **init_kwargs)``, in token mode if the cluster asks for it."""
+    import ray  # lazy: the callers import Ray only when they join a cluster
 
-            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-        except ImportError:  # another Ray: the variable alone, read by ray.init
-            pass
-        os.environ.setdefault(MODE, "token")
-    return os.environ.get(MODE)
+    try:
+        ray.init(address=address, **init_kwargs)
+        return
+    except ConnectionError:
+        if MODE in os.environ or not _token_available():
+            raise
+    ray.shutdown()
+    # lazy: Ray's own switch, which also refreshes the config Ray cached at import
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    os.environ.setdefault(MODE, "token")
+    ray.init(address=address, **init_kwargs)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.multicast import multicast_env
-from common.ray_auth import join_mode
+from common.ray_auth import join
 from launcher.children import RemoteChild, live_group_members
 
 if TYPE_CHECKING:
@@ -194,8 +194,7 @@ class RayFleet:
             "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p), **multicast_env()}
         }
         if address:
-            join_mode()  # a cluster from `ray start` wants its token presented
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+            join(address, runtime_env=runtime_env, log_to_driver=False)  # `ray start`'s token too
         else:  # "local": a cluster of our own, never one a `ray start` left on the machine
             ray.init(
                 address="local",

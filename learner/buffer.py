@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol.lineage import NO_RESTARTS, Lineage
 from protocol.staleness import deadline, oldest_version, token_age, too_old
 from protocol.trajectory import Trajectory
 
@@ -81,15 +82,21 @@ class Group:
         return sum(int(np.count_nonzero(t.response_mask)) for t in self.trajectories)
 
 
-def split_groups(record_id: int, trajectories: Sequence[Trajectory]) -> list[Group]:
-    """The groups of one batch, in order of first appearance (a group's trajectories in batch order)."""
+def split_groups(
+    record_id: int, trajectories: Sequence[Trajectory], effective: Lineage = NO_RESTARTS
+) -> list[Group]:
+    """The groups of one batch, in order of first appearance (a group's trajectories in batch
+    order). A group's oldest version is projected onto the newest branch of ``effective`` (the
+    run's restarts, ``protocol.lineage``), so its staleness counts the updates it really is from
+    the weights being trained."""
     by_uid: dict[str, list[Trajectory]] = {}
     for t in trajectories:
         by_uid.setdefault(t.group_uid, []).append(t)
     groups = []
     for uid, trajs in by_uid.items():
         olds = [v for v in map(oldest_version, trajs) if v is not None]
-        groups.append(Group((record_id, uid), trajs, min(olds) if olds else None))
+        oldest = effective.effective(min(olds)) if olds else None
+        groups.append(Group((record_id, uid), trajs, oldest))
     return groups
 
 
@@ -151,7 +158,8 @@ class Taken:
 
 
 class GroupBuffer:
-    def __init__(self) -> None:
+    def __init__(self, lineage: Lineage = NO_RESTARTS) -> None:
+        self.lineage = lineage  # the run's restarts: how old accepted data really is
         self._queue: OrderedDict[GroupKey, Group] = OrderedDict()
         self._inflight: dict[GroupKey, Group] = {}
         self._remaining: dict[int, int] = {}  # record id -> groups queued or in flight
@@ -187,7 +195,7 @@ class GroupBuffer:
         yields no group holds no room: the caller frees it at once."""
         if record_id in self._remaining:
             raise ValueError(f"record {record_id} is already in the buffer")
-        groups = split_groups(record_id, trajectories)
+        groups = split_groups(record_id, trajectories, self.lineage)
         if only is not None:
             missing = set(only) - {g.uid for g in groups}
             if missing:

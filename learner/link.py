@@ -57,6 +57,7 @@ from protocol.events import (
     ValidationAbandoned,
     ValidationReceived,
 )
+from protocol.lineage import NO_RESTARTS, Lineage
 
 LOGGER = "learner.intake"
 
@@ -76,7 +77,9 @@ class LearnerLink:
         journal_dir: Path | None = None,
         fresh: bool = False,
         timeline: TimelineWriter | None = None,
+        lineage: Lineage = NO_RESTARTS,
     ) -> None:
+        """``lineage``: the run's restarts (``learner.versions``), by which accepted data is aged."""
         self.config, self.run_dir = config, Path(run_dir)
         timeline = timeline if timeline is not None else TimelineWriter.off()
         log = self._log = get_logger(LOGGER)
@@ -101,7 +104,7 @@ class LearnerLink:
         self.address: str = self._channel.address
         self.token: str | None = self._channel.token  # what clients present (transport.auth)
         self._proto = self._server.proto
-        buffer = GroupBuffer()
+        buffer = GroupBuffer(lineage)
         self.admission = Granting(self._server, buffer, timeline=timeline, log=log)
         try:
             self.intake = Intake(

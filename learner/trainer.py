@@ -430,6 +430,7 @@ class Trainer:
             state=state["intake"] if state else None,
             fresh=resume is None and self.config.trainer.resume_mode == "disable",
             timeline=self.timeline,
+            lineage=self.ledger.lineage,  # restarts: the journaled groups aged by real updates
         )
         if self.config.learner.admission:
             b = self.config.data.train_batch_size

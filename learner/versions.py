@@ -17,10 +17,11 @@ again: they would name other weights than the ones servers hold and label trajec
   ``c`` and ``h + 1``), so servers accept the resumed weights and nothing is misattributed.
 - Versions ``c+1 .. h`` now name weights of a discarded branch. Trajectories generated with them
   keep their labels (their rollout logprobs are those weights', so importance weights stay right).
-  Staleness stays a plain difference of versions: everything generated before the restart counts
-  as ``h + 1 - c`` versions older than it is, erring on the stale side, so with a small
-  ``max_staleness`` the pre-crash groups are dropped (``intake/dropped_stale``) rather than
-  trained as if fresh.
+  The ledger records each restart's alias ``(h + 1, c)`` durably, and the learner judges the age of
+  what it accepted before the restart by the updates between the weights (``protocol.lineage``):
+  data of ``c`` or older is as old as it was, data of the discarded branch as far as the path back
+  to ``c``. So the journaled groups within ``max_staleness`` are trained, not dropped as collateral
+  of the restart, and none is trained as fresher than it is.
 - The steps trained after the checkpoint are undone by the restart: a rollback record in
   trained.jsonl (``learner.trained_log``), a warning, and ``checkpoint/rolled_back_steps`` with the
   first step's metrics. The intake journal replays their trajectories, which the resumed run trains
@@ -38,6 +39,7 @@ from typing import Any
 from common.fileio import atomic_write_bytes
 from common.logging import get_logger
 from learner import trained_log
+from protocol.lineage import Lineage
 
 LEDGER = "published_version.json"
 
@@ -49,18 +51,32 @@ class VersionLedger:
         self.path = Path(run_dir) / LEDGER
         self.durable = durable
         self.highest = -1
+        self.lineage = Lineage()
         if self.path.exists():
-            self.highest = int(json.loads(self.path.read_text())["highest_published"])
+            doc = json.loads(self.path.read_text())
+            self.highest = int(doc["highest_published"])
+            self.lineage = Lineage(tuple((int(r), int(c)) for r, c in doc.get("aliases", [])))
+
+    def _write(self) -> None:
+        doc = {
+            "highest_published": self.highest,
+            "aliases": [list(a) for a in self.lineage.aliases],
+        }
+        atomic_write_bytes(self.path, json.dumps(doc).encode() + b"\n", durable=self.durable)
 
     def record(self, version: int) -> None:
         """Call before publishing ``version``: from then on no restart reuses it."""
         if version > self.highest:
-            atomic_write_bytes(
-                self.path,
-                json.dumps({"highest_published": version}).encode() + b"\n",
-                durable=self.durable,
-            )
             self.highest = version
+            self._write()
+
+    def resumed(self, resumed: int, restored: int) -> None:
+        """A restart publishes the weights of ``restored`` as ``resumed`` (durably, before use)."""
+        lineage = self.lineage.resumed(resumed, restored)
+        if lineage != self.lineage:
+            self.lineage = lineage
+            self.highest = max(self.highest, resumed - 1)
+            self._write()
 
 
 def resumed_version(checkpoint_version: int, highest_published: int) -> int:
@@ -98,6 +114,7 @@ def resume(
     log = trained_log.read(path)
     highest = max(ledger.highest, log.highest_version)
     version = resumed_version(checkpoint_version, highest)
+    ledger.resumed(version, checkpoint_version)
     if log.last_step <= step:
         return Resume(version, None)
     undone = sorted(s for s in log.steps if s > step)

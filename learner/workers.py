@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from common.logging import get_logger
 from common.multicast import multicast_env
-from common.ray_auth import join_mode
+from common.ray_auth import join
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker
 from learner.worker_api import (
@@ -98,8 +98,7 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
     }
     address = address or os.environ.get("RAY_ADDRESS") or None  # an explicit choice of cluster
     if address:
-        join_mode()  # a cluster from `ray start` wants its token presented
-        ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
+        join(address, runtime_env=env, log_to_driver=log_to_driver)  # `ray start`'s token too
     else:
         # "local": a cluster of our own. Without it ray.init() joins whatever cluster `ray start`
         # last left running on this machine (someone else's job), and then refuses num_cpus.

@@ -50,6 +50,16 @@ class Lineage:
     def _depth(self, x: int) -> int:
         return sum(hi - lo for lo, hi in self._ancestors(x))
 
+    def effective(self, version: int) -> int:
+        """``version`` projected onto the newest branch: the version of the newest branch as many
+        updates away from the weights of the last restart as ``version`` is (itself when no restart
+        came after it). Staleness stays a difference on the newest branch: data of ``version`` is
+        ``V - effective(version)`` updates from the weights of any later ``V`` there."""
+        if not self.aliases or version >= self.aliases[-1][0]:
+            return version
+        resumed = self.aliases[-1][0]
+        return resumed - self.distance(version, resumed)
+
     def distance(self, a: int, b: int) -> int:
         """Updates on the path between the weights of versions ``a`` and ``b`` (>= 0)."""
         if a < 0 or b < 0:
@@ -63,3 +73,7 @@ class Lineage:
                 if top >= max(lo_a, lo_b):
                     common = max(common, top)
         return self._depth(a) + self._depth(b) - 2 * self._depth(common)
+
+
+NO_RESTARTS = Lineage()
+"""A run that never restarted from an older checkpoint: versions are plain differences."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from learner.buffer import GroupBuffer, oldest_version, split_groups
+from protocol.lineage import Lineage
 from protocol.trajectory import Trajectory
 
 
@@ -161,3 +162,21 @@ def test_random_workload_frees_every_record_exactly_once() -> None:
         range(1, added + 1)
     )  # each record's room freed once, none left over
     assert buf.records == 0 and buf.dropped_stale > 0
+
+
+def test_after_a_restart_groups_are_aged_by_the_updates_between_the_weights() -> None:
+    # Checkpoint at version 10, versions up to 12 published, resumed as 13 (the weights of 10).
+    # Plain differences made every group accepted before the restart 3 versions older than it
+    # is: with max_staleness 2 all were dropped, collateral of the restart.
+    buf = GroupBuffer(Lineage().resumed(13, 10))
+    buf.add(1, record({"at10": 2}, version=10) + record({"at9": 2}, version=9))
+    buf.add(2, record({"at12": 2}, version=12) + record({"at8": 2}, version=8))
+    out = buf.take(4, policy_version=14, max_staleness=2)
+    # 10 -> 13 is no update: 1 at 14; 9: 2; 12 is on the discarded branch, 2 back to 10: 3
+    # (stale); 8: 3 (stale)
+    assert sorted(g.uid for g in out.groups) == ["at10", "at9"]
+    assert sorted(g.uid for g in out.dropped) == ["at12", "at8"]
+    assert {g.uid: g.staleness(14) for g in out.groups} == {"at10": 1, "at9": 2}
+    plain = GroupBuffer()
+    plain.add(1, record({"at10": 2}, version=10))
+    assert [g.uid for g in plain.take(1, policy_version=14, max_staleness=2).dropped] == ["at10"]

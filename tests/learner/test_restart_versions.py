@@ -43,7 +43,7 @@ def test_the_ledger_keeps_the_highest_version_durably(tmp_path: Path) -> None:
     for v in (0, 1, 2, 1):
         ledger.record(v)
     assert ledger.highest == 2 and VersionLedger(tmp_path).highest == 2
-    assert json.loads((tmp_path / LEDGER).read_text()) == {"highest_published": 2}
+    assert json.loads((tmp_path / LEDGER).read_text()) == {"highest_published": 2, "aliases": []}
 
 
 def test_resume_marks_the_undone_steps_and_skips_their_versions(tmp_path: Path) -> None:
