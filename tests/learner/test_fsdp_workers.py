@@ -24,7 +24,7 @@ from learner.worker_api import (
     WeightsRequest,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from learner.samples import split_for_ranks
 from learner.worker import WorkerSettings
 from learner.worker_api import UpdateRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture

@@ -292,6 +292,7 @@ def test_loaded_keys_reach_the_workers(tmp_path: Path) -> None:
     assert (verl.loss_agg_mode, verl.clip_ratio_high, verl.tau_neg) == ("token-sum", 0.28, 2.0)
 
 
+@pytest.mark.integration
 def test_check_refuses_an_unknown_mode_with_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -377,7 +378,7 @@ async def _every_mode(model: Path) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_every_mode_trains_a_step_on_two_fsdp_ranks(tiny_model: Path) -> None:
     import ray
 

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from rollout_service.recording import read_recording
 from tools.make_tiny_data import make_tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -153,6 +153,7 @@ def steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.integration
 def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -182,7 +183,7 @@ def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     model, rows = assets
     data = verl_parquet(tmp_path / "train.parquet", rows)
@@ -202,7 +203,7 @@ def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_pa
     assert steps(tmp_path / "run") == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_agentfly_gsm8k_example_checks_and_trains(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
