@@ -176,6 +176,7 @@ def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> No
             "launch.ray_server_resources={rollout_host: 1}",
             "launch.ray_strategy=STRICT_SPREAD",
             "launch.max_restarts=1",
+            train_runs.SCRIPTED,
         ]
         j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
         jobs.append(j)
@@ -243,6 +244,7 @@ def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path,
         *train_runs.overrides(tmp_path, servers=1, steps=1),
         "launch.placement=ray",
         "ray.num_cpus=3",
+        train_runs.SCRIPTED,
     ]
     j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
     try:

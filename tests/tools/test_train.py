@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "bin" / "train"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STOP_TIMEOUT_S = 30
+# The rollout servers' engine where the launcher, not the model, is under test: it starts in a
+# second and has no child process (rollout_service/engine/scripted.py). One run here keeps vLLM.
+SCRIPTED = "rollout_server.engine=scripted"
 
 
 @pytest.mark.integration
@@ -374,7 +377,7 @@ def check_timeline(run: Path, out: str) -> None:
 
 @pytest.mark.e2e
 def test_sigint_stops_everything(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j = job(*overrides(tmp_path, servers=1, steps=50), SCRIPTED)
     j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
     j.record()
     start = time.monotonic()
@@ -388,7 +391,7 @@ def test_sigint_stops_everything(job, tmp_path: Path) -> None:  # type: ignore[n
 
 @pytest.mark.e2e
 def test_learner_death_stops_the_run(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j = job(*overrides(tmp_path, servers=1, steps=50), SCRIPTED)
     j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
     j.record()
     learner = j.processes()["children"]["learner"]["pid"]  # type: ignore[index]

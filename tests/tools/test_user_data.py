@@ -81,8 +81,11 @@ def agentfly_gsm8k(model: Path, train: Path, val: Path) -> list[str]:
 
 
 def cpu_size(tmp: Path) -> list[str]:
-    """Appended to train a few steps on 2 CPU cores: fewer and shorter episodes, fewer steps."""
+    """Appended to train a few steps on 2 CPU cores: fewer and shorter episodes, fewer steps. The
+    data formats are under test, not the model: the rollout server runs the scripted engine (it
+    reads, renders and scores the rows as with vLLM; rollout_service/engine/scripted.py)."""
     return [
+        "rollout_server.engine=scripted",
         "trainer.total_training_steps=2",
         "trainer.resume_mode=disable",
         f"trainer.run_dir={tmp / 'run'}",
