@@ -27,17 +27,6 @@ from learner.worker_api import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []

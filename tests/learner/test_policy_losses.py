@@ -379,16 +379,8 @@ async def _every_mode(model: Path) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-def test_every_mode_trains_a_step_on_two_fsdp_ranks(tiny_model: Path) -> None:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    try:
-        results = anyio.run(lambda: _every_mode(tiny_model))
-    finally:
-        ray.shutdown()
+def test_every_mode_trains_a_step_on_two_fsdp_ranks(tiny_model: Path, ray_cluster: Any) -> None:
+    results = anyio.run(lambda: _every_mode(tiny_model))
     assert set(results) == set(POLICY_LOSS_MODES)
     for mode, per_rank in results.items():
         r = per_rank[0]

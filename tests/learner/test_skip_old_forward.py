@@ -17,17 +17,6 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def trajectories(seed: int = 0, groups: int = 2, n: int = 4) -> list[Any]:
     """Mixed lengths, tool-token holes, and rollout logprobs far enough from the model's that some
     importance weights are truncated."""
