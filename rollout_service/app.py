@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 async def serve(config: Config, run_dir: Path) -> int:
     from common import reaper
     from common.logging import get_logger
-    from rollout_service.engine.vllm_engine import VllmEngine
+    from rollout_service.engine.base import Engine
     from rollout_service.server import RolloutServer, StartupError
     from rollout_service.shipping import ShippingError
 
@@ -31,8 +31,17 @@ async def serve(config: Config, run_dir: Path) -> int:
     except (StartupError, ValueError) as e:
         log.error(f"cannot start: {e}")
         return 2
-    reaper.watch()  # before the engine: its processes must not outlive a server killed -9
-    engine = await VllmEngine.from_config(config.actor_rollout_ref)
+    engine: Engine
+    if config.rollout_server.engine == "scripted":
+        from rollout_service.engine.scripted import ScriptedEngine
+
+        engine = ScriptedEngine.from_config(config.actor_rollout_ref)
+    else:
+        # vLLM's import alone takes seconds: only a server that uses it pays for it.
+        from rollout_service.engine.vllm_engine import VllmEngine
+
+        reaper.watch()  # before the engine: its processes must not outlive a server killed -9
+        engine = await VllmEngine.from_config(config.actor_rollout_ref)
     try:
         server.attach_engine(engine)
         await server.run(max_groups=config.rollout_server.max_groups)

@@ -1,5 +1,11 @@
 """Suite-wide fixtures and hooks.
 
+Tiers (tests/README.md): every test is ``unit``, ``integration``, ``e2e`` or ``nightly``, by marker
+on the test or its module; a test marked with none is unit, and a ``gpu`` test is nightly. A unit
+test may start no child process (so no Ray and no vLLM engine): ``_Guard`` refuses one while it
+runs and fails the test. ``TIER_GUARD_REPORT=<file>`` writes the refusals as JSON at the end, to
+find the tests to mark (an import of vLLM by a unit test is reported there, not refused).
+
 ``anyio_backend``: tests marked ``@pytest.mark.anyio`` run once under asyncio and once under trio;
 a module that needs one backend (ZeroMQ tests use ``zmq.asyncio``) overrides the fixture.
 
@@ -15,10 +21,102 @@ session in a temporary directory; tests that change it work on a copy.
 from __future__ import annotations
 
 import functools
+import json
+import multiprocessing.process
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+TIERS = ("unit", "integration", "e2e", "nightly")
+
+
+class UnitTierViolation(RuntimeError):
+    """A unit-tier test started a child process or imported vLLM."""
+
+
+class _Guard:
+    """Refuses process creation while a unit-tier test runs (setup, call and teardown).
+
+    The hooks wrap the primitives every child goes through: ``subprocess.Popen`` (asyncio's
+    subprocesses and ``ray.init`` too), ``os.fork``/``posix_spawn`` and ``multiprocessing`` (vLLM's
+    engine core, FSDP workers). Each refusal is also recorded on the test, so a test whose code
+    swallows the exception still fails at teardown.
+    """
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+        self.seen: list[str] = []
+        self.report: dict[str, list[str]] = {}
+
+    def refuse(self, what: str) -> None:
+        if self.item is None:
+            return
+        self.seen.append(what)
+        self.report.setdefault(self.item.nodeid, []).append(what)
+        raise UnitTierViolation(
+            f"a unit-tier test started {what}: unit tests start no child process, Ray or vLLM; "
+            "mark the test (or its module) integration or e2e (tests/README.md)"
+        )
+
+    def wrap(self, owner: Any, name: str, what: str) -> None:
+        original: Callable[..., Any] | None = getattr(owner, name, None)
+        if original is None:
+            return
+        guard = self
+
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            guard.refuse(what)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, guarded)
+
+
+_guard = _Guard()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _guard.wrap(subprocess.Popen, "_execute_child", "a subprocess")
+    _guard.wrap(multiprocessing.process.BaseProcess, "start", "a multiprocessing process")
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        _guard.wrap(os, name, f"a child process (os.{name})")
+
+
+def _tier(item: pytest.Item) -> str:
+    found = [t for t in TIERS if item.get_closest_marker(t) is not None]
+    return found[-1] if found else "unit"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    unit = _tier(item) == "unit"
+    had_vllm = "vllm" in sys.modules
+    _guard.item, _guard.seen = (item if unit else None), []
+    try:
+        return (yield)
+    finally:
+        _guard.item = None
+        if unit and not had_vllm and "vllm" in sys.modules:
+            _guard.report.setdefault(item.nodeid, []).append("a vLLM import")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    result = yield
+    if _guard.item is item and _guard.seen:
+        raise UnitTierViolation(f"this unit-tier test started {', '.join(_guard.seen)}")
+    return result
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("TIER_GUARD_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(_guard.report, indent=1))
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +148,18 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Every test has one tier: a test marked with none is a unit test, and a GPU test is nightly.
+    # Before the -m selection (tryfirst), so that `-m unit` and `-m "not nightly"` see them.
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: mark each test with one")
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.nightly)
+        elif not tiers:
+            item.add_marker(pytest.mark.unit)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -21,6 +21,10 @@ class RolloutServerConfig(Section):
 
     server_id: str | None = Field(default=None, min_length=1)
     """Name of this server in logs and on the wire; null: `<hostname>-<pid>`."""
+    engine: Literal["vllm", "scripted"] = "vllm"
+    """What generates: vllm (the model, vLLM's AsyncLLM in process), or scripted (a fixed answer on
+    the model's tokenizer, no sampling: for tests of the launcher, placement and data paths where
+    the model is not under test; ``rollout_service/engine/scripted.py``)."""
     learner_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint of the learner to connect to."""
     max_concurrent_episodes: int = Field(default=64, gt=0)

@@ -3,14 +3,14 @@
 Design: agents never see vLLM. They hand a prompt as token ids and get back the sampled token ids
 verbatim (never decoded and re-encoded: retokenisation drift is the classic bug of agent RL), the
 logprob of each sampled token under the policy that sampled it, and the policy version of each
-token (a generation can straddle a weight update under the ``keep`` policy). A scripted engine for
-unit tests implements the same protocol.
+token (a generation can straddle a weight update under the ``keep`` policy). The scripted engine
+(``scripted.py``, ``rollout_server.engine: scripted``) implements the same protocol.
 
 Two protocols: ``SamplingEngine`` is what an agent loop needs (generate, abort, the version);
 ``Engine`` is what the rollout server drives: that, plus weight updates (chunks received over the
 protocol, or the learner's file on this machine), the manifest announces are checked against, and
-shutdown. The server calls every member; an engine that cannot do one (a scripted test engine has
-no file hand-over) raises ``WeightUpdateError`` saying so, and the server reports the update failed.
+shutdown. The server calls every member; an engine that cannot do one raises ``WeightUpdateError``
+saying so, and the server reports the update failed.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def config_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_help_is_fast_and_imports_nothing_heavy() -> None:
     start = time.perf_counter()
     result = run_bin(LEARNER, "--help")
@@ -58,6 +59,7 @@ def test_help_is_fast_and_imports_nothing_heavy() -> None:
 
 
 @pytest.mark.parametrize("script", [LEARNER, ROLLOUT_SERVER], ids=lambda p: p.name)
+@pytest.mark.integration
 def test_check_prints_resolved_yaml_and_imports_nothing_heavy(
     script: Path, config_file: Path
 ) -> None:
@@ -110,6 +112,7 @@ def test_check_prints_resolved_yaml_and_imports_nothing_heavy(
     ],
     ids=["unknown-key", "wrong-type", "negative-batch", "ratios", "model-path", "curve"],
 )
+@pytest.mark.integration
 def test_invalid_config_exits_2_with_message(
     config_file: Path, overrides: list[str], expected: str
 ) -> None:
@@ -121,6 +124,7 @@ def test_invalid_config_exits_2_with_message(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.integration
 def test_invalid_file_exits_2_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text(
@@ -133,6 +137,7 @@ def test_invalid_file_exits_2_naming_the_file(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.integration
 def test_bad_usage_exits_2() -> None:
     result = run_bin(LEARNER, "--log-format", "xml")
     assert result.returncode == 2 and "invalid choice" in result.stderr
@@ -267,6 +272,7 @@ def _data(tmp_path: Path) -> tuple[Path, Path]:
     return good, bad
 
 
+@pytest.mark.integration
 def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(
     config_file: Path, tmp_path: Path
 ) -> None:
@@ -306,6 +312,7 @@ def test_check_refuses_unknown_names_and_bad_data_like_the_real_start(
     )
 
 
+@pytest.mark.integration
 def test_check_passes_good_data_and_only_warns_about_validation_files(
     config_file: Path, tmp_path: Path
 ) -> None:
@@ -324,6 +331,7 @@ def test_check_passes_good_data_and_only_warns_about_validation_files(
     assert yaml.safe_load(result.stdout)["data"]["train_files"] == [str(good)]
 
 
+@pytest.mark.integration
 def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path) -> None:
     result = run_bin(
         TOOL_SERVER,
@@ -381,6 +389,7 @@ def _system_python() -> str:
     return python
 
 
+@pytest.mark.integration
 def test_entrypoints_run_from_a_shell_without_the_venv(config_file: Path) -> None:
     """The issue's check (`env -i PATH=/usr/bin:/bin HOME=$HOME bin/rollout-server --config F
     --check`): a plain shell (the shebang finds the system python3) re-runs the entrypoint with
@@ -421,6 +430,7 @@ def test_entrypoints_run_from_a_shell_without_the_venv(config_file: Path) -> Non
         assert time.perf_counter() - start < 2.0, name
 
 
+@pytest.mark.integration
 def test_missing_venv_says_run_setup(tmp_path: Path) -> None:
     """A checkout without .venv, run by a Python without the project's packages: one line that
     says to run bin/setup, not a ModuleNotFoundError."""
@@ -450,6 +460,7 @@ def test_missing_venv_says_run_setup(tmp_path: Path) -> None:
     assert "run bin/setup" in result.stderr and "ModuleNotFoundError" not in result.stderr
 
 
+@pytest.mark.integration
 def test_check_refuses_a_sink_whose_package_is_missing(config_file: Path) -> None:
     """trainer.logger=[..., wandb] without wandb installed: refused by --check (bin/learner and
     bin/train) and at start before Ray, with the install hint, not a traceback after Ray."""

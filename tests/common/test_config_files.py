@@ -84,6 +84,7 @@ def test_yaml_reads_exponent_floats() -> None:
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+@pytest.mark.integration
 def test_config_passes_check_on_this_machine(path: Path, tmp_path: Path) -> None:
     """`bin/train --check` (the learner's and the rollout server's loader too) accepts every shipped
     config once its model path points at a model directory that exists here."""

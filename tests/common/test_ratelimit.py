@@ -334,6 +334,7 @@ def workers() -> Iterator[list[Worker]]:
                 stream.close()
 
 
+@pytest.mark.integration
 def test_sigkill_while_holding_the_lock_frees_it(tmp_path: Path, workers: list[Worker]) -> None:
     rl = limiter(tmp_path, api=Bucket(per_minute=600, burst=5))
     holder = Worker("hold", "--state-dir", str(rl.state_dir), "--key", "api")
@@ -348,7 +349,7 @@ def test_sigkill_while_holding_the_lock_frees_it(tmp_path: Path, workers: list[W
     assert holder.proc.wait(timeout=10) == -signal.SIGKILL
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_eight_processes_for_30_s_obey_the_bucket(tmp_path: Path, workers: list[Worker]) -> None:
     """Acceptance: 8 processes (blocking, asyncio and trio callers) hammer one key for 30 s; one of
     them takes the lock at 12 s and is SIGKILLed while holding it."""

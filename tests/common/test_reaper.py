@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.integration  # child processes, killed
 
 REPO = Path(__file__).resolve().parents[2]
 

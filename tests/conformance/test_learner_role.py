@@ -23,6 +23,8 @@ from conformance_testkit import (
 from protocol.version import PROTOCOL_VERSION
 from tools.conformance import registry, report, runner
 
+pytestmark = pytest.mark.integration
+
 ALL = [c.name for c in registry.checks("learner")]
 LINE = re.compile(r"^(PASS|FAIL) (\S+?)(:)?(\s+.*)?$")
 

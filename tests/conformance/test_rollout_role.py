@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 from anyio.from_thread import start_blocking_portal
 from conformance_testkit import (
     CLI,
@@ -128,6 +129,7 @@ def test_the_deadline_names_the_check_and_what_it_waited_for() -> None:
     }
 
 
+@pytest.mark.integration
 def test_cli_against_a_reference_rollout_server_process() -> None:
     """Server process started first, pointing at an address nothing listens on yet; the CLI binds it."""
     target = f"tcp://127.0.0.1:{free_port()}"
@@ -227,6 +229,7 @@ def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
     )  # version 0 from the handshake, then 1; the corrupt 2 refused
 
 
+@pytest.mark.integration
 def test_an_address_in_use_is_a_set_up_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

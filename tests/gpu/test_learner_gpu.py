@@ -26,7 +26,7 @@ from tools.make_tiny_model import (
     to_bfloat16_bits,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 REPO = Path(__file__).resolve().parents[2]
 NEEDED = ("ray", "verl", "tensordict", "structlog", "transformers", "codetiming", "omegaconf")

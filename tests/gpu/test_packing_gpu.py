@@ -17,7 +17,7 @@ import pytest
 
 from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 
 def test_shared_prefix_rows_through_the_varlen_kernel(

@@ -15,7 +15,7 @@ from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 
 def test_packed_rows_through_the_varlen_kernel(

@@ -29,7 +29,7 @@ from tools.make_tiny_model import (
     to_bfloat16_bits,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 PROMPT = [151, 33, 7, 42, 99, 5]
 LONG = 1500  # tokens per request of the mid-generation update: seconds on an H100

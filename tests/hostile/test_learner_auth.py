@@ -22,7 +22,7 @@ from hostile_testkit import LearnerProcess, MiB, Peer, RssWatch, serves_a_valid_
 from protocol.messages import MsgType
 from protocol.zmq_transport import use_token
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 RSS_BOUND = 300 * MiB
 FRAME = 32 * MiB
 FRAMES = 64  # 2 GiB in one message, each frame under the run's 67 MiB frame bound

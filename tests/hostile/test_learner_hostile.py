@@ -28,7 +28,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import Ack, Error, MsgType
 from protocol.zmq_transport import use_token
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 RSS_BOUND = 300 * MiB
 
 

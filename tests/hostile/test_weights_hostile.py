@@ -218,6 +218,7 @@ def _file_announce(version: int, model: Path, path: str) -> WeightsAnnounce:
 
 
 # -- the checks -------------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_a_3_gib_announce_is_refused_without_allocating(learner: Learner, tiny_model: Path) -> None:
     ann, _ = plan_transfer(1, _tiny_tensors(tiny_model))
     embed = next(i for i, t in enumerate(ann.tensors) if t.name.endswith("embed_tokens.weight"))
@@ -237,6 +238,7 @@ def test_a_3_gib_announce_is_refused_without_allocating(learner: Learner, tiny_m
     assert grown < MAX_RSS_GROWTH
 
 
+@pytest.mark.integration
 def test_an_announce_unlike_the_model_is_refused_naming_the_tensor(
     learner: Learner, tiny_model: Path
 ) -> None:
@@ -256,6 +258,7 @@ def test_an_announce_unlike_the_model_is_refused_naming_the_tensor(
     )
 
 
+@pytest.mark.integration
 def test_a_truncated_transfer_times_out_with_an_error(learner: Learner, tiny_model: Path) -> None:
     ann, chunks = plan_transfer(
         3, _tiny_tensors(tiny_model), chunk_bytes=64 << 10, transfer_id="cut-off"
@@ -284,6 +287,7 @@ def test_a_truncated_transfer_times_out_with_an_error(learner: Learner, tiny_mod
 
 
 @pytest.mark.parametrize("how", ["etc_passwd", "symlink_out", "dotdot", "directory", "missing"])
+@pytest.mark.integration
 def test_a_file_announce_outside_the_weights_directory_is_refused(
     learner: Learner, tiny_model: Path, shm: Path, how: str
 ) -> None:
@@ -357,6 +361,7 @@ def test_an_abandoned_version_no_longer_holds_admission_back(
         server._state_lock.release()
 
 
+@pytest.mark.integration
 def test_the_server_still_applies_valid_versions(
     learner: Learner, tiny_model: Path, shm: Path
 ) -> None:

@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # a real `ray start` cluster
+
 REPO = Path(__file__).resolve().parents[2]
 JOIN = (
     "import sys; sys.path.insert(0, sys.argv[1]); from learner.workers import init_ray; "

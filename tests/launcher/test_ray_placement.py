@@ -115,6 +115,7 @@ def hosted(tmp: Path, name: str, code: str) -> HostedChild:
     return HostedChild(name, name, argv, tmp / f"{name}.log", {"AGENTRL_TEST": "1"})
 
 
+@pytest.mark.e2e
 def test_stop_all_and_kill_tree_reach_remote_children(tmp_path: Path) -> None:
     # A grandchild in the group that ignores SIGTERM: only the group kill ends it.
     stubborn = (
@@ -154,7 +155,7 @@ def test_stop_all_and_kill_tree_reach_remote_children(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- a simulated 2-node cluster
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(480)
 def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
     import ray
@@ -175,6 +176,7 @@ def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> No
             "launch.ray_server_resources={rollout_host: 1}",
             "launch.ray_strategy=STRICT_SPREAD",
             "launch.max_restarts=1",
+            train_runs.SCRIPTED,
         ]
         j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
         jobs.append(j)
@@ -233,7 +235,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_model(root / "model"), make_tiny_data(root / "data", train=64, val=8)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
     """No ray.address, no RAY_ADDRESS: bin/train starts a local cluster, places the server on it,
     and the learner joins it (Ray's token authentication included); all of it gone at the end."""
@@ -242,6 +244,7 @@ def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path,
         *train_runs.overrides(tmp_path, servers=1, steps=1),
         "launch.placement=ray",
         "ray.num_cpus=3",
+        train_runs.SCRIPTED,
     ]
     j = train_runs.Job(tmp_path, train_runs.job_config(tmp_path, assets), args)
     try:
@@ -259,7 +262,7 @@ def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path,
             os.environ["RAY_ADDRESS"] = env_address
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_fleet_the_cluster_cannot_hold_fails_at_once(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
     """No address anywhere: bin/train starts a local cluster; a bundle no node has fails the run
     after launch.connect_timeout_s, saying what it asked and what the cluster has."""

@@ -6,12 +6,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import structlog
 
 from common.config import load_config
 from common.rundir import prepare_run_dir
 from launcher.plan import Plan, plan_run
 from launcher.supervisor import EXIT_FAILED, Supervisor
+
+pytestmark = pytest.mark.integration  # starts child processes
 
 
 def _plan(tmp_path: Path) -> Plan:

@@ -1,9 +1,29 @@
 """Makes ``process_testkit`` (starting, stopping and reading real learner processes) importable
-from these tests under any pytest import mode."""
+from these tests under any pytest import mode; ``ray_cluster``: one local Ray cluster for every
+in-process FSDP test of this package."""
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+@pytest.fixture(scope="package")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray cluster of 2 CPUs, started once for the package's in-process FSDP tests (each
+    start takes seconds on 2 cores) and shut down after its last test. Worker actors still come
+    and go with each test's ``WorkerGroup``; learner processes the tests start make their own
+    cluster (``init_ray`` uses address "local")."""
+    import ray
+
+    from learner.workers import init_ray
+
+    init_ray(None, 2, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -25,18 +25,7 @@ from learner.worker_api import (
 )
 from learner.worker_settings import WorkerSettings
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+pytestmark = pytest.mark.e2e
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Sample]:

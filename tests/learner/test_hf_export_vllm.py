@@ -16,7 +16,7 @@ from learner.samples import split_for_ranks
 from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
@@ -25,10 +25,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    import ray
-
-    from learner.workers import WorkerGroup, init_ray
+def exported(tmp_path_factory: pytest.TempPathFactory, ray_cluster: Any) -> tuple[Path, Path]:
+    from learner.workers import WorkerGroup
     from tools.make_tiny_model import make_tiny_model
 
     base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
@@ -54,11 +52,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         finally:
             group.shutdown()
 
-    init_ray(None, 2, log_to_driver=False)
-    try:
-        anyio.run(run)
-    finally:
-        ray.shutdown()
+    anyio.run(run)
     return base, out
 
 

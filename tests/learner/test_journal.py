@@ -203,6 +203,7 @@ while True:  # records of one size: ids of a fixed width
 """
 
 
+@pytest.mark.integration
 def test_sigkill_mid_write_leaves_a_readable_journal(tmp_path: Path) -> None:
     """A writer process is killed while the file is not at a record boundary (so most likely in the
     middle of a record): every complete record reads back, the rest is cut off."""

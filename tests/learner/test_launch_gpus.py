@@ -75,6 +75,7 @@ def test_each_local_rollout_server_gets_its_own_cores() -> None:
     )
 
 
+@pytest.mark.integration
 def test_local_rollout_servers_yield_the_cpu_to_the_learner_on_cpu_runs(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     cases = (("cpu", 19, 19), ("cuda", 19, 0), ("cpu", 0, 0))  # device, asked, got
@@ -285,6 +286,7 @@ def test_check_launch_blames_the_override() -> None:
     assert exc.value.issues[0].source == "job.yaml"
 
 
+@pytest.mark.integration
 def test_bin_train_check_refuses_a_bad_placement(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()

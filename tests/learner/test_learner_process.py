@@ -15,7 +15,7 @@ from process_testkit import kill_group, read_jsonl, start, wait_for
 
 from launcher.plan import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 FEEDER = Path(__file__).with_name("feeder.py")

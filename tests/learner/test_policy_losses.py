@@ -292,6 +292,7 @@ def test_loaded_keys_reach_the_workers(tmp_path: Path) -> None:
     assert (verl.loss_agg_mode, verl.clip_ratio_high, verl.tau_neg) == ("token-sum", 0.28, 2.0)
 
 
+@pytest.mark.integration
 def test_check_refuses_an_unknown_mode_with_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -377,17 +378,9 @@ async def _every_mode(model: Path) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.slow
-def test_every_mode_trains_a_step_on_two_fsdp_ranks(tiny_model: Path) -> None:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    try:
-        results = anyio.run(lambda: _every_mode(tiny_model))
-    finally:
-        ray.shutdown()
+@pytest.mark.e2e
+def test_every_mode_trains_a_step_on_two_fsdp_ranks(tiny_model: Path, ray_cluster: Any) -> None:
+    results = anyio.run(lambda: _every_mode(tiny_model))
     assert set(results) == set(POLICY_LOSS_MODES)
     for mode, per_rank in results.items():
         r = per_rank[0]

@@ -146,7 +146,7 @@ def feed(tmp: Path, name: str, key: str) -> list[Any]:
     return [f[key] for f in read_jsonl(tmp / f"{name}.jsonl") if key in f]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigkill_after_step_5_with_checkpoint_3_then_restart(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -14,18 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    import ray
-
-    from learner.workers import init_ray
-
-    init_ray(None, 2, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+pytestmark = pytest.mark.e2e
 
 
 def trajectories(seed: int = 0, groups: int = 2, n: int = 4) -> list[Any]:

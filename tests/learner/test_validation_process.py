@@ -19,7 +19,7 @@ from process_testkit import read_jsonl, start
 
 from launcher.plan import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 VAL_ROWS, VAL_N = 6, 2

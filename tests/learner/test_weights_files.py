@@ -81,6 +81,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.integration
 def test_remove_stale_deletes_only_dead_learners_directories(tmp_path: Path) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -113,6 +114,7 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.integration
 def test_files_are_gone_after_any_exit_or_at_the_next_start(tmp_path: Path, sig: int) -> None:
     p = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(tmp_path)],

@@ -23,7 +23,7 @@ from server_testkit import make_config
 
 from protocol.weights import NamedBuffer
 
-pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 B, N, STEPS, K = 4, 4, 4, 1
 
 

@@ -72,6 +72,7 @@ async def test_an_episode_without_calls_reports_zero_and_single_turn_reports_not
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_code_agent_counts_sandbox_runs_and_errors(renderer: ChatRenderer) -> None:
     turns = ["[[py]]print(6 * 7)[[/py]]", "[[py]]1/0[[/py]]", "[[/py]]", "<<ans>>42<</ans>>"]
     ep = code_episode()

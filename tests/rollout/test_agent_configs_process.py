@@ -23,7 +23,7 @@ from rollout_service.recording import read_recording
 from tools.make_tiny_data import make_tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -41,7 +41,13 @@ def stop(proc: subprocess.Popen, log: Path) -> None:
     assert not alive, f"left behind by {log.name}: {[p.pid for p in alive]}"
 
 
-@pytest.mark.parametrize("name", ["tiny_statelm", "tiny_code", "tiny_mixed"])
+# The agents' configs, data and recordings are under test, not the model: two configs run on the
+# scripted engine (a fixed answer, rollout_service/engine/scripted.py); tiny_mixed keeps vLLM, so
+# a rollout server process generates with vLLM next to the tool server and the sandbox.
+ENGINES = {"tiny_statelm": "scripted", "tiny_code": "scripted", "tiny_mixed": "vllm"}
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
 def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, name: str) -> None:
     data = make_tiny_data(tmp_path / "data", train=32, val=4, agents=True)
     port = free_port("127.0.0.1")
@@ -54,6 +60,7 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
         "trainer.logger=[jsonl]",
         "transport.heartbeat_interval_s=0.5",
         "transport.heartbeat_timeout_s=10",
+        f"rollout_server.engine={ENGINES[name]}",
     ]
     # The configs name runs/tiny-data/...: point every data path at this test's data.
     text = (REPO / "configs" / f"{name}.yaml").read_text()

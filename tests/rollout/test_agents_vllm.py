@@ -29,7 +29,7 @@ from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.rewards.base import RewardResult
 from rollout_service.tools.base import TOOLS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

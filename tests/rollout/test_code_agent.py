@@ -61,6 +61,7 @@ def spans(ep: Episode, renderer: ChatRenderer) -> list[tuple[int, str]]:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_code_runs_mid_turn_and_the_answer_ends_the_episode(renderer: ChatRenderer) -> None:
     turns = ["Let me compute. [[py]]print(6 * 7)[[/py]]", "So it is 42. <<ans>>42<</ans>>"]
     engine = ScriptedEngine(renderer.tok, turns)
@@ -83,6 +84,7 @@ async def test_code_runs_mid_turn_and_the_answer_ends_the_episode(renderer: Chat
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_errors_are_shown_and_repeated_failures_end_the_episode(
     renderer: ChatRenderer,
 ) -> None:
@@ -104,6 +106,7 @@ async def test_a_turn_without_code_or_answer_ends_as_no_tool_call(renderer: Chat
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_state_masking_takes_marked_spans_out_of_the_loss(renderer: ChatRenderer) -> None:
     options = TAGS.model_copy(update={"mask_spans": [MaskSpan(start="<state>", end="</state>")]})
     turns = [

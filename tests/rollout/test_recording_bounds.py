@@ -70,6 +70,7 @@ FULL_DISK = textwrap.dedent(
 )
 
 
+@pytest.mark.integration  # a child process with a file-size limit
 def test_a_failed_write_stops_the_recording_naming_the_path(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(REPO), str(tmp_path / "rec")],

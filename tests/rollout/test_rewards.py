@@ -126,11 +126,13 @@ GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
 
 
+@pytest.mark.integration
 async def test_code_passes() -> None:
     s, extras = await score("code", episode(GOOD), {"tests": TESTS})
     assert s == 1.0 and extras["passed"] == 1.0 and extras["timed_out"] == 0.0
 
 
+@pytest.mark.integration
 async def test_code_from_final_answer_and_string_tests() -> None:
     s, _ = await score(
         "code",
@@ -140,18 +142,21 @@ async def test_code_from_final_answer_and_string_tests() -> None:
     assert s == 1.0
 
 
+@pytest.mark.integration
 async def test_code_fails_wrong_solution() -> None:
     wrong = GOOD.replace("a + b", "a - b")
     s, extras = await score("code", episode(wrong), {"tests": TESTS})
     assert s == 0.0 and extras["passed"] == 0.0 and "AssertionError" in str(extras["reason"])
 
 
+@pytest.mark.integration
 async def test_code_early_exit_does_not_pass() -> None:
     cheat = "```python\nimport os\nos._exit(0)\n```"
     s, _ = await score("code", episode(cheat), {"tests": ["assert False"]})
     assert s == 0.0
 
 
+@pytest.mark.integration
 async def test_code_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     from rollout_service.rewards import code as code_reward
     from rollout_service.sandbox import SandboxLimits

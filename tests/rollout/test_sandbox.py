@@ -13,7 +13,7 @@ import pytest
 
 from rollout_service.sandbox import SandboxLimits, _live_pids_of_uid, run_python
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 AS_ROOT = os.geteuid() == 0
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=5)

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from rollout_service import sandbox
 from rollout_service.sandbox import SandboxLimits, run_python
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 AS_ROOT = os.geteuid() == 0
 CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout these tests run from

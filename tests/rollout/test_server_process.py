@@ -22,7 +22,7 @@ from protocol.reference import ReferenceLearner
 from tools.make_tiny_data import make_tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 @contextmanager

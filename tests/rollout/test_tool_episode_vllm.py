@@ -25,7 +25,7 @@ from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.agents.tool_agent import ToolAgent
 from rollout_service.engine.base import SamplingSettings
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 QUESTION = "What is 6 * 7?"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 ANSWER = "The answer is \\boxed{42}."

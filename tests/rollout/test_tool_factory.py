@@ -77,6 +77,7 @@ def test_local_tools_get_their_options_from_the_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_remote_and_local_tools_are_interchangeable(served: tuple[str, Path]) -> None:
     url, tmp = served
     names = ["python", "search", "calculator", "finish"]
@@ -133,6 +134,7 @@ def test_search_without_corpus_names_the_key(tmp_path: Path) -> None:
     assert list(build_tools(config, ["calculator"])) == ["calculator"]  # only when search is used
 
 
+@pytest.mark.integration
 def test_remote_errors_name_the_key(tmp_path: Path, served: tuple[str, Path]) -> None:
     url, _ = served
     with pytest.raises(

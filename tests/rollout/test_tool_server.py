@@ -30,6 +30,8 @@ from rollout_service.tools import ToolContext, ToolResult
 from rollout_service.tools.base import function_schema
 from rollout_service.tools.remote import RemoteTool, RemoteToolClient, fetch_schemas
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 TOOL_SERVER = REPO / "bin" / "tool-server"
 CTX = ToolContext(episode_id="ep-remote")

@@ -123,6 +123,7 @@ def test_check_args_types() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_python_tool_runs_code() -> None:
     tool = TOOLS.get("python")(timeout_s=5.0)
     res = await tool.call(
@@ -132,6 +133,7 @@ async def test_python_tool_runs_code() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_python_tool_reports_errors_readably() -> None:
     tool = TOOLS.get("python")(timeout_s=1.0)
     crash = await tool.call({"code": "1 / 0"}, CTX)
@@ -144,6 +146,7 @@ async def test_python_tool_reports_errors_readably() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.integration
 async def test_python_tool_truncates_long_output_keeping_the_tail() -> None:
     tool = TOOLS.get("python")(max_output_chars=200)
     res = await tool.call({"code": "for i in range(1000): print(i)\nprint('LAST')"}, CTX)

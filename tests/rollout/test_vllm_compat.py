@@ -29,6 +29,7 @@ def test_default_dtype_per_platform() -> None:
     assert VllmInfo("0.32.0", "cpu", True).default_dtype() == "float32"
 
 
+@pytest.mark.e2e
 def test_the_installed_cpu_build_is_detected() -> None:
     info = vllm_info()
     if info.platform != "cpu":

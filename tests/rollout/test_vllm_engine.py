@@ -88,7 +88,7 @@ async def greedy(engine: VllmEngine, prompt: list[int], n: int, rid: str) -> lis
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_greedy_generation_finish_reasons(rig: Rig) -> None:
     engine = rig.engine
     gen = await engine.generate(
@@ -115,7 +115,7 @@ async def test_greedy_generation_finish_reasons(rig: Rig) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_logprobs_match_transformers(rig: Rig) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -135,7 +135,7 @@ async def test_logprobs_match_transformers(rig: Rig) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_cancel_aborts_the_vllm_request(rig: Rig) -> None:
     llm = rig.engine.async_llm
     task = asyncio.create_task(
@@ -150,7 +150,7 @@ async def test_cancel_aborts_the_vllm_request(rig: Rig) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_abort_returns_tokens_so_far(rig: Rig) -> None:
     task = asyncio.create_task(
         rig.engine.generate("to-abort", PROMPT, SamplingSettings(max_tokens=LONG, ignore_eos=True))
@@ -165,7 +165,7 @@ async def test_abort_returns_tokens_so_far(rig: Rig) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_update_changes_greedy_output_and_version(rig: Rig) -> None:
     engine = rig.engine
     before_version = engine.policy_version
@@ -204,7 +204,7 @@ async def straddle(
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_update_during_generation(rig: Rig, mode: str) -> None:
     engine = rig.engine
@@ -221,7 +221,7 @@ async def test_update_during_generation(rig: Rig, mode: str) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_concurrent_requests_across_update(rig: Rig, mode: str) -> None:
     engine = rig.engine
@@ -249,7 +249,7 @@ async def test_concurrent_requests_across_update(rig: Rig, mode: str) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_refused_update_keeps_old_weights(rig: Rig) -> None:
     engine = rig.engine
     version = engine.policy_version
@@ -273,7 +273,7 @@ async def test_refused_update_keeps_old_weights(rig: Rig) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The new weights reach the workers, then the reload 'fails': the old ones must come back."""
     engine = rig.engine
@@ -299,7 +299,7 @@ async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_file_hand_over_loads_in_place_and_checks_the_header(
     rig: Rig, tmp_path: Path
 ) -> None:
@@ -336,7 +336,7 @@ async def test_file_hand_over_loads_in_place_and_checks_the_header(
 
 
 @pytest.mark.anyio
-@pytest.mark.slow
+@pytest.mark.e2e
 async def test_shutdown_leaves_no_child_processes(rig: Rig) -> None:
     import psutil
 

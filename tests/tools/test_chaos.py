@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # a real bin/train job (vLLM, Ray, FSDP)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, str(ROOT / "bin" / "make-curve-keys")]
 
 
+@pytest.mark.integration
 def test_help_is_instant_and_imports_no_zmq() -> None:
     t0 = time.monotonic()
     out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, check=True)
@@ -27,6 +28,7 @@ def test_help_is_instant_and_imports_no_zmq() -> None:
     assert loaded.stdout.strip() == "False"
 
 
+@pytest.mark.integration
 def test_cli_writes_a_loadable_key_pair(tmp_path: Path) -> None:
     import zmq.auth
 
@@ -48,6 +50,7 @@ def test_cli_writes_a_loadable_key_pair(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.integration
 def test_existing_keys_are_kept_unless_forced(tmp_path: Path) -> None:
     _, secret = make_keys(tmp_path, "rollout-0")
     before = secret.read_text()

@@ -104,6 +104,7 @@ def play(
 
 
 @pytest.mark.parametrize("options", [CodeAgentConfig(), CUSTOM], ids=["default-tags", "custom"])
+@pytest.mark.integration
 def test_a_demonstration_is_the_agents_episode_and_earns_the_reward(
     renderer: ChatRenderer, options: CodeAgentConfig
 ) -> None:
@@ -143,6 +144,7 @@ def test_guesses_answer_without_code_and_wrong(renderer: ChatRenderer) -> None:
         assert ep.final_answer == demo.answer != row["answer"]
 
 
+@pytest.mark.integration
 def test_the_warmup_reads_the_tags_of_the_configured_file(
     renderer: ChatRenderer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,6 +161,7 @@ def test_the_warmup_reads_the_tags_of_the_configured_file(
     assert "[[py]]\nprint(" in text and "<code>" not in text
 
 
+@pytest.mark.integration
 def test_demo_code_help_touches_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "DEMO_DIR": str(tmp_path), "DEMO_AGENT": "code"}
     for command in ([str(REPO / "bin" / "demo"), "--help"], ["bash", "tools/demos/code.sh", "-h"]):

@@ -26,7 +26,7 @@ from rollout_service.recording import read_recording
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.nightly,
     pytest.mark.timeout(900),
 ]  # ~2-3 min alone; a busy 2-core machine takes longer
 

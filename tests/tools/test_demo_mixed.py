@@ -101,6 +101,7 @@ def test_the_data_holds_the_batch_mix(data: Path) -> None:
     assert Counter(r["data_source"] for r in val) == {"arithmetic": 2, "qa": 2, "code": 2}
 
 
+@pytest.mark.integration
 def test_a_tool_agent_demonstration_is_the_agents_episode(
     renderer: ChatRenderer, data: Path, config: Config
 ) -> None:
@@ -164,6 +165,7 @@ def test_a_tool_agent_demonstration_is_the_agents_episode(
     assert seen["arithmetic"] and seen["qa"]
 
 
+@pytest.mark.integration
 def test_every_source_is_demonstrated_by_its_agent(
     renderer: ChatRenderer, data: Path, config: Config
 ) -> None:
@@ -180,6 +182,7 @@ def test_every_source_is_demonstrated_by_its_agent(
         assert demo.answer != str(row["answer"])
 
 
+@pytest.mark.integration
 def test_demo_mixed_help_touches_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "DEMO_DIR": str(tmp_path), "DEMO_AGENT": "mixed"}
     for command in ([str(REPO / "bin" / "demo"), "--help"], ["bash", "tools/demos/mixed.sh", "-h"]):

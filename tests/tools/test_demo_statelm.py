@@ -165,6 +165,7 @@ def test_data_and_config_agree(config: Any) -> None:
         assert text.endswith(f"project {row['project']}?")
 
 
+@pytest.mark.integration
 def test_demo_help_touches_nothing(tmp_path: Path) -> None:
     """bin/demo answers --help before choosing the agent; the script's own --help says what the
     StateLM demo does. Neither makes nor deletes anything."""

@@ -299,6 +299,7 @@ def test_a_check_that_raises_is_a_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.status == "FAIL" and "RuntimeError: boom" in result.summary
 
 
+@pytest.mark.integration
 def test_bin_doctor_help_is_instant_and_json_runs() -> None:
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     start = time.monotonic()

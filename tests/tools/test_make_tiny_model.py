@@ -91,6 +91,7 @@ def test_other_seed_changes_weights_but_not_tokenizer(tiny: Path, tmp_path: Path
     }
 
 
+@pytest.mark.integration
 def test_cli_writes_same_directory_in_another_process(tiny: Path, tmp_path: Path) -> None:
     # A fresh process also checks that tokenizer training does not depend on hash seeds.
     start = time.perf_counter()
@@ -100,6 +101,7 @@ def test_cli_writes_same_directory_in_another_process(tiny: Path, tmp_path: Path
     assert elapsed < 30, f"make-tiny-model took {elapsed:.1f} s"
 
 
+@pytest.mark.integration
 def test_cli_refuses_foreign_files_and_bad_shapes(tmp_path: Path) -> None:
     make_tiny_model(tmp_path / "model")
     make_tiny_model(tmp_path / "model")  # rewriting its own output is fine
@@ -162,6 +164,7 @@ def test_bfloat16_rounding_matches_torch() -> None:
     assert np.isnan(bfloat16_bits_to_float32(to_bfloat16_bits(np.array([np.nan], np.float32))))
 
 
+@pytest.mark.integration
 def test_cli_preset_and_bfloat16(tiny: Path, tmp_path: Path) -> None:
     import torch
     from safetensors.numpy import load_file
@@ -226,6 +229,7 @@ def test_cli_preset_and_bfloat16(tiny: Path, tmp_path: Path) -> None:
     assert file_hashes(tmp_path / "tiny") == file_hashes(tiny)
 
 
+@pytest.mark.integration
 def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
     start = time.perf_counter()
     out = subprocess.run(
@@ -400,7 +404,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_vllm_cpu_loads_and_generates(tiny: Path, tmp_path: Path) -> None:
     script = tmp_path / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)

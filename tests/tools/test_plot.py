@@ -93,6 +93,7 @@ def test_missing_or_empty_file_is_a_clear_error(tmp_path: Path) -> None:
         plot_run(tmp_path)
 
 
+@pytest.mark.integration
 def test_bin_plot(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_metrics(run, [full_record(1), full_record(2)])

@@ -22,6 +22,8 @@ from scripted import ScriptedEngine  # noqa: E402
 
 from tools.replay.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 SERVER = "rs0"
 ROWS = [
     {"question": "What is 2 + 3? Use the calculator.", "answer": "5", "data_source": "arithmetic"},

@@ -19,7 +19,7 @@ import yaml
 
 from launcher.plan import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS, N, STEPS, BATCH = 6, 2, 3, 2  # the recording holds exactly STEPS * BATCH groups of N

@@ -17,7 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "slurm" / "agentrl.sbatch"
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+]
 
 STANDINS = {
     # srun drops its own options (the script passes them all as --name=value) and runs the task.

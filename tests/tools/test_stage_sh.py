@@ -7,10 +7,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 STAGE = REPO / "tools" / "gpu" / "stage.sh"
 
 
+@pytest.mark.integration
 def test_missing_fetch_script_is_a_clear_error(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     env = {**os.environ, "FETCH_VLLM_WHEELS": str(tmp_path / "no-such-fetch.sh")}
@@ -22,6 +25,7 @@ def test_missing_fetch_script_is_a_clear_error(tmp_path: Path) -> None:
     assert list(dest.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_help_names_the_requirement() -> None:
     result = subprocess.run(
         ["bash", str(STAGE), "--help"], capture_output=True, text=True, timeout=30

@@ -202,6 +202,7 @@ def test_counter_names_are_those_the_processes_sample() -> None:
     assert tuple(RolloutStats().timeline_counters()) == ROLLOUT_COUNTERS
 
 
+@pytest.mark.integration
 def test_draw_and_bin_plot(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_run(run)

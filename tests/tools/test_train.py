@@ -24,8 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "bin" / "train"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STOP_TIMEOUT_S = 30
+# The rollout servers' engine where the launcher, not the model, is under test: it starts in a
+# second and has no child process (rollout_service/engine/scripted.py). One run here keeps vLLM.
+SCRIPTED = "rollout_server.engine=scripted"
 
 
+@pytest.mark.integration
 def test_help_and_check_are_instant(tmp_path: Path) -> None:
     start = time.perf_counter()
     out = subprocess.run(
@@ -52,6 +56,7 @@ def test_help_and_check_are_instant(tmp_path: Path) -> None:
     assert "launch.rollout_servers" in bad.stderr and "launch.bogus" in bad.stderr
 
 
+@pytest.mark.integration
 def test_missing_model_names_the_command_that_makes_it(tmp_path: Path) -> None:
     """configs/gpu_e2e.yaml's model is written by bench/e2e.py: the error says so."""
     out = subprocess.run(
@@ -308,7 +313,7 @@ def job(tmp_path: Path, assets: tuple[Path, Path]):  # type: ignore[no-untyped-d
                 pass
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_full_run_survives_a_rollout_server_kill(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     j = job(*overrides(tmp_path, servers=2))
     j.wait_for(lambda: 1 in j.steps(), 300, "step 1")
@@ -370,9 +375,9 @@ def check_timeline(run: Path, out: str) -> None:
             assert p.pids and set(p.pids) <= set(pids)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigint_stops_everything(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j = job(*overrides(tmp_path, servers=1, steps=50), SCRIPTED)
     j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
     j.record()
     start = time.monotonic()
@@ -384,9 +389,9 @@ def test_sigint_stops_everything(job, tmp_path: Path) -> None:  # type: ignore[n
     j.assert_nothing_left()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_learner_death_stops_the_run(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    j = job(*overrides(tmp_path, servers=1, steps=50))
+    j = job(*overrides(tmp_path, servers=1, steps=50), SCRIPTED)
     j.wait_for(lambda: "rollout server rs0 connected" in j.output(), 300, "rs0 to connect")
     j.record()
     learner = j.processes()["children"]["learner"]["pid"]  # type: ignore[index]

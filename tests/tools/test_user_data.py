@@ -81,8 +81,11 @@ def agentfly_gsm8k(model: Path, train: Path, val: Path) -> list[str]:
 
 
 def cpu_size(tmp: Path) -> list[str]:
-    """Appended to train a few steps on 2 CPU cores: fewer and shorter episodes, fewer steps."""
+    """Appended to train a few steps on 2 CPU cores: fewer and shorter episodes, fewer steps. The
+    data formats are under test, not the model: the rollout server runs the scripted engine (it
+    reads, renders and scores the rows as with vLLM; rollout_service/engine/scripted.py)."""
     return [
+        "rollout_server.engine=scripted",
         "trainer.total_training_steps=2",
         "trainer.resume_mode=disable",
         f"trainer.run_dir={tmp / 'run'}",
@@ -153,6 +156,7 @@ def steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.integration
 def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -182,7 +186,7 @@ def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     model, rows = assets
     data = verl_parquet(tmp_path / "train.parquet", rows)
@@ -202,7 +206,7 @@ def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_pa
     assert steps(tmp_path / "run") == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_agentfly_gsm8k_example_checks_and_trains(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:

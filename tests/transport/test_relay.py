@@ -31,7 +31,7 @@ from protocol.events import PeerTimedOut, PeerWeightsApplied, WeightsReceived
 from protocol.messages import WEIGHTS_FILE_CAPABILITY, MsgType
 from protocol.weights import NamedBuffer, WeightAssembler, plan_transfer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 10
 
