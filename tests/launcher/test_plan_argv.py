@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from common.cli import build_parser
 from common.cli import main as cli_main
 from common.config import load_config
 from launcher.plan import plan_run
 
 
-def test_log_format_reaches_every_child_before_its_own_overrides(tmp_path: Path) -> None:
+def test_log_format_reaches_every_child_before_its_own_overrides(job_overrides: list[str]) -> None:
     # `bin/train --log-format json` once put the option between the user's overrides and each
     # server's own, and every server exited "unrecognized arguments".
-    (tmp_path / "m").mkdir()
-    (tmp_path / "t.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
-    overrides = [
-        f"actor_rollout_ref.model.path={tmp_path / 'm'}",
-        f"data.train_files={tmp_path / 't.jsonl'}",
-        "trainer.total_training_steps=2",
-        "launch.rollout_servers=2",
-        "launch.tool_server=true",
-        f"trainer.run_dir={tmp_path / 'run'}",
-    ]
+    overrides = [*job_overrides, "launch.rollout_servers=2", "launch.tool_server=true"]
     plan = plan_run(None, overrides, load_config(None, overrides, check_paths=False), "json")
     assert len(plan.rollouts) == 2 and plan.tool_server is not None
     parser = build_parser("child", "a child of bin/train")

@@ -4,7 +4,6 @@ or data (exit 2) is not, since a restart would meet the same."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import structlog
@@ -17,17 +16,8 @@ from launcher.supervisor import EXIT_FAILED, Supervisor
 pytestmark = pytest.mark.integration  # starts child processes
 
 
-def _plan(tmp_path: Path) -> Plan:
-    (tmp_path / "m").mkdir()
-    (tmp_path / "t.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
-    overrides = [
-        f"actor_rollout_ref.model.path={tmp_path / 'm'}",
-        f"data.train_files={tmp_path / 't.jsonl'}",
-        "trainer.total_training_steps=2",
-        "launch.rollout_servers=1",
-        "launch.max_restarts=2",
-        f"trainer.run_dir={tmp_path / 'run'}",
-    ]
+def _plan(job_overrides: list[str]) -> Plan:
+    overrides = [*job_overrides, "launch.rollout_servers=1", "launch.max_restarts=2"]
     plan = plan_run(None, overrides, load_config(None, overrides, check_paths=False), None)
     prepare_run_dir(plan.config, plan.run_dir)
     return plan
@@ -43,8 +33,8 @@ def _died(plan: Plan, code: int) -> Supervisor:
     return sup
 
 
-def test_a_server_that_refuses_its_config_is_not_restarted(tmp_path: Path) -> None:
-    plan = _plan(tmp_path)
+def test_a_server_that_refuses_its_config_is_not_restarted(job_overrides: list[str]) -> None:
+    plan = _plan(job_overrides)
     sup = _died(plan, 2)
     child = plan.rollouts[0]
     assert sup._check_rollout(child) == EXIT_FAILED
@@ -52,8 +42,8 @@ def test_a_server_that_refuses_its_config_is_not_restarted(tmp_path: Path) -> No
     assert sup.failure is not None and "refused its config or data" in sup.failure[0]
 
 
-def test_a_server_that_dies_is_restarted(tmp_path: Path) -> None:
-    plan = _plan(tmp_path)
+def test_a_server_that_dies_is_restarted(job_overrides: list[str]) -> None:
+    plan = _plan(job_overrides)
     sup = _died(plan, 1)
     child = plan.rollouts[0]
     try:
