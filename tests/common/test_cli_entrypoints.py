@@ -348,6 +348,7 @@ def test_tool_server_and_train_check_names_too(config_file: Path, tmp_path: Path
     assert "unknown agent type 'no_such_agent'" in result.stderr
 
 
+@pytest.mark.integration
 def test_train_reads_every_row_and_needs_its_data_here(config_file: Path, tmp_path: Path) -> None:
     # A bad row past the rollout server's peek once started the learner, Ray and six rollout
     # server launches before the run exited 1: bin/train reads every row before it starts anything.
