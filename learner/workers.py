@@ -19,7 +19,9 @@ stay short (taken by rollout servers placed on it, or by other jobs) fails after
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -151,9 +153,6 @@ class WorkerGroup:
 
     async def _placed(self, ref: Any) -> Any:
         """``ref``'s result once the workers run; PlacementError when they cannot be placed."""
-        import asyncio
-        import time
-
         started, pending = time.monotonic(), asyncio.ensure_future(ref)
         while True:
             try:
@@ -176,8 +175,6 @@ class WorkerGroup:
     ) -> list[R]:
         """Call ``method`` (a `TrainWorker` method) on every rank, rank r with ``args[r]``, and wait
         for all of them; any rank's error fails the call."""
-        import asyncio
-
         args = args or [()] * self.world
         refs = [getattr(a, method.__name__).remote(*args[r]) for r, a in enumerate(self.actors)]
         return list(await asyncio.gather(*refs))
