@@ -333,9 +333,14 @@ class MetricsWatcher:
         self._poll()
 
 
+TRAINED = "training/global_step"
+"""The key of a record that a training step wrote (the fully-async rollouter also logs alone)."""
+
+
 def by_version(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records merged per step (verl's fully-async trainer logs a version in several records), in
-    step order, each with ``t``: when its last record appeared."""
+    step order, each with ``t``: when its last record appeared. A step no training record names is
+    left out: the fully-async rollouter logs a step 0 of its own before the trainer's first."""
     merged: dict[int, dict[str, Any]] = {}
     for r in records:
         if not isinstance(r.get("step"), int):
@@ -343,7 +348,7 @@ def by_version(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m = merged.setdefault(r["step"], {"t": r["t"]})
         m.update(r["data"])
         m["t"] = max(m["t"], r["t"])
-    return [{"step": s, **merged[s]} for s in sorted(merged)]
+    return [{"step": s, **merged[s]} for s in sorted(merged) if TRAINED in merged[s]]
 
 
 def _mean(values: list[float]) -> float | None:

@@ -325,7 +325,7 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     progress(f"ours: staleness {a.staleness}, {a.steps} steps, {a.repeats} repeat(s)")
     run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))
     e2e = json.loads(results.read_text()) if results.exists() else {"runs": []}
-    out = [our_run(r) for r in e2e.get("runs", [])]
+    out = ours_configs(e2e)
     if e2e.get("pending"):
         progress(f"ours: {len(e2e['pending'])} runs pending: call --stage ours again")
     if not out:
@@ -335,15 +335,22 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     return out
 
 
-def our_run(r: dict[str, Any]) -> dict[str, Any]:
-    """One run of bench/e2e.py's results in the report's terms."""
+def ours_configs(e2e: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/e2e.py's results, one report configuration per run."""
+    where = (e2e.get("placement") or {}).get("description")  # a run names only its spec
+    return [our_run(r, where) for r in e2e.get("runs", [])]
+
+
+def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
+    """One run of bench/e2e.py's results in the report's terms; ``placement`` is the results'
+    description of it (each run carries only the spec string)."""
     m = r.get("means", {})
     memory = r.get("gpu_memory") or {}
     return {
         "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
         "side": "ours",
         "repeat": r.get("repeat", 1),
-        "placement": (r.get("placement") or {}).get("description"),
+        "placement": placement or r.get("placement"),
         "max_staleness": r["max_staleness"],
         "exit_status": r.get("exit_status"),
         "timed_out": r.get("timed_out"),

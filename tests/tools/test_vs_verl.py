@@ -67,11 +67,17 @@ def test_verl_plugins_answer_as_ours() -> None:
 def test_verl_metrics_summary_per_version() -> None:
     """Records stamped as they appeared; a version's records merge; a step's wall-clock is the
     time between two versions; step 1 (start-up) is left out of the means."""
+    g = verl_side.TRAINED
     recs = [
-        {"t": 100.0, "step": 1, "data": {"timing_s/gen": 20.0, "critic/score/mean": 0.1}},
-        {"t": 110.0, "step": 2, "data": {"timing_s/gen": 6.0, "critic/score/mean": 0.2}},
+        {"t": 90.0, "step": 0, "data": {"fully_async/rollouter/version_time": 3.0}},  # no training
+        {"t": 100.0, "step": 1, "data": {g: 1, "timing_s/gen": 20.0, "critic/score/mean": 0.1}},
+        {"t": 110.0, "step": 2, "data": {g: 2, "timing_s/gen": 6.0, "critic/score/mean": 0.2}},
         {"t": 110.5, "step": 2, "data": {"perf/total_num_tokens": 1050.0}},
-        {"t": 122.5, "step": 3, "data": {"timing_s/gen": 8.0, "perf/total_num_tokens": 1200.0}},
+        {
+            "t": 122.5,
+            "step": 3,
+            "data": {g: 3, "timing_s/gen": 8.0, "perf/total_num_tokens": 1200.0},
+        },
         {"t": 123.0, "step": "x", "data": {}},
     ]
     out = verl_side.summarize(recs)
@@ -81,6 +87,27 @@ def test_verl_metrics_summary_per_version() -> None:
     assert out["clock_curve"] == [0.0, 10.5, 22.5]
     assert out["tokens_per_s"] == 100.0
     assert out["reward_curve"][:2] == [0.1, 0.2]
+
+
+def test_fully_async_run_on_4_gpus_summarized_from_its_records() -> None:
+    """The stamped records of a real verl fully-async run (docs/gpu, 4 H200s): the rollouter's own
+    step-0 record is not a version, so the 10 trained versions give 9 walls of ~10 s."""
+    path = ROOT / "docs/gpu/h200x4_vs_verl_fully_async_t1_stamped.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    out = verl_side.summarize(recs)
+    assert out["steps_done"] == 10 and len(out["step_s_each"]) == 9
+    assert 9.0 < out["split_s"]["step"] < 11.5
+    assert all(r == r for r in out["reward_curve"])  # every version has its reward (no NaN)
+
+
+def test_ours_configurations_name_the_placement() -> None:
+    """bench/e2e.py's results (a real 4-GPU run, docs/gpu) in the report's terms: each run names
+    the results' placement, though a run itself carries only the spec string."""
+    e2e = json.loads((ROOT / "docs/gpu/h200x4_bench_e2e_longtail_s0_s2.json").read_text())
+    out = vs_verl.ours_configs(e2e)
+    assert [c["label"] for c in out] == ["ours-sync", "ours-async-s2"] * 2
+    assert {c["placement"] for c in out} == {e2e["placement"]["description"]}
+    assert all(c["split_s"]["step"] > 0 for c in out)
 
 
 def test_metrics_watcher_stamps_lines_as_they_appear(tmp_path: Path) -> None:

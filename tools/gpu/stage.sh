@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Stage everything the project needs on an air-gapped GPU machine (Python 3.12, torch 2.11.0+cu130 and
-# the packages of .library/device/KINDS.md preinstalled) as wheels in pieces of <= 58 MiB.
+# the packages of .library/device/KINDS.md preinstalled) as wheels in pieces of <= 52 MiB.
 # Usage: tools/gpu/stage.sh [--force] [DEST]      (default DEST=.gpu; run where pip has network)
 #   FETCH_VLLM_WHEELS=SCRIPT  the script that writes the vLLM set (called as SCRIPT DEST); needed
 #   unless DEST already holds one. Default: ../shared/gpu/fetch-vllm-wheels.sh next to the clone.
 #
-# Design: two independent tar streams, each split into 58 MiB pieces (a piece + the ~2 MB repo fits
-# one 64 MiB transfer):
+# Design: two independent tar streams, each split into 52 MiB pieces (a piece + the repo, ~7 MB and
+# growing, fits one 64 MiB transfer; the shared fetch script's 58 MiB pieces no longer do):
 #  1. DEST/partNN.d/partNN: official vLLM 0.24.0 and its deps, made by the shared fetch script
 #     (FETCH_VLLM_WHEELS, default ../shared/gpu/fetch-vllm-wheels.sh). Skipped when DEST/vllm-set.txt
 #     (piece names + sizes + wheel list) says the pieces there are a vLLM 0.24.0 set, unless --force.
@@ -29,7 +29,8 @@ verl_spec=$(grep -o 'verl==[0-9][0-9.]*' "$root/bin/setup" | head -1 || true)
 # verl's V1 trainer (bench/vs_verl.py --verl sync) imports TransferQueue; pure Python, staged --no-deps
 # as verl is: what it imports at run time (ray, tensordict, pyzmq, msgspec, omegaconf) is staged anyway
 tq_spec=transferqueue==0.1.11
-piece_max=$((58 * 1024 * 1024))
+piece_mib=52
+piece_max=$((piece_mib * 1024 * 1024))
 t0=$SECONDS
 mkdir -p "$dest"; dest=$(cd "$dest" && pwd); stamp=$dest/vllm-set.txt
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -70,6 +71,15 @@ MSG
   fi
   rm -f "$stamp"; quiet "$fetch" "$dest"; write_stamp || { echo "stage.sh: $fetch made no vllm $vllm_version set" >&2; exit 1; }
 fi
+# the fetch script's pieces are larger than a transfer leaves room for beside the repo: cut the
+# stream again (the bytes are the same; the stamp records the new pieces)
+for p in "$dest"/part*.d/part*; do
+  (($(stat -c %s "$p") <= piece_max)) && continue
+  cat "$dest"/part*.d/part* > "$work/vllm.tar" && rm -rf "$dest"/part*.d
+  split -b ${piece_mib}m -d "$work/vllm.tar" "$work/part" && rm "$work/vllm.tar"
+  for q in "$work"/part[0-9]*; do b=$(basename "$q"); mkdir -p "$dest/$b.d"; mv "$q" "$dest/$b.d/"; done
+  write_stamp && echo "stage.sh: vLLM stream cut again into ${piece_mib} MiB pieces"; break
+done
 t1=$SECONDS
 
 # 2. The project's other runtime and test dependencies.
@@ -119,7 +129,7 @@ PY
 quiet python3 -m pip download --quiet --no-deps "${plat[@]}" -d "$work/xwhl" $(cat "$work/specs.txt") ${verl_spec:-verl==0.9.1} $tq_spec
 cp "$work/built"/*.whl "$work/xwhl/"
 rm -rf "$dest"/xpart*.d
-tar cf - -C "$work/xwhl" . | split -b 58m -d - "$work/xpart"
+tar cf - -C "$work/xwhl" . | split -b ${piece_mib}m -d - "$work/xpart"
 for p in "$work"/xpart*; do b=$(basename "$p"); mkdir -p "$dest/$b.d"; mv "$p" "$dest/$b.d/"; done
 t2=$SECONDS
 
@@ -130,7 +140,7 @@ for s in part xpart; do
   mb=$(du -cb "$dest"/$s*.d/$s* | tail -1 | awk '{printf "%.0f", $1 / 1e6}')
   echo "stage.sh: $s stream: $n wheels in $(compgen -G "$dest/$s*.d" | wc -l) pieces ($dest/${s}NN.d/${s}NN), $mb MB"
   for p in "$dest"/$s*.d/$s*; do
-    (($(stat -c %s "$p") <= piece_max)) || { echo "stage.sh: $p is over 58 MiB" >&2; exit 1; }
+    (($(stat -c %s "$p") <= piece_max)) || { echo "stage.sh: $p is over $piece_mib MiB" >&2; exit 1; }
   done
 done
 echo "stage.sh: extras: $(tr '\n' ' ' < "$work/specs.txt")${verl_spec:-verl==0.9.1} $tq_spec (--no-deps) antlr4-python3-runtime==4.9.3 (built)"
