@@ -322,6 +322,9 @@ class Intake:
             "protocol": self._proto.export_state(),
             "pending": [[rid, uid] for rid, uid in self._buffer.pending_keys()],
             "position": self._position,
+            # waste is a share of everything generated over the run: a restart keeps the counts
+            # (a state without them, from an older checkpoint, starts them at 0)
+            "tokens": dict(self._tokens),
         }
 
     def checkpoint_saved(self, state: dict[str, Any]) -> None:
@@ -382,6 +385,9 @@ class Intake:
                 )
             self._proto.restore_state(state["protocol"])
             position = int(state["position"])
+            for k, v in (state.get("tokens") or {}).items():
+                if k in self._tokens:
+                    self._tokens[k] = int(v)
             for rid, uid in state["pending"]:
                 pending.setdefault(int(rid), set()).add(uid)
             # Records appended from now on are replayed after a crash.
@@ -397,13 +403,17 @@ class Intake:
                 "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run."
             )
         for rec in journal.records(wanted):
-            n = len(self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id]))
+            added = self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id])
+            n = len(added)
+            if rec.record_id > position:  # accepted after the checkpoint: not in its counts
+                self._tokens["generated"] += sum(g.sampled_tokens for g in added)
             self._proto.replay_batch(rec.peer_id, rec.epoch, rec.seq, rec.trajectories.ids)
             if not n:
                 self._proto.batch_consumed()
             self.counts["replayed_records"] += 1
             self.counts["replayed_groups"] += n
         self._position = max([position, *wanted])
+        self._waste_reported = (self._tokens["generated"], self._tokens["dropped"])
         if wanted:
             self._log.info(
                 "replayed the intake journal",

@@ -586,6 +586,7 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
             for seq in (5, 6):
                 await s.client.submit(batches[seq])
             await until(lambda: s.acked == set(range(1, 7)))
+            generated_a = a.intake.waste_metrics()["rollout/generated_tokens"]
             stored, gate = threading.Event(), threading.Event()
             real = a._journal.append
 
@@ -613,6 +614,12 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
         assert (
             b.weights.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
         )  # batch 1 was fully trained
+        # the waste counts go on from life A's: everything generated, batch 7 (stored as A died)
+        # counted once, nothing wasted
+        waste = b.intake.waste_metrics()
+        sampled_7 = sum(int(np.count_nonzero(t.response_mask)) for t in batches[7])
+        assert waste["rollout/generated_tokens"] == generated_a + sampled_7
+        assert waste["rollout/waste_frac"] == 0.0 and waste["rollout/wasted_tokens"] == 0
         async with serving(b):
             await until(
                 lambda: 7 in s.acked, timeout=15
