@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.multicast import multicast_env
-from common.ray_auth import join
+from common.ray_auth import join, start_local
 from launcher.children import RemoteChild, live_group_members
 
 if TYPE_CHECKING:
@@ -196,8 +196,7 @@ class RayFleet:
         if address:
             join(address, runtime_env=runtime_env, log_to_driver=False)  # `ray start`'s token too
         else:  # "local": a cluster of our own, never one a `ray start` left on the machine
-            ray.init(
-                address="local",
+            start_local(
                 num_cpus=self.config.ray.num_cpus,
                 include_dashboard=False,
                 runtime_env=runtime_env,

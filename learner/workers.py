@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from common.logging import get_logger
 from common.multicast import multicast_env
-from common.ray_auth import join
+from common.ray_auth import join, start_local
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker
 from learner.worker_api import (
@@ -104,12 +104,8 @@ def init_ray(address: str | None, num_cpus: int | None, *, log_to_driver: bool =
     else:
         # "local": a cluster of our own. Without it ray.init() joins whatever cluster `ray start`
         # last left running on this machine (someone else's job), and then refuses num_cpus.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            runtime_env=env,
-            log_to_driver=log_to_driver,
+        start_local(
+            num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=log_to_driver
         )
 
 
