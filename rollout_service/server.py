@@ -32,7 +32,6 @@ version) every ``SAMPLE_INTERVAL_S`` from a task of the serving group, and a spa
 
 from __future__ import annotations
 
-import math
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
@@ -66,7 +65,6 @@ from protocol.messages import (
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     ValidateRequest,
-    ValidateResult,
 )
 from protocol.staleness import group_too_old
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
@@ -618,10 +616,8 @@ class RolloutServer:
 
     # -- validation --------------------------------------------------------------------------------
     async def _validate(self, req: ValidateRequest) -> None:
-        """Answer one validation request: once the engine runs ``req.policy_version`` or newer (weights
-        still on their way are waited for), run the validation shard and send its metrics. With
-        ``req.timeout_s`` set, give up after that long (the learner stops waiting then) and answer
-        ok=false."""
+        """Answer one validation request with its metrics (``ValidationRunner.answer``: on the
+        requested version or newer, within the request's timeout)."""
         v = self.validation
         self.log.info(
             "validation requested",
@@ -631,26 +627,13 @@ class RolloutServer:
             prompts=len(v.rows),
             episodes_per_prompt=v.n,
         )
-        result: ValidateResult | None = None
-        with anyio.move_on_after(req.timeout_s if req.timeout_s > 0 else math.inf):
-            while self.engine.policy_version < req.policy_version:
-                await self._changed.wait()  # poked when weights are applied
-            result = await v.run(
-                req.request_id, self.engine.policy_version, deps=self.deps, rewards=self.rewards
-            )
-        if result is None:
-            version = self.engine.policy_version
-            result = ValidateResult(
-                req.request_id,
-                version,
-                ok=False,
-                error=f"not done within the request's timeout of {req.timeout_s:g} s (weights version {version}, "
-                f"{req.policy_version} requested)",
-                shard_index=v.shard_index,
-                shard_count=v.shard_count,
-                prompts=len(v.rows),
-                duration_s=req.timeout_s,
-            )
+        result = await v.answer(
+            req,
+            lambda: self.engine.policy_version,
+            self._wait_changed,  # poked when weights are applied
+            deps=self.deps,
+            rewards=self.rewards,
+        )
         sent = self.shipper.client.validation_result(result)
         reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
         self.log.info(
