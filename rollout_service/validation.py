@@ -5,7 +5,9 @@ Design: the learner asks (VALIDATE_REQUEST); ``ValidationRunner.run`` plays ever
 training path, ``run_group`` with the row's agent, tools and reward, but with the sampling of
 ``actor_rollout_ref.rollout.val_kwargs`` (greedy unless ``do_sample``) and ``val_kwargs.n``
 episodes per row, then reduces the episodes to per-data-source metrics
-(``protocol.validation.summarize``) for VALIDATE_RESULT. Nothing of an episode leaves the server
+(``protocol.validation.summarize``) for VALIDATE_RESULT; ``answer`` first waits until the
+engine runs the requested policy version (or newer), all of it within the request's timeout.
+Nothing of an episode leaves the server
 but those numbers: validation groups never reach the shipper, so they are never trained on and use
 no credits, and their ids (``val-{request}-{row}``) are local and cannot collide with training
 groups (``e{epoch}-...``).
