@@ -2,12 +2,12 @@
 """A cluster-scale simulator: N rollout servers and a learner of W GPUs, in simulated time.
 
 The discrete-event model is in ``bench/clustersim/model.py``. It runs the project's own policy code
-(``learner.admission.Admission``, ``learner.buffer.GroupBuffer``, ``RolloutServer._may_admit`` and
-``_grant``, ``rollout_service.groups.stale``) on real ``Trajectory`` objects. It predicts the step
-time, the throughput, the staleness and the waste, for sync (``max_staleness`` 0) and async, from
-8 to 1,024 GPUs and for a chosen response-length distribution. The costs come from the benches'
-JSON (``bench/clustersim/costs.py`` says which figure comes from which file). It never reads a
-step time it is compared with.
+(``learner.admission.Admission``, ``learner.buffer.GroupBuffer``, the rollout server's
+``rollout_service.granting.GrantBook``, ``protocol.staleness.group_too_old``) on real
+``Trajectory`` objects. It predicts the step time, the throughput, the staleness and the waste,
+for sync (``max_staleness`` 0) and async, from 8 to 1,024 GPUs and for a chosen response-length
+distribution. The costs come from the benches' JSON (``bench/clustersim/costs.py`` says which
+figure comes from which file). It never reads a step time it is compared with.
 
 1. Calibration, per machine. ``tau0`` is one decode step's latency at low concurrency, and no
    bench measures it for this model. It is set so that the simulated sync wait of a calibration

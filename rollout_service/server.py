@@ -1,33 +1,28 @@
 """The rollout server: admits prompt groups, runs them on the engine, ships them, applies weights.
 
-Design: one task group owns everything (shipper + protocol client, stats logger, weight handler,
-admission loop, one task per running group), so any failure or a signal cancels all of it and the
-``finally`` blocks close the connection (BYE) and shut the engine down. Admission is the only
-place where policy lives: a group starts only while (a) there is room under
-``max_concurrent_episodes``, (b) the engine's weights are at most ``max_staleness`` versions
-behind the newest the learner announced, (c) no ``drain`` weight update is waiting, and (d) when
-the learner grants groups (protocol 1.3, "admission": ``learner/admission.py`` has the rule) the
-server holds a grant whose ``min_version`` the engine's weights reach; grants are used smallest
-``min_version`` first and end with the session. A learner that grants nothing (older than 1.3, or
-``learner.admission: false``) leaves (a)-(c). Groups
-finish out of order; each is shipped whole, and its prompt is committed to the data cursor only
-when the learner acknowledges the batch holding it, so a restart redoes in-flight prompts and
-never skips one.
+Design: one task group owns everything (shipper + protocol client, stats logger, the connection's
+event loop, admission loop, one task per running group, one per validation request), so any
+failure or a signal cancels all of it and the ``finally`` blocks close the connection (BYE) and
+shut the engine down. ``RolloutServer`` builds the parts, runs the groups and hands each event of
+the connection to the part it is about (``_events``), one at a time:
 
-Weight updates: the learner streams weights (announce + chunks) through the protocol; when a set
-is complete it is loaded into the running engine according to ``on_weight_update``: ``keep``
-(generation continues, tokens carry the version that produced them), ``abort`` (in-flight
-generation is interrupted and continued on the new weights by the engine), ``drain`` (admission
-stops, running groups finish, then the weights load). WEIGHTS_APPLIED goes back only after the
-engine generates with them; a failed load is reported with ok=false and the old weights stay.
-What the learner announces is checked against the engine's model before anything is received
-(``_weight_assembler``, protocol SPEC §8), and a transfer that fails or times out no longer holds
-admission back for its version.
+- ``book`` (``rollout_service.granting.GrantBook``, sans-IO): the rollout half of admission,
+  the only place where policy lives: whether the next group may start (room, weights lag, a
+  waiting drain, the learner's grants of protocol 1.3) and on which grant.
+- ``weights`` (``rollout_service.weights_applier.WeightApplier``): loads each version the learner
+  sends into the running engine (``on_weight_update``: keep, abort or drain) and answers
+  WEIGHTS_APPLIED; ``weight_assembler`` checks what the learner announces before anything is
+  received.
+- ``validation`` (``rollout_service.validation.ValidationRunner``): each VALIDATE_REQUEST becomes a
+  task of the group (``_validate``) that waits until the engine runs the requested policy version
+  (or newer), runs the shard of ``data.val_files`` beside training admission under its own limit
+  and answers with metrics only, never shipping an episode.
 
-Validation: the server offers the "validation" capability; each VALIDATE_REQUEST becomes a task
-in the group (``_validate``) that waits until the engine runs the requested policy version (or
-newer), runs the shard of ``data.val_files`` (``rollout_service.validation``, beside training
-admission under its own limit) and answers with metrics only, never shipping an episode.
+A change that may let a group start or a request go on (a group finished, grants, an announce, a
+load) pokes ``_changed``, which admission and validation wait on. Groups finish out of order; each
+is shipped whole, or dropped whole when its token age is past ``max_staleness``, and its prompt is
+committed to the data cursor only when the learner acknowledges the batch holding it, so a restart
+redoes in-flight prompts and never skips one.
 
 Timeline: the server appends ``RUN_DIR/timeline/rollout-<server id>.jsonl`` (``common.timeline``;
 RUN_DIR is ``trainer.run_dir``, shared with the learner, not the server's own subdirectory):
@@ -37,11 +32,8 @@ version) every ``SAMPLE_INTERVAL_S`` from a task of the serving group, and a spa
 
 from __future__ import annotations
 
-import math
 import signal
-import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,7 +49,7 @@ from common.peer_auth import auth_mode, token_path, wait_for_token
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.run_events import Kind, emit
 from common.rundir import resolve_run_dir
-from common.timeline import APPLY_SPAN, Role, TimelineWriter, Track, sample_every, timeline_path
+from common.timeline import Role, TimelineWriter, sample_every, timeline_path
 from protocol.events import (
     Connected,
     GroupsAdmitted,
@@ -73,20 +65,20 @@ from protocol.messages import (
     VALIDATION_CAPABILITY,
     WEIGHTS_FILE_CAPABILITY,
     ValidateRequest,
-    ValidateResult,
 )
-from protocol.staleness import group_too_old, weights_too_old
-from protocol.weights import ReceivedWeights, WeightAssembler
+from protocol.staleness import group_too_old
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
+from rollout_service.granting import GrantBook
 from rollout_service.groups import RewardChoice, run_group
 from rollout_service.metrics import CountingEngine, RolloutStats
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
 from rollout_service.validation import ValidationRunner
+from rollout_service.weights_applier import WeightApplier, weight_assembler
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -338,16 +330,18 @@ class RolloutServer:
             self._state_lock.release()
             raise StartupError(str(e)) from None
         self.rewards = RewardChoice(server.reward_fn, dict(server.reward_by_data_source))
-        self.newest_version = 0  # newest policy version the learner announced
-        self._running = 0  # episodes in flight
-        self._groups_running = 0
-        self._granted: Counter[int] | None = (
-            None  # min_version -> groups the learner granted; None: no grants
+        self.book = GrantBook(
+            max_concurrent_episodes=server.max_concurrent_episodes,
+            max_staleness=config.actor_rollout_ref.rollout.max_staleness,
+            on_held=self._grants_held,
         )
-        self._connected = False  # a first session tells whether the learner grants groups
-        self._drain_waiting = False
-        self._changed = anyio.Event()
+        self._changed = anyio.Event()  # replaced by the next on every _poke
         self._tasks: Any = None  # the serving task group (validation requests run in it)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version the learner announced (``GrantBook.newest_version``)."""
+        return self.book.newest_version
 
     def attach_engine(self, engine: Engine) -> None:
         self.engine = engine
@@ -375,7 +369,7 @@ class RolloutServer:
             slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
             heartbeat_interval_s=c.transport.heartbeat_interval_s,
             heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
-            weights=self._weight_assembler(),
+            weights=weight_assembler(c, self.engine, self.log),
         )
         curve, keys = None, c.transport.curve
         token: Callable[[], Awaitable[str]] | None = None
@@ -435,27 +429,6 @@ class RolloutServer:
         for uid in uids:
             self.source.commit_group(uid)
 
-    def _weight_assembler(self) -> WeightAssembler:
-        """Receives weights checked against the engine's model (names, shapes, dtypes, size) before
-        anything is allocated, slot files only from the learner's directories, and every transfer
-        under a deadline. An engine that names no manifest (test fakes) gets the size bound only."""
-        server = self.config.rollout_server
-        manifest = self.engine.weight_manifest
-        if manifest is None:
-            self.log.warning(
-                "weight announces are not checked against the model: the engine names no manifest",
-                engine=type(self.engine).__name__,
-            )
-        roots = list(
-            dict.fromkeys(r for r in ("/dev/shm", self.config.learner.weights_file_dir) if r)
-        )
-        return WeightAssembler(
-            manifest=manifest,
-            file_roots=roots,
-            timeout_s=server.weights_timeout_s,
-            min_bytes_per_s=server.weights_min_mb_per_s * 1e6,
-        )
-
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
         Raises ShippingError when the learner refuses this server for good."""
@@ -468,6 +441,17 @@ class RolloutServer:
             timeline_path(resolve_run_dir(self.config), Role.ROLLOUT, self.server_id),
             role=Role.ROLLOUT,
             name=self.server_id,
+        )
+        self.weights = WeightApplier(
+            self.engine,
+            self.shipper.client,
+            self.book,
+            on_weight_update=self.config.actor_rollout_ref.rollout.on_weight_update,
+            stats=self.stats,
+            timeline=self.timeline,
+            log=self.log,
+            wake=self._poke,
+            changed=self._wait_changed,
         )
         try:
             await self._serve(max_groups)
@@ -495,7 +479,7 @@ class RolloutServer:
             self.source.hold_groups(self.shipper.recovered_group_uids)  # resent, not rerun
             tg.start_soon(run_stats_logger, self.stats, server.stats_interval_s, self.log)
             tg.start_soon(sample_every, self.timeline, self.stats.timeline_counters)
-            tg.start_soon(self._weights_loop)
+            tg.start_soon(self._events)
             await self._admit(tg, max_groups)
             await self.shipper.flush()
             await self.shipper.drain()
@@ -516,30 +500,14 @@ class RolloutServer:
         self._changed.set()
         self._changed = anyio.Event()
 
-    def _may_admit(self, n: int) -> bool:
-        server, rollout = self.config.rollout_server, self.config.actor_rollout_ref.rollout
-        if self._drain_waiting or not self._connected:
-            return False
-        if weights_too_old(self.newest_version, self.engine.policy_version, rollout.max_staleness):
-            return False
-        if self._granted is not None and self._grant() is None:
-            return False
-        return self._running == 0 or self._running + n <= server.max_concurrent_episodes
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
 
-    def _set_granted(self) -> None:
-        self.stats.gauges.granted_groups = (
-            -1 if self._granted is None else sum(self._granted.values())
-        )
-
-    def _grant(self) -> int | None:
-        """The smallest ``min_version`` among the grants the engine's weights satisfy (None: none)."""
-        usable = [
-            m for m, n in (self._granted or {}).items() if n > 0 and m <= self.engine.policy_version
-        ]
-        return min(usable) if usable else None
+    def _grants_held(self, held: int) -> None:
+        self.stats.gauges.granted_groups = held
 
     async def _admit(self, tg: Any, max_groups: int | None) -> None:
-        n = self.config.actor_rollout_ref.rollout.n
+        n, book = self.config.actor_rollout_ref.rollout.n, self.book
         done = anyio.Event()
         started = finished = 0
 
@@ -548,8 +516,7 @@ class RolloutServer:
             try:
                 await self._run_group(item)
             finally:
-                self._running -= n
-                self._groups_running -= 1
+                book.finished(n)
                 finished += 1
                 if max_groups is not None and finished >= max_groups:
                     done.set()
@@ -558,17 +525,9 @@ class RolloutServer:
         for item in self.source:
             if max_groups is not None and started >= max_groups:
                 break
-            while not self._may_admit(n):
+            while not book.may_admit(n, self.engine.policy_version):
                 await self._changed.wait()
-            if self._granted is not None:
-                m = self._grant()
-                assert m is not None  # _may_admit checked it
-                self._granted[m] -= 1
-                if not self._granted[m]:
-                    del self._granted[m]
-                self._set_granted()
-            self._running += n
-            self._groups_running += 1
+            book.start(n, self.engine.policy_version)
             started += 1
             tg.start_soon(group, item)
         if max_groups is not None and started:
@@ -618,34 +577,25 @@ class RolloutServer:
         await self.shipper.ship_group(
             result.trajectories, on_acked=lambda: self.source.commit(item)
         )
-        if self._groups_running <= 1:  # the last one running: nothing else will fill its batch soon
+        if self.book.groups <= 1:  # the last one running: nothing else will fill its batch soon
             await self.shipper.flush()
 
-    # -- weights -----------------------------------------------------------------------------------
-    async def _weights_loop(self) -> None:
+    # -- the connection's events ---------------------------------------------------------------------
+    async def _events(self) -> None:
+        """Each event of the connection to the part it is about, one at a time: a weight load (a
+        drain's wait included) holds back the events after it."""
         async for ev in self.shipper.events:
-            if isinstance(
-                ev, Connected | PeerClosed | PeerTimedOut
-            ):  # for bin/train (common/run_events.py)
-                emit(
-                    Kind.CONNECTED if isinstance(ev, Connected) else Kind.DISCONNECTED,
-                    self.server_id,
-                )
             if isinstance(ev, Connected):
+                emit(Kind.CONNECTED, self.server_id)  # for bin/train (common/run_events.py)
                 # A learner that grants groups says so; grants of an earlier session are void.
-                self._granted = (
-                    Counter() if ADMISSION_CAPABILITY in ev.welcome.capabilities else None
-                )
-                self._connected = True
-                self._set_granted()
-                self._announce(ev.welcome.policy_version)
+                self.book.session(grants=ADMISSION_CAPABILITY in ev.welcome.capabilities)
+                self.weights.announce(ev.welcome.policy_version)
                 self._poke()
             elif isinstance(ev, GroupsAdmitted):
-                if self._granted is not None:
-                    self._granted[ev.min_version] += ev.groups
-                    self._set_granted()
+                if self.book.granted(ev.groups, ev.min_version):
                     self._poke()
             elif isinstance(ev, PeerClosed | PeerTimedOut):
+                emit(Kind.DISCONNECTED, self.server_id)
                 # Said, because what follows is quiet: unacked batches wait for the next session,
                 # and admission stops once they fill the window.
                 if isinstance(ev, PeerTimedOut):
@@ -654,95 +604,20 @@ class RolloutServer:
                     )
                 else:
                     self.log.info("learner said BYE: reconnecting", reason=ev.reason)
-                if self._granted is not None:
-                    self._granted = Counter()  # the session is over: wait for the next grants
-                    self._set_granted()
+                self.book.session_ended()
             elif isinstance(ev, WeightsAnnounced):
-                self._announce(ev.version)
+                self.weights.announce(ev.version)
             elif isinstance(ev, WeightsReceived):
-                await self._apply(ev.weights)
+                await self.weights.apply(ev.weights)
             elif isinstance(ev, WeightsFailed):
-                self._transfer_failed(ev)
+                self.weights.transfer_failed(ev)
             elif isinstance(ev, ValidationRequested):
                 self._tasks.start_soon(self._validate, ev.request)
 
-    def _transfer_failed(self, ev: WeightsFailed) -> None:
-        self.log.warning("weight transfer failed", version=ev.version, reason=ev.reason)
-        if ev.version == self.newest_version > self.engine.policy_version:
-            # Nothing more of it will come (abandoned at its deadline, failed verification), and it
-            # superseded any transfer before it: admission no longer waits for weights that will
-            # not arrive. The learner's next version, or its grants, set the pace again.
-            self.newest_version = self.engine.policy_version
-            self._poke()
-
-    def _announce(self, version: int) -> None:
-        if version > self.newest_version:
-            self.newest_version = version
-            self._poke()
-
-    async def _apply(self, w: ReceivedWeights) -> None:
-        policy = self.config.actor_rollout_ref.rollout.on_weight_update
-        mode = "abort" if policy == "abort" else "keep"
-        via = "file" if w.file else "chunks"
-        started = time.time()  # the span includes a drain's wait: admission is stopped during it
-        outcome = "cancelled"  # unless it ends either way below
-        try:
-            if policy == "drain":
-                self._drain_waiting = True
-                while self._running:
-                    await self._changed.wait()
-            if w.file:  # the learner's file on this machine (protocol 1.2 file hand-over)
-                seconds = await self.engine.load_weights_file(w.version, w.file, mode=mode)
-            else:
-                tensors = [
-                    (s.name, np.frombuffer(buf, dtype=_numpy_dtype(s.dtype)).reshape(s.shape))
-                    for s, buf in w.tensors
-                ]
-                seconds = await self.engine.load_weights(w.version, tensors, mode=mode)
-        except Exception as e:
-            outcome = "failed"
-            self.log.error(
-                "weights not applied; generation continues on the old ones",
-                version=w.version,
-                error=f"{type(e).__name__}: {e}",
-            )
-            self.shipper.client.weights_applied(
-                w.version, w.transfer_id, ok=False, error=str(e)[:500]
-            )
-            return
-        else:
-            outcome = "ok"
-        finally:
-            self._drain_waiting = False
-            self._poke()
-            self.timeline.span(
-                Track.WEIGHTS,
-                APPLY_SPAN,
-                started,
-                time.time(),
-                version=w.version,
-                outcome=outcome,
-                via=via,
-            )
-        self._announce(w.version)
-        self.stats.set_weight_version(w.version)
-        self.shipper.client.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=seconds)
-        timings = self.engine.last_update_timings
-        self.log.info(
-            "weights applied",
-            version=w.version,
-            policy=policy,
-            seconds=round(seconds, 4),
-            via=via,
-            reload_s=round(timings.get("reload_s", 0.0), 4),
-        )
-
     # -- validation --------------------------------------------------------------------------------
     async def _validate(self, req: ValidateRequest) -> None:
-        """Answer one validation request: once the engine runs ``req.policy_version`` or newer (weights
-        still on their way are waited for), run the validation shard and send its metrics. With
-        ``req.timeout_s`` set, give up after that long (the learner stops waiting then) and answer
-        ok=false."""
+        """Answer one validation request with its metrics (``ValidationRunner.answer``: on the
+        requested version or newer, within the request's timeout)."""
         v = self.validation
         self.log.info(
             "validation requested",
@@ -752,26 +627,13 @@ class RolloutServer:
             prompts=len(v.rows),
             episodes_per_prompt=v.n,
         )
-        result: ValidateResult | None = None
-        with anyio.move_on_after(req.timeout_s if req.timeout_s > 0 else math.inf):
-            while self.engine.policy_version < req.policy_version:
-                await self._changed.wait()  # poked when weights are applied
-            result = await v.run(
-                req.request_id, self.engine.policy_version, deps=self.deps, rewards=self.rewards
-            )
-        if result is None:
-            version = self.engine.policy_version
-            result = ValidateResult(
-                req.request_id,
-                version,
-                ok=False,
-                error=f"not done within the request's timeout of {req.timeout_s:g} s (weights version {version}, "
-                f"{req.policy_version} requested)",
-                shard_index=v.shard_index,
-                shard_count=v.shard_count,
-                prompts=len(v.rows),
-                duration_s=req.timeout_s,
-            )
+        result = await v.answer(
+            req,
+            lambda: self.engine.policy_version,
+            self._wait_changed,  # poked when weights are applied
+            deps=self.deps,
+            rewards=self.rewards,
+        )
         sent = self.shipper.client.validation_result(result)
         reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
         self.log.info(
@@ -784,15 +646,3 @@ class RolloutServer:
             error=result.error or None,
             sent=sent or "no: the session that asked has ended",
         )
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    """A wire dtype as numpy's; bfloat16 and fp8 come from ml_dtypes (installed with jax/vLLM)."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        try:
-            import ml_dtypes  # pyright: ignore[reportMissingImports]  (optional: comes with jax / vLLM's GPU builds)
-        except ImportError as e:
-            raise RuntimeError(f"weights of dtype {name} need the ml_dtypes package") from e
-        return np.dtype(getattr(ml_dtypes, name))

@@ -5,7 +5,9 @@ Design: the learner asks (VALIDATE_REQUEST); ``ValidationRunner.run`` plays ever
 training path, ``run_group`` with the row's agent, tools and reward, but with the sampling of
 ``actor_rollout_ref.rollout.val_kwargs`` (greedy unless ``do_sample``) and ``val_kwargs.n``
 episodes per row, then reduces the episodes to per-data-source metrics
-(``protocol.validation.summarize``) for VALIDATE_RESULT. Nothing of an episode leaves the server
+(``protocol.validation.summarize``) for VALIDATE_RESULT; ``answer`` first waits until the
+engine runs the requested policy version (or newer), all of it within the request's timeout.
+Nothing of an episode leaves the server
 but those numbers: validation groups never reach the shipper, so they are never trained on and use
 no credits, and their ids (``val-{request}-{row}``) are local and cannot collide with training
 groups (``e{epoch}-...``).
@@ -23,14 +25,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from protocol.messages import ValidateResult
+from protocol.messages import ValidateRequest, ValidateResult
 from protocol.validation import EpisodeOutcome, summarize
 from rollout_service.agents.base import AgentDeps, deps_for
 from rollout_service.data import DataError, Source, _load_sources, layout_options
@@ -150,6 +152,39 @@ class ValidationRunner:
         unknown = sorted(a for a in self.agent_types if not known(a))
         if unknown and not self.problem:
             self.problem = f"data.val_files: unknown agent type(s) {', '.join(unknown)}"
+
+    async def answer(
+        self,
+        req: ValidateRequest,
+        engine_version: Callable[[], int],
+        changed: Callable[[], Awaitable[None]],
+        *,
+        deps: Mapping[str, AgentDeps],
+        rewards: RewardChoice,
+    ) -> ValidateResult:
+        """The result of ``req``: once the engine runs ``req.policy_version`` or newer (weights still
+        on their way are waited for: ``changed()`` returns when ``engine_version()`` may have moved),
+        ``run`` on the version it runs then. With ``req.timeout_s`` set, give up after that long (the
+        learner stops waiting then) and answer ok=false."""
+        result: ValidateResult | None = None
+        with anyio.move_on_after(req.timeout_s if req.timeout_s > 0 else math.inf):
+            while engine_version() < req.policy_version:
+                await changed()
+            result = await self.run(req.request_id, engine_version(), deps=deps, rewards=rewards)
+        if result is None:
+            version = engine_version()
+            result = ValidateResult(
+                req.request_id,
+                version,
+                ok=False,
+                error=f"not done within the request's timeout of {req.timeout_s:g} s (weights version {version}, "
+                f"{req.policy_version} requested)",
+                shard_index=self.shard_index,
+                shard_count=self.shard_count,
+                prompts=len(self.rows),
+                duration_s=req.timeout_s,
+            )
+        return result
 
     async def run(
         self,

@@ -7,8 +7,8 @@ The policy objects are the real ones, used unchanged:
   objects with per-token versions. The glue between them repeats the few lines of ``learner.intake``
   and ``learner.granting`` (``admit``, ``_can_take``, ``received``), because those parts are fed by
   the learner link's socket and a journal;
-- a server starts a group only when ``RolloutServer._may_admit`` says so. ``RolloutServer._grant``
-  picks the grant. Both are the server's own functions, bound to ``SimServer`` here;
+- a server starts a group only when its ``rollout_service.granting.GrantBook`` (``may_admit``)
+  says so, on the grant the book picks: each ``SimServer`` holds one, as the real server does;
 - a finished group is dropped at the server when ``protocol.staleness.group_too_old`` says so.
 
 Everything else is a cost model:
@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -39,7 +37,7 @@ from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer
 from protocol.staleness import group_too_old
 from protocol.trajectory import Trajectory
-from rollout_service.server import RolloutServer
+from rollout_service.granting import GrantBook
 
 
 @dataclass(frozen=True)
@@ -182,39 +180,23 @@ class Episode:
 
 
 class SimServer:
-    """A rollout server's admission state, with ``RolloutServer``'s own decision functions."""
-
-    _may_admit = RolloutServer._may_admit  # pyright: ignore[reportAssignmentType]
-    _grant = RolloutServer._grant  # pyright: ignore[reportAssignmentType]
+    """A rollout server, admitting groups through the server's own ``GrantBook``."""
 
     def __init__(self, sim: Simulation, index: int, engine: Engine) -> None:
         s = sim.setup
         self.sim, self.peer, self.engine = sim, f"server-{index}", engine
         self.index = index
-        self.config = SimpleNamespace(
-            rollout_server=SimpleNamespace(max_concurrent_episodes=s.max_concurrent_episodes),
-            actor_rollout_ref=SimpleNamespace(
-                rollout=SimpleNamespace(max_staleness=s.max_staleness)
-            ),
+        self.book = GrantBook(
+            max_concurrent_episodes=s.max_concurrent_episodes, max_staleness=s.max_staleness
         )
-        self._drain_waiting = False
-        self._connected = True
-        self.newest_version = 0
-        self._granted: Counter[int] | None = Counter() if s.admission else None
-        self._running = 0
+        self.book.session(grants=s.admission)
         self._groups = itertools.count()
 
     def admit(self) -> None:
         """``RolloutServer._admit``'s loop: start groups while the policy allows."""
         n = self.sim.setup.n
-        while self._may_admit(n):  # pyright: ignore[reportCallIssue]
-            if self._granted is not None:
-                m = self._grant()  # pyright: ignore[reportCallIssue]
-                assert m is not None
-                self._granted[m] -= 1
-                if not self._granted[m]:
-                    del self._granted[m]
-            self._running += n
+        while self.book.may_admit(n, self.engine.policy_version):
+            self.book.start(n, self.engine.policy_version)
             self._start_group()
 
     def _start_group(self) -> None:
@@ -255,19 +237,19 @@ class SimServer:
     def _group_done(self, uid: str, episodes: list[Episode]) -> None:
         s = self.sim.setup
         trajs = [self.sim.trajectory(uid, j, ep, self.peer) for j, ep in enumerate(episodes)]
-        self._running -= s.n
+        self.book.finished(s.n)
         wave = self.sim.waves[min(ep.versions[0] for ep in episodes)]
         wave.last_in = self.sim.clock.now
         wave.groups += 1
         wave.longest_tokens = max(wave.longest_tokens, *(sum(ep.turn_tokens) for ep in episodes))
-        if group_too_old(trajs, self.newest_version, s.max_staleness):
+        if group_too_old(trajs, self.book.newest_version, s.max_staleness):
             self.sim.server_dropped += sum(int(np.count_nonzero(t.response_mask)) for t in trajs)
         else:
             self.sim.learner.received(self.peer, trajs)
         self.admit()
 
     def announce(self, version: int) -> None:
-        self.newest_version = max(self.newest_version, version)
+        self.book.announced(version)
         self.admit()
 
     def applied(self, version: int) -> None:
@@ -302,8 +284,8 @@ class Learner:
             held=held, remaining=self.remaining, min_version=self.version
         ):
             server = self.sim.servers_by_peer[peer]
-            assert server._granted is not None
-            server._granted[self.version] += n
+            taken = server.book.granted(n, self.version)
+            assert taken, "the simulated servers all take grants when admission is on"
             self.sim.clock.after(0.0, server.admit)
 
     def received(self, peer: str, trajs: list[Trajectory]) -> None:

@@ -493,7 +493,7 @@ class VllmEngine:
 
         version = self._version
         req.vllm_id = f"{req.request_id}#{next(self._serial)}"
-        params = self._sampling_params(sampling, max_tokens)
+        params = _sampling_params(sampling, max_tokens)
         final = None
         # cache_salt: blocks cached under older weights are never reused by this submission.
         stream = self._llm.generate(
@@ -505,43 +505,7 @@ class VllmEngine:
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
-        return self._piece(final.outputs[0], version)
-
-    def _sampling_params(self, s: SamplingSettings, max_tokens: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            seed=s.seed,
-            stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            stop=list(s.stop) or None,
-            structured_outputs=StructuredOutputsParams(choice=list(s.choices))
-            if s.choices
-            else None,
-            logprobs=0,
-            detokenize=bool(s.stop),  # stop strings are matched on text; ids are what we keep
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-
-    def _piece(self, comp: Any, submitted_version: int) -> _Piece:
-        ids = list(comp.token_ids)
-        lps = comp.logprobs or []
-        logprobs = [float(lps[i][t].logprob) for i, t in enumerate(ids)] if lps else []
-        if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-        versions = _versions_from_spans(getattr(comp, "weight_versions", None), len(ids))
-        if versions is None:
-            versions = [submitted_version] * len(ids)
-        reason = comp.finish_reason
-        finish: FinishReason = reason if reason in ("stop", "length") else "abort"
-        stop = comp.stop_reason if isinstance(getattr(comp, "stop_reason", None), str) else None
-        return _Piece(ids, logprobs, versions, finish, stop)
+        return _piece(final.outputs[0], version)
 
 
 @dataclass
@@ -551,6 +515,45 @@ class _Piece:
     versions: list[int]
     finish_reason: FinishReason
     stop_string: str | None = None
+
+
+def _sampling_params(s: SamplingSettings, max_tokens: int) -> Any:
+    """vLLM's ``SamplingParams`` for one submission of at most ``max_tokens`` tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        stop=list(s.stop) or None,
+        structured_outputs=StructuredOutputsParams(choice=list(s.choices)) if s.choices else None,
+        logprobs=0,
+        detokenize=bool(s.stop),  # stop strings are matched on text; ids are what we keep
+        skip_special_tokens=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _piece(comp: Any, submitted_version: int) -> _Piece:
+    """What a submission returned (vLLM's ``CompletionOutput``), tokens labelled with the version
+    whose weights computed them (``submitted_version`` when vLLM gives no spans)."""
+    ids = list(comp.token_ids)
+    lps = comp.logprobs or []
+    logprobs = [float(lps[i][t].logprob) for i, t in enumerate(ids)] if lps else []
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    versions = _versions_from_spans(getattr(comp, "weight_versions", None), len(ids))
+    if versions is None:
+        versions = [submitted_version] * len(ids)
+    reason = comp.finish_reason
+    finish: FinishReason = reason if reason in ("stop", "length") else "abort"
+    stop = comp.stop_reason if isinstance(getattr(comp, "stop_reason", None), str) else None
+    return _Piece(ids, logprobs, versions, finish, stop)
 
 
 def _versions_from_spans(spans: Any, n: int) -> list[int] | None:

@@ -327,38 +327,51 @@ def test_a_garbage_slot_file_is_refused_without_trusting_its_header(tmp_path: Pa
     assert psutil.Process().memory_info().rss - before < MAX_RSS_GROWTH
 
 
-def test_an_abandoned_version_no_longer_holds_admission_back(
-    tmp_path: Path, tiny_model: Path
-) -> None:
+def test_an_abandoned_version_no_longer_holds_admission_back(tiny_model: Path) -> None:
     """An announce far ahead (10**9) whose chunks never come: once it is abandoned, the server's
     staleness bound counts from the weights it runs again, so generation does not stop for good."""
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
-    from scripted import EchoTool, ScriptedEngine
-    from server_testkit import make_config
+    from scripted import ScriptedEngine
     from transformers import AutoTokenizer
 
+    from common.logging import get_logger
+    from common.timeline import TimelineWriter
     from protocol.events import WeightsFailed
-    from rollout_service.server import RolloutServer
-    from rollout_service.tools.base import TOOLS
+    from rollout_service.granting import GrantBook
+    from rollout_service.metrics import RolloutStats
+    from rollout_service.weights_applier import WeightApplier
 
-    if "echo" not in TOOLS:
-        TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
-    config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
-    server = RolloutServer(
-        config,
-        tmp_path / "run",
-        engine=ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [], version=3),
+    class NoReplies:  # WEIGHTS_APPLIED goes back only for a load, and nothing is loaded here
+        def weights_applied(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("no load, no WEIGHTS_APPLIED")
+
+    async def no_wait() -> None:
+        raise AssertionError("nothing here waits for a change")
+
+    engine = ScriptedEngine(AutoTokenizer.from_pretrained(str(tiny_model)), [], version=3)
+    book = GrantBook(max_concurrent_episodes=4, max_staleness=1)
+    book.session(grants=False)
+    woken: list[int] = []
+    weights = WeightApplier(
+        engine,
+        NoReplies(),  # pyright: ignore[reportArgumentType]
+        book,
+        on_weight_update="keep",
+        stats=RolloutStats(server_id="hostile"),
+        timeline=TimelineWriter.off(),
+        log=get_logger("test"),
+        wake=lambda: woken.append(book.newest_version),
+        changed=no_wait,
     )
-    try:
-        server._announce(10**9)
-        assert server.newest_version == 10**9
-        server._transfer_failed(WeightsFailed(10**9, "abandoned"))
-        assert server.newest_version == 3  # what the engine runs
-        server._announce(5)
-        server._transfer_failed(WeightsFailed(4, "an older one"))  # not the newest: changes nothing
-        assert server.newest_version == 5
-    finally:
-        server._state_lock.release()
+    weights.announce(10**9)
+    assert book.newest_version == 10**9 and not book.may_admit(1, engine.policy_version)
+    weights.transfer_failed(WeightsFailed(10**9, "abandoned"))
+    assert book.newest_version == 3  # what the engine runs
+    assert book.may_admit(1, engine.policy_version)
+    weights.announce(5)
+    weights.transfer_failed(WeightsFailed(4, "an older one"))  # not the newest: changes nothing
+    assert book.newest_version == 5
+    assert woken == [10**9, 3, 5]  # admission looked again after each change
 
 
 @pytest.mark.integration

@@ -17,7 +17,8 @@ from bench import simulate  # noqa: E402
 from bench.clustersim import model  # noqa: E402
 from bench.clustersim.costs import GPU_DIR, GenCosts, e2e_runs, rollout_bound  # noqa: E402
 from learner.admission import Admission  # noqa: E402
-from rollout_service.server import RolloutServer  # noqa: E402
+from rollout_service import server  # noqa: E402
+from rollout_service.granting import GrantBook  # noqa: E402
 
 H100 = GPU_DIR / "h100_bench_e2e_longtail_20steps_s0_s2.json"
 
@@ -34,9 +35,25 @@ def _setup(k: int, *, servers: int = 2, admission: bool = True, steps: int = 6) 
     )
 
 
-def test_the_rollout_server_rule_is_the_servers_own_function() -> None:
-    assert model.SimServer._may_admit is RolloutServer._may_admit
-    assert model.SimServer._grant is RolloutServer._grant
+def test_the_rollout_server_rule_is_the_servers_own_grant_book(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert model.GrantBook is server.GrantBook is GrantBook
+    calls = {"may_admit": 0, "start": 0}
+    may_admit, start = GrantBook.may_admit, GrantBook.start
+
+    def counting_may_admit(self: GrantBook, n: int, engine_version: int) -> bool:
+        calls["may_admit"] += 1
+        return may_admit(self, n, engine_version)
+
+    def counting_start(self: GrantBook, n: int, engine_version: int) -> None:
+        calls["start"] += 1
+        start(self, n, engine_version)
+
+    monkeypatch.setattr(GrantBook, "may_admit", counting_may_admit)
+    monkeypatch.setattr(GrantBook, "start", counting_start)
+    model.simulate(_setup(1, steps=3), seeds=1)
+    assert calls["may_admit"] > calls["start"] > 0
 
 
 def test_grants_and_feasibility_go_through_admission(monkeypatch: pytest.MonkeyPatch) -> None:
