@@ -20,14 +20,22 @@ bootstrap, still privileged, isolates the run and then ``execve``s ``python -I -
   namespace. A private IPC namespace does the same for System V shared memory. All or nothing: if
   a mount fails, the view is undone and the run goes on without it (``fs_isolated`` false, one
   warning per process).
-- resources: ``setrlimit`` for CPU seconds, address space, file size, processes, open files, core.
+- resources: ``setrlimit`` for CPU seconds, address space, file size, processes, open files, core,
+  per process; for the call as a whole a control group of its own (``sandbox_cgroup``: memory of
+  all its processes, tmpfs pages included, and ``pids.max``), joined by the bootstrap before
+  anything else. An OOM kill there ends the whole call (``killed_reason="memory"``, a note in
+  stderr). Disk: in the mount namespace the code's working directory is a tmpfs of ``disk_mb``
+  (its files copied in), so a call writes at most that plus the small temp-dir tmpfs; ENOSPC shows
+  as a one-line note in stderr.
 - wall clock: past the timeout the process group (and every process of the run's uid) is killed.
 - output: stdout/stderr are read incrementally; past the byte cap the run is killed, so an output
   flood costs at most the cap in memory.
 
 Afterwards the directory, and anything the run's uid left in world-writable temp dirs (none,
-unless the private view failed), is removed. Without root (and without user namespaces) only
-rlimits, the process group and the timeout remain, and a warning says so.
+unless the private view failed), is removed, and so is the call's cgroup (after killing what is
+left in it). Without root (and without user namespaces) only rlimits, the process group and the
+timeout remain, and a warning says so; without a usable cgroup hierarchy or a mount namespace
+another one says that per-call memory and disk limits are not enforced.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import anyio.abc
 import anyio.to_thread
 
 from common.logging import get_logger
+from rollout_service.sandbox_cgroup import CallCgroup, host_hierarchy
 
 __all__ = ["SandboxLimits", "SandboxResult", "run_python"]
 
@@ -65,6 +74,7 @@ _SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
 _SYSTEM_DIRS = ("/bin", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 _CHECKOUT = Path(__file__).resolve().parents[1]
 _warned_unisolated = False
+_warned_unlimited = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class SandboxLimits:
     open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 64 * 1024  # per stream; past it the run is killed
     isolate_network: bool = True
+    call_memory_mb: int = 1024  # all processes of the call together, tmpfs included (cgroup)
+    disk_mb: int = 64  # the code's working directory (a tmpfs in the run's mount namespace)
 
 
 @dataclass
@@ -95,6 +107,8 @@ class SandboxResult:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     extras: dict[str, str] = field(default_factory=dict)  # diagnostics (bootstrap notes)
+    cgroup: str | None = None  # name of the call's cgroup (gone afterwards) when it was joined
+    disk_limited: bool = False  # the working directory was a tmpfs of ``disk_mb``
 
     @property
     def ok(self) -> bool:
@@ -112,7 +126,15 @@ libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 O_PATH = 0o10000000
-status = {"network_isolated": False, "uid_dropped": False, "fs_isolated": False, "notes": []}
+status = {"network_isolated": False, "uid_dropped": False, "fs_isolated": False, "notes": [],
+          "cgroup": bool(cfg["cgroup_procs"]), "disk_limited": False}
+for procs in cfg["cgroup_procs"]:  # first: every process of the call starts inside
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as e:
+        status["notes"].append("joining the call's cgroup failed: %s" % e)
+        status["cgroup"] = False
 status_file = open(cfg["status"], "w")  # now: the path is hidden once /tmp is covered
 exe, uid = cfg["exe"], cfg["uid"]
 
@@ -143,6 +165,31 @@ def isolate_files():
     mount(None, cfg["mount_at"], None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
     os.chdir(cfg["work"])
 
+def work_on_tmpfs():
+    # The code's files are small: read them, cover the directory with a tmpfs of the call's disk
+    # size owned by the run's uid, write them back.
+    top, saved = cfg["work"], []
+    for where, dirs, names in os.walk(top):
+        saved.append((os.path.relpath(where, top), None))
+        for name in names:
+            with open(os.path.join(where, name), "rb") as f:
+                saved.append((os.path.relpath(os.path.join(where, name), top), f.read()))
+    mount("sandbox", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,uid=%d,gid=%d,size=%dk,nr_inodes=%d"
+          % (uid, uid, cfg["disk_kib"], max(4096, cfg["disk_kib"] // 16)))
+    try:
+        for rel, data in saved:
+            path = os.path.normpath(os.path.join(top, rel))
+            if data is None:
+                os.makedirs(path, exist_ok=True)
+            else:
+                with open(path, "wb") as f:
+                    f.write(data)
+            os.chown(path, uid, uid)
+    except OSError:
+        libc.umount2(top.encode(), 2)
+        raise
+    os.chdir(top)
+
 if uid is not None:
     if libc.unshare(CLONE_NEWNS) != 0:
         status["notes"].append("unshare(CLONE_NEWNS) failed: errno %d" % ctypes.get_errno())
@@ -168,6 +215,12 @@ if uid is not None:
             # All or nothing: a half-covered view could hide the interpreter or the code itself.
             for target in reversed(mounted):
                 libc.umount2(target.encode(), 2)  # MNT_DETACH
+        try:
+            work_on_tmpfs()
+            status["disk_limited"] = True
+        except OSError as e:
+            status["notes"].append("no tmpfs for the working directory: %s" % e)
+            os.chdir(cfg["work"])
         if libc.unshare(CLONE_NEWIPC) != 0:  # System V shared memory outlives its creator
             status["notes"].append("unshare(CLONE_NEWIPC) failed: errno %d" % ctypes.get_errno())
 if cfg["isolate_net"]:
@@ -221,6 +274,8 @@ class _Run:
     status: Path
     mount_at: Path
     uid: int | None
+    cgroup: CallCgroup | None = None  # the call's control group, when the host allows one
+    cgroup_error: str | None = None  # why there is none
 
 
 def _base_interpreter() -> tuple[Path, Path]:
@@ -248,14 +303,28 @@ def _safe_relpath(name: str) -> Path:
     return path
 
 
-def _prepare(code: str, files: dict[str, str], uid: int | None) -> _Run:
+def _prepare(code: str, files: dict[str, str], uid: int | None, limits: SandboxLimits) -> _Run:
     names = {_safe_relpath(name): content for name, content in files.items()}  # before mkdtemp
     root = Path(tempfile.mkdtemp(prefix="sandbox-"))
     try:
-        return _populate(root, code, names, uid)
+        run = _populate(root, code, names, uid)
+        _make_cgroup(run, limits)
+        return run
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
+
+
+def _make_cgroup(run: _Run, limits: SandboxLimits) -> None:
+    hierarchy = host_hierarchy()
+    if hierarchy is None:
+        run.cgroup_error = "no writable cgroup hierarchy with the memory and pids controllers"
+        return
+    name = f"{os.getpid()}-{run.root.name}"
+    try:
+        run.cgroup = CallCgroup.create(hierarchy, name, limits.call_memory_mb, limits.nproc)
+    except OSError as e:
+        run.cgroup_error = f"cannot make the call's cgroup under {hierarchy.memory}: {e}"
 
 
 def _populate(root: Path, code: str, files: dict[Path, str], uid: int | None) -> _Run:
@@ -306,6 +375,8 @@ def _bootstrap_config(run: _Run, limits: SandboxLimits) -> str:
             "shared_dirs": shared,
             "hidden_dirs": _hidden_dirs(shared),
             "shared_kib": limits.file_size_mb * 1024,
+            "disk_kib": limits.disk_mb * 1024,
+            "cgroup_procs": run.cgroup.procs_files if run.cgroup else [],
             "env": env,
         }
     )
@@ -377,12 +448,18 @@ def _killpg(pgid: int) -> None:
 
 def _cleanup(run: _Run) -> None:
     try:
+        if run.cgroup is not None:
+            run.cgroup.kill()
         if run.uid is not None:
             _kill_uid(run.uid)
             for tmp in _SHARED_TMP_DIRS:
                 _remove_owned_by(Path(tmp), run.uid)
     finally:
-        shutil.rmtree(run.root, ignore_errors=True)
+        try:
+            if run.cgroup is not None:
+                run.cgroup.remove()
+        finally:
+            shutil.rmtree(run.root, ignore_errors=True)
 
 
 def _remove_owned_by(directory: Path, uid: int) -> None:
@@ -438,11 +515,22 @@ class _Supervisor:
         self.out = _Capture(limits.max_output_bytes)
         self.err = _Capture(limits.max_output_bytes)
         self.output_limit_hit = False
+        self.memory_limit_hit = False
 
     async def kill(self) -> None:
         _killpg(self.proc.pid)
+        if self.run.cgroup is not None:
+            await anyio.to_thread.run_sync(self.run.cgroup.kill)
         if self.run.uid is not None:
             await anyio.to_thread.run_sync(_kill_uid, self.run.uid)
+
+    async def watch_memory(self, cgroup: CallCgroup) -> None:
+        """An OOM kill in the call's cgroup ends the whole call (v2 does so itself with
+        ``memory.oom.group``; on v1 only the largest process would die)."""
+        while not cgroup.oom_killed():
+            await anyio.sleep(0.02)
+        self.memory_limit_hit = True
+        await self.kill()
 
     async def feed_stdin(self, data: bytes) -> None:
         stream = self.proc.stdin
@@ -479,7 +567,7 @@ async def run_python(
     limits = limits or SandboxLimits()
     uid = _allocate_uid()
     try:
-        run = await anyio.to_thread.run_sync(_prepare, code, files or {}, uid)
+        run = await anyio.to_thread.run_sync(_prepare, code, files or {}, uid, limits)
         try:
             return await _execute(run, limits, stdin)
         finally:
@@ -503,37 +591,64 @@ async def _execute(run: _Run, limits: SandboxLimits, stdin: str) -> SandboxResul
     timed_out = False
     try:
         with anyio.move_on_after(limits.timeout_s) as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sup.feed_stdin, stdin.encode("utf-8"))
-                tg.start_soon(sup.drain, proc.stdout, sup.out)
-                tg.start_soon(sup.drain, proc.stderr, sup.err)
-            await proc.wait()
+            async with anyio.create_task_group() as watch:
+                if run.cgroup is not None:
+                    watch.start_soon(sup.watch_memory, run.cgroup)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sup.feed_stdin, stdin.encode("utf-8"))
+                    tg.start_soon(sup.drain, proc.stdout, sup.out)
+                    tg.start_soon(sup.drain, proc.stderr, sup.err)
+                await proc.wait()
+                watch.cancel_scope.cancel()
         timed_out = scope.cancelled_caught
     finally:
         with anyio.CancelScope(shield=True):
             await sup.kill()  # also reaps what the code left running in the background
             await proc.wait()
             await proc.aclose()
-    return _result(run, sup, proc.returncode, timed_out, anyio.current_time() - start)
+    oom = sup.memory_limit_hit or (run.cgroup is not None and run.cgroup.oom_killed())
+    wall = anyio.current_time() - start
+    return _result(run, limits, sup, proc.returncode, timed_out, oom, wall)
 
 
 def _result(
-    run: _Run, sup: _Supervisor, code: int | None, timed_out: bool, wall: float
+    run: _Run,
+    limits: SandboxLimits,
+    sup: _Supervisor,
+    code: int | None,
+    timed_out: bool,
+    oom: bool,
+    wall: float,
 ) -> SandboxResult:
     status = _read_status(run)
     stderr = sup.err.text()
+    joined = bool(status.get("cgroup")) and run.cgroup is not None
+    disk_limited = bool(status.get("disk_limited"))
     if timed_out:
         reason: str | None = "timeout"
     elif sup.output_limit_hit:
         reason = "output_limit"
+    elif oom and joined:
+        reason = "memory"
+        stderr += (
+            f"\nsandbox: the call exceeded its memory limit of {limits.call_memory_mb} MiB "
+            "(all its processes together) and was killed\n"
+        )
     elif not status and code not in (0, None):
         reason = "sandbox_error"  # the bootstrap died before exec; its traceback is in stderr
     else:
         reason = _killed_reason(code, stderr)
     found = status.get("notes")
     notes: list[object] = list(found) if isinstance(found, list) else []
+    if disk_limited and ("[Errno 28]" in stderr or "No space left on device" in stderr):
+        stderr += (
+            f"\nsandbox: the call ran out of disk space: its working directory has a disk limit of "
+            f"{limits.disk_mb} MiB (temp dirs such as /tmp {limits.file_size_mb} MiB each)\n"
+        )
     if status and not status.get("fs_isolated"):
         _warn_unisolated(notes)
+    if status and not (joined and disk_limited):
+        _warn_unlimited(run, joined, disk_limited)
     return SandboxResult(
         stdout=sup.out.text(),
         stderr=stderr,
@@ -547,6 +662,24 @@ def _result(
         stdout_truncated=sup.out.truncated,
         stderr_truncated=sup.err.truncated,
         extras={"notes": "; ".join(map(str, notes))} if notes else {},
+        cgroup=run.cgroup.name if joined and run.cgroup is not None else None,
+        disk_limited=disk_limited,
+    )
+
+
+def _warn_unlimited(run: _Run, joined: bool, disk_limited: bool) -> None:
+    """Once per process: without a cgroup or a mount namespace, limits are per process only."""
+    global _warned_unlimited
+    if _warned_unlimited:
+        return
+    _warned_unlimited = True
+    get_logger(__name__).warning(
+        "sandbox: per-call memory and disk limits are not enforced; only per-process rlimits bound "
+        "a call, so one call may use nproc times memory_mb and write to the host's disk",
+        memory_limited=joined,
+        disk_limited=disk_limited,
+        cgroup_error=run.cgroup_error,
+        euid=os.geteuid(),
     )
 
 

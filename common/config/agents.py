@@ -107,7 +107,12 @@ class PythonToolConfig(Section):
     timeout_s: float = Field(default=10.0, gt=0)
     """Wall-clock limit of one run (the process group is killed after it)."""
     memory_mb: int = Field(default=512, gt=0)
-    """Address-space limit of one run, in MiB."""
+    """Address-space limit of each process of a run (RLIMIT_AS), in MiB."""
+    call_memory_mb: int = Field(default=1024, gt=0)
+    """Memory of all processes of one run together (tmpfs files included), in MiB; enforced by a
+    cgroup per run where the host allows one (root or a delegated cgroup), else only warned about."""
+    disk_mb: int = Field(default=64, gt=0)
+    """Size of the run's working directory (a tmpfs in its mount namespace, as root), in MiB."""
     max_output_chars: int = Field(default=4000, gt=0)
     """Longest output returned to the model (head and tail kept)."""
 

@@ -32,6 +32,8 @@ def _python_options(config: Config) -> dict[str, Any]:
     return {
         "timeout_s": py.timeout_s,
         "memory_mb": py.memory_mb,
+        "call_memory_mb": py.call_memory_mb,
+        "disk_mb": py.disk_mb,
         "max_output_chars": py.max_output_chars,
     }
 

@@ -18,7 +18,7 @@ from rollout_service.tools.base import TOOLS, ToolContext, ToolResult, function_
 _REASONS = {
     "timeout": "execution timed out after {timeout:g} s and was killed",
     "output_limit": "output exceeded {output} bytes; the program was killed",
-    "memory": "out of memory (limit {memory} MiB)",
+    "memory": "out of memory (limit {memory} MiB per process, {call_memory} MiB for the whole run)",
     "cpu": "CPU time limit of {cpu} s exceeded; the program was killed",
     "file_size": "file size limit exceeded",
     "sandbox_error": "the sandbox failed to start the program",
@@ -49,6 +49,7 @@ def describe(res: SandboxResult, limits: SandboxLimits, max_chars: int) -> ToolR
                 timeout=limits.timeout_s,
                 output=limits.max_output_bytes,
                 memory=limits.memory_mb,
+                call_memory=limits.call_memory_mb,
                 cpu=limits.cpu_s,
                 reason=res.killed_reason,
             )
