@@ -259,13 +259,16 @@ class Chaos:
         deadline = time.monotonic() + a.timeout_s
         pending = list(report.faults)
         runs = 0
+        started: float | None = None  # the schedule's clock: the first training step, kept across
+        # the job's restarts (else every restart would start the schedule over, and faults due
+        # late would fall after the run)
         while True:
             runs += 1
             job = Job(config, self.overrides(), self.root / f"train-{runs}.out")
             self.job_must_restart = False
             if not self.wait_training(job, deadline, self.steps_reached()):
                 break
-            started = time.monotonic()
+            started = time.monotonic() if started is None else started
             while job.alive() and time.monotonic() < deadline:
                 self.sample()
                 due = [f for f in pending if started + f.at_s <= time.monotonic()]
