@@ -225,6 +225,8 @@ class Chaos:
                     continue
                 for p in group:
                     try:
+                        if p.status() == psutil.STATUS_ZOMBIE:  # killed, not reaped: RSS reads 0
+                            continue
                         self.seen.setdefault(p.pid, p.create_time())
                         key = f"{name}/{p.name()}/{p.pid}"  # one incarnation of one process
                         rss = p.memory_info().rss / 2**20
