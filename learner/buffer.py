@@ -46,6 +46,11 @@ class Group:
     key: GroupKey
     trajectories: list[Trajectory]
     oldest_version: int | None  # None: no response tokens at all
+    carried: bool = False
+    """Accepted before a learner restart and replayed from the journal: the bound held when it was
+    admitted, and a rollback since may have put it past the bound (its data comes from a branch the
+    restart discarded). It is trained, once, not dropped: nothing accepted is lost. It never holds
+    a step back (no deadline) and goes first (the oldest data)."""
 
     @property
     def record_id(self) -> int:
@@ -61,9 +66,15 @@ class Group:
 
     def deadline(self, max_staleness: int) -> int | None:
         """The newest version whose step may train the group (None: never stale)."""
-        return None if self.oldest_version is None else deadline(self.oldest_version, max_staleness)
+        if self.oldest_version is None or self.carried:
+            return None
+        return deadline(self.oldest_version, max_staleness)
 
     def too_old(self, policy_version: int, max_staleness: int) -> bool:
+        return not self.carried and too_old(self.oldest_version, policy_version, max_staleness)
+
+    def past_bound(self, policy_version: int, max_staleness: int) -> bool:
+        """Trained at ``policy_version`` beyond the bound: only a carried group can be."""
         return too_old(self.oldest_version, policy_version, max_staleness)
 
     @property
@@ -189,13 +200,17 @@ class GroupBuffer:
         trajectories: Sequence[Trajectory],
         *,
         only: Collection[str] | None = None,
+        carried: bool = False,
     ) -> list[Group]:
         """Queue the groups of record ``record_id`` (only the group uids in ``only``, if given: a
-        record replayed after a restart that was partly trained); returns them. A record that
-        yields no group holds no room: the caller frees it at once."""
+        record replayed after a restart that was partly trained); returns them. ``carried``: the
+        record was accepted before a restart (``Group.carried``). A record that yields no group
+        holds no room: the caller frees it at once."""
         if record_id in self._remaining:
             raise ValueError(f"record {record_id} is already in the buffer")
         groups = split_groups(record_id, trajectories, self.lineage)
+        for g in groups:
+            g.carried = carried
         if only is not None:
             missing = set(only) - {g.uid for g in groups}
             if missing:

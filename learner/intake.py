@@ -19,7 +19,10 @@ Design:
   batches for deduplication, so nothing accepted is lost and nothing is trained twice (relative to
   the checkpointed model). ``checkpoint_saved`` compacts the journal down to what a state needs.
   Without a state the journal is replayed whole (a learner that died before its first
-  checkpoint); ``open_journal(fresh=True)`` deletes it instead (a new run).
+  checkpoint); ``open_journal(fresh=True)`` deletes it instead (a new run). Replayed groups are
+  *carried* (``buffer.Group.carried``): admitted under the staleness bound, they are trained once
+  even where the rollback put them past it (``intake/carried_past_bound`` counts those), never
+  dropped. The waste counts (generated and dropped tokens) are part of the state too.
 
 - Admission (``learner.granting``). With it, ``next_batch`` also waits for groups still generating
   that would be too stale after the step, and takes the buffer earliest deadline first.
@@ -88,6 +91,7 @@ class TakenBatch:
     staleness: list[int]  # per group: token age (policy version - its oldest trained token's)
     dropped_stale: int  # groups dropped as stale since the previous batch was taken
     wait_s: float
+    carried_past_bound: int = 0  # groups accepted before a restart, trained past the bound now
     keys: list[GroupKey] = field(default_factory=list, repr=False)  # for mark_trained
     sources: list[str] = field(default_factory=list)  # per group: its data source
     mix_shortfall: int = 0  # mixed runs: places of the configured mix not filled by their source
@@ -286,6 +290,7 @@ class Intake:
             staleness=[g.staleness(policy_version) for g in groups],
             dropped_stale=dropped,
             wait_s=time.monotonic() - t0,
+            carried_past_bound=sum(g.past_bound(policy_version, max_staleness) for g in groups),
             keys=[g.key for g in groups],
             sources=[g.source for g in groups],
             mix_shortfall=mix_shortfall(groups, quotas) if quotas is not None else 0,
@@ -403,7 +408,9 @@ class Intake:
                 "checkpoint than the one resumed. Resume from the latest checkpoint, or start a fresh run."
             )
         for rec in journal.records(wanted):
-            added = self._buffer.add(rec.record_id, rec.trajectories, only=wanted[rec.record_id])
+            added = self._buffer.add(
+                rec.record_id, rec.trajectories, only=wanted[rec.record_id], carried=True
+            )
             n = len(added)
             if rec.record_id > position:  # accepted after the checkpoint: not in its counts
                 self._tokens["generated"] += sum(g.sampled_tokens for g in added)

@@ -368,6 +368,7 @@ class Trainer:
             / max(timer.marks.get("update", 0.0), 1e-9),
             "policy/version": float(self.version),
             "intake/dropped_stale": float(taken.dropped_stale),
+            "intake/carried_past_bound": float(taken.carried_past_bound),
             "intake/dropped_stale_total": float(stats.get("dropped_stale_groups", 0)),
             "intake/peers": float(stats.get("peers", 0)),
             "kl_ctrl/coef": float(self.kl_ctrl.value),

@@ -180,3 +180,21 @@ def test_after_a_restart_groups_are_aged_by_the_updates_between_the_weights() ->
     plain = GroupBuffer()
     plain.add(1, record({"at10": 2}, version=10))
     assert [g.uid for g in plain.take(1, policy_version=14, max_staleness=2).dropped] == ["at10"]
+
+
+def test_groups_carried_over_a_restart_are_trained_past_the_bound_not_dropped() -> None:
+    # The same restart, the records replayed from the journal (carried): the rollback put "at12"
+    # (discarded branch) and "at8" past the bound, yet they were accepted under it: trained once,
+    # first, and counted as past the bound; a group accepted after the restart is still dropped.
+    buf = GroupBuffer(Lineage().resumed(13, 10))
+    buf.add(1, record({"at10": 2}, version=10) + record({"at9": 2}, version=9), carried=True)
+    buf.add(2, record({"at12": 2}, version=12) + record({"at8": 2}, version=8), carried=True)
+    buf.add(3, record({"new": 2}, version=13))
+    buf.add(4, record({"late": 2}, version=8))  # accepted now (a resend, say), past the bound
+    assert [g.deadline(2) for g in buf.by_deadline() if g.carried] == [None] * 4
+    out = buf.take(4, policy_version=14, max_staleness=2)
+    assert [g.uid for g in out.dropped] == ["late"]
+    assert sorted(g.uid for g in out.groups) == ["at10", "at12", "at8", "at9"]
+    assert sorted(g.uid for g in out.groups if g.past_bound(14, 2)) == ["at12", "at8"]
+    assert [g.uid for g in buf.take(4, policy_version=14, max_staleness=2).groups] == ["new"]
+    assert buf.dropped_stale == 1
