@@ -1,5 +1,6 @@
 """Unit-test fakes for the agent loop: simple tools, and the scripted engine (now in
-``rollout_service.engine.scripted``, so that a config can choose it) re-exported for the tests."""
+``rollout_service.engine.scripted``, so that a config can choose it) re-exported for the tests;
+``fork_until_refused``, the sandbox tests' process bomb."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from rollout_service.engine.scripted import ScriptedEngine
 from rollout_service.tools.base import ToolContext, ToolResult
 
-__all__ = ["EchoTool", "ScriptedEngine"]
+__all__ = ["EchoTool", "ScriptedEngine", "fork_until_refused"]
 
 
 @dataclass
@@ -40,3 +41,23 @@ class EchoTool:
         return ToolResult(
             text, ok=self.ok, terminal=self.terminal, answer=text if self.terminal else None
         )
+
+
+def fork_until_refused(child: str, refused: str, after: str = "") -> str:
+    """Python source of a process bomb: fork until the OS refuses (``n`` counts the children),
+    each child leaving the process group (``setsid``, so that killing the group alone misses it)
+    and running ``child``; on the refusal (``e`` bound) ``refused``, then ``after``."""
+
+    def block(src: str, depth: int) -> str:
+        return "".join(" " * depth + line + "\n" for line in src.splitlines())
+
+    return (
+        "import os, time\n"
+        "n = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError as e:\n" + block(refused, 8) + "        break\n"
+        "    if pid == 0:\n"
+        "        os.setsid()\n" + block(child, 8) + "    n += 1\n" + block(after, 0)
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from scripted import fork_until_refused
 
 from rollout_service.sandbox import SandboxLimits, _live_pids_of_uid, run_python
 
@@ -62,22 +63,8 @@ async def test_cpu_limit_kills_a_busy_loop() -> None:
     not AS_ROOT, reason="processes are only limited and tracked under a dropped uid"
 )
 async def test_fork_bomb_is_contained_and_every_process_killed() -> None:
-    # Children leave the process group (setsid) so that killing the group alone would miss them.
-    code = (
-        "import os, time\n"
-        "n = 0\n"
-        "while True:\n"
-        "    try:\n"
-        "        pid = os.fork()\n"
-        "    except OSError:\n"
-        "        break\n"
-        "    if pid == 0:\n"
-        "        os.setsid()\n"
-        "        while True:\n"
-        "            time.sleep(1)\n"
-        "    n += 1\n"
-        "print(n, flush=True)\n"
-        "time.sleep(60)\n"
+    code = fork_until_refused(
+        "while True:\n    time.sleep(1)", "pass", "print(n, flush=True)\ntime.sleep(60)"
     )
     limits = SandboxLimits(timeout_s=2.0, nproc=16)
     res = await run_python(code, limits=limits)

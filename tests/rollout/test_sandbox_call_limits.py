@@ -17,6 +17,7 @@ from collections.abc import Callable
 import anyio
 import psutil
 import pytest
+from scripted import fork_until_refused
 
 from rollout_service.sandbox import SandboxLimits, SandboxResult, _live_pids_of_uid, run_python
 from rollout_service.sandbox_cgroup import host_hierarchy
@@ -102,21 +103,9 @@ async def test_disk_fill_is_bounded_by_the_call_disk_limit() -> None:
 
 @needs_cgroup
 async def test_process_bomb_stops_at_nproc_and_leaves_nothing() -> None:
-    code = (
-        "import os, time\n"
-        "n = 0\n"
-        "while True:\n"
-        "    try:\n"
-        "        pid = os.fork()\n"
-        "    except OSError as e:\n"
-        "        print(n, e, flush=True)\n"
-        "        break\n"
-        "    if pid == 0:\n"
-        "        os.setsid()\n"
-        "        os.closerange(0, 3)\n"  # main.py's end ends the run; these live on until killed
-        "        time.sleep(60)\n"
-        "        os._exit(0)\n"
-        "    n += 1\n"
+    # main.py's end ends the run; the children live on until killed
+    code = fork_until_refused(
+        "os.closerange(0, 3)\ntime.sleep(60)\nos._exit(0)", "print(n, e, flush=True)"
     )
     limits = SandboxLimits(timeout_s=10.0, nproc=16)
     res = await run_python(code, limits=limits)
