@@ -5,7 +5,9 @@ Design: a registry of `VerlConfig`s, each a verl entrypoint plus overrides layer
 (`job_overrides`: bench/e2e.py's long-tail workload as configs/longtail_e2e.yaml gives it to ours)
 and on verl's best settings for these machines (`FAIR`): FSDP2 for actor and reference, padding
 removal with packed rows through our learner's varlen kernel (bench/verl_plugins/varlen_attention.py),
-token-capped micro-batches. The old-logprob forward stays where ours has one too (the long-tail
+token logprobs in one vectorised call where verl without flash-attn loops over tokens
+(bench/verl_plugins/logprobs.py; both loaded by bench/verl_plugins/workers.py), token-capped
+micro-batches. The old-logprob forward stays where ours has one too (the long-tail
 job's two mini-batches a step: ours recomputes the old logprobs in its prepare phase). Names:
 
 - ``sync``: verl's maintained trainer (V1, ``trainer.v1.trainer_mode=sync``), colocated on every
@@ -41,7 +43,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "bench" / "verl_plugins"
-ATTENTION_LIB = "bench.verl_plugins.varlen_attention"
+ATTENTION_LIB = "bench.verl_plugins.varlen_attention"  # its device check runs before verl
+WORKER_LIB = "bench.verl_plugins.workers"  # what verl's workers import: attention + logprobs
 TOKEN_CAP = 16384  # tokens per micro-batch per GPU, as our learner's token cap on the same job
 VERSION_PROMPTS = 16  # prompts per policy version (our data.train_batch_size)
 
@@ -62,7 +65,7 @@ FAIR = [
     "actor_rollout_ref.actor.strategy=fsdp2",
     "actor_rollout_ref.ref.strategy=fsdp2",
     "actor_rollout_ref.model.use_remove_padding=true",
-    f"actor_rollout_ref.model.external_lib={ATTENTION_LIB}",
+    f"actor_rollout_ref.model.external_lib={WORKER_LIB}",
     "+actor_rollout_ref.model.override_config.attn_implementation=torch_varlen",
     "actor_rollout_ref.actor.use_dynamic_bsz=true",
     f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_CAP}",

@@ -129,7 +129,7 @@ def test_verl_configurations() -> None:
     sync = verl_side.overrides(verl_side.verl_config("sync", 2), a, "/m", Path("/w"))
     assert "trainer.n_gpus_per_node=2" in sync and "trainer.v1.trainer_mode=sync" in sync
     assert "actor_rollout_ref.actor.strategy=fsdp2" in sync
-    assert f"actor_rollout_ref.model.external_lib={verl_side.ATTENTION_LIB}" in sync
+    assert f"actor_rollout_ref.model.external_lib={verl_side.WORKER_LIB}" in sync
     cfg = verl_side.verl_config("fully-async-t1", 2)
     fa = verl_side.overrides(cfg, a, "/m", Path("/w"))
     assert cfg.module.endswith("fully_async_main")
