@@ -173,3 +173,47 @@ def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() 
     asyncio.run(reopen())
     assert id(ctx) not in zmq_transport._zap
     ctx.destroy(linger=0)
+
+
+ZMTP_CURVE_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes((3, 0)) + b"CURVE".ljust(20, b"\0") + bytes(32)
+
+
+@pytest.mark.parametrize("sends", ["nothing", "a greeting"])
+def test_a_peer_stalling_in_the_handshake_is_dropped_within_the_deadline(sends: str) -> None:
+    """libzmq's default lets a peer sit in the handshake for 30 s, holding what it sent; a server
+    channel drops it after ``HANDSHAKE_DEADLINE_MS``, whether it never spoke ZMTP or stopped after
+    its greeting."""
+    import socket
+    import time
+
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+
+    async def stall() -> float:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)
+        host, port = ch.address.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                start = time.monotonic()
+                if sends == "a greeting":
+                    s.sendall(ZMTP_CURVE_GREETING)
+                s.settimeout(0.2)
+                deadline = start + zmq_transport.HANDSHAKE_DEADLINE_MS / 1000 + 5
+                while time.monotonic() < deadline:
+                    try:
+                        if not s.recv(4096):  # the server's greeting, then its close
+                            return time.monotonic() - start
+                    except TimeoutError:
+                        await asyncio.sleep(0)  # the authenticator's task shares this loop
+                    except ConnectionResetError:
+                        return time.monotonic() - start
+                return float("inf")
+        finally:
+            ch.close()
+
+    took = asyncio.run(stall())
+    ctx.destroy(linger=0)
+    deadline_s = zmq_transport.HANDSHAKE_DEADLINE_MS / 1000
+    assert deadline_s <= 10, "a few seconds, not libzmq's 30"
+    assert deadline_s - 0.5 <= took <= deadline_s + 2.0, f"dropped after {took:.1f} s"
