@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import Progress, ratio  # noqa: E402  (after the checkout is on the path)
-from bench.protocol import Config, raw_receiver, raw_sender, run_pair  # noqa: E402
+from bench._common import Progress, ratio
+from bench.protocol import Config, raw_receiver, raw_sender, run_pair
 
 TOKEN = "0123456789abcdef" * 4  # any token: only the cipher's cost is measured
 

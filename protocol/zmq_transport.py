@@ -131,6 +131,7 @@ def token_keys(token: str) -> TokenKeys:
     client_public, client_secret = _derived_keypair(token, TOKEN_CLIENT_LABEL)
     return TokenKeys(server_public, server_secret, client_public, client_secret)
 
+
 Refused = Callable[[str, str, str], None]
 """``on_refused(peer address, code, reason)``; code: BAD_CREDENTIALS (a wrong token or key: a client
 key refused by ZAP, or a HELLO sealed for another server key), NO_CREDENTIALS (none: a security mechanism mismatch) or HANDSHAKE_FAILED (anything else)."""

@@ -23,7 +23,7 @@ import numpy as np
 from anyio.from_thread import start_blocking_portal
 
 from launcher.plan import free_port as launch_free_port
-from protocol import codec
+from protocol import codec, zmq_transport
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -51,7 +51,6 @@ from protocol.reference import (
     synthetic_validation,
 )
 from protocol.sender import Frames, RolloutConnection, SenderState
-from protocol import zmq_transport
 from protocol.zmq_transport import ZmqServerChannel, client_factory
 
 REPO = Path(__file__).resolve().parents[2]

@@ -138,11 +138,15 @@ def test_token_keys_are_fixed_by_the_token_and_differ_by_role() -> None:
     from zmq.utils import z85
 
     keys = zmq_transport.token_keys(TOKEN)
-    want = z85.encode(hmac.new(TOKEN.encode(), b"agentrl token-curve server v1", hashlib.sha256).digest())
+    want = z85.encode(
+        hmac.new(TOKEN.encode(), b"agentrl token-curve server v1", hashlib.sha256).digest()
+    )
     assert keys.server_secret == want
     assert keys.server_public == zmq.curve_public(keys.server_secret)
     assert keys.client_public == zmq.curve_public(keys.client_secret)
-    assert len({keys.server_public, keys.client_public, keys.server_secret, keys.client_secret}) == 4
+    assert (
+        len({keys.server_public, keys.client_public, keys.server_secret, keys.client_secret}) == 4
+    )
     assert zmq_transport.token_keys(TOKEN) == keys
     other = zmq_transport.token_keys("b" * 64)
     assert other.server_public != keys.server_public and other.client_public != keys.client_public
@@ -175,7 +179,9 @@ def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() 
     ctx.destroy(linger=0)
 
 
-ZMTP_CURVE_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes((3, 0)) + b"CURVE".ljust(20, b"\0") + bytes(32)
+ZMTP_CURVE_GREETING = (
+    b"\xff" + bytes(8) + b"\x7f" + bytes((3, 0)) + b"CURVE".ljust(20, b"\0") + bytes(32)
+)
 
 
 @pytest.mark.parametrize("sends", ["nothing", "a greeting"])

@@ -135,7 +135,11 @@ async def check_authentication(t: LearnerTarget) -> None:
 
     def curve(public: bytes, secret: bytes, server: bytes) -> Callable[[zmq.Socket], None]:
         def apply(sock: zmq.Socket) -> None:
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+                public,
+                secret,
+                server,
+            )
 
         return apply
 
@@ -154,7 +158,9 @@ async def check_authentication(t: LearnerTarget) -> None:
     }
     peers = {what: t.peer("auth", security=security) for what, security in cases.items()}
     for p in peers.values():
-        await p.send(codec.encode(wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer)))
+        await p.send(
+            codec.encode(wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer))
+        )
     wait = min(t.timeout, AUTH_WAIT_S)
     # Absence can only be waited for: a refused handshake leaves nothing to see.
     await asyncio.sleep(wait)
