@@ -41,7 +41,7 @@ def one_run(cfg: Config) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     d = Config(batches=200)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--trajectories", type=int, default=d.trajectories, help="per batch")
     ap.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per trajectory")
     ap.add_argument("--response", type=int, default=d.response, help="response tokens")

@@ -449,7 +449,7 @@ class ZmqServerChannel:
         self._sync = zmq.Socket.shadow(self.sock.underlying)
         try:
             _tune(self.sock, min(max_frame_bytes or max_message_bytes, max_message_bytes))
-            if keys is not None:
+            if keys is not None and allowed is not None:
                 self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
                 self.sock.curve_publickey, self.sock.curve_secretkey = keys
