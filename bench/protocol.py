@@ -50,10 +50,7 @@ from protocol.messages import Identity
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection, encode_batch
 from protocol.trajectory import Trajectory
-from protocol.zmq_transport import (
-    ZmqServerChannel,
-    client_factory,
-)
+from protocol.zmq_transport import ZmqServerChannel, client_factory, serve_token, use_token
 
 VOCAB = 151_936
 DISTINCT = 32  # distinct batches (own buffers) both phases cycle through (~200 MB by default)
@@ -72,6 +69,7 @@ class Config:
     input: str = (
         "columns"  # what producers hand to submit(): "columns" (TrajectoryBuilder) or "objects"
     )
+    token: str = ""  # the raw phase: "" plain ZeroMQ, else CURVE with this token's keys
 
 
 # -- process set-up -------------------------------------------------------------------------------------
@@ -361,6 +359,8 @@ def raw_sender(cfg: Config, address: str, pipe: Any) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.SNDHWM, 0)
+    if cfg.token:
+        use_token(sock, cfg.token)
     sock.connect(address)
     sock.send_multipart([b"\x08", b"hi"])  # connect before the clock starts; not counted below
     sock.recv()  # the receiver acks this warm-up at once
@@ -385,6 +385,8 @@ def raw_receiver(cfg: Config, pipe: Any) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if cfg.token:  # the token's server key; no ZAP handler, which only matters at the handshake
+        serve_token(sock, cfg.token)
     sock.bind("tcp://127.0.0.1:0")
     pipe.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     ident, _, _ = sock.recv_multipart()

@@ -2,10 +2,13 @@
 
 Design: peers are authenticated in ZeroMQ's handshake (``protocol.zmq_transport``), never after a
 message, because libzmq buffers a whole multi-frame message before any reader sees its first frame
-(SPEC §13). Without CURVE the default is a shared token: the learner creates it once per run
-directory (mode 0600) and keeps it across restarts; every client of the run (rollout servers,
-replay, conformance, tests) reads the same file, so one config on one host just works. The token
-is a password, never part of the config, so it never lands in ``config.resolved.yaml``.
+(SPEC §13). Without certificates the default is a shared token: the learner creates it once per
+run directory (mode 0600) and keeps it across restarts; every client of the run (rollout servers,
+relays, replay, conformance, tests) reads the same file, so one config on one host just works.
+The token itself never crosses the wire: both ends derive CURVE key pairs from it
+(``protocol.zmq_transport.token_keys``), so each proves to the other that it holds the token, and
+traffic is encrypted. It is a secret, never part of the config, so it never lands in
+``config.resolved.yaml``.
 """
 
 from __future__ import annotations

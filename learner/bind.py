@@ -86,8 +86,7 @@ def build_server(
             warning,
             address=address,
             auth=mode,
-            fix="transport.auth: auto (a token, or CURVE with transport.curve); across hosts "
-            "transport.curve",
+            fix="transport.auth: auto (the run's token, or the certificates of transport.curve)",
         )
     channel = ZmqServerChannel(
         address,

@@ -14,22 +14,30 @@ list that the codec answers with a typed ERROR. libzmq hands a message over only
 has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
 
 That is why the learner authenticates peers in ZeroMQ's own handshake, before any message: a peer
-refused there never gets one queued (SPEC §13). Two ways, both through a ZAP authenticator:
-- CURVE: the learner holds a secret key and an allow-list directory of client public keys; clients
-  hold their own key pair and the learner's public key (ZeroMQ certificate files made by
-  ``bin/make-curve-keys``). Encrypted.
-- a shared token (ZMTP PLAIN): clients present it as their password; not encrypted, so it keeps
-  out whoever lacks the token (another user of the host, a stray port scan), not an eavesdropper.
+refused there never gets one queued (SPEC §13). Both ways are CURVE, so both ends authenticate each
+other and traffic is encrypted; a ZAP authenticator decides which client keys get in:
+- certificates: the learner holds a secret key and an allow-list directory of client public keys;
+  clients hold their own key pair and the learner's public key (ZeroMQ certificate files made by
+  ``bin/make-curve-keys``).
+- a shared token (the default): both key pairs are derived from the run's token (``token_keys``),
+  the server's and the clients' under different labels. A server allows only the derived client
+  key, a client pins the derived server key. The token never crosses the wire: CURVE's handshake
+  makes the server prove it holds its secret key (its WELCOME box) before the client sends
+  anything derived from its own, so a listener without the token learns nothing and is sent
+  nothing.
 libzmq allows one ZAP handler per context and the default context is shared, so the server
 channels of one context share one authenticator, each under its own ZAP domain with its own
-allow-list or token (two learners, or a restarted one, can coexist). A refusal is reported to the
-channel's ``on_refused(address, code, reason)``.
+allow-list (two learners, or a restarted one, can coexist). A refusal is reported to the
+channel's ``on_refused(address, code, reason)``. Every server socket gives a peer
+``HANDSHAKE_DEADLINE_MS`` to finish the handshake (libzmq's default is 30 s), since what a peer
+still handshaking makes libzmq hold is bounded only per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import struct
@@ -42,6 +50,7 @@ from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from protocol.budget import MessageBudget, MessageReader
 from protocol.sender import Frames
@@ -52,6 +61,7 @@ CLIENT_MAX_FRAMES = (
     1 << 16
 )  # frames of one message to a rollout server (a weights chunk: one per part)
 _DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
+HANDSHAKE_DEADLINE_MS = 5000  # a server drops a peer that has not finished ZMTP's handshake by then
 
 
 @dataclass(frozen=True)
@@ -78,16 +88,57 @@ def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
 
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP RFC (27): one authenticator per context
-TOKEN_USERNAME = "agentrl"  # the PLAIN user name of token auth; only the password is secret
+
+# The labels token keys are derived under (SPEC §13): changing one is a wire change.
+TOKEN_SERVER_LABEL = b"agentrl token-curve server v1"
+TOKEN_CLIENT_LABEL = b"agentrl token-curve client v1"
+
+
+@dataclass(frozen=True)
+class TokenKeys:
+    """The CURVE key pairs of token auth, all Z85-encoded (40 bytes each)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def require_curve() -> None:
+    """Raise with what to do when this libzmq was built without CURVE (every auth mode but
+    ``none`` needs it)."""
+    if not zmq.has("curve"):
+        raise RuntimeError(
+            f"libzmq {zmq.zmq_version()} was built without CURVE (libsodium), which "
+            "transport.auth token and curve need: install pyzmq's wheel (it bundles a libzmq with "
+            "CURVE) or a libzmq built with libsodium; transport.auth none works without it"
+        )
+
+
+def _derived_keypair(token: str, label: bytes) -> tuple[bytes, bytes]:
+    # Any 32 bytes are a Curve25519 secret key (the scalar is clamped when used).
+    secret = z85.encode(hmac.new(token.encode(), label, hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+def token_keys(token: str) -> TokenKeys:
+    """The key pairs of ``token``: the server's (learners, relays) and the one every client of
+    the run shares, each ``HMAC-SHA256(token as ASCII, label)`` as the secret key (SPEC §13)."""
+    if not token:
+        raise ValueError("an empty token would let anyone in")
+    require_curve()
+    server_public, server_secret = _derived_keypair(token, TOKEN_SERVER_LABEL)
+    client_public, client_secret = _derived_keypair(token, TOKEN_CLIENT_LABEL)
+    return TokenKeys(server_public, server_secret, client_public, client_secret)
+
 
 Refused = Callable[[str, str, str], None]
-"""``on_refused(peer address, code, reason)``; code: BAD_CREDENTIALS (a wrong token or key, refused
-by ZAP), NO_CREDENTIALS (none: a security mechanism mismatch) or HANDSHAKE_FAILED (anything else)."""
+"""``on_refused(peer address, code, reason)``; code: BAD_CREDENTIALS (a wrong token or key: a client
+key refused by ZAP, or a HELLO sealed for another server key), NO_CREDENTIALS (none: a security mechanism mismatch) or HANDSHAKE_FAILED (anything else)."""
 
 
 def _authenticator(ctx: zmq.Context) -> Any:
-    """pyzmq's asyncio ZAP authenticator, made to report refusals per domain and to compare tokens
-    in constant time (its own compares with ``==`` and logs the password at debug level)."""
+    """pyzmq's asyncio ZAP authenticator, made to report refusals per domain."""
     from zmq.auth.asyncio import AsyncioAuthenticator
 
     class Authenticator(AsyncioAuthenticator):
@@ -133,16 +184,6 @@ def _authenticator(ctx: zmq.Context) -> Any:
                 except Exception:  # the task answering every handshake must outlive a bad report
                     self.log.exception("on_refused failed")
 
-        def _authenticate_plain(
-            self, domain: str, username: str, password: str
-        ) -> tuple[bool, bytes]:
-            expected = self.passwords.get(domain, {}).get(username)
-            if expected is None:
-                return False, b"Invalid username" if domain in self.passwords else b"No token"
-            if hmac.compare_digest(password.encode(), expected.encode()):
-                return True, b"OK"
-            return False, b"Invalid token"
-
     return Authenticator(ctx)
 
 
@@ -168,12 +209,11 @@ def _load_allow_list(allowed_keys_dir: Path) -> dict[bytes, Any]:
 def _zap_domain(
     ctx: zmq.Context,
     *,
-    curve_keys: dict[bytes, Any] | None = None,
-    token: str | None = None,
+    curve_keys: dict[bytes, Any],
     on_refused: Refused | None = None,
 ) -> str:
-    """Register an allow-list or a token with the context's authenticator (started on first use);
-    its domain."""
+    """Register an allow-list (Z85 public keys) with the context's authenticator (started on first
+    use); its domain."""
     entry = _zap.get(id(ctx))
     if entry is not None and (entry[1].loop.is_closed() or not entry[1].loop.is_running()):
         # Its event loop is gone (a channel of an earlier asyncio.run was never closed): its task
@@ -187,14 +227,10 @@ def _zap_domain(
         entry = _zap[id(ctx)] = (ctx, auth, previous[2] if previous else set())
         if previous is not None:
             auth.certs.update(previous[1].certs)
-            auth.passwords.update(previous[1].passwords)
             auth.on_refused.update(previous[1].on_refused)
     auth = entry[1]
     domain = f"learner-{uuid.uuid4().hex}"
-    if curve_keys is not None:
-        auth.certs[domain] = curve_keys  # what configure_curve(domain, dir) stores, minus a re-read
-    if token is not None:
-        auth.passwords[domain] = {TOKEN_USERNAME: token}
+    auth.certs[domain] = curve_keys  # what configure_curve(domain, dir) stores, minus a re-read
     if on_refused is not None:
         auth.on_refused[domain] = on_refused
     entry[2].add(domain)
@@ -208,7 +244,6 @@ def _drop_zap_domain(ctx: zmq.Context, domain: str) -> None:
     _, auth, domains = entry
     domains.discard(domain)
     auth.certs.pop(domain, None)
-    auth.passwords.pop(domain, None)
     auth.on_refused.pop(domain, None)
     if not domains:
         del _zap[id(ctx)]
@@ -216,14 +251,27 @@ def _drop_zap_domain(ctx: zmq.Context, domain: str) -> None:
 
 
 def use_token(sock: zmq.Socket, token: str) -> None:
-    """Make a client socket (before its ``connect``) present ``token`` to a learner with token
-    auth; what raw-socket tools and tests use instead of ``ZmqClientChannel``."""
-    sock.plain_username = TOKEN_USERNAME.encode()
-    sock.plain_password = token.encode()
+    """Make a client socket (before its ``connect``) a CURVE client of ``token``: its key pair is
+    the token's client pair, and it talks only to a server holding the token's server secret. What
+    raw-socket tools and tests use instead of ``ZmqClientChannel``."""
+    keys = token_keys(token)
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+
+
+def serve_token(sock: zmq.Socket, token: str) -> dict[bytes, Any]:
+    """Make a socket (before its ``bind``) a CURVE server holding ``token``'s server key pair; the
+    allow-list its ZAP domain needs (the token's client key)."""
+    keys = token_keys(token)
+    sock.curve_publickey, sock.curve_secretkey = keys.server_public, keys.server_secret
+    sock.curve_server = True
+    return {keys.client_public: True}
 
 
 def _tune(sock: zmq.Socket, max_frame_bytes: int | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_DEADLINE_MS)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     if max_frame_bytes:
@@ -309,21 +357,15 @@ def is_loopback(address: str) -> bool:
 
 
 def exposure_warning(address: str, *, curve: bool, token: bool = False) -> str | None:
-    """The warning to log for a learner bound at ``address`` with that authentication: none at all
-    (anywhere: a local user is a peer too), or a token (in the clear) on a non-loopback address."""
-    if curve:
-        return None
-    if not token:
-        return (
-            "peers are not authenticated (transport.auth: none): any process that can reach "
-            f"{address} may connect, and a peer that never says HELLO can make the learner buffer "
-            "a whole multi-frame message, gigabytes, before anything can refuse it (SPEC §13)"
-        )
-    if is_loopback(address):
+    """The warning to log for a learner bound at ``address`` with that authentication: only with
+    none at all (anywhere: a local user is a peer too); certificates and a token are both CURVE."""
+    if curve or token:
         return None
     return (
-        "binding a non-loopback address with token auth: the token and all traffic cross the "
-        "network unencrypted, so anyone who can read them can connect (use CURVE across hosts)"
+        "peers are not authenticated (transport.auth: none): any process that can reach "
+        f"{address} may connect, and may pose as the learner to rollout servers while it is "
+        "down; a peer that never says HELLO can make the learner buffer a whole multi-frame "
+        "message, gigabytes, before anything can refuse it (SPEC §13)"
     )
 
 
@@ -337,7 +379,8 @@ _PROTOCOL_ERRORS = {
 
 async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> None:
     """Report every handshake that failed before ZAP was asked (a peer without a token or key
-    fails with MECHANISM_MISMATCH) as ``report(host, code, reason)``, like the authenticator."""
+    fails with MECHANISM_MISMATCH, one with another token's keys with CRYPTOGRAPHIC) as
+    ``report(host, code, reason)``, like the authenticator."""
     while True:
         frames = await monitor.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 6:
@@ -350,6 +393,9 @@ async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> Non
             error = _PROTOCOL_ERRORS.get(value & 0xFFFFFFFF, hex(value & 0xFFFFFFFF))
             if error == "ZMTP_MECHANISM_MISMATCH":
                 code, reason = "NO_CREDENTIALS", "no token or key (security mechanism mismatch)"
+            elif error == "ZMTP_CRYPTOGRAPHIC":
+                # its HELLO was sealed for another server key: another token, or another learner
+                code, reason = "BAD_CREDENTIALS", "a key for another server (a wrong token?)"
             else:
                 reason = f"ZMTP protocol error {error}"
         try:
@@ -373,9 +419,9 @@ class ZmqServerChannel:
         budget: Callable[[bytes], MessageBudget] | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        """``curve`` or ``token``: only peers with an allowed key, or presenting the token, get
-        through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the others);
-        neither: anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
+        """``curve`` or ``token``: only peers with an allowed key, or with the token's client key,
+        get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
+        others), and clients can tell this server from an impostor; neither: anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
         the same ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame
         bound (default ``max_message_bytes``)."""
         if curve is not None and token is not None:
@@ -386,6 +432,8 @@ class ZmqServerChannel:
         max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         default = MessageBudget(max_message_bytes, CLIENT_MAX_FRAMES)
         self.budget: Callable[[bytes], MessageBudget] = budget or (lambda identity: default)
+        if curve is not None or token is not None:
+            require_curve()
         if curve is not None:  # check the key files before any socket or thread exists
             keys = _load(curve.secret_key_file, secret=True)
             if not Path(curve.allowed_keys_dir).is_dir():
@@ -401,15 +449,15 @@ class ZmqServerChannel:
         self._sync = zmq.Socket.shadow(self.sock.underlying)
         try:
             _tune(self.sock, min(max_frame_bytes or max_message_bytes, max_message_bytes))
-            if keys is not None:
+            if keys is not None and allowed is not None:
                 self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
                 self.sock.curve_publickey, self.sock.curve_secretkey = keys
                 self.sock.curve_server = True
             elif token is not None:
-                self._zap_domain = _zap_domain(self.ctx, token=token, on_refused=on_refused)
+                allowed = serve_token(self.sock, token)
+                self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
-                self.sock.plain_server = True
             if on_refused is not None and self._zap_domain is not None:
                 # ZAP hears of wrong keys and tokens; a peer with none at all (or not speaking
                 # ZMTP) fails before ZAP is asked, and only the socket monitor sees it.
@@ -422,7 +470,7 @@ class ZmqServerChannel:
             self._release()
             raise
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.token = token  # what clients must present (None: no token auth)
+        self.token = token  # the token clients' keys derive from (None: no token auth)
         self._ipc_file = _ipc_file_identity(self.address)
 
     async def send(self, identity: bytes, frames: Frames) -> None:

@@ -135,15 +135,17 @@ class WeightRelay:
     ) -> None:
         """``stall_after_chunks``: fault injection for tests (0: off): after forwarding that many
         chunks the relay stops moving weights but keeps its learner session, to be killed
-        mid-transfer. ``curve``: keys for the learner link (a learner with CURVE on); the links
-        between relays are plain TCP (SPEC §17). ``token_file``: the learner's token (transport.auth
-        token), read again at every connection so a restarted learner's new token is followed."""
+        mid-transfer. ``curve``: keys for the learner link (a learner with certificates); then the
+        links between relays are plain TCP (SPEC §17). ``token_file``: the learner's token
+        (transport.auth token), read again at every connection to the learner so a restarted
+        learner's new token is followed; the links between relays are token CURVE too, each relay
+        a server with the token's server key, so a relay takes weights only from a token holder."""
         from common.hostkey import host_key
 
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
         self.stall_after_chunks, self.curve = stall_after_chunks, curve
         self.token_file = token_file
-        self.down = ZmqServerChannel(bind)
+        self.down = ZmqServerChannel(bind, token=self._token())
         if not advertise:
             # a wildcard bind is reached through this machine's name (set --advertise otherwise)
             advertise = self.down.address.replace("0.0.0.0", socket.gethostname())
@@ -162,6 +164,13 @@ class WeightRelay:
         )
         self._learner: ZmqClientChannel | None = None
         self._started: dict[int, float] = {}
+
+    def _token(self) -> str | None:
+        if not self.token_file:
+            return None
+        from common.peer_auth import read_token  # lazily: it imports the whole config
+
+        return read_token(Path(self.token_file))
 
     def _poke(self) -> None:
         self._wake.set()
@@ -188,15 +197,10 @@ class WeightRelay:
 
     async def _learner_loop(self) -> None:
         while True:
-            token = None
-            if self.token_file:  # lazily: common.peer_auth imports the whole config
-                from common.peer_auth import read_token
-
-                token = read_token(Path(self.token_file))
             ch = self._learner = ZmqClientChannel(
                 self.learner_address,
                 curve=self.curve,
-                token=token,
+                token=self._token(),
                 max_message_bytes=self.max_message_bytes,
             )
             self.node.start(time.monotonic())
@@ -260,7 +264,9 @@ class WeightRelay:
                     tg.start_soon(self._pull, upstream, current)
 
     async def _pull(self, upstream: str, scope: anyio.CancelScope) -> None:
-        ch = ZmqClientChannel(upstream, max_message_bytes=self.max_message_bytes)
+        ch = ZmqClientChannel(
+            upstream, token=self._token(), max_message_bytes=self.max_message_bytes
+        )
         try:
             with scope:
                 await ch.send(self.node.hello_upstream())

@@ -41,25 +41,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     from protocol.zmq_transport import CurveClientKeys
     from rollout_service.relay import RelayRefused, WeightRelay
 
-    relay = WeightRelay(
-        learner=args.learner,
-        bind=args.bind,
-        advertise=args.advertise,
-        peer_id=args.peer_id,
-        host=args.host,
-        weights_dir=args.weights_dir,
-        keep=args.keep,
-        stall_after_chunks=args.stall_after_chunks,
-        curve=CurveClientKeys(Path(args.curve_secret_key), Path(args.curve_server_key))
-        if args.curve_secret_key
-        else None,
-        token_file=args.token_file,
-    )
-    print(f"weight relay {relay.node.peer_id} at {relay.node.address}", flush=True)
+    relays: list[WeightRelay] = []
+
+    async def serve() -> None:
+        # Made inside the event loop: a relay with a token serves CURVE, whose ZAP authenticator
+        # answers handshakes from this loop.
+        relay = WeightRelay(
+            learner=args.learner,
+            bind=args.bind,
+            advertise=args.advertise,
+            peer_id=args.peer_id,
+            host=args.host,
+            weights_dir=args.weights_dir,
+            keep=args.keep,
+            stall_after_chunks=args.stall_after_chunks,
+            curve=CurveClientKeys(Path(args.curve_secret_key), Path(args.curve_server_key))
+            if args.curve_secret_key
+            else None,
+            token_file=args.token_file,
+        )
+        relays.append(relay)
+        print(f"weight relay {relay.node.peer_id} at {relay.node.address}", flush=True)
+        await relay.run()
+
     # SIGTERM unwinds like Ctrl-C: the slot files go (SlotFiles.close, also registered atexit)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        anyio.run(relay.run)
+        anyio.run(serve)
     except KeyboardInterrupt:
         return 130
     except Exception as e:
@@ -69,5 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weight relay: {refused.exceptions[0] if refused else e}", file=sys.stderr)
         return 2
     finally:
-        relay.files.close()
+        for relay in relays:
+            relay.files.close()
     return 0

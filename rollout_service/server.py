@@ -353,7 +353,7 @@ class RolloutServer:
     def _build_shipper(self) -> Any:
         from protocol.driver import RolloutClient
         from protocol.sender import RolloutConnection
-        from protocol.zmq_transport import CurveClientKeys, client_factory
+        from protocol.zmq_transport import CurveClientKeys, client_factory, require_curve
         from rollout_service.recording import Recorder
         from rollout_service.shipping import Shipper
 
@@ -373,6 +373,14 @@ class RolloutServer:
         )
         curve, keys = None, c.transport.curve
         token: Callable[[], Awaitable[str]] | None = None
+        if auth_mode(c) == "none":
+            self.log.warning(
+                "transport.auth none: this server cannot tell the learner from a process posing "
+                "as it at its address, and would apply that process's weights",
+                fix="transport.auth: auto (the run's token, as CURVE)",
+            )
+        else:
+            require_curve()  # at start, not at the first connection
         if auth_mode(c) == "token":
             # Read at every connection, waiting for the learner to create it: a server started
             # first just waits, and one whose learner restarted with a new token follows it.

@@ -76,8 +76,9 @@ class LearnerConfig(Section):
 
     bind_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint the learner binds for rollout servers. Loopback by default: rollout servers on
-    other hosts need an explicit address (tcp://0.0.0.0:5555, configs/multinode.yaml), and CURVE
-    (transport.curve) there, or anyone who can reach the port may connect (a warning at start)."""
+    other hosts need an explicit address (tcp://0.0.0.0:5555, configs/multinode.yaml); transport.auth
+    (the token, or certificates) decides who gets in, and lets servers tell the learner from an
+    impostor."""
     buffer_batches: int = Field(default=16, gt=0)
     """Trajectory batches the learner holds at most (received and not yet trained on, plus credits
     granted and unused): the room that credit-based flow control hands out to rollout servers.
@@ -118,8 +119,8 @@ class CurveConfig(Section):
     """
 
     enabled: bool = False
-    """Encrypt and authenticate every connection; needs secret_key_file, server_public_key_file and
-    allowed_keys_dir."""
+    """Authenticate every connection with these certificates instead of the token (both encrypt);
+    needs secret_key_file, server_public_key_file and allowed_keys_dir."""
     secret_key_file: str | None = None
     """This process's certificate with its secret key (`*.key_secret`)."""
     public_key_file: str | None = None
@@ -157,15 +158,20 @@ class TransportConfig(Section):
     """Encryption."""
     auth: Literal["auto", "curve", "token", "none"] = "auto"
     """Who may open a connection to the learner, checked in ZeroMQ's handshake (ZAP) so that no
-    message of a refused peer is ever buffered (protocol SPEC §13). curve: the allow-list of
-    transport.curve (needs curve.enabled); token: a shared secret (ZMTP PLAIN, unencrypted) read
-    from auth_token_file; none: anyone who reaches the address (warned at start: a peer that never
-    says HELLO can make the learner buffer a whole multi-frame message, gigabytes); auto: curve
-    when transport.curve.enabled, else token."""
+    message of a refused peer is ever buffered (protocol SPEC §13). Both curve and token are
+    mutual (the learner proves itself before a client sends any credential, so a process posing
+    as the learner learns nothing and pushes no weights) and encrypted; both need a libzmq with
+    CURVE (pyzmq's wheels have it). curve: the certificates of transport.curve (needs
+    curve.enabled); token: CURVE with key pairs derived from the shared secret in auth_token_file,
+    which never crosses the wire; none: anyone who reaches the address, and a rollout server
+    cannot tell the learner from an impostor (warned at start: a peer that never says HELLO can
+    also make the learner buffer a whole multi-frame message, gigabytes); auto: curve when
+    transport.curve.enabled, else token."""
     auth_token_file: str | None = None
     """The shared token of auth: token; null: <run_dir>/learner.token. The learner creates it
     (mode 0600, 256 random bits) when missing and keeps it across restarts; rollout servers read it
-    at every connection and wait for it to appear (on another host: copy the file, or use CURVE)."""
+    at every connection and wait for it to appear (on another host: copy the file; relays and
+    bin/replay, bin/conformance take it as --token-file)."""
 
 
 class LoggingConfig(Section):

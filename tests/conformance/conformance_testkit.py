@@ -23,7 +23,7 @@ import numpy as np
 from anyio.from_thread import start_blocking_portal
 
 from launcher.plan import free_port as launch_free_port
-from protocol import codec
+from protocol import codec, zmq_transport
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -159,11 +159,20 @@ class IgnoresCreditsSender(RolloutConnection):
 
 
 # -- serving in a background thread -----------------------------------------------------------------
+class _AnyKey(dict):
+    """An allow-list that allows every key (pyzmq's authenticator asks it with ``get``)."""
+
+    def get(self, key, default=None):
+        return True
+
+
 async def serve_learner(
     proto: LearnerProtocol,
     bind: str,
     consume: bool = True,
     validate_on_join: bool = True,
+    token: str | None = None,
+    any_client_key: bool = False,
     *,
     task_status=anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -171,8 +180,14 @@ async def serve_learner(
 
     ``consume=False``: batches are never consumed, so room only shrinks (a stalled trainer).
     ``validate_on_join``: every peer that offers validation is asked to validate once it joined.
+    ``token``: token auth; ``any_client_key``: broken, it holds the token's server key but lets
+    any client key in.
     """
-    channel = ZmqServerChannel(bind, max_message_bytes=proto.limits.max_message_bytes)
+    channel = ZmqServerChannel(bind, token=token, max_message_bytes=proto.limits.max_message_bytes)
+    if any_client_key:
+        auth = zmq_transport._zap[id(channel.ctx)][1]
+        assert channel._zap_domain is not None
+        auth.certs[channel._zap_domain] = _AnyKey()
     server = LearnerServer(proto, channel)
     server.publish_weights(0, reference_weights(), chunk_bytes=32 << 10)
     try:
@@ -199,6 +214,8 @@ def learner_in_thread(
     *,
     consume: bool = True,
     validate_on_join: bool = True,
+    token: str | None = None,
+    any_client_key: bool = False,
     **kw,
 ) -> Iterator[str]:
     """A learner (reference or broken) on a free loopback port; yields its address."""
@@ -213,7 +230,13 @@ def learner_in_thread(
     }
     with start_blocking_portal() as portal:
         fut, address = portal.start_task(
-            serve_learner, proto_cls(**kw), "tcp://127.0.0.1:0", consume, validate_on_join
+            serve_learner,
+            proto_cls(**kw),
+            "tcp://127.0.0.1:0",
+            consume,
+            validate_on_join,
+            token,
+            any_client_key,
         )
         try:
             yield address

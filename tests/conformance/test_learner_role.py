@@ -210,6 +210,29 @@ def test_missing_or_wrong_credentials_are_named_within_seconds() -> None:
     t0 = time.monotonic()
     none, wrong, right = asyncio.run(probe())
     assert none is not None and "expects credentials" in none and "--token-file" in none
-    assert wrong is not None and "refused our credentials" in wrong
+    assert wrong is not None and "another token" in wrong and "--token-file" in wrong
     assert right is None
     assert time.monotonic() - t0 < 5
+
+
+def test_authentication_passes_with_the_token_and_fails_a_learner_that_lets_any_key_in() -> None:
+    """The check presents wrong credentials (a client key not the token's, a wrong learner key,
+    none, the token in the clear) and then the token's keys. A learner holding the token's server
+    key but letting any client key in fails it, naming that case."""
+    token = "c" * 64
+    with learner_in_thread(token=token) as address:
+        ok = runner.run(
+            runner.SuiteOptions(
+                role="learner", target=address, timeout=2.0, only=["authentication"], token=token
+            )
+        )
+    assert failures(ok) == {} and "got nothing" in ok.results[0].notes[0]
+    with learner_in_thread(token=token, any_client_key=True) as address:
+        bad = runner.run(
+            runner.SuiteOptions(
+                role="learner", target=address, timeout=2.0, only=["authentication"], token=token
+            )
+        )
+    reason = failures(bad)["authentication"]
+    assert "a client key not derived from the token" in reason
+    assert "pinning another learner key" not in reason and "PLAIN" not in reason

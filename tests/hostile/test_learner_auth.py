@@ -2,8 +2,8 @@
 
 libzmq hands a multi-frame message over only once all of it has arrived, and MAXMSGSIZE bounds
 frames, not messages: a peer that never says HELLO could make the learner hold 64 frames just under
-the frame bound, 2 GiB, before any reader sees frame 1. The default ``transport.auth`` (a token
-over ZMTP PLAIN, without CURVE) refuses such a peer in ZeroMQ's handshake, so none of its
+the frame bound, 2 GiB, before any reader sees frame 1. The default ``transport.auth`` (CURVE with
+key pairs derived from the run's token) refuses such a peer in ZeroMQ's handshake, so none of its
 messages is ever queued. Measured here as RSS growth of the real process; each test ends with a
 peer holding the token served.
 """
@@ -60,7 +60,7 @@ def test_two_gigabytes_in_one_message_from_a_peer_without_the_token(
     learner: LearnerProcess,
 ) -> None:
     """With no auth at all (``transport.auth: none``) the same message raised the learner's RSS by
-    2,073 MiB (SPEC §13); here its sender fails the handshake (a NULL mechanism against PLAIN)."""
+    2,073 MiB (SPEC §13); here its sender fails the handshake (a NULL mechanism against CURVE)."""
     watch = RssWatch(learner)
     log0 = learner.log_bytes
     growth = _send_two_gigabytes(learner, None, watch)
@@ -94,7 +94,8 @@ def test_a_wrong_token_is_refused_at_the_handshake(learner: LearnerProcess) -> N
 
     text = learner.log.read_text(errors="replace")[log0:]
     refused = [line for line in text.splitlines() if "connection refused at the handshake" in line]
-    assert refused and "Invalid token" in refused[0], text[-3000:]
+    # its HELLO was sealed for the wrong token's server key: the learner cannot even open it
+    assert refused and "BAD_CREDENTIALS" in refused[0] and "wrong token" in refused[0], text[-3000:]
     assert len(refused) <= 5, f"{len(refused)} lines for one address"  # the limiter's burst
     assert learner.token not in learner.log.read_text(errors="replace")
     print(f"\nwrong token: {len(refused)} log lines, learner RSS +{watch.growth / MiB:.1f} MiB")

@@ -261,16 +261,56 @@ async def test_late_joiner_and_restarted_server_get_newest_at_once(
             assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}  # no chunks to any server
 
 
-async def test_relay_presents_the_learners_token(net: ZmqNet, tmp_path: Path) -> None:
+async def test_relays_present_the_learners_token_and_serve_only_its_holders(
+    net: ZmqNet, tmp_path: Path
+) -> None:
+    """With the token, every link is token CURVE: relay to learner, and relay to relay (hostB
+    pulls from hostA). A peer at hostA's relay address without the token, or with another one,
+    never completes the handshake, so it can neither take the weights nor pose as an upstream."""
+    import zmq
+
+    from protocol.messages import WEIGHT_RELAY_CAPABILITY, Hello, Identity
+    from protocol.version import PROTOCOL_VERSION
+    from protocol.zmq_transport import use_token
+
     (tmp_path / "learner.token").write_text("s3cret-token\n")
     ch = net.server("tcp://127.0.0.1:0", token="s3cret-token")
     async with learner_running(ch, host="learner-host") as lh:
-        extra = {"hostA": ["--token-file", str(tmp_path / "learner.token")]}
-        async with relays(lh, ["hostA"], tmp_path, **extra):
-            async with server(net, ch.address, "hostA", tmp_path, token="s3cret-token") as (_, a):
+        tok = ["--token-file", str(tmp_path / "learner.token")]
+        async with relays(lh, ["hostA", "hostB"], tmp_path, hostA=tok, hostB=tok):
+            async with (
+                server(net, ch.address, "hostA", tmp_path, token="s3cret-token") as (_, a),
+                server(net, ch.address, "hostB", tmp_path, token="s3cret-token") as (_, b),
+            ):
                 lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
-                await lh.watch.until(lambda: 1 in a, 30)
-                assert a[1]  # through the relay's file
+                await lh.watch.until(lambda: 1 in a and 1 in b, 30)
+                assert a[1] and b[1]  # through each relay's file, hostB's through hostA
+            first = next(r for r in lh.proto.relays.relays.values() if r.peer_id == "relay-hostA")
+            hello = codec.encode(
+                Hello(
+                    protocol_version=list(PROTOCOL_VERSION),
+                    peer_id="thief",
+                    role="rollout-server",
+                    epoch="e",
+                    model=Identity("weight-relay", ""),
+                    tokenizer=Identity("weight-relay", ""),
+                    capabilities=[WEIGHT_RELAY_CAPABILITY],
+                    relay_address="tcp://127.0.0.1:9",
+                )
+            )
+            # the last: the token's holder is sent version 1 (the refusals above are for the keys)
+            for token in (None, "another-token", "s3cret-token"):
+                dealer = zmq.Context.instance().socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                if token is not None:
+                    use_token(dealer, token)
+                dealer.connect(first.address)
+                try:
+                    dealer.send_multipart(hello)
+                    got = dealer.poll(1500)
+                finally:
+                    dealer.close(0)
+                assert bool(got) == (token == "s3cret-token"), f"token {token!r}: answered {got}"
 
 
 async def test_server_that_cannot_use_the_file_gets_chunks(net: ZmqNet, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Token auth on the ZeroMQ channels (ZMTP PLAIN, checked by ZAP): the token gets in, a wrong one or
-none never sees a WELCOME, and every refusal is reported with the peer's address and a code.
+"""Token auth on the ZeroMQ channels (CURVE with key pairs derived from the token, the client key
+checked by ZAP): the token gets in, a wrong one or none never sees a WELCOME, and every refusal is
+reported with the peer's address and a code.
 
 Refusal happens below the protocol, before any message is queued (the 2 GiB measurement against a
 real learner is tests/hostile/test_learner_auth.py).
@@ -120,10 +121,45 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
 def test_warnings_name_the_residual_risk() -> None:
     none = exposure_warning("tcp://127.0.0.1:5555", curve=False, token=False)
     assert none is not None and "transport.auth: none" in none and "gigabytes" in none
+    assert "pose as the learner" in none
+    # a token is CURVE too: encrypted and mutual, on any address
     assert exposure_warning("tcp://127.0.0.1:5555", curve=False, token=True) is None
-    clear = exposure_warning("tcp://0.0.0.0:5555", curve=False, token=True)
-    assert clear is not None and "unencrypted" in clear
+    assert exposure_warning("tcp://0.0.0.0:5555", curve=False, token=True) is None
     assert exposure_warning("tcp://0.0.0.0:5555", curve=True) is None
+
+
+def test_token_keys_are_fixed_by_the_token_and_differ_by_role() -> None:
+    """The derivation is part of the wire (SPEC §13): pinned here by its definition, and a
+    key pair that ZeroMQ accepts (the public key is the secret's)."""
+    import hashlib
+    import hmac
+
+    import zmq
+    from zmq.utils import z85
+
+    keys = zmq_transport.token_keys(TOKEN)
+    want = z85.encode(
+        hmac.new(TOKEN.encode(), b"agentrl token-curve server v1", hashlib.sha256).digest()
+    )
+    assert keys.server_secret == want
+    assert keys.server_public == zmq.curve_public(keys.server_secret)
+    assert keys.client_public == zmq.curve_public(keys.client_secret)
+    assert (
+        len({keys.server_public, keys.client_public, keys.server_secret, keys.client_secret}) == 4
+    )
+    assert zmq_transport.token_keys(TOKEN) == keys
+    other = zmq_transport.token_keys("b" * 64)
+    assert other.server_public != keys.server_public and other.client_public != keys.client_public
+    with pytest.raises(ValueError, match="empty token"):
+        zmq_transport.token_keys("")
+
+
+def test_a_libzmq_without_curve_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
+    with pytest.raises(RuntimeError, match="without CURVE"):
+        zmq_transport.token_keys(TOKEN)
 
 
 def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() -> None:
@@ -141,3 +177,49 @@ def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() 
     asyncio.run(reopen())
     assert id(ctx) not in zmq_transport._zap
     ctx.destroy(linger=0)
+
+
+ZMTP_CURVE_GREETING = (
+    b"\xff" + bytes(8) + b"\x7f" + bytes((3, 0)) + b"CURVE".ljust(20, b"\0") + bytes(32)
+)
+
+
+@pytest.mark.parametrize("sends", ["nothing", "a greeting"])
+def test_a_peer_stalling_in_the_handshake_is_dropped_within_the_deadline(sends: str) -> None:
+    """libzmq's default lets a peer sit in the handshake for 30 s, holding what it sent; a server
+    channel drops it after ``HANDSHAKE_DEADLINE_MS``, whether it never spoke ZMTP or stopped after
+    its greeting."""
+    import socket
+    import time
+
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+
+    async def stall() -> float:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)
+        host, port = ch.address.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                start = time.monotonic()
+                if sends == "a greeting":
+                    s.sendall(ZMTP_CURVE_GREETING)
+                s.settimeout(0.2)
+                deadline = start + zmq_transport.HANDSHAKE_DEADLINE_MS / 1000 + 5
+                while time.monotonic() < deadline:
+                    try:
+                        if not s.recv(4096):  # the server's greeting, then its close
+                            return time.monotonic() - start
+                    except TimeoutError:
+                        await asyncio.sleep(0)  # the authenticator's task shares this loop
+                    except ConnectionResetError:
+                        return time.monotonic() - start
+                return float("inf")
+        finally:
+            ch.close()
+
+    took = asyncio.run(stall())
+    ctx.destroy(linger=0)
+    deadline_s = zmq_transport.HANDSHAKE_DEADLINE_MS / 1000
+    assert deadline_s <= 10, "a few seconds, not libzmq's 30"
+    assert deadline_s - 0.5 <= took <= deadline_s + 2.0, f"dropped after {took:.1f} s"

@@ -9,6 +9,7 @@ batch sent after X proves that nothing about X is still coming.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import msgpack
 import numpy as np
+import zmq
 
 from protocol import codec
 from protocol.errors import ErrorCode, ProtocolError
@@ -39,6 +41,7 @@ from protocol.messages import (
 from protocol.reference import synthetic_validation
 from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import WeightAssembler
+from protocol.zmq_transport import token_keys
 from tools.conformance import credit_window, wire
 from tools.conformance.peer import LearnerTarget, Peer
 from tools.conformance.registry import CheckFailed, register
@@ -114,6 +117,60 @@ async def check_handshake(t: LearnerTarget) -> None:
     )
     if problems:
         raise CheckFailed("; ".join(problems))
+
+
+AUTH_WAIT_S = 1.5  # authentication: how long a refused peer is watched for a WELCOME
+
+
+@register("learner")
+async def check_authentication(t: LearnerTarget) -> None:
+    """Token auth is mutual (SPEC §13): a client key not the token's, a client pinning another
+    learner key, no credentials, and the token in the clear (PLAIN) get no WELCOME."""
+    if t.token is None:
+        t.note("not checked: no --token-file (a learner with transport.auth none lets anyone in)")
+        return
+    keys = token_keys(t.token)
+    other_public, other_secret = zmq.curve_keypair()
+    token = t.token
+
+    def curve(public: bytes, secret: bytes, server: bytes) -> Callable[[zmq.Socket], None]:
+        def apply(sock: zmq.Socket) -> None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+                public,
+                secret,
+                server,
+            )
+
+        return apply
+
+    def plain(sock: zmq.Socket) -> None:
+        sock.plain_username, sock.plain_password = b"agentrl", token.encode()
+
+    cases: dict[str, Callable[[zmq.Socket], None]] = {
+        "a client key not derived from the token": curve(
+            other_public, other_secret, keys.server_public
+        ),
+        "the token's client key pinning another learner key": curve(
+            keys.client_public, keys.client_secret, other_public
+        ),
+        "no credentials": lambda sock: None,
+        "the token as a PLAIN password": plain,
+    }
+    peers = {what: t.peer("auth", security=security) for what, security in cases.items()}
+    for p in peers.values():
+        await p.send(
+            codec.encode(wire.hello(p.peer_id, p.epoch, model=t.model, tokenizer=t.tokenizer))
+        )
+    wait = min(t.timeout, AUTH_WAIT_S)
+    # Absence can only be waited for: a refused handshake leaves nothing to see.
+    await asyncio.sleep(wait)
+    answered = [what for what, p in peers.items() if await p.sock.poll(0)]
+    for p in peers.values():
+        p.close()
+    if answered:
+        raise CheckFailed(f"the learner answered a peer with {', '.join(answered)}")
+    await t.peer("auth-ok").hello()  # the token's own keys get in: the refusals were for the keys
+    t.note(f"{len(cases)} wrong credentials got nothing within {wait:g} s; the token's keys got in")
 
 
 @register("learner")

@@ -42,14 +42,19 @@ class Peer:
         tokenizer: Identity,
         timeout: float,
         token: str | None = None,
+        security: Callable[[zmq.Socket], None] | None = None,
     ) -> None:
+        """``security(sock)``: set the socket's mechanism and keys instead of ``token``'s (the
+        authentication check presents wrong ones on purpose)."""
         self.peer_id, self.epoch, self.timeout = peer_id, epoch, timeout
         self.model, self.tokenizer = model, tokenizer
         self.sock = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        if token is not None:
+        if security is not None:
+            security(self.sock)
+        elif token is not None:
             use_token(self.sock, token)
         self.sock.connect(target)
         self.limits = codec.CodecLimits()  # for decoding what the learner sends us
@@ -220,7 +225,14 @@ class LearnerTarget(CheckContext):
         self.peers: list[Peer] = []
         self._ntraj = 0
 
-    def peer(self, tag: str, *, peer_id: str | None = None, epoch: str | None = None) -> Peer:
+    def peer(
+        self,
+        tag: str,
+        *,
+        peer_id: str | None = None,
+        epoch: str | None = None,
+        security: Callable[[zmq.Socket], None] | None = None,
+    ) -> Peer:
         p = Peer(
             self.zctx,
             self.target,
@@ -230,6 +242,7 @@ class LearnerTarget(CheckContext):
             tokenizer=self.tokenizer,
             timeout=self.timeout,
             token=self.token,
+            security=security,
         )
         self.peers.append(p)
         return p

@@ -4,7 +4,8 @@ Design: one DEALER socket with a socket monitor connects to the target (with the
 and watches libzmq's connection events for a few seconds. A completed ZMTP handshake means the
 learner is there and took our credentials, and the checks run. Otherwise the events name the
 likely cause at once: nothing listening (the connection is refused and retried), credentials
-refused (ZAP said no, or the security mechanisms differ), or something at that address that does
+refused (ZAP said no, the security mechanisms differ, or the handshake is dropped because the
+learner holds another token's key), or something at that address that does
 not speak ZMTP. A connection whose handshake is still pending is left to the checks (a busy
 learner answers its authentication late). Without this, each check waited its whole timeout for a WELCOME that could not come,
 and the report said only "received: nothing", once per check.
@@ -67,10 +68,19 @@ async def diagnose(
             connected += event == zmq.EVENT_CONNECTED
             retried += event == zmq.EVENT_CONNECT_RETRIED
             disconnected += event == zmq.EVENT_DISCONNECTED
+            if disconnected >= 2:  # dropped twice before a handshake completed: not by chance
+                break
         if not connected and retried:
             return f"nothing is listening at {target} (connection refused)"
         if not connected:
             return f"no answer from {target} within {within_s:g} s (host unreachable or filtered)"
+        if disconnected and token is not None:
+            # A token's keys sealed for another server key are dropped without a word (the
+            # learner cannot read our HELLO), just as anything else that is not our learner.
+            return (
+                f"the learner at {target} closed the handshake with this token's keys (it holds "
+                "another token, or it is not a learner): " + _credentials_hint(token)
+            )
         if disconnected:
             return (
                 f"something at {target} accepts connections but closes them without a ZMTP "
