@@ -48,6 +48,19 @@ WORKER_LIB = "bench.verl_plugins.workers"  # what verl's workers import: attenti
 TOKEN_CAP = 16384  # tokens per micro-batch per GPU, as our learner's token cap on the same job
 VERSION_PROMPTS = 16  # prompts per policy version (our data.train_batch_size)
 
+WORKER_MARK = "verl_plugins.workers loaded:"  # bench/verl_plugins/workers.py's MARK (no torch here)
+
+
+def plugin_report(log_text: str) -> dict[str, Any]:
+    """How many of verl's processes loaded bench/verl_plugins/workers.py, from the run's log (Ray
+    forwards each worker's output, prefixed), and whether every one patched the logprobs."""
+    lines = [line.split(WORKER_MARK, 1)[1] for line in log_text.splitlines() if WORKER_MARK in line]
+    return {
+        "processes": len(lines),
+        "logprobs_patched": bool(lines) and all("logprobs in -" not in line for line in lines),
+    }
+
+
 VERL_TIMINGS = {  # verl's metric -> the report's split name
     "timing_s/gen": "generate",
     "timing_s/reward": "reward",

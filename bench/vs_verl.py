@@ -305,6 +305,9 @@ def run_verl(
         "command": " ".join(cmd[2:]),
         **run,
         **summary,
+        "worker_plugins": verl_side.plugin_report(
+            (run_dir / "train.log").read_text(errors="replace")
+        ),
     }
     if not summary.get("steps_done") or run["exit_status"] != 0:
         out["log_tail"] = tail(run_dir / "train.log")
