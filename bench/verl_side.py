@@ -339,6 +339,15 @@ class MetricsWatcher:
         while not self._stop.wait(self.interval):
             self._poll()
 
+    def has_versions(self, n: int, settle_s: float = 5.0) -> bool:
+        """Whether ``n`` versions are in and no record came for ``settle_s`` (a version's records
+        come within a moment of each other): the run has what the bench asked for. verl's
+        trainers do not stop after the versions asked for, so the bench stops them here."""
+        records = self.records
+        if not records or time.time() - records[-1]["t"] < settle_s:
+            return False
+        return len(by_version(records)) >= n
+
     def __enter__(self) -> MetricsWatcher:
         self._thread.start()
         return self
