@@ -6,6 +6,7 @@ after SIGKILL either."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def rollout_server(tmp: Path, model: Path, address: str, *extra: str) -> Iterato
         log.close()
 
 
+def logged_stats(tmp: Path) -> bool:
+    """The server logged its stats line (``RolloutStats.stats_line``: "episodes 1.23/s | ...")."""
+    return re.search(r"episodes [0-9.]+/s \|", (tmp / "server.log").read_text()) is not None
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -87,9 +93,11 @@ def test_server_streams_valid_episodes_and_stops_cleanly(
                 tmp_path, tiny_model, address, f"rollout_server.engine={engine}"
             ) as proc:
                 deadline = time.monotonic() + 240
-                while len(learner.received) < 4:
+                # 4 trajectories and a stats line (every 1 s; the scripted engine ships the
+                # trajectories within the first second)
+                while len(learner.received) < 4 or not logged_stats(tmp_path):
                     assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-                    assert time.monotonic() < deadline, "no trajectories within 240 s"
+                    assert time.monotonic() < deadline, "no trajectories and stats within 240 s"
                     time.sleep(0.2)
                 children = descendants(proc.pid)
                 if engine == "vllm":
@@ -119,8 +127,7 @@ def test_server_streams_valid_episodes_and_stops_cleanly(
         assert (t.rollout_logprobs[t.response_mask == 1] < 0).all() or len(t.response_ids) == 0
         assert (t.rollout_logprobs[t.response_mask == 0] == 0).all()
     assert set(by_group.values()) == {2}  # whole groups only
-    log = (tmp_path / "server.log").read_text()
-    assert "stats" in log or "episodes/s" in log
+    assert logged_stats(tmp_path)
 
 
 def test_conformance_passes_against_the_real_server(tmp_path: Path, tiny_model: Path) -> None:
