@@ -28,6 +28,7 @@ from learner.algorithms import (
     compute_advantages,
     truncated_is_weights,
 )
+from learner.reward_shaping import overlong_penalties, shaping_metrics
 from learner.samples import Batching, OldFromForward, Sample, TokenField, even_chunks
 from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
@@ -151,12 +152,17 @@ def set_tokens(samples: Sequence[Sample], key: TokenField, padded: torch.Tensor)
         s.set(key, np.ascontiguousarray(arr[i, : s.response_len], dtype=np.float32))
 
 
-def token_level_scores(trajs: Sequence[Trajectory], mask: torch.Tensor) -> torch.Tensor:
+def token_level_scores(
+    trajs: Sequence[Trajectory], mask: torch.Tensor, shaping: np.ndarray | None = None
+) -> torch.Tensor:
+    """Each episode's reward (plus its ``shaping``, e.g. the over-long penalty) on its last trained
+    token."""
     scores = torch.zeros_like(mask)
     for i, t in enumerate(trajs):
         trained = torch.nonzero(mask[i]).flatten()
         if len(trained):  # an episode without a trained token carries no reward anywhere
-            scores[i, int(trained[-1])] = float(t.reward)
+            extra = float(shaping[i]) if shaping is not None else 0.0
+            scores[i, int(trained[-1])] = float(t.reward) + extra
     return scores
 
 
@@ -182,14 +188,20 @@ def rewards_and_advantages(
 ) -> dict[str, float]:
     """After the step's forwards: token-level rewards (KL in the reward when configured, which
     updates ``kl_ctrl``), advantages and returns, and truncated importance weights, set on
-    ``samples``; returns the step's ``kl_in_reward/*``, ``off_policy/*``, ``advantages/mean`` and
-    ``rollout/logprob_diff``. ``in_update``: the update takes the old logprobs from its own forward
-    (``old_logprobs_from_update``), so none are here; ``critic``: ``samples`` carry values."""
+    ``samples``; returns the step's ``kl_in_reward/*``, ``off_policy/*``, ``advantages/mean``,
+    ``rollout/logprob_diff`` and, with over-long shaping, ``reward/overlong_*`` and
+    ``reward/shaped_mean`` (`learner.reward_shaping`). ``in_update``: the update takes the old
+    logprobs from its own forward (``old_logprobs_from_update``), so none are here; ``critic``:
+    ``samples`` carry values."""
     cfg, alg = config.actor_rollout_ref.actor, config.algorithm
     metrics: dict[str, float] = {}
     mask = response_tensors(samples)
     old = None if in_update else response_tensors(samples, "old_logprobs")
-    rewards = token_level_scores(trajs, mask)
+    penalties = overlong_penalties(
+        [len(t.response_ids) for t in trajs], config.reward, config.data.max_response_length
+    )
+    metrics |= shaping_metrics([t.reward for t in trajs], penalties)
+    rewards = token_level_scores(trajs, mask, penalties)
     if alg.use_kl_in_reward:
         assert old is not None  # the rule keeps the separate forward with KL in the reward
         rewards, km = apply_kl_in_reward(

@@ -21,6 +21,7 @@ from common.config.agents import AgentsConfig, ToolsConfig, ToolServerConfig
 from common.config.base import Section
 from common.config.errors import ConfigError, Issue
 from common.config.launch import LaunchConfig
+from common.config.reward import RewardConfig
 from common.config.services import (
     CURVE_REQUIRED_FIELDS,
     LearnerConfig,
@@ -46,6 +47,8 @@ class Config(Section):
     """Value model (GAE only)."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """Advantage estimation and KL."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Shaping of the scored rewards (over-long penalty)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Training and validation data."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -138,6 +141,19 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
             "must be true when algorithm.adv_estimator is gae",
             "algorithm.adv_estimator",
         )
+    overlong = config.reward.reward_kwargs.overlong_buffer_cfg
+    if overlong.enable:
+        key = "reward.reward_kwargs.overlong_buffer_cfg.len"
+        max_resp_len = config.reward.reward_kwargs.max_resp_len or data.max_response_length
+        if overlong.len <= 0:
+            add(key, "must be > 0 when overlong_buffer_cfg.enable is true (got 0)")
+        elif overlong.len > max_resp_len:
+            add(
+                key,
+                f"must be at most the max response length {max_resp_len} (got {overlong.len})",
+                "reward.reward_kwargs.max_resp_len",
+                "data.max_response_length",
+            )
     if data.datasets and data.train_files:
         add(
             "data.train_files",
