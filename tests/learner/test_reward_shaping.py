@@ -164,3 +164,14 @@ def test_off_by_default() -> None:
     assert overlong_penalties([10**6], RewardConfig(), 16) is None
     mask = torch.ones(1, 3)
     assert token_level_scores([traj("a", "g", 3, 1.0)], mask).tolist() == [[0, 0, 1.0]]
+
+
+def test_verls_dapo_reward_manager_name_is_accepted(config_file: Path) -> None:
+    config = load_config(config_file, ["reward.reward_manager.name=dapo", f"{KEY}.enable=false"])
+    assert [a.describe() for a in config.applied_aliases] == [
+        "reward.reward_manager.name=dapo: accepted, no effect here: episodes are scored by the "
+        "rollout servers (rollout_server.reward_fn); DAPO's over-long shaping is "
+        "reward.reward_kwargs.overlong_buffer_cfg"
+    ]
+    with pytest.raises(ConfigError, match="prime"):
+        load_config(config_file, ["reward.reward_manager.name=prime"])
