@@ -186,11 +186,9 @@ def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.e2e
-def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
-    model, rows = assets
-    data = verl_parquet(tmp_path / "train.parquet", rows)
-    out = train(
+def verl_parquet_run(model: Path, data: Path) -> list[str]:
+    """bin/train's arguments for 2 rollouts a prompt of a verl parquet on the default config."""
+    return [
         "--config",
         str(REPO / "configs" / "default.yaml"),
         f"actor_rollout_ref.model.path={model}",
@@ -199,6 +197,15 @@ def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_pa
         "trainer.n_gpus_per_node=1",
         "trainer.logger=[console]",
         "actor_rollout_ref.rollout.n=2",
+    ]
+
+
+@pytest.mark.e2e
+def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    model, rows = assets
+    data = verl_parquet(tmp_path / "train.parquet", rows)
+    out = train(
+        *verl_parquet_run(model, data),
         *cpu_size(tmp_path),
         timeout=600,
     )
@@ -238,14 +245,7 @@ def test_overlong_shaping_and_rollout_correction_train_with_verls_keys(
     overlong = "reward.reward_kwargs.overlong_buffer_cfg"
     correction = "algorithm.rollout_correction"
     out = train(
-        "--config",
-        str(REPO / "configs" / "default.yaml"),
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={data}",
-        "data.val_files=[]",
-        "trainer.n_gpus_per_node=1",
-        "trainer.logger=[console]",
-        "actor_rollout_ref.rollout.n=2",
+        *verl_parquet_run(model, data),
         f"{overlong}.enable=True",
         f"{overlong}.len=8",
         f"{overlong}.penalty_factor=0.5",
