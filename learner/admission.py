@@ -44,6 +44,15 @@ would generate while the others wait: ``max_staleness: 0`` with several servers 
 time, and its steps are filled); a part of a chunk is granted only when fewer grants are free than
 a chunk with none started (after a server left with some of its grants).
 
+Dynamic sampling (``learner.group_filter``): a filtered group is received (its grant is off the
+books) and never held, so its place in the window opens at once. With the filter's pass rate
+``p`` (``pass_rate``, 1 without a filter) the window counts what is expected to be trained: grants
+go on while ``held + ceil(p * generating)`` is below the window (and the run's groups left), and
+``can_take`` counts the groups still generating for each deadline at ``ceil(p * n)``. The servers
+then generate about ``B / p`` groups per step, and the learner does not wait for groups it will
+filter. The price: a run of groups passing well above ``p`` can hold more trainable groups than
+the steps before their deadlines train, and one is dropped (``rollout/waste_frac``).
+
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
 versions outstanding: the learner may wait longer than needed, never too little. A server that
@@ -52,6 +61,7 @@ leaves takes its outstanding grants with it; they are granted again to the serve
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,6 +92,7 @@ class Admission:
     )  # peer -> groups it generates at once (0: unstated)
     chunk: int = 1  # grants go to a server in runs of this many (mixed runs: B)
     _issued: dict[str, int] = field(default_factory=dict)  # peer -> grants made in its session
+    pass_rate: float = 1.0  # dynamic sampling: share of received groups expected to be trained
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -126,13 +137,20 @@ class Admission:
             del book[m]
         return True
 
+    def expected(self, generating: int) -> int:
+        """Groups expected to be trained of ``generating`` (rounded up: admission errs on waiting)."""
+        return min(generating, math.ceil(generating * self.pass_rate - 1e-9))
+
     def deadlines(self) -> list[int]:
-        """The deadline of every group still generating (at the earliest: ``min_version + k``)."""
+        """The deadline of every group still generating that is expected to be trained (at the
+        earliest: ``min_version + k``)."""
+        per_version: Counter[int] = Counter()
+        for c in self._granted.values():
+            per_version.update(c)
         return [
             deadline(m, self.max_staleness)
-            for c in self._granted.values()
-            for m, n in c.items()
-            for _ in range(n)
+            for m, n in per_version.items()
+            for _ in range(self.expected(n))
         ]
 
     def can_take(self, left: Iterable[int], version: int) -> bool:
@@ -148,7 +166,9 @@ class Admission:
         generating (ties: the one that joined first), never beyond a server's slots: a server that
         joins later then still finds grants left, instead of the first one queueing them all.
         They are booked here as generating."""
-        free = min(self.window, remaining) - held - self.generating
+        space = min(self.window, remaining) - held
+        # With a pass rate below 1, as many more as are expected to be filtered.
+        free = math.floor(space / self.pass_rate + 1e-9) - self.generating if space > 0 else 0
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
 
