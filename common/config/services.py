@@ -25,6 +25,9 @@ class RolloutServerConfig(Section):
     """What generates: vllm (the model, vLLM's AsyncLLM in process), or scripted (a fixed answer on
     the model's tokenizer, no sampling: for tests of the launcher, placement and data paths where
     the model is not under test; ``rollout_service/engine/scripted.py``)."""
+    scripted_turns: list[str] | None = Field(default=None, min_length=1)
+    """The scripted engine's answers, one per turn in rotation (an answer and a non-answer make
+    groups whose episodes score differently); null: one final answer, ``\\boxed{0}``."""
     learner_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint of the learner to connect to."""
     max_concurrent_episodes: int = Field(default=64, gt=0)
