@@ -46,12 +46,15 @@ a chunk with none started (after a server left with some of its grants).
 
 Dynamic sampling (``learner.group_filter``): a filtered group is received (its grant is off the
 books) and never held, so its place in the window opens at once. With the filter's pass rate
-``p`` (``pass_rate``, 1 without a filter) the window counts what is expected to be trained: grants
-go on while ``held + ceil(p * generating)`` is below the window (and the run's groups left), and
-``can_take`` counts the groups still generating for each deadline at ``ceil(p * n)``. The servers
-then generate about ``B / p`` groups per step, and the learner does not wait for groups it will
-filter. The price: a run of groups passing well above ``p`` can hold more trainable groups than
-the steps before their deadlines train, and one is dropped (``rollout/waste_frac``).
+``p`` (``pass_rate``, 1 without a filter) the window counts the groups still generating that may
+be trained, ``kept_bound(n)``: of ``n`` groups, at most ``n p`` plus ``PASS_MARGIN_SD`` binomial
+standard deviations. Grants go on while ``held + kept_bound(generating)`` is within the window
+(and the run's groups left), and ``can_take`` counts the groups still generating for each deadline
+at ``kept_bound``. So the servers generate up to about ``B / p`` groups a step, the learner does not
+wait for groups it will filter, and a group is left past its deadline (dropped, in
+``rollout/waste_frac``) only when more of one deadline's groups pass than the bound, a few in a
+hundred. The bound, not the mean: ``B`` groups a step is a small sample, and planning on ``n p``
+would leave a group behind whenever a deadline's groups pass above the average.
 
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
@@ -67,6 +70,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocol.staleness import deadline, steps_left
+
+PASS_MARGIN_SD = 2.0
+"""Standard deviations above the expected kept groups that admission plans on (dynamic sampling)."""
 
 
 def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
@@ -137,9 +143,23 @@ class Admission:
             del book[m]
         return True
 
-    def expected(self, generating: int) -> int:
-        """Groups expected to be trained of ``generating`` (rounded up: admission errs on waiting)."""
-        return min(generating, math.ceil(generating * self.pass_rate - 1e-9))
+    def kept_bound(self, n: int) -> int:
+        """Of ``n`` groups still generating, how many admission plans to train: all without a
+        filter, else the binomial mean plus ``PASS_MARGIN_SD`` standard deviations, rounded up."""
+        p = self.pass_rate
+        if p >= 1 or n <= 0:
+            return max(n, 0)
+        bound = n * p + PASS_MARGIN_SD * math.sqrt(n * p * (1 - p))
+        return min(n, math.ceil(bound - 1e-9))
+
+    def _plannable(self, space: int) -> int:
+        """The most groups generating whose ``kept_bound`` fits ``space``."""
+        if self.pass_rate >= 1:
+            return max(space, 0)
+        n = max(space, 0)
+        while self.kept_bound(n + 1) <= space:
+            n += 1
+        return n
 
     def deadlines(self) -> list[int]:
         """The deadline of every group still generating that is expected to be trained (at the
@@ -150,7 +170,7 @@ class Admission:
         return [
             deadline(m, self.max_staleness)
             for m, n in per_version.items()
-            for _ in range(self.expected(n))
+            for _ in range(self.kept_bound(n))
         ]
 
     def can_take(self, left: Iterable[int], version: int) -> bool:
@@ -166,9 +186,8 @@ class Admission:
         generating (ties: the one that joined first), never beyond a server's slots: a server that
         joins later then still finds grants left, instead of the first one queueing them all.
         They are booked here as generating."""
-        space = min(self.window, remaining) - held
-        # With a pass rate below 1, as many more as are expected to be filtered.
-        free = math.floor(space / self.pass_rate + 1e-9) - self.generating if space > 0 else 0
+        # With a pass rate below 1, more than the window: those expected to be filtered.
+        free = self._plannable(min(self.window, remaining) - held) - self.generating
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
 

@@ -4,15 +4,15 @@ are trained, and what the filter tells admission and the step.
 Design: sans-IO, one ``GroupFilter`` owned by the intake, which judges every group as it is
 accepted (and again, identically, when the journal replays it after a restart).
 
-- The rule is verl's: a group whose episodes all have the same value of ``metric`` (standard
-  deviation 0) has zero advantage under GRPO and teaches nothing; it is *filtered*: not queued,
-  its room freed at once. A group of one episode is kept (verl keeps it: with ``rollout.n = 1``
+- The rule is verl's (``common.group_rule``, shared with the rollout servers' prompt memory): a
+  group whose episodes all have the same value of ``metric`` (standard deviation 0) has zero
+  advantage under GRPO and teaches nothing; it is *filtered*: not queued, its room freed at once. A group of one episode is kept (verl keeps it: with ``rollout.n = 1``
   every group would be filtered). StateLM snapshots are segments of one episode and share its
   reward, so episodes are counted without them. A group whose metric is missing on some episode
   (an extras name its reward does not set) is kept and counted as ``unjudged``: guessing would
   drop a group that teaches something.
-- Metrics come from a registry (``METRICS``): ``reward``, ``seq_reward`` and ``score`` read the
-  scored reward the rollout server sent (verl's pre-KL score); ``seq_final_reward`` that reward
+- Metrics come from a registry (``common.group_rule.METRICS``): ``reward``, ``seq_reward`` and
+  ``score`` read the scored reward the rollout server sent (verl's pre-KL score); ``seq_final_reward`` that reward
   after over-long shaping (``learner.reward_shaping``; KL-in-reward is computed later, from the
   reference, and is not in it); any other name reads the reward's extras (``acc``, ``passed``...).
 - The decision is a pure function of the stored trajectories and the config, so the journal needs
@@ -22,9 +22,10 @@ accepted (and again, identically, when the journal replays it after a restart).
   (``rollout/filtered_frac``, per data source ``rollout/filtered_frac/<source>``), never in
   ``rollout/waste_frac``.
 - Admission plans on the pass rate: the share of the last ``PASS_WINDOW_BATCHES`` batches' worth
-  of judged groups that were kept (1 before any, floored at ``MIN_PASS_RATE``). It grants enough
-  groups that the expected kept ones fill its window, and counts groups still generating at that
-  rate when it checks a step's feasibility (``learner.admission``).
+  of judged groups that were kept, with a prior of one batch kept (1 before any verdict, floored
+  at ``MIN_PASS_RATE``). It grants enough groups that an upper bound of the kept ones fills its
+  window, and counts groups still generating at that bound when it checks a step's feasibility
+  (``learner.admission``).
 - ``max_num_gen_batches`` bounds the refill as verl does: a step may judge at most that many
   batches' worth of groups (``B`` each: the ``B`` it trains plus the groups filtered since the last
   step). Reaching it still short of ``B`` kept groups stops the run (``FilterGroupsExhausted``,
@@ -35,12 +36,13 @@ accepted (and again, identically, when the journal replays it after a restart).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from common.config.root import Config
+from common.group_rule import Penalties, judge, no_penalties
 from learner.reward_shaping import overlong_penalties
 from protocol.trajectory import Trajectory
 
@@ -49,58 +51,10 @@ PASS_WINDOW_BATCHES = 4
 MIN_PASS_RATE = 0.1
 """Admission never plans on a lower pass rate (at most 10x its window generating)."""
 
-Penalties = Callable[[Sequence[Trajectory]], np.ndarray | None]
-"""Over-long penalty of each trajectory (None: shaping off), ``learner.reward_shaping``."""
-Reader = Callable[[Sequence[Trajectory], Penalties], list[float | None]]
-
 
 class FilterGroupsExhausted(RuntimeError):
     """``algorithm.filter_groups.max_num_gen_batches`` batches were judged for one step and it is
     still short of groups."""
-
-
-def _scored(trajs: Sequence[Trajectory], _penalties: Penalties) -> list[float | None]:
-    return [float(t.reward) for t in trajs]
-
-
-def _shaped(trajs: Sequence[Trajectory], penalties: Penalties) -> list[float | None]:
-    pen = penalties(trajs)
-    if pen is None:
-        return _scored(trajs, penalties)
-    return [float(t.reward) + float(p) for t, p in zip(trajs, pen, strict=True)]
-
-
-METRICS: Mapping[str, Reader] = {
-    "reward": _scored,
-    "seq_reward": _scored,
-    "score": _scored,
-    "seq_final_reward": _shaped,
-}
-"""Built-in metric names -> how to read them; any other name is a reward extras key."""
-
-
-def _extra(name: str) -> Reader:
-    def read(trajs: Sequence[Trajectory], _penalties: Penalties) -> list[float | None]:
-        out: list[float | None] = []
-        for t in trajs:
-            v = t.reward_extras.get(name)
-            out.append(float(v) if isinstance(v, int | float) else None)
-        return out
-
-    return read
-
-
-def reader(metric: str) -> Reader:
-    return METRICS.get(metric) or _extra(metric)
-
-
-def verdict(values: Sequence[float | None]) -> bool | None:
-    """Whether a group of episodes with these metric values is kept (None: some value is missing,
-    the group is kept unjudged). verl's rule: kept unless its values have standard deviation 0,
-    and a group of one is kept."""
-    if any(v is None for v in values):
-        return None
-    return len(values) <= 1 or float(np.std(np.asarray(values, np.float64))) > 0
 
 
 class GroupFilter:
@@ -110,13 +64,13 @@ class GroupFilter:
         batch_groups: int,
         *,
         max_num_gen_batches: int = 0,
-        penalties: Penalties = lambda _t: None,
+        penalties: Penalties = no_penalties,
     ) -> None:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
         self.metric, self.batch_groups = metric, batch_groups
         self.max_num_gen_batches = max_num_gen_batches
-        self._read, self._penalties = reader(metric), penalties
+        self._penalties = penalties
         self.judged: Counter[str] = Counter()  # data source -> groups judged (unjudged included)
         self.filtered: Counter[str] = Counter()  # data source -> groups filtered
         self.unjudged = 0  # groups kept because some episode lacks the metric
@@ -128,8 +82,7 @@ class GroupFilter:
     def keeps(self, trajectories: Sequence[Trajectory], *, count: bool = True) -> bool:
         """Whether the group of ``trajectories`` is trained. ``count``: book it (False for a group
         a restored checkpoint's counts already hold)."""
-        episodes = [t for t in trajectories if not t.is_snapshot] or list(trajectories)
-        kept = verdict(self._read(episodes, self._penalties))
+        kept = judge(trajectories, self.metric, self._penalties)
         if count:
             source = trajectories[0].data_source if trajectories else ""
             self.judged[source] += 1
@@ -145,10 +98,10 @@ class GroupFilter:
 
     @property
     def pass_rate(self) -> float:
-        """The kept share of the recently judged groups, what admission plans on."""
-        if not self._recent:
-            return 1.0
-        return max(MIN_PASS_RATE, sum(self._recent) / len(self._recent))
+        """The kept share of the recently judged groups, what admission plans on, with a prior of
+        one batch of kept groups: the first few verdicts do not swing it."""
+        b = self.batch_groups
+        return max(MIN_PASS_RATE, (sum(self._recent) + b) / (len(self._recent) + b))
 
     def step_taken(self) -> None:
         self.since_step = 0

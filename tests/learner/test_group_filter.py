@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from common.config import load_config
+from common.group_rule import verdict
 from learner import group_filter
 from learner.admission import Admission
-from learner.group_filter import MIN_PASS_RATE, GroupFilter, verdict
+from learner.group_filter import MIN_PASS_RATE, GroupFilter
 from protocol.trajectory import Trajectory
 
 pytestmark = pytest.mark.unit
@@ -102,10 +103,13 @@ def test_pass_rate_follows_recent_groups_and_state_round_trips() -> None:
     assert f.pass_rate == 1.0  # nothing judged: plan as without a filter
     for kept in (True, False, False, False):
         f.keeps(group(0, 1) if kept else group(0, 0))
-    assert f.pass_rate == 0.25
+    assert f.pass_rate == (1 + 2) / (4 + 2)  # a prior of one batch (2 groups) kept
     for _ in range(8):  # the window is 4 batches of 2: only the last 8 count
         f.keeps(group(0, 0))
-    assert f.pass_rate == MIN_PASS_RATE
+    assert f.pass_rate == 2 / 10
+    for _ in range(100):
+        f.keeps(group(0, 0))
+    assert GroupFilter("reward", 1000).pass_rate == 1.0 and f.pass_rate >= MIN_PASS_RATE
     g = GroupFilter("reward", 2)
     g.load_state_dict(f.state_dict())
     assert g.pass_rate == f.pass_rate and g.filtered == f.filtered
@@ -131,21 +135,27 @@ def test_config_keys_are_verls_and_unknown_ones_refused() -> None:
         load_config(None, [*base, "algorithm.filter_groups.nope=1"], check_paths=False)
 
 
-def test_admission_grants_for_the_pass_rate_and_waits_only_for_expected_groups() -> None:
+def test_admission_plans_on_an_upper_bound_of_the_groups_kept() -> None:
     a = Admission(batch_groups=4, max_staleness=1)
     a.joined("s")
     a.pass_rate = 0.5
-    # A window of 8 expected kept groups: 16 generating at a pass rate of 1/2.
-    assert a.grants(held=0, remaining=100, min_version=0) == [("s", 16)]
+    for n in range(1, 200):  # at least the mean, at most all, 2 standard deviations above the mean
+        assert n * 0.5 <= a.kept_bound(n) <= n
+        assert a.kept_bound(n) >= min(n, n * 0.5 + 2 * (n * 0.25) ** 0.5)
+    # A window of 8: more than 8 generating, as many as keep the bound within it.
+    ((_, granted),) = a.grants(held=0, remaining=100, min_version=0)
+    assert granted > 8 and a.kept_bound(granted) <= 8 < a.kept_bound(granted + 1)
     assert a.grants(held=0, remaining=100, min_version=0) == []
-    assert len(a.deadlines()) == 8  # the 16 generating count as the 8 expected to be trained
-    # As without a filter: 8 (expected) due by version 1, and one step of 4 before it.
+    assert len(a.deadlines()) == a.kept_bound(granted)  # what feasibility counts
+    # As without a filter: 8 (at most) due by version 1, and one step of 4 before it.
     assert not a.can_take([], 0)
-    for _ in range(12):
-        a.received("s", 0)
-    assert a.generating == 4 and len(a.deadlines()) == 2
-    assert a.grants(held=4, remaining=100, min_version=0) == [("s", 4)]  # (8 - 4) / 0.5 - 4
-    assert a.grants(held=0, remaining=2, min_version=0) == []  # the run's end: 2 / 0.5 = 4
+    for _ in range(granted - 2):
+        a.received("s", 0)  # arrived: filtered, or held in the buffer
+    assert a.generating == 2 and len(a.deadlines()) == 2 and a.can_take([], 0)
+    # the run's end bounds it: 3 groups left to train, 2 generating, 3 at least planned
+    assert a.grants(held=0, remaining=3, min_version=0) == [("s", 1)]
+    a.pass_rate = 1.0
+    assert a.kept_bound(7) == 7
 
 
 def test_admission_without_a_filter_is_unchanged() -> None:
