@@ -46,7 +46,7 @@ def test_config_refuses_the_memory_with_mixed_data_sets() -> None:
     base = ["actor_rollout_ref.model.path=m", "rollout_server.prompt_memory.last_k=2"]
     cfg = load_config(None, [*base, "data.train_files=t.jsonl"], check_paths=False)
     assert cfg.rollout_server.prompt_memory.skip_epochs == 1
-    with pytest.raises(ConfigError, match="prompt_memory.last_k"):
+    with pytest.raises(ConfigError, match=r"prompt_memory\.last_k"):
         load_config(
             None,
             [*base, "data.datasets=[{name: a, path: a.jsonl, ratio: 1}]"],
