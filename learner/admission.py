@@ -52,8 +52,8 @@ standard deviations. Grants go on while ``held + kept_bound(generating)`` is wit
 (and the run's groups left), and ``can_take`` counts the groups still generating for each deadline
 at ``kept_bound``. So the servers generate up to about ``B / p`` groups a step, the learner does not
 wait for groups it will filter, and a group is left past its deadline (dropped, in
-``rollout/waste_frac``) only when more of one deadline's groups pass than the bound, a few in a
-hundred. The bound, not the mean: ``B`` groups a step is a small sample, and planning on ``n p``
+``rollout/waste_frac``) only when more of one deadline's groups pass than the bound, which two
+standard deviations make rare. The bound, not the mean: ``B`` groups a step is a small sample, and planning on ``n p``
 would leave a group behind whenever a deadline's groups pass above the average.
 
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
