@@ -284,8 +284,6 @@ class Intake:
             if self.closed:
                 raise IntakeClosed("the intake was closed")
             self._check_starved(n_groups)
-            if self._filter is not None and self._filter.exhausted(len(self._buffer)):
-                raise self._filter.exhausted_error(len(self._buffer))
             self._arrived = self._arrived or anyio.Event()
             with anyio.move_on_after(wait_for):
                 await self._arrived.wait()
@@ -531,8 +529,11 @@ class Intake:
             self._server.batch_consumed(len(records))
 
     def _check_starved(self, n_groups: int) -> None:
-        """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any."""
+        """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any;
+        or dynamic sampling judged its bound of groups for this step (``FilterGroupsExhausted``)."""
         buf, proto = self._buffer, self._proto
+        if self._filter is not None and self._filter.exhausted(len(buf)):
+            raise self._filter.exhausted_error(len(buf))
         if not buf.in_flight and buf.records >= proto.capacity and proto.buffered == buf.records:
             raise IntakeStarved(
                 f"the intake buffer is full ({buf.records} batches, learner.buffer_batches={proto.capacity}) "

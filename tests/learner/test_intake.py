@@ -25,6 +25,7 @@ import pytest
 
 from common.config import load_config
 from common.identity import wire_identities
+from learner.group_filter import FilterGroupsExhausted
 from learner.intake import IntakeClosed, IntakeStarved
 from learner.link import LearnerLink
 from protocol import codec
@@ -803,3 +804,21 @@ async def test_filtered_groups_are_never_trained_nor_replayed_into_training(
         taken = await resumed.intake.next_batch(3, 0, 10)
         assert sorted(ids(taken.trajectories)) == kept
         resumed.close()
+
+
+async def test_a_step_short_after_max_num_gen_batches_stops_the_run(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """verl's bound: with max_num_gen_batches=1 a step of 2 groups may judge 2; one kept and one
+    filtered leave it short, and waiting is refused with the key to change."""
+    keys = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1")
+    config = make_config(tiny_model, extra=(*keys, "data.train_batch_size=2"))
+    link = LearnerLink(config, tmp_path)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
+        await s.client.submit(rewarded("b1", (0, 1), (1, 1)))
+        await until(lambda: s.acked == {1})
+        with (
+            anyio.fail_after(10),
+            pytest.raises(FilterGroupsExhausted, match="max_num_gen_batches"),
+        ):
+            await link.intake.next_batch(2, 0, 10)
