@@ -106,6 +106,8 @@ def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) 
         add("stale", stale)
     if "rollout/waste_frac" in metrics:
         add("waste", short(metrics["rollout/waste_frac"]))
+    if "rollout/filtered_frac" in metrics:  # dynamic sampling: share of groups not trained
+        add("filtered", short(metrics["rollout/filtered_frac"]))
     if "reward/overlong_frac" in metrics:  # over-long shaping: share penalised (mean penalty)
         overlong = short(metrics["reward/overlong_frac"])
         if "reward/overlong_penalty_mean" in metrics:

@@ -44,6 +44,18 @@ would generate while the others wait: ``max_staleness: 0`` with several servers 
 time, and its steps are filled); a part of a chunk is granted only when fewer grants are free than
 a chunk with none started (after a server left with some of its grants).
 
+Dynamic sampling (``learner.group_filter``): a filtered group is received (its grant is off the
+books) and never held, so its place in the window opens at once. With the filter's pass rate
+``p`` (``pass_rate``, 1 without a filter) the window counts the groups still generating that may
+be trained, ``kept_bound(n)``: of ``n`` groups, at most ``n p`` plus ``PASS_MARGIN_SD`` binomial
+standard deviations. Grants go on while ``held + kept_bound(generating)`` is within the window
+(and the run's groups left), and ``can_take`` counts the groups still generating for each deadline
+at ``kept_bound``. So the servers generate up to about ``B / p`` groups a step, the learner does not
+wait for groups it will filter, and a group is left past its deadline (dropped, in
+``rollout/waste_frac``) only when more of one deadline's groups pass than the bound, which two
+standard deviations make rare. The bound, not the mean: ``B`` groups a step is a small sample, and planning on ``n p``
+would leave a group behind whenever a deadline's groups pass above the average.
+
 Which grant an arriving group used is not on the wire: it used one of its server's grants with
 ``min_version <= u``. The largest such is taken off the books, which leaves the smallest minimum
 versions outstanding: the learner may wait longer than needed, never too little. A server that
@@ -52,11 +64,15 @@ leaves takes its outstanding grants with it; they are granted again to the serve
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocol.staleness import deadline, steps_left
+
+PASS_MARGIN_SD = 2.0
+"""Standard deviations above the expected kept groups that admission plans on (dynamic sampling)."""
 
 
 def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
@@ -82,6 +98,7 @@ class Admission:
     )  # peer -> groups it generates at once (0: unstated)
     chunk: int = 1  # grants go to a server in runs of this many (mixed runs: B)
     _issued: dict[str, int] = field(default_factory=dict)  # peer -> grants made in its session
+    pass_rate: float = 1.0  # dynamic sampling: share of received groups expected to be trained
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -126,13 +143,34 @@ class Admission:
             del book[m]
         return True
 
+    def kept_bound(self, n: int) -> int:
+        """Of ``n`` groups still generating, how many admission plans to train: all without a
+        filter, else the binomial mean plus ``PASS_MARGIN_SD`` standard deviations, rounded up."""
+        p = self.pass_rate
+        if p >= 1 or n <= 0:
+            return max(n, 0)
+        bound = n * p + PASS_MARGIN_SD * math.sqrt(n * p * (1 - p))
+        return min(n, math.ceil(bound - 1e-9))
+
+    def _plannable(self, space: int) -> int:
+        """The most groups generating whose ``kept_bound`` fits ``space``."""
+        if self.pass_rate >= 1:
+            return max(space, 0)
+        n = max(space, 0)
+        while self.kept_bound(n + 1) <= space:
+            n += 1
+        return n
+
     def deadlines(self) -> list[int]:
-        """The deadline of every group still generating (at the earliest: ``min_version + k``)."""
+        """The deadline of every group still generating that is expected to be trained (at the
+        earliest: ``min_version + k``)."""
+        per_version: Counter[int] = Counter()
+        for c in self._granted.values():
+            per_version.update(c)
         return [
             deadline(m, self.max_staleness)
-            for c in self._granted.values()
-            for m, n in c.items()
-            for _ in range(n)
+            for m, n in per_version.items()
+            for _ in range(self.kept_bound(n))
         ]
 
     def can_take(self, left: Iterable[int], version: int) -> bool:
@@ -148,7 +186,8 @@ class Admission:
         generating (ties: the one that joined first), never beyond a server's slots: a server that
         joins later then still finds grants left, instead of the first one queueing them all.
         They are booked here as generating."""
-        free = min(self.window, remaining) - held - self.generating
+        # With a pass rate below 1, more than the window: those expected to be filtered.
+        free = self._plannable(min(self.window, remaining) - held) - self.generating
         out: Counter[str] = Counter()
         load = {p: sum(c.values()) for p, c in self._granted.items()}
 

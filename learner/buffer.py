@@ -241,6 +241,15 @@ class GroupBuffer:
             out.groups.append(g)
         return out
 
+    def discard(self, groups: Iterable[Group]) -> list[int]:
+        """Queued ``groups`` will never be trained (dynamic sampling filtered them): they leave the
+        queue; returns the records that have no group left (free their room)."""
+        done = []
+        for g in groups:
+            del self._queue[g.key]
+            done += self._finish_one(g.record_id)
+        return done
+
     def take_these(self, groups: Iterable[Group]) -> list[Group]:
         """Take exactly ``groups`` (queued ones, e.g. a ``mixed_pick``): in flight until ``finish``."""
         out = []

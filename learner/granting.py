@@ -86,8 +86,11 @@ class Granting:
             return True
         return False
 
-    def received(self, peer_id: str, groups: list[Group]) -> None:
+    def received(self, peer_id: str, groups: list[Group], pass_rate: float = 1.0) -> None:
+        """``groups`` arrived from ``peer_id`` (filtered ones included: they used grants too);
+        ``pass_rate``: the share of groups dynamic sampling expects to keep (1: no filter)."""
         if self.policy is not None:
+            self.policy.pass_rate = pass_rate
             for g in groups:
                 self.policy.received(peer_id, g.oldest_version)
             self.admit()  # the server has slots free again

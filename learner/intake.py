@@ -29,6 +29,14 @@ Design:
   ``waste_metrics`` reports the share of generated tokens never trained (dropped here as stale, or
   dropped by the servers themselves and reported in heartbeats).
 
+- Dynamic sampling (``learner.group_filter``, ``algorithm.filter_groups``). Each accepted group is
+  judged as it is buffered: one whose episodes all score the same is filtered, it leaves the buffer
+  at once (its record's room is freed once the record has no group left) and admission's window
+  has room for another. A restart replays a filtered record from the journal and the filter, a
+  function of the stored trajectories, filters it again; a checkpoint's pending groups never hold
+  one. A step waiting for groups stops the run once the filter's bound is reached
+  (``FilterGroupsExhausted``). ``filter_metrics`` reports them apart from waste.
+
 - Mixed batches (``data.datasets``, ``configure_mix``). Each step takes exactly the configured
   count of groups per data source (``common.mixing.batch_counts`` of the ratios, the counts every
   rollout server's schedule already holds), earliest deadline first within each source
@@ -60,6 +68,7 @@ import structlog
 from common.mixing import batch_counts
 from learner.buffer import Group, GroupBuffer, GroupKey, mix_shortfall, mixed_pick
 from learner.granting import Granting
+from learner.group_filter import GroupFilter
 from learner.journal import Journal
 from protocol.batch import token_count
 from protocol.driver import LearnerServer
@@ -162,8 +171,11 @@ class Intake:
         *,
         state: dict[str, Any] | None,
         log: structlog.stdlib.BoundLogger,
+        group_filter: GroupFilter | None = None,
     ) -> None:
+        """``group_filter``: dynamic sampling (``learner.group_filter``), None: every group trained."""
         self._server, self._proto, self._journal = server, server.proto, journal
+        self._filter = group_filter
         self._buffer, self._admission, self._log = buffer, admission, log
         self._position = 0  # highest journal record id whose groups reached the buffer
         self.counts = dict.fromkeys(
@@ -207,8 +219,10 @@ class Intake:
         groups = self._buffer.add(rid, ev.trajectories)
         if not groups:
             self._free([rid])
+        self._free(self._filter_out(groups, count=True))
         self._tokens["generated"] += sum(g.sampled_tokens for g in groups)
-        self._admission.received(ev.peer_id, groups)
+        # Filtered groups too: each used a grant, and its place in the window is open again.
+        self._admission.received(ev.peer_id, groups, self.pass_rate)
         self._position = max(self._position, rid)
         if self._rule is not None:
             self._drop_stale(*self._rule)
@@ -279,6 +293,8 @@ class Intake:
             groups = out.groups
         else:
             groups = self._buffer.take_these(mixed)
+        if self._filter is not None:
+            self._filter.step_taken()
         dropped, self._dropped_reported = (
             self._buffer.dropped_stale - self._dropped_reported,
             self._buffer.dropped_stale,
@@ -319,6 +335,15 @@ class Intake:
             "rollout/wasted_tokens": float(wasted),
         }
 
+    def filter_metrics(self) -> dict[str, float]:
+        """Dynamic sampling's ``rollout/filtered_*`` metrics (``GroupFilter.metrics``); {} when off."""
+        return self._filter.metrics() if self._filter is not None else {}
+
+    @property
+    def pass_rate(self) -> float:
+        """The share of groups dynamic sampling expects to keep (1 without it)."""
+        return self._filter.pass_rate if self._filter is not None else 1.0
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume without losing or re-training accepted data (plain
         msgpack/JSON types). Take it after ``mark_trained`` of the checkpointed step."""
@@ -330,6 +355,8 @@ class Intake:
             # waste is a share of everything generated over the run: a restart keeps the counts
             # (a state without them, from an older checkpoint, starts them at 0)
             "tokens": dict(self._tokens),
+            # dynamic sampling's counts (filtered groups are not pending: a restart never trains them)
+            "filter": self._filter.state_dict() if self._filter is not None else {},
         }
 
     def checkpoint_saved(self, state: dict[str, Any]) -> None:
@@ -393,6 +420,8 @@ class Intake:
             for k, v in (state.get("tokens") or {}).items():
                 if k in self._tokens:
                     self._tokens[k] = int(v)
+            if self._filter is not None:
+                self._filter.load_state_dict(state.get("filter") or {})
             for rid, uid in state["pending"]:
                 pending.setdefault(int(rid), set()).add(uid)
             # Records appended from now on are replayed after a crash.
@@ -412,10 +441,13 @@ class Intake:
                 rec.record_id, rec.trajectories, only=wanted[rec.record_id], carried=True
             )
             n = len(added)
-            if rec.record_id > position:  # accepted after the checkpoint: not in its counts
+            new = rec.record_id > position  # accepted after the checkpoint: not in its counts
+            if new:
                 self._tokens["generated"] += sum(g.sampled_tokens for g in added)
             self._proto.replay_batch(rec.peer_id, rec.epoch, rec.seq, rec.trajectories.ids)
-            if not n:
+            # The filter judges a replayed group as it judged it first (the same trajectories).
+            done = self._filter_out(added, count=new)
+            for _ in range(len(done) + (not n)):
                 self._proto.batch_consumed()
             self.counts["replayed_records"] += 1
             self.counts["replayed_groups"] += n
@@ -429,6 +461,15 @@ class Intake:
                 position=position,
                 from_state=state is not None,
             )
+
+    def _filter_out(self, groups: list[Group], *, count: bool) -> list[int]:
+        """Dynamic sampling: the groups of ``groups`` the filter does not keep leave the buffer;
+        returns the records that have no group left. ``count``: book the verdicts (not for groups
+        a restored checkpoint's counts already hold)."""
+        if self._filter is None:
+            return []
+        keeps = self._filter.keeps
+        return self._buffer.discard([g for g in groups if not keeps(g.trajectories, count=count)])
 
     def _mixed_pick(
         self, quotas: dict[str, int], policy_version: int, max_staleness: int, *, fill: bool
@@ -488,8 +529,11 @@ class Intake:
             self._server.batch_consumed(len(records))
 
     def _check_starved(self, n_groups: int) -> None:
-        """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any."""
+        """Nothing can arrive (all room holds buffered batches) and nothing in flight will free any;
+        or dynamic sampling judged its bound of groups for this step (``FilterGroupsExhausted``)."""
         buf, proto = self._buffer, self._proto
+        if self._filter is not None and self._filter.exhausted(len(buf)):
+            raise self._filter.exhausted_error(len(buf))
         if not buf.in_flight and buf.records >= proto.capacity and proto.buffered == buf.records:
             raise IntakeStarved(
                 f"the intake buffer is full ({buf.records} batches, learner.buffer_batches={proto.capacity}) "

@@ -37,6 +37,7 @@ from common.config.root import Config
 from common.logging import get_logger
 from common.peer_auth import auth_mode, token_path
 from common.timeline import TimelineWriter
+from learner import group_filter
 from learner.announcer import WeightAnnouncer
 from learner.bind import build_server
 from learner.buffer import GroupBuffer
@@ -108,7 +109,13 @@ class LearnerLink:
         self.admission = Granting(self._server, buffer, timeline=timeline, log=log)
         try:
             self.intake = Intake(
-                self._server, journal, buffer, self.admission, state=state, log=log
+                self._server,
+                journal,
+                buffer,
+                self.admission,
+                state=state,
+                log=log,
+                group_filter=group_filter.from_config(config),
             )
         except BaseException:
             self._channel.close()

@@ -355,6 +355,8 @@ class Trainer:
         metrics |= self.link.weights.metrics()
         self.link.intake.mark_trained(taken)
         metrics |= self.link.intake.waste_metrics()
+        # Dynamic sampling (algorithm.filter_groups): groups not trained, counted apart from waste.
+        metrics |= self.link.intake.filter_metrics()
         # intake/violations/<CODE>: refused peer messages.
         metrics |= self.link.peer_logs.metrics()
         self.step += 1

@@ -36,7 +36,9 @@ async def serve(config: Config, run_dir: Path) -> int:
     if config.rollout_server.engine == "scripted":
         from rollout_service.engine.scripted import ScriptedEngine
 
-        engine = ScriptedEngine.from_config(config.actor_rollout_ref)
+        engine = ScriptedEngine.from_config(
+            config.actor_rollout_ref, config.rollout_server.scripted_turns
+        )
     else:
         # vLLM's import alone takes seconds: only a server that uses it pays for it.
         from rollout_service.engine.vllm_engine import VllmEngine

@@ -53,6 +53,7 @@ class Counters:
     batches_shipped: int = 0
     batches_acked: int = 0
     sampled_tokens: int = 0
+    prompts_skipped: int = 0
 
 
 # Counters.* fields that ``Episode.action_counts`` names (tool_calls/tool_errors come as arguments).
@@ -89,6 +90,7 @@ _HELP = {
     "batches_acked": "Trajectory batches acknowledged by the learner",
     "episodes_in_flight": "Episodes running now",
     "requests_in_flight": "Generation requests (model turns) in the engine now",
+    "prompts_skipped": "Prompts skipped by the prompt memory (uniform groups their last times)",
     "sampled_tokens": "Tokens the engine sampled, counted as each request returns (dropped and aborted episodes included)",
     "spool_batches": "Batches in the on-disk spool (written, not yet acknowledged)",
     "unacked_batches": "Batches handed to the protocol and not yet acknowledged",
@@ -194,6 +196,7 @@ class RolloutStats:
                 if c.snapshots or c.deletions
                 else ""
             )
+            + (f" | skipped {c.prompts_skipped} prompts" if c.prompts_skipped else "")
             + f" | in flight {g.episodes_in_flight}"
             + (f" | granted {g.granted_groups}" if g.granted_groups >= 0 else "")
             + f" | unacked {g.unacked_batches} (spool {g.spool_batches})"

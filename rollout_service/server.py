@@ -68,6 +68,7 @@ from rollout_service.errors import StartupError
 from rollout_service.granting import GrantBook
 from rollout_service.groups import RewardChoice, run_group
 from rollout_service.metrics import CountingEngine, RolloutStats
+from rollout_service.prompt_memory import PromptMemory
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
@@ -283,6 +284,10 @@ class RolloutServer:
             state_dir=self.state_dir,
         )
         check_names(config, {r.agent_type for r in self.source.rows})
+        memory = server.prompt_memory
+        self.memory = PromptMemory(
+            memory.last_k, memory.skip_epochs, config.algorithm.filter_groups.metric
+        )
         self.validation = ValidationRunner.from_config(config, server_id=self.server_id)
         self.validation.check_agents(
             lambda a: a in AGENTS
@@ -449,6 +454,14 @@ class RolloutServer:
                 break
             while not book.may_admit(n, self.engine.policy_version):
                 await self._changed.wait()
+            # Asked once the group could start, so that the groups finished meanwhile count.
+            if self.memory.skips(item.index, item.epoch):
+                # Uniform its last times (rollout_service.prompt_memory): done, without a grant.
+                self.source.commit(item)
+                self.stats.counters.prompts_skipped = self.memory.skipped
+                # A whole epoch may be skipped in a row: let the other tasks run meanwhile.
+                await anyio.lowlevel.checkpoint()
+                continue
             book.start(n, self.engine.policy_version)
             started += 1
             tg.start_soon(group, item)
@@ -484,6 +497,8 @@ class RolloutServer:
                 actions=ep.action_counts(),
                 data_source=ep.data_source,
             )
+        if self.memory.record(item.index, item.epoch, result.trajectories):
+            self.log.debug("prompt skipped from now on", index=item.index, epoch=item.epoch)
         if group_too_old(result.trajectories, self.newest_version, rollout.max_staleness):
             self.stats.staleness_dropped(
                 len(result.trajectories),

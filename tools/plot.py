@@ -46,6 +46,13 @@ PANELS = (
     Panel("staleness (policy versions)", ("staleness/mean", "staleness/max")),
     Panel("throughput (tokens/s)", ("perf/tokens_per_s", "perf/update_tokens_per_s")),
     Panel("validation reward", (), pattern=r"^val[-/].*reward.*mean"),
+    # Dynamic sampling (algorithm.filter_groups): the groups left out, apart from waste.
+    Panel(
+        "groups filtered (share)",
+        ("rollout/filtered_frac", "rollout/filtered_frac_step", "rollout/filter_pass_rate"),
+        pattern=r"^rollout/filtered_frac/.+",
+        only_with_data=True,
+    ),
     # What the agents did, per episode (learner.agent_metrics): StateLM's snapshots and deletions,
     # the code agent's sandbox runs, tool calls per tool and per data source.
     Panel(

@@ -171,6 +171,13 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
                 "reward.reward_kwargs.max_resp_len",
                 "data.max_response_length",
             )
+    if config.rollout_server.prompt_memory.last_k and data.datasets:
+        add(
+            "rollout_server.prompt_memory.last_k",
+            "must be 0 with data.datasets: mixed batches hold exact counts per source, and a "
+            "skipped prompt would leave its place empty",
+            "data.datasets",
+        )
     if data.datasets and data.train_files:
         add(
             "data.train_files",

@@ -16,6 +16,16 @@ from pydantic import Field
 from common.config.base import MiB, Section, ZmqEndpoint
 
 
+class PromptMemoryConfig(Section):
+    """Skip prompts whose groups keep coming out uniform (``rollout_service/prompt_memory.py``)."""
+
+    last_k: int = Field(default=0, ge=0)
+    """Skip a prompt once its last `last_k` groups were uniform (every episode passed or every one
+    failed, under algorithm.filter_groups.metric); 0: off."""
+    skip_epochs: int = Field(default=1, ge=1)
+    """Epochs such a prompt is skipped for; then it runs again with a clean record."""
+
+
 class RolloutServerConfig(Section):
     """A standalone rollout server (vLLM engine + agent loops) feeding the learner."""
 
@@ -25,6 +35,11 @@ class RolloutServerConfig(Section):
     """What generates: vllm (the model, vLLM's AsyncLLM in process), or scripted (a fixed answer on
     the model's tokenizer, no sampling: for tests of the launcher, placement and data paths where
     the model is not under test; ``rollout_service/engine/scripted.py``)."""
+    scripted_turns: list[str] | None = Field(default=None, min_length=1)
+    """The scripted engine's answers, one per turn in rotation (an answer and a non-answer make
+    groups whose episodes score differently); null: one final answer, ``\\boxed{0}``."""
+    prompt_memory: PromptMemoryConfig = Field(default_factory=PromptMemoryConfig)
+    """Per-prompt memory: prompts always solved or always failed are skipped for a while."""
     learner_address: ZmqEndpoint = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint of the learner to connect to."""
     max_concurrent_episodes: int = Field(default=64, gt=0)

@@ -147,6 +147,25 @@ class RolloutCorrectionConfig(Section):
         return self
 
 
+class FilterGroupsConfig(Section):
+    """Dynamic sampling (DAPO's group filter): verl's ``algorithm.filter_groups`` keys. A group whose
+    episodes all score the same under `metric` has zero advantage and is not trained; admission
+    generates more groups instead (docs/training.md, Dynamic sampling)."""
+
+    enable: bool = False
+    """Leave groups whose `metric` is equal over all their episodes out of training."""
+    metric: str = Field(default="reward", min_length=1)
+    """What is compared within a group: reward, seq_reward or score (the scored reward),
+    seq_final_reward (the reward after over-long shaping), or a name of the reward's extras
+    (e.g. acc)."""
+    max_num_gen_batches: int = 0
+    """At most this many batches' worth of groups (train_batch_size each) are judged for one step;
+    a step still short of groups then stops the run. 0 or less: no bound."""
+    max_inflight_gen_batches: int = Field(default=1, ge=1)
+    """Accepted for verl's recipes; admission decides what is generating (its window and the filter's
+    pass rate)."""
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and KL-in-reward."""
 
@@ -166,6 +185,8 @@ class AlgorithmConfig(Section):
     """KL coefficient controller."""
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     """Importance weights and rejection between rollout and learner logprobs (verl's keys)."""
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling: groups of equal rewards are not trained (verl's keys)."""
 
 
 class CriticOptimConfig(Section):

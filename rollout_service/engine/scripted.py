@@ -40,6 +40,8 @@ class ScriptedEngine:
         self.calls: list[tuple[list[int], SamplingSettings]] = []
         self.loaded: list[tuple[int, dict[str, bytes], str]] = []
         self.repeat_last = False  # keep answering with the last turn once the script is used up
+        self.rotate = False  # answer the turns in rotation, one per call, forever
+        self._calls_made = 0
         self.respond: Any = None  # or a function of the decoded context -> the turn's text
         self.per_request: Any = None  # or a function of the episode id -> that episode's turns
         self.load_gate: Any = None  # an anyio.Event load_weights waits for, if set
@@ -52,17 +54,21 @@ class ScriptedEngine:
         self.record = True
 
     @classmethod
-    def from_config(cls, actor_rollout_ref: ActorRolloutRefConfig) -> ScriptedEngine:
+    def from_config(
+        cls, actor_rollout_ref: ActorRolloutRefConfig, turns: Sequence[str] | None = None
+    ) -> ScriptedEngine:
         """The engine ``rollout_server.engine: scripted`` builds: the model's tokenizer and
-        ``DEFAULT_TURN`` for every turn. Prompts and weight bytes are not kept (``record``)."""
+        ``turns`` in rotation, one per generate call (None: ``DEFAULT_TURN`` for every turn).
+        Prompts and weight bytes are not kept (``record``)."""
         from transformers import AutoTokenizer
 
         model = actor_rollout_ref.model
         tokenizer = AutoTokenizer.from_pretrained(
             model.path, trust_remote_code=model.trust_remote_code
         )
-        engine = cls(tokenizer, [DEFAULT_TURN])
+        engine = cls(tokenizer, list(turns or [DEFAULT_TURN]))
         engine.repeat_last, engine.record = True, False
+        engine.rotate = len(engine.turns) > 1
         return engine
 
     @property
@@ -84,10 +90,13 @@ class ScriptedEngine:
             turn = script[int(turn_no)] if int(turn_no) < len(script) else "(script ended)"
         elif self.respond is not None:
             turn = self.respond(self.tok.decode(list(prompt_ids)))
+        elif self.rotate:
+            turn = self.turns[self._calls_made % len(self.turns)]
         elif self.repeat_last and len(self.turns) == 1:
             turn = self.turns[0]
         else:
             turn = self.turns.pop(0) if self.turns else "(script ended)"
+        self._calls_made += 1
         if isinstance(turn, Generation):
             return turn
         # A turn ending in a stop string stops there, as vLLM does (the ids spelling it are kept,

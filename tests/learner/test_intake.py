@@ -25,6 +25,7 @@ import pytest
 
 from common.config import load_config
 from common.identity import wire_identities
+from learner.group_filter import FilterGroupsExhausted
 from learner.intake import IntakeClosed, IntakeStarved
 from learner.link import LearnerLink
 from protocol import codec
@@ -52,7 +53,12 @@ def free_address() -> str:
 
 
 def make_config(
-    model: Path, address: str = "tcp://127.0.0.1:0", *, buffer_batches: int = 8, credits: int = 4
+    model: Path,
+    address: str = "tcp://127.0.0.1:0",
+    *,
+    buffer_batches: int = 8,
+    credits: int = 4,
+    extra: tuple[str, ...] = (),
 ) -> Any:
     return load_config(
         None,
@@ -64,6 +70,7 @@ def make_config(
             f"transport.initial_credits={credits}",
             "transport.heartbeat_interval_s=0.2",
             "transport.heartbeat_timeout_s=3.0",
+            *extra,
         ],
         check_paths=False,
     )
@@ -757,3 +764,61 @@ async def test_token_ids_are_checked_against_the_embedding_rows(
         assert server.proto.limits.vocab_size == tok.vocab_size + 100
     finally:
         channel._release()
+
+
+def rewarded(tag: str, *groups: tuple[float, ...]) -> list[Trajectory]:
+    """One group per entry of ``groups``, one trajectory per reward in it."""
+    batch = make_batch(tag, tuple(len(g) for g in groups))
+    for t, r in zip(batch, [r for g in groups for r in g], strict=True):
+        t.reward = r
+    return batch
+
+
+async def test_filtered_groups_are_never_trained_nor_replayed_into_training(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Dynamic sampling: a group whose episodes all score the same leaves the buffer as it arrives
+    (its batch's room with it), is counted apart from waste, and a restart, from a checkpointed
+    state or from the whole journal, filters it again and counts it once."""
+    config = make_config(tiny_model, extra=("algorithm.filter_groups.enable=true",))
+    journal = tmp_path / "journal"
+    a = LearnerLink(config, tmp_path, journal_dir=journal)
+    async with serving(a) as address, sending(address, tiny_model, token=a.token) as s:
+        await s.client.submit(rewarded("b1", (0, 1), (1, 1), (1,)))  # kept, filtered, kept (one)
+        await s.client.submit(rewarded("b2", (0, 0, 0), (1, 1)))  # all filtered: no room held
+        await until(lambda: s.acked == {1, 2})
+        assert a.stats["buffered_groups"] == 2 and a.stats["buffered_batches"] == 1
+        state = a.intake.state_dict()
+        await s.client.submit(rewarded("b3", (1, 0), (0, 0)))  # after the checkpoint
+        await until(lambda: s.acked == {1, 2, 3})
+        m = a.intake.filter_metrics()
+        assert m["rollout/filtered_groups"] == 4 and m["rollout/filtered_frac"] == 4 / 7
+        assert a.intake.waste_metrics()["rollout/waste_frac"] == 0.0
+    kept = ["b1-g0-0", "b1-g0-1", "b1-g2-0", "b3-g0-0", "b3-g0-1"]
+    for resumed in (
+        LearnerLink(config, tmp_path, state=state, journal_dir=journal),
+        LearnerLink(config, tmp_path, journal_dir=journal),  # no checkpoint: the whole journal
+    ):
+        assert resumed.stats["buffered_groups"] == 3
+        assert resumed.intake.filter_metrics()["rollout/filtered_groups"] == 4  # none twice
+        taken = await resumed.intake.next_batch(3, 0, 10)
+        assert sorted(ids(taken.trajectories)) == kept
+        resumed.close()
+
+
+async def test_a_step_short_after_max_num_gen_batches_stops_the_run(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """verl's bound: with max_num_gen_batches=1 a step of 2 groups may judge 2; one kept and one
+    filtered leave it short, and waiting is refused with the key to change."""
+    keys = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1")
+    config = make_config(tiny_model, extra=(*keys, "data.train_batch_size=2"))
+    link = LearnerLink(config, tmp_path)
+    async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
+        await s.client.submit(rewarded("b1", (0, 1), (1, 1)))
+        await until(lambda: s.acked == {1})
+        with (
+            anyio.fail_after(10),
+            pytest.raises(FilterGroupsExhausted, match="max_num_gen_batches"),
+        ):
+            await link.intake.next_batch(2, 0, 10)

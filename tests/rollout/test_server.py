@@ -207,3 +207,34 @@ async def test_admission_waits_while_weights_lag_and_stale_groups_are_not_shippe
         tg.cancel_scope.cancel()
     assert server.stats.counters.staleness_drops >= 2  # the group in flight finished on version 0
     assert all(int(t.versions.min()) == 1 for t in learner.received[shipped:])
+
+
+@pytest.mark.anyio
+async def test_prompts_uniform_last_time_are_skipped_for_an_epoch(
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
+    """rollout_server.prompt_memory: every episode of every prompt scores 1, so with last_k=1 each
+    prompt rests the epoch after: 10 groups are epochs 0 and 2 of the 5 rows, none of epoch 1."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    learner = ReferenceLearner()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(learner.serve)
+        config = make_config(
+            tmp_path,
+            tiny_model,
+            address,
+            **{
+                "rollout_server.prompt_memory.last_k": 1,
+                "rollout_server.max_concurrent_episodes": 2,  # one group at a time
+            },
+        )
+        engine = ScriptedEngine(tok, [])
+        engine.respond = lambda context: "it is 42"
+        server = await serve_groups(config, tmp_path / "run", engine, groups=10)
+        tg.cancel_scope.cancel()
+    epochs = sorted({t.group_uid.split("-")[0] for t in learner.received})
+    assert epochs == ["e0", "e2"] and len(learner.received) == 20
+    assert server.memory.skipped == 5 and server.stats.counters.prompts_skipped == 5
+    assert server.source.cursor == (3, 0)  # the skipped prompts are done, not pending

@@ -127,3 +127,18 @@ def test_tool_use_panel_draws_turns_per_episode() -> None:
         "episode/turns_mean": ([1.0, 2.0], [1.3, 1.8]),
         "val/episode/turns_mean": ([1.0], [1.2]),
     }
+
+
+def test_dynamic_sampling_has_a_panel_only_when_on() -> None:
+    records = [
+        {"step": 1, "rollout/filtered_frac": 0.5, "rollout/filtered_frac/math": 0.5},
+        {"step": 2, "rollout/filtered_frac": 0.25, "rollout/filter_pass_rate": 0.7},
+    ]
+    p = panel("groups filtered")
+    assert p.only_with_data
+    assert panel_series(records, p) == {
+        "rollout/filtered_frac": ([1.0, 2.0], [0.5, 0.25]),
+        "rollout/filter_pass_rate": ([2.0], [0.7]),
+        "rollout/filtered_frac/math": ([1.0], [0.5]),
+    }
+    assert panel_series([{"step": 1, "reward/mean": 0.1}], p) == {}

@@ -266,3 +266,33 @@ def test_overlong_shaping_and_rollout_correction_train_with_verls_keys(
         assert r["reward/shaped_mean"] < r["reward/mean"]
         for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
             assert f"rollout_corr/{key}" in r, key
+
+
+@pytest.mark.e2e
+def test_dynamic_sampling_trains_with_verls_keys_and_reports_filtered_groups(
+    assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """verl's algorithm.filter_groups keys train 3 steps through bin/train. The scripted engine
+    answers in rotation with an answer, the same answer and no answer, so of a prompt's 2 episodes
+    some agree on has_answer (the group is filtered) and some do not (trained)."""
+    model, rows = assets
+    data = verl_parquet(tmp_path / "train.parquet", rows)
+    out = train(
+        *verl_parquet_run(model, data),
+        "algorithm.filter_groups.enable=True",
+        "algorithm.filter_groups.metric=has_answer",
+        "algorithm.filter_groups.max_num_gen_batches=0",
+        "rollout_server.scripted_turns=['\\boxed{0}','\\boxed{0}','No answer.']",
+        *cpu_size(tmp_path),
+        "trainer.total_training_steps=3",
+        timeout=600,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    assert last["rollout/filtered_groups"] > 0 and 0 < last["rollout/filtered_frac"] < 1
+    assert last["rollout/filtered_frac/openai/gsm8k"] == last["rollout/filtered_frac"]
+    assert last["rollout/waste_frac"] == 0.0  # filtered groups are not waste
+    assert "filtered " in out.stdout + out.stderr  # the console's step line
