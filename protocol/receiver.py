@@ -271,7 +271,9 @@ class LearnerProtocol:
         self.stats = dict.fromkeys(STATS, 0)
         self.small_message_bytes = small_message_bytes
         self.max_frame_bytes = max_frame_bytes
-        self._budgets = _budgets(small_message_bytes, self.limits.max_message_bytes, max_frame_bytes)
+        self._budgets = _budgets(
+            small_message_bytes, self.limits.max_message_bytes, max_frame_bytes
+        )
 
     # -- application API -------------------------------------------------------------------------
     @property
