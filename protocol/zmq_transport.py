@@ -67,9 +67,11 @@ CLIENT_MAX_FRAMES = (
 _DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
 HANDSHAKE_DEADLINE_MS = 5000  # a server drops a peer that has not finished ZMTP's handshake by then
 # Connections a server lets be in the handshake at once (SPEC §13): from one source address, and in
-# all. Each may make libzmq hold one frame bound (plus ~16 KiB of its own) until the deadline.
+# all, the last HANDSHAKES_RESERVED of them only for a source's first. Each may make libzmq hold one
+# frame bound (plus ~16 KiB of its own) until the deadline.
 HANDSHAKES_PER_SOURCE = 64
-HANDSHAKES_TOTAL = 1024
+HANDSHAKES_TOTAL = 768
+HANDSHAKES_RESERVED = 128
 
 
 @dataclass(frozen=True)
@@ -308,11 +310,13 @@ class HandshakeGuard:
     libzmq reports no per-connection end of the handshake, so a connection counts as handshaking
     for ``window_s`` after it was accepted (the handshake deadline: libzmq drops it by then) or
     until it closes. Over either cap, the newest connection is refused (the caller shuts it down).
-    One source can take at most ``per_source`` of ``total``, so valid peers on other hosts still
-    get in while one host floods. Pure: the caller passes the clock."""
+    One source can take at most ``per_source``, and sources that already have one in the handshake
+    at most ``total - reserved`` together: the first connection of any other source (a valid peer's
+    host) still gets in while a few hosts flood. Pure: the caller passes the clock."""
 
-    def __init__(self, per_source: int, total: int, window_s: float) -> None:
+    def __init__(self, per_source: int, total: int, window_s: float, reserved: int = 0) -> None:
         self.per_source, self.total, self.window_s = per_source, total, window_s
+        self.reserved = reserved
         self._young: dict[int, tuple[str, float]] = {}  # fd -> (source, accepted at)
         self._order: deque[tuple[float, int]] = deque()  # (accepted at, fd), oldest first
         self._by_source: Counter[str] = Counter()
@@ -324,7 +328,9 @@ class HandshakeGuard:
         """A connection accepted on descriptor ``fd`` from ``source``: whether it may stay."""
         self._expire(now)
         self.closed(fd)  # a reused descriptor: its earlier connection is gone
-        if self._by_source[source] >= self.per_source or len(self._young) >= self.total:
+        mine = self._by_source[source]
+        room = self.total - (self.reserved if mine else 0)
+        if mine >= self.per_source or len(self._young) >= room:
             return False
         self._young[fd] = (source, now)
         self._order.append((now, fd))
@@ -530,6 +536,7 @@ class ZmqServerChannel:
         context: zmq.asyncio.Context | None = None,
         handshakes_per_source: int = HANDSHAKES_PER_SOURCE,
         handshakes_total: int = HANDSHAKES_TOTAL,
+        handshakes_reserved: int = HANDSHAKES_RESERVED,
     ) -> None:
         """``curve`` or ``token``: only peers with an allowed key, or with the token's client key,
         get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
@@ -537,8 +544,9 @@ class ZmqServerChannel:
         ``budget(identity)``: the budget of the next message from that peer (default: the same
         ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound,
         exactly (peers split larger frames, SPEC §2); default ``max_message_bytes`` plus 1 MiB of
-        slack. ``handshakes_per_source`` / ``handshakes_total``: connections over that many in
-        the handshake (``HandshakeGuard``, tcp only) are shut down at once."""
+        slack. ``handshakes_per_source`` / ``handshakes_total`` / ``handshakes_reserved``:
+        connections over these caps in the handshake (``HandshakeGuard``, tcp only) are shut down
+        at once."""
         if curve is not None and token is not None:
             raise ValueError("a channel authenticates with CURVE or a token, not both")
         if token is not None and not token:
@@ -566,7 +574,10 @@ class ZmqServerChannel:
         guard = None
         if address.startswith("tcp://"):
             guard = HandshakeGuard(
-                handshakes_per_source, handshakes_total, HANDSHAKE_DEADLINE_MS / 1000
+                handshakes_per_source,
+                handshakes_total,
+                HANDSHAKE_DEADLINE_MS / 1000,
+                handshakes_reserved,
             )
         self.guard = guard
         try:
