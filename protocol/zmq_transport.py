@@ -638,8 +638,11 @@ class ZmqServerChannel:
     async def aclose(self) -> None:
         # A short linger lets the last ACKs and the BYE of LearnerServer.close() leave; a peer that is
         # gone costs at most 0.2 s (at context termination), as on the client side.
+        watch = self._watch
         self._release(linger=200)
         _remove_ipc_file(self._ipc_file)
+        if watch is not None:  # cancelled by _release: no task of the channel outlives it
+            await asyncio.wait([watch])
 
     def close(self) -> None:
         """Close at once, without the linger of ``aclose`` (a channel that never served)."""
