@@ -491,6 +491,18 @@ async def _watch(
     down those over it), and report every handshake that failed before ZAP was asked (a peer
     without a token or key fails with MECHANISM_MISMATCH, one with another token's keys with
     CRYPTOGRAPHIC) as ``report(host, code, reason)``, like the authenticator."""
+    try:
+        await _watch_events(monitor, report, guard, port)
+    finally:
+        # Closed in the loop that polled it, also when that loop ends with the channel left open:
+        # collected later under another loop, it would unregister whatever socket then has its
+        # descriptor number there, and that socket would never be read again.
+        monitor.close(linger=0)
+
+
+async def _watch_events(
+    monitor: zmq.asyncio.Socket, report: Refused | None, guard: HandshakeGuard | None, port: int
+) -> None:
     while True:
         frames = await monitor.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 6:
@@ -602,7 +614,13 @@ class ZmqServerChannel:
             if guard is not None:
                 events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
             if events:  # before the bind, so that no connection goes unseen
-                self._monitor = cast(zmq.asyncio.Socket, self.sock.get_monitor_socket(events))
+                # A unique endpoint: pyzmq's default names it after the socket's descriptor number,
+                # which a socket closed just before (its endpoint released later, by libzmq's
+                # reaper) may have had.
+                monitor = self.sock.get_monitor_socket(
+                    events, f"inproc://monitor.{uuid.uuid4().hex}"
+                )
+                self._monitor = cast(zmq.asyncio.Socket, monitor)
             _bind(self.sock, address)
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
             port = int(self.address.rsplit(":", 1)[1]) if guard is not None else 0
