@@ -491,13 +491,7 @@ async def _watch(
     down those over it), and report every handshake that failed before ZAP was asked (a peer
     without a token or key fails with MECHANISM_MISMATCH, one with another token's keys with
     CRYPTOGRAPHIC) as ``report(host, code, reason)``, like the authenticator."""
-    try:
-        await _watch_events(monitor, report, guard, port)
-    finally:
-        # Closed in the loop that polled it, also when that loop ends with the channel left open:
-        # collected later under another loop, it would unregister whatever socket then has its
-        # descriptor number there, and that socket would never be read again.
-        monitor.close(linger=0)
+    await _watch_events(monitor, report, guard, port)
 
 
 async def _watch_events(
@@ -636,7 +630,12 @@ class ZmqServerChannel:
 
     def _start_watch(self) -> None:
         if self._watch is None and self._monitor is not None:
-            self._watch = asyncio.ensure_future(_watch(self._monitor, *self._watch_args))
+            monitor = self._monitor
+            self._watch = asyncio.ensure_future(_watch(monitor, *self._watch_args))
+            # Closed in the loop that polls it, also when that loop ends with the channel left
+            # open (the task cancelled, maybe before it ever ran): collected later under another
+            # loop, it would unregister whatever socket then has its descriptor number there.
+            self._watch.add_done_callback(lambda _: monitor.close(linger=0))
 
     async def send(self, identity: bytes, frames: Frames) -> None:
         await self.sock.send_multipart([identity, *frames], copy=False)
