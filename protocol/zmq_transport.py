@@ -61,6 +61,9 @@ from protocol.sender import Frames
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
 FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
+# Where peers split frames at the bound: MAXMSGSIZE = the bound + this, for CURVE's MESSAGE envelope
+# (33 bytes: libzmq checks the size of the frame on the wire, encrypted).
+ENVELOPE_BYTES = 1 << 10
 CLIENT_MAX_FRAMES = (
     1 << 16
 )  # frames of one message to a rollout server (a weights chunk: one per part)
@@ -289,7 +292,7 @@ def _tune(sock: zmq.Socket, max_frame_bytes: int | None, slack: int = FRAME_SLAC
         # the connection over it: the only bound it puts on memory a peer makes us hold, also
         # before authentication. It is per frame, never per message (libzmq has no frame-count
         # limit), see SPEC §13. The slack lets a frame a little over the limit through to be
-        # answered with a typed TOO_LARGE instead (none where peers split frames at the bound).
+        # answered with a typed TOO_LARGE instead (only CURVE's envelope where peers split frames).
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + slack)
 
 
@@ -548,9 +551,9 @@ class ZmqServerChannel:
         get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
         others), and clients can tell this server from an impostor; neither: anyone does.
         ``budget(identity)``: the budget of the next message from that peer (default: the same
-        ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound,
-        exactly (peers split larger frames, SPEC §2); default ``max_message_bytes`` plus 1 MiB of
-        slack. ``handshakes_per_source`` / ``handshakes_total`` / ``handshakes_reserved``:
+        ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound
+        where peers split larger frames (SPEC §2), plus CURVE's envelope; default
+        ``max_message_bytes`` plus 1 MiB of slack. ``handshakes_per_source`` / ``handshakes_total`` / ``handshakes_reserved``:
         connections over these caps in the handshake (``HandshakeGuard``, tcp only) are shut down
         at once."""
         if curve is not None and token is not None:
@@ -588,7 +591,7 @@ class ZmqServerChannel:
         self.guard = guard
         try:
             if max_frame_bytes:
-                _tune(self.sock, min(max_frame_bytes, max_message_bytes), slack=0)
+                _tune(self.sock, min(max_frame_bytes, max_message_bytes), slack=ENVELOPE_BYTES)
             else:
                 _tune(self.sock, max_message_bytes)
             if keys is not None and allowed is not None:

@@ -22,6 +22,7 @@ import pytest
 from hostile_testkit import LearnerProcess, MiB, RssWatch, serves_a_valid_peer
 
 from protocol.limits import MAX_FRAME_BYTES
+from protocol.zmq_transport import ENVELOPE_BYTES
 
 pytestmark = pytest.mark.integration
 CONNECTIONS = 1000
@@ -32,7 +33,8 @@ RSS_BOUND = 100 * 1000 * 1000  # the issue's bound: 100 MB
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes((3, 0)) + b"CURVE".ljust(20, b"\0") + bytes(32)
 # A long command frame (flags 0x06) announcing the largest size the learner accepts, all but its
 # last byte sent: libzmq allocates the frame and keeps what arrived until the handshake deadline.
-STALLED_FRAME = b"\x06" + struct.pack(">Q", MAX_FRAME_BYTES) + bytes(MAX_FRAME_BYTES - 1)
+FRAME = MAX_FRAME_BYTES + ENVELOPE_BYTES  # the learner's MAXMSGSIZE
+STALLED_FRAME = b"\x06" + struct.pack(">Q", FRAME) + bytes(FRAME - 1)
 
 
 @pytest.fixture(scope="module")
