@@ -48,6 +48,19 @@ WORKER_LIB = "bench.verl_plugins.workers"  # what verl's workers import: attenti
 TOKEN_CAP = 16384  # tokens per micro-batch per GPU, as our learner's token cap on the same job
 VERSION_PROMPTS = 16  # prompts per policy version (our data.train_batch_size)
 
+WORKER_MARK = "verl_plugins.workers loaded:"  # bench/verl_plugins/workers.py's MARK (no torch here)
+
+
+def plugin_report(log_text: str) -> dict[str, Any]:
+    """How many of verl's processes loaded bench/verl_plugins/workers.py, from the run's log (Ray
+    forwards each worker's output, prefixed), and whether every one patched the logprobs."""
+    lines = [line.split(WORKER_MARK, 1)[1] for line in log_text.splitlines() if WORKER_MARK in line]
+    return {
+        "processes": len(lines),
+        "logprobs_patched": bool(lines) and all("logprobs in -" not in line for line in lines),
+    }
+
+
 VERL_TIMINGS = {  # verl's metric -> the report's split name
     "timing_s/gen": "generate",
     "timing_s/reward": "reward",
@@ -325,6 +338,15 @@ class MetricsWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._poll()
+
+    def has_versions(self, n: int, settle_s: float = 5.0) -> bool:
+        """Whether ``n`` versions are in and no record came for ``settle_s`` (a version's records
+        come within a moment of each other): the run has what the bench asked for. verl's
+        trainers do not stop after the versions asked for, so the bench stops them here."""
+        records = self.records
+        if not records or time.time() - records[-1]["t"] < settle_s:
+            return False
+        return len(by_version(records)) >= n
 
     def __enter__(self) -> MetricsWatcher:
         self._thread.start()

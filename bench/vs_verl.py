@@ -52,6 +52,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,20 +169,33 @@ def write_verl_data(src: Path, out: Path) -> dict[str, Path]:
 # -- running ----------------------------------------------------------------------------------------
 
 
-def run_bounded(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
-    """Run ``cmd`` in its own session, output to ``log``; past ``timeout_s`` SIGTERM, then SIGKILL
-    of its whole group. Returns exit status, wall time, whether it timed out and the peak GPU
-    memory seen meanwhile."""
+def run_bounded(
+    cmd: list[str],
+    log: Path,
+    timeout_s: float,
+    env: dict[str, str],
+    done: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Run ``cmd`` in its own session, output to ``log``; once ``done()`` (polled every second),
+    or past ``timeout_s``, SIGTERM, then SIGKILL of its whole group. Returns exit status, wall
+    time, whether it timed out or was stopped done, and the peak GPU memory seen meanwhile."""
     t0 = time.monotonic()
+    deadline = t0 + timeout_s
     with log.open("wb") as out, GpuMemory() as mem:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
         )
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        timed_out = stopped_done = False
+        rc: int | None = None
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                stopped_done = done is not None and done()
+                timed_out = not stopped_done and time.monotonic() >= deadline
+                if stopped_done or timed_out:
+                    break
+        if rc is None:
             for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
                 try:
                     os.killpg(proc.pid, sig)
@@ -197,6 +211,7 @@ def run_bounded(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]
     return {
         "exit_status": rc,
         "timed_out": timed_out,
+        "stopped_done": stopped_done,
         "wall_s": round(time.monotonic() - t0, 1),
         "peak_gpu_mib": peak.get("peak_gpu_mib"),
         "peak_per_gpu_mib": peak.get("peak_per_gpu_mib"),
@@ -293,7 +308,9 @@ def run_verl(
     stamped = run_dir / "stamped.jsonl"
     stamped.unlink(missing_ok=True)
     with verl_side.MetricsWatcher(metrics, out=stamped) as watch:
-        run = run_bounded(cmd, run_dir / "train.log", a.timeout_s, env)
+        run = run_bounded(
+            cmd, run_dir / "train.log", a.timeout_s, env, done=lambda: watch.has_versions(a.steps)
+        )
     summary = verl_side.summarize(watch.records)
     out = {
         "label": cfg.label,
@@ -305,8 +322,11 @@ def run_verl(
         "command": " ".join(cmd[2:]),
         **run,
         **summary,
+        "worker_plugins": verl_side.plugin_report(
+            (run_dir / "train.log").read_text(errors="replace")
+        ),
     }
-    if not summary.get("steps_done") or run["exit_status"] != 0:
+    if not summary.get("steps_done") or (run["exit_status"] != 0 and not run["stopped_done"]):
         out["log_tail"] = tail(run_dir / "train.log")
     return out
 

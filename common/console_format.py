@@ -106,6 +106,16 @@ def step_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) 
         add("stale", stale)
     if "rollout/waste_frac" in metrics:
         add("waste", short(metrics["rollout/waste_frac"]))
+    if "reward/overlong_frac" in metrics:  # over-long shaping: share penalised (mean penalty)
+        overlong = short(metrics["reward/overlong_frac"])
+        if "reward/overlong_penalty_mean" in metrics:
+            overlong += f" ({short(metrics['reward/overlong_penalty_mean'])})"
+        add("overlong", overlong)
+    if "rollout_corr/kl" in metrics:  # rollout correction: KL(rollout || learner), share rejected
+        mismatch = short(metrics["rollout_corr/kl"])
+        if "rollout_corr/rollout_rs_masked_fraction" in metrics:
+            mismatch += f" (rej {short(metrics['rollout_corr/rollout_rs_masked_fraction'])})"
+        add("mismatch", mismatch)
     for label, figure in agent_parts(metrics):
         add(label, figure)
     if "perf/tokens_per_s" in metrics:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from common.config.actor_rollout_ref import ActorConfig
+    from common.config.training import RolloutCorrectionConfig
 
 __all__ = ["PolicyLossSettings", "policy_loss_settings"]
 
@@ -30,13 +31,37 @@ class PolicyLossSettings:
     dro_beta: float | None = None
     tau_pos: float = 1.0
     tau_neg: float = 1.05
-    rollout_is: str | None = None  # bypass_mode: "token", "sequence" or None
-    rollout_is_threshold: float = 2.0  # bypass_mode: truncation of its IS weights
+    # bypass_mode: verl's rollout_correction settings (algorithm.rollout_correction when it is
+    # active, else actor.off_policy.is_level / is_cap as a truncation)
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    loss_type: str = "ppo_clip"
 
 
-def policy_loss_settings(actor: ActorConfig) -> PolicyLossSettings:
-    """The settings of a loaded ``actor_rollout_ref.actor`` section."""
+def policy_loss_settings(
+    actor: ActorConfig, correction: RolloutCorrectionConfig | None = None
+) -> PolicyLossSettings:
+    """The settings of a loaded ``actor_rollout_ref.actor`` section (and of
+    ``algorithm.rollout_correction`` when it is active)."""
     pl, op = actor.policy_loss, actor.off_policy
+    if correction is not None and correction.active:
+        is_settings: dict[str, object] = {
+            "rollout_is": correction.rollout_is,
+            "rollout_is_threshold": correction.rollout_is_threshold,
+            "rollout_is_batch_normalize": correction.rollout_is_batch_normalize,
+            "rollout_rs": correction.rollout_rs,
+            "rollout_rs_threshold": correction.rollout_rs_threshold,
+            "loss_type": correction.loss_type,
+        }
+    else:
+        is_settings = {
+            "rollout_is": None if op.is_level == "off" else op.is_level,
+            "rollout_is_threshold": op.is_cap,
+            "loss_type": correction.loss_type if correction is not None else "ppo_clip",
+        }
     return PolicyLossSettings(
         loss_mode=pl.loss_mode,
         clip_cov_ratio=pl.clip_cov_ratio,
@@ -47,6 +72,5 @@ def policy_loss_settings(actor: ActorConfig) -> PolicyLossSettings:
         dro_beta=pl.dro_beta,
         tau_pos=actor.tau_pos,
         tau_neg=actor.tau_neg,
-        rollout_is=None if op.is_level == "off" else op.is_level,
-        rollout_is_threshold=op.is_cap,
+        **is_settings,  # type: ignore[arg-type]
     )

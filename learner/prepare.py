@@ -28,6 +28,8 @@ from learner.algorithms import (
     compute_advantages,
     truncated_is_weights,
 )
+from learner.algorithms.rollout_correction import rollout_correction
+from learner.reward_shaping import overlong_penalties, shaping_metrics
 from learner.samples import Batching, OldFromForward, Sample, TokenField, even_chunks
 from learner.worker_api import UpdateResult
 from protocol.trajectory import Trajectory
@@ -106,13 +108,16 @@ def old_logprobs_from_update(config: Config, step: int) -> OldFromForward | None
     that pass runs in eval() under no_grad, the update in train(); FSDP's bf16 cast, gradient
     checkpointing (a recompute of the same function) and the micro-batch layout are the same in
     both, and the Qwen2-family models have no dropout (attention_dropout 0). A model that drops out
-    in training would see another function: set skip_old_logprob_forward to never for it."""
+    in training would see another function: set skip_old_logprob_forward to never for it.
+    algorithm.rollout_correction keeps the separate forward too: verl's weights, rejection and
+    metrics are of the whole batch (batch normalisation, rejection before the advantages)."""
     actor, alg = config.actor_rollout_ref.actor, config.algorithm
     off = actor.off_policy
     if (
         off.old_logprobs != "recompute"
         or off.skip_old_logprob_forward == "never"
         or alg.use_kl_in_reward
+        or alg.rollout_correction.active
         or step < config.trainer.critic_warmup
         or actor.ppo_epochs != 1
     ):
@@ -151,12 +156,17 @@ def set_tokens(samples: Sequence[Sample], key: TokenField, padded: torch.Tensor)
         s.set(key, np.ascontiguousarray(arr[i, : s.response_len], dtype=np.float32))
 
 
-def token_level_scores(trajs: Sequence[Trajectory], mask: torch.Tensor) -> torch.Tensor:
+def token_level_scores(
+    trajs: Sequence[Trajectory], mask: torch.Tensor, shaping: np.ndarray | None = None
+) -> torch.Tensor:
+    """Each episode's reward (plus its ``shaping``, e.g. the over-long penalty) on its last trained
+    token."""
     scores = torch.zeros_like(mask)
     for i, t in enumerate(trajs):
         trained = torch.nonzero(mask[i]).flatten()
         if len(trained):  # an episode without a trained token carries no reward anywhere
-            scores[i, int(trained[-1])] = float(t.reward)
+            extra = float(shaping[i]) if shaping is not None else 0.0
+            scores[i, int(trained[-1])] = float(t.reward) + extra
     return scores
 
 
@@ -182,14 +192,20 @@ def rewards_and_advantages(
 ) -> dict[str, float]:
     """After the step's forwards: token-level rewards (KL in the reward when configured, which
     updates ``kl_ctrl``), advantages and returns, and truncated importance weights, set on
-    ``samples``; returns the step's ``kl_in_reward/*``, ``off_policy/*``, ``advantages/mean`` and
-    ``rollout/logprob_diff``. ``in_update``: the update takes the old logprobs from its own forward
-    (``old_logprobs_from_update``), so none are here; ``critic``: ``samples`` carry values."""
+    ``samples``; returns the step's ``kl_in_reward/*``, ``off_policy/*``, ``advantages/mean``,
+    ``rollout/logprob_diff`` and, with over-long shaping, ``reward/overlong_*`` and
+    ``reward/shaped_mean`` (`learner.reward_shaping`). ``in_update``: the update takes the old
+    logprobs from its own forward (``old_logprobs_from_update``), so none are here; ``critic``:
+    ``samples`` carry values."""
     cfg, alg = config.actor_rollout_ref.actor, config.algorithm
     metrics: dict[str, float] = {}
     mask = response_tensors(samples)
     old = None if in_update else response_tensors(samples, "old_logprobs")
-    rewards = token_level_scores(trajs, mask)
+    penalties = overlong_penalties(
+        [len(t.response_ids) for t in trajs], config.reward, config.data.max_response_length
+    )
+    metrics |= shaping_metrics([t.reward for t in trajs], penalties)
+    rewards = token_level_scores(trajs, mask, penalties)
     if alg.use_kl_in_reward:
         assert old is not None  # the rule keeps the separate forward with KL in the reward
         rewards, km = apply_kl_in_reward(
@@ -202,6 +218,22 @@ def rewards_and_advantages(
         )
         kl_ctrl.update(float(km["kl"]), n_steps=len(samples))
         metrics |= {f"kl_in_reward/{k}": float(v) for k, v in km.items()}
+    corr = alg.rollout_correction
+    corr_weights = None
+    # in bypass mode old is the rollout's: nothing to compare here (verl's bypass loss reports it);
+    # rollout_correction keeps the separate forward, so old is here (old_logprobs_from_update)
+    if corr.active and old is not None and cfg.off_policy.old_logprobs == "recompute":
+        # verl's order: weights and rejection after the rewards, before the advantages; a
+        # rejected token leaves the mask of the advantages and of the loss
+        rollout = response_tensors(samples, "rollout_logprobs")
+        corr_weights, new_mask, cm = rollout_correction(old, rollout, mask, corr)
+        metrics |= cm
+        if not torch.equal(new_mask, mask):
+            mask = new_mask
+            for i, s in enumerate(samples):
+                s.response_mask = np.ascontiguousarray(
+                    mask[i, : s.response_len].numpy(), dtype=np.float32
+                )
     kwargs: dict[str, Any] = {
         "token_level_rewards": rewards,
         "response_mask": mask,
@@ -217,8 +249,11 @@ def rewards_and_advantages(
     adv, returns = compute_advantages(alg.adv_estimator, **kwargs)
     set_tokens(samples, "advantages", adv)
     set_tokens(samples, "returns", returns)
-    if (
+    if corr_weights is not None:
+        set_tokens(samples, "is_weights", corr_weights)
+    elif (
         old is not None
+        and not corr.active
         and cfg.off_policy.old_logprobs == "recompute"
         and cfg.off_policy.is_level != "off"
     ):

@@ -107,7 +107,7 @@ def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
         clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
         loss_agg_mode=actor.loss_agg_mode,
-        policy_loss=policy_loss_settings(actor),
+        policy_loss=policy_loss_settings(actor, config.algorithm.rollout_correction),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,

@@ -103,6 +103,9 @@ def actor_micro_loss(
         "ppo_kl_tok": m["ppo_kl"] * ntok,
         "entropy_tok": float((ent.detach() * mask).sum()),
     }
+    # bypass mode: verl's rollout_corr/* of each micro-batch (against the current policy, as verl's
+    # actor reports them), token-weighted over the step's micro-batches
+    out |= {f"{k}_tok": v * ntok for k, v in m.items() if k.startswith("rollout_corr/")}
     if s.entropy_coeff > 0:
         loss = loss - s.entropy_coeff * agg_loss(ent, mask, s.loss_agg_mode, norm)
     if s.use_kl_loss:

@@ -20,7 +20,8 @@ async def serve(config: Config, run_dir: Path) -> int:
     from common import reaper
     from common.logging import get_logger
     from rollout_service.engine.base import Engine
-    from rollout_service.server import RolloutServer, StartupError
+    from rollout_service.errors import StartupError
+    from rollout_service.server import RolloutServer
     from rollout_service.shipping import ShippingError
 
     log = get_logger("rollout_service")

@@ -26,8 +26,9 @@ from common.config.errors import Issue
 from rollout_service.agents import load_builtin_agents
 from rollout_service.agents.base import AGENTS
 from rollout_service.data import DataError, layout_options, located_rows, sources_from_config
+from rollout_service.errors import StartupError
 from rollout_service.rewards.base import REWARDS
-from rollout_service.server import StartupError, agent_setup, check_names
+from rollout_service.server import agent_setup, check_names
 from rollout_service.tools import load_builtin_tools
 from rollout_service.tools.factory import tool_options
 

@@ -4,7 +4,8 @@ Design: one task group owns everything (shipper + protocol client, stats logger,
 event loop, admission loop, one task per running group, one per validation request), so any
 failure or a signal cancels all of it and the ``finally`` blocks close the connection (BYE) and
 shut the engine down. ``RolloutServer`` builds the parts, runs the groups and hands each event of
-the connection to the part it is about (``_events``), one at a time:
+the connection to the part it is about (``_events``), one at a time. The connection itself is
+the ``shipper``'s (``rollout_service.connecting.build_shipper`` assembles it from the config):
 
 - ``book`` (``rollout_service.granting.GrantBook``, sans-IO): the rollout half of admission,
   the only place where policy lives: whether the next group may start (room, weights lag, a
@@ -33,8 +34,7 @@ version) every ``SAMPLE_INTERVAL_S`` from a task of the serving group, and a spa
 from __future__ import annotations
 
 import signal
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,10 +42,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from common.hostkey import host_key
-from common.identity import wire_identities
 from common.logging import get_logger
-from common.peer_auth import auth_mode, token_path, wait_for_token
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.run_events import Kind, emit
 from common.rundir import resolve_run_dir
@@ -60,17 +57,14 @@ from protocol.events import (
     WeightsFailed,
     WeightsReceived,
 )
-from protocol.messages import (
-    ADMISSION_CAPABILITY,
-    VALIDATION_CAPABILITY,
-    WEIGHTS_FILE_CAPABILITY,
-    ValidateRequest,
-)
+from protocol.messages import ADMISSION_CAPABILITY, ValidateRequest
 from protocol.staleness import group_too_old
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
+from rollout_service.connecting import build_shipper
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
+from rollout_service.errors import StartupError
 from rollout_service.granting import GrantBook
 from rollout_service.groups import RewardChoice, run_group
 from rollout_service.metrics import CountingEngine, RolloutStats
@@ -78,7 +72,7 @@ from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
 from rollout_service.tools.factory import close_tools
 from rollout_service.validation import ValidationRunner
-from rollout_service.weights_applier import WeightApplier, weight_assembler
+from rollout_service.weights_applier import WeightApplier
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -171,10 +165,6 @@ def build_agent_deps(
         a: replace(base, tools={n: tools[n] for n in s.tools}, options=s.options)
         for a, s in setups.items()
     }
-
-
-class StartupError(Exception):
-    """The server cannot start as configured; the message names the key or resource to change."""
 
 
 def check_names(config: Config, agent_types: set[str]) -> None:
@@ -349,90 +339,6 @@ class RolloutServer:
         for deps in self.deps.values():
             deps.engine = counted
 
-    # -- wiring ------------------------------------------------------------------------------------
-    def _build_shipper(self) -> Any:
-        from protocol.driver import RolloutClient
-        from protocol.sender import RolloutConnection
-        from protocol.zmq_transport import CurveClientKeys, client_factory, require_curve
-        from rollout_service.recording import Recorder
-        from rollout_service.shipping import Shipper
-
-        c, server = self.config, self.config.rollout_server
-        model, tokenizer = wire_identities(c.actor_rollout_ref.model.path)
-        conn = RolloutConnection(
-            peer_id=self.server_id,
-            epoch=uuid.uuid4().hex,
-            model=model,
-            tokenizer=tokenizer,
-            capabilities=[VALIDATION_CAPABILITY, WEIGHTS_FILE_CAPABILITY, ADMISSION_CAPABILITY],
-            host=host_key(),
-            slots=max(1, server.max_concurrent_episodes // c.actor_rollout_ref.rollout.n),
-            heartbeat_interval_s=c.transport.heartbeat_interval_s,
-            heartbeat_timeout_s=c.transport.heartbeat_timeout_s,
-            weights=weight_assembler(c, self.engine, self.log),
-        )
-        curve, keys = None, c.transport.curve
-        token: Callable[[], Awaitable[str]] | None = None
-        if auth_mode(c) == "none":
-            self.log.warning(
-                "transport.auth none: this server cannot tell the learner from a process posing "
-                "as it at its address, and would apply that process's weights",
-                fix="transport.auth: auto (the run's token, as CURVE)",
-            )
-        else:
-            require_curve()  # at start, not at the first connection
-        if auth_mode(c) == "token":
-            # Read at every connection, waiting for the learner to create it: a server started
-            # first just waits, and one whose learner restarted with a new token follows it.
-            path = token_path(c)
-
-            async def read_token() -> str:
-                return await wait_for_token(path, warn=self.log.warning)
-
-            token = read_token
-
-        if keys.enabled:
-            if keys.secret_key_file is None or keys.server_public_key_file is None:
-                raise StartupError(
-                    "transport.curve.enabled needs secret_key_file and server_public_key_file"
-                )
-            curve = CurveClientKeys(Path(keys.secret_key_file), Path(keys.server_public_key_file))
-        client = RolloutClient(
-            conn,
-            client_factory(
-                server.learner_address,
-                curve=curve,
-                token=token,
-                max_message_bytes=c.transport.max_message_bytes,
-            ),
-        )
-        recordings = (
-            resolve_run_dir(c) / "recordings" / self.server_id
-        )  # one place per run, for bin/replay
-        recorder = (
-            Recorder(
-                recordings,
-                server_id=self.server_id,
-                max_bytes=None
-                if server.record_max_mb is None
-                else int(server.record_max_mb * 2**20),
-            )
-            if server.record
-            else None
-        )
-        # A group found in the spool at start is resent, not rerun; its prompt is committed once
-        # the learner acknowledges the resent batch.
-        return Shipper(
-            client,
-            spool_dir=self.state_dir / "spool",
-            server_id=self.server_id,
-            groups_per_batch=server.groups_per_batch,
-            max_unacked_batches=server.max_unacked_batches,
-            recorder=recorder,
-            stats=self.stats,
-            on_recovered_acked=self._commit_groups,
-        )
-
     def _commit_groups(self, uids: list[str]) -> None:
         for uid in uids:
             self.source.commit_group(uid)
@@ -441,7 +347,15 @@ class RolloutServer:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
         Raises ShippingError when the learner refuses this server for good."""
         server = self.config.rollout_server
-        self.shipper = self._build_shipper()
+        self.shipper = build_shipper(
+            self.config,
+            server_id=self.server_id,
+            engine=self.engine,
+            state_dir=self.state_dir,
+            stats=self.stats,
+            log=self.log,
+            on_recovered_acked=self._commit_groups,
+        )
         if server.metrics_port is not None:
             port = self.stats.start_metrics_server(server.metrics_port, server.metrics_host)
             self.log.info("metrics endpoint", url=f"http://{server.metrics_host}:{port}/metrics")
@@ -624,33 +538,14 @@ class RolloutServer:
 
     # -- validation --------------------------------------------------------------------------------
     async def _validate(self, req: ValidateRequest) -> None:
-        """Answer one validation request with its metrics (``ValidationRunner.answer``: on the
+        """Answer one validation request with its metrics (``ValidationRunner.serve``: on the
         requested version or newer, within the request's timeout)."""
-        v = self.validation
-        self.log.info(
-            "validation requested",
-            request=req.request_id,
-            policy_version=req.policy_version,
-            engine_version=self.engine.policy_version,
-            prompts=len(v.rows),
-            episodes_per_prompt=v.n,
-        )
-        result = await v.answer(
+        await self.validation.serve(
             req,
             lambda: self.engine.policy_version,
             self._wait_changed,  # poked when weights are applied
             deps=self.deps,
             rewards=self.rewards,
-        )
-        sent = self.shipper.client.validation_result(result)
-        reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
-        self.log.info(
-            "validation served" if result.ok else "validation failed",
-            request=req.request_id,
-            policy_version=result.policy_version,
-            episodes=result.count,
-            reward_mean=round(reward, 4),
-            seconds=round(result.duration_s, 2),
-            error=result.error or None,
-            sent=sent or "no: the session that asked has ended",
+            reply=self.shipper.client.validation_result,
+            log=self.log,
         )

@@ -31,6 +31,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import structlog
 
 from protocol.messages import ValidateRequest, ValidateResult
 from protocol.validation import EpisodeOutcome, summarize
@@ -185,6 +186,41 @@ class ValidationRunner:
                 duration_s=req.timeout_s,
             )
         return result
+
+    async def serve(
+        self,
+        req: ValidateRequest,
+        engine_version: Callable[[], int],
+        changed: Callable[[], Awaitable[None]],
+        *,
+        deps: Mapping[str, AgentDeps],
+        rewards: RewardChoice,
+        reply: Callable[[ValidateResult], bool],
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        """``answer`` one request and ``reply`` with the result (False: the session that asked has
+        ended), logging the request and its outcome."""
+        log.info(
+            "validation requested",
+            request=req.request_id,
+            policy_version=req.policy_version,
+            engine_version=engine_version(),
+            prompts=len(self.rows),
+            episodes_per_prompt=self.n,
+        )
+        result = await self.answer(req, engine_version, changed, deps=deps, rewards=rewards)
+        sent = reply(result)
+        reward = sum(s.reward_sum for s in result.sources) / max(result.count, 1)
+        log.info(
+            "validation served" if result.ok else "validation failed",
+            request=req.request_id,
+            policy_version=result.policy_version,
+            episodes=result.count,
+            reward_mean=round(reward, 4),
+            seconds=round(result.duration_s, 2),
+            error=result.error or None,
+            sent=sent or "no: the session that asked has ended",
+        )
 
     async def run(
         self,

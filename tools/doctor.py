@@ -704,6 +704,17 @@ def check_keys(ctx: Context) -> CheckResult:
             "transport.auth none: anyone who reaches the learner's port may connect",
             fix="use transport.auth auto (a token) or CURVE (bin/make-curve-keys)",
         )
+    import zmq  # lazy, as above
+
+    if not zmq.has("curve"):
+        return CheckResult(
+            "keys",
+            "FAIL",
+            f"libzmq {zmq.zmq_version()} has no CURVE, which transport.auth {mode} needs "
+            "(token auth is CURVE with keys derived from the token)",
+            fix="install pyzmq's own wheel (its libzmq has CURVE), or a libzmq built with "
+            "libsodium; transport.auth none works without it, unauthenticated",
+        )
     if mode == "curve":
         failures, details = _curve_problems(ctx.config.transport.curve)
         if failures:

@@ -104,6 +104,13 @@ ALIASES: dict[str, Alias] = {
             reason="rollout servers always run async agent loops on vLLM",
             allowed=("async_verl", "async_vllm", "verl"),
         ),
+        Alias(
+            "reward.reward_manager.name",
+            None,
+            reason="episodes are scored by the rollout servers (rollout_server.reward_fn); DAPO's "
+            "over-long shaping is reward.reward_kwargs.overlong_buffer_cfg",
+            allowed=("naive", "dapo"),
+        ),
         Alias("critic.model.path", "critic.model_path"),
         Alias(
             "critic.ppo_mini_batch_size",

@@ -21,6 +21,7 @@ from common.config.agents import AgentsConfig, ToolsConfig, ToolServerConfig
 from common.config.base import Section
 from common.config.errors import ConfigError, Issue
 from common.config.launch import LaunchConfig
+from common.config.reward import RewardConfig
 from common.config.services import (
     CURVE_REQUIRED_FIELDS,
     LearnerConfig,
@@ -46,6 +47,8 @@ class Config(Section):
     """Value model (GAE only)."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """Advantage estimation and KL."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Shaping of the scored rewards (over-long penalty)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Training and validation data."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -88,6 +91,12 @@ class Config(Section):
             rollout.prompt_length = data.max_prompt_length
         if rollout.response_length is None:
             rollout.response_length = data.max_response_length
+        correction = self.algorithm.rollout_correction
+        if correction.bypass_mode:
+            # verl's apply_bypass_mode: the rollout's logprobs are pi_old, and the loss is bypass's
+            actor = self.actor_rollout_ref.actor
+            actor.off_policy.old_logprobs = "rollout"
+            actor.policy_loss.loss_mode = "bypass_mode"
         check_paths = bool((info.context or {}).get("check_paths", False))
         issues = consistency_issues(self, check_paths=check_paths)
         if issues:
@@ -138,6 +147,30 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
             "must be true when algorithm.adv_estimator is gae",
             "algorithm.adv_estimator",
         )
+    correction = config.algorithm.rollout_correction
+    off = actor.off_policy
+    if correction.active and (off.is_level != "token" or off.is_cap != 2.0):
+        # compared with the defaults, not with the keys set, so that a dumped config loads back
+        add(
+            "actor_rollout_ref.actor.off_policy.is_level",
+            "leave is_level and is_cap at their defaults with algorithm.rollout_correction (its "
+            "rollout_is and rollout_is_threshold replace them)",
+            "actor_rollout_ref.actor.off_policy.is_cap",
+            "algorithm.rollout_correction.rollout_is",
+        )
+    overlong = config.reward.reward_kwargs.overlong_buffer_cfg
+    if overlong.enable:
+        key = "reward.reward_kwargs.overlong_buffer_cfg.len"
+        max_resp_len = config.reward.reward_kwargs.max_resp_len or data.max_response_length
+        if overlong.len <= 0:
+            add(key, "must be > 0 when overlong_buffer_cfg.enable is true (got 0)")
+        elif overlong.len > max_resp_len:
+            add(
+                key,
+                f"must be at most the max response length {max_resp_len} (got {overlong.len})",
+                "reward.reward_kwargs.max_resp_len",
+                "data.max_response_length",
+            )
     if data.datasets and data.train_files:
         add(
             "data.train_files",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import string
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from common.config.base import Section
 
@@ -39,6 +39,114 @@ class KlCtrlConfig(Section):
     """Adaptation horizon of the adaptive controller, in samples."""
 
 
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "seq_max_k2",
+    "seq_max_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+)
+"""verl 0.9.1's rejection modes (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``; a test holds
+this copy to verl's set, which the config cannot import: verl takes seconds to import)."""
+
+
+def _threshold(value: float | str, key: str) -> None:
+    parts = str(value).split("_") if isinstance(value, str) else [value]
+    try:
+        bounds = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"{key} must be a number or 'lower_upper' (e.g. 0.5_2.0), got {value!r}"
+        ) from None
+    if (
+        len(bounds) > 2
+        or any(b <= 0 for b in bounds)
+        or (len(bounds) == 2 and bounds[0] > bounds[1])
+    ):
+        raise ValueError(
+            f"{key} must be > 0, or 'lower_upper' with 0 < lower <= upper; got {value!r}"
+        )
+
+
+class RolloutCorrectionConfig(Section):
+    """Train/inference mismatch correction between the rollout's and the learner's logprobs: verl's
+    ``algorithm.rollout_correction`` keys, run by verl's own functions
+    (``verl.trainer.ppo.rollout_corr_helper``; docs/training.md, Rollout correction). Off unless
+    rollout_is or rollout_rs is set; then it replaces actor.off_policy.is_level / is_cap."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights pi_old / pi_rollout per token or per sequence; null: none."""
+    rollout_is_threshold: float | str = 2.0
+    """A number: truncation of the weights (TIS); 'lower_upper' (e.g. '0.5_2.0'): weights outside
+    the band are zeroed (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Normalise the weights to mean 1 over the batch."""
+    rollout_rs: str | None = None
+    """Rejection: tokens or sequences whose divergence leaves the band are masked out of the loss;
+    comma-separated options of token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3 (seq_mean_k1: the
+    geometric mean ratio), seq_max_k2, seq_max_k3; null: none."""
+    rollout_rs_threshold: float | str | None = None
+    """Band of rollout_rs (required with it): one value, or one per option (comma-separated); k1
+    options take ratio bounds 'lower_upper' (a single upper u means 1/u_u), k2/k3 an upper bound."""
+    bypass_mode: bool = False
+    """verl's bypass mode: the rollout's logprobs are the old policy (sets
+    actor.off_policy.old_logprobs=rollout and actor.policy_loss.loss_mode=bypass_mode)."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Loss of bypass mode: PPO clip around the rollout policy, or REINFORCE with IS weights."""
+
+    @property
+    def active(self) -> bool:
+        """Whether importance weights or rejection are configured here."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @field_validator("rollout_rs")
+    @classmethod
+    def _check_rs(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        options = [o.strip() for o in value.split(",") if o.strip()]
+        unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+        if not options or unknown:
+            raise ValueError(
+                f"unknown rollout_rs mode {(unknown or [value])[0]!r}; valid: "
+                f"{', '.join(ROLLOUT_RS_OPTIONS)} (comma-separated for several)"
+            )
+        return value
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _check_is_threshold(cls, value: float | str) -> float | str:
+        _threshold(value, "rollout_is_threshold")
+        return value
+
+    @model_validator(mode="after")
+    def _rs_needs_threshold(self) -> RolloutCorrectionConfig:
+        if self.rollout_rs is None:
+            return self
+        if self.rollout_rs_threshold is None:
+            raise ValueError("rollout_rs needs rollout_rs_threshold")
+        specs = str(self.rollout_rs_threshold).split(",")
+        options = [o.strip() for o in self.rollout_rs.split(",") if o.strip()]
+        if len(specs) not in (1, len(options)):
+            raise ValueError(
+                f"rollout_rs_threshold needs one value or one per rollout_rs option "
+                f"({len(options)}), got {len(specs)}"
+            )
+        for option, spec in zip(
+            options, specs * len(options) if len(specs) == 1 else specs, strict=True
+        ):
+            if not option.endswith("k1") and "_" in spec:
+                raise ValueError(f"rollout_rs option {option} takes one upper bound, got {spec!r}")
+            _threshold(spec.strip(), "rollout_rs_threshold")
+        return self
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and KL-in-reward."""
 
@@ -56,6 +164,8 @@ class AlgorithmConfig(Section):
     """KL estimator used in the reward."""
     kl_ctrl: KlCtrlConfig = Field(default_factory=KlCtrlConfig)
     """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection between rollout and learner logprobs (verl's keys)."""
 
 
 class CriticOptimConfig(Section):

@@ -19,7 +19,8 @@ Two adjustments, both documented in docs/training.md:
   losses are the mini-batch's sequence mean (what GMPO means) whatever the micro-batching.
 - bypass_mode: verl's rollout correction with old = rollout logprobs; our
   ``off_policy.old_logprobs=rollout`` is that case (the config refuses it otherwise), and its
-  importance-sampling settings come from ``off_policy.is_level`` / ``is_cap`` (PPO-clip loss type).
+  settings are ``algorithm.rollout_correction``'s (every IS and rejection mode, ``loss_type``) when
+  that section sets rollout_is or rollout_rs, else ``off_policy.is_level`` / ``is_cap`` (PPO clip).
 """
 
 from __future__ import annotations
@@ -95,8 +96,11 @@ def verl_actor_config(
             rollout_correction=RolloutCorrectionConfig(
                 rollout_is=s.rollout_is,
                 rollout_is_threshold=s.rollout_is_threshold,
+                rollout_is_batch_normalize=s.rollout_is_batch_normalize,
+                rollout_rs=s.rollout_rs,
+                rollout_rs_threshold=s.rollout_rs_threshold,
                 bypass_mode=s.loss_mode == "bypass_mode",
-                loss_type="ppo_clip",
+                loss_type=s.loss_type,
             ),
         ),
     )

@@ -13,7 +13,9 @@ Design:
 - weight update (``load_weights``): validate names/shapes/dtypes against the checkpoint first
   (nothing touched on error), write one safetensors file to a temp dir on /dev/shm (RAM), pause
   the scheduler (``keep``: requests stay frozen with their KV; ``abort``: vLLM aborts them),
-  ``collective_rpc("reload_weights", weights_path=...)`` in every worker, relabel, resume.
+  ``collective_rpc("reload_weights_tied", weights_path=...)`` in every worker (vLLM's in-place
+  ``reload_weights``, then the refresh of an output layer tied to the embedding:
+  ``vllm_worker``), relabel, resume.
   If the reload fails the last good weights are reloaded and the version stays unchanged.
 - file hand-over (``load_weights_file``): when the learner runs on this machine it writes the new
   weights as a safetensors file on /dev/shm itself, and the engine reloads straight from it after
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from common.safetensors_buffers import CODES, header_bytes, model_manifest, read_header
+from rollout_service.engine import vllm_worker
 from rollout_service.engine.base import (
     FinishReason,
     Generation,
@@ -456,7 +459,10 @@ class VllmEngine:
             self._ready.set()
 
     async def _reload(self, weights_dir: Path) -> None:
-        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+        # reload_weights, plus the refresh of a tied output layer (rollout_service/engine/vllm_worker)
+        await self._llm.collective_rpc(
+            "reload_weights_tied", kwargs={"weights_path": str(weights_dir)}
+        )
 
     async def _rollback(self) -> None:
         """Puts the last good weights back after a failed reload (it may have loaded some)."""
@@ -600,6 +606,7 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
         trust_remote_code=s.trust_remote_code,
         logprobs_mode=s.logprobs_mode,
         disable_log_stats=True,
+        worker_extension_cls=vllm_worker.EXTENSION,
     )
     return AsyncLLM.from_engine_args(args)
 

@@ -58,37 +58,11 @@ ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
 
 def _serve(tmp: Path, model: Path, address: str, shm: Path) -> None:
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
-    import anyio
-    from scripted import EchoTool, ScriptedEngine
-    from server_testkit import make_config
-    from transformers import AutoTokenizer
+    from server_testkit import serve_scripted
 
-    from common.safetensors_buffers import model_manifest
-    from rollout_service.server import RolloutServer
-    from rollout_service.tools.base import TOOLS
-
-    class Engine(ScriptedEngine):
-        weight_manifest = model_manifest(model)
-
-        async def load_weights_file(self, version: int, path: str, *, mode: str) -> float:
-            self.version = version
-            return 0.001
-
-    TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
-    config = make_config(
-        tmp,
-        model,
-        address,
-        **{
-            "transport.auth": "auto",  # the default: the token, as CURVE
-            "learner.weights_file_dir": str(shm),
-            "transport.heartbeat_timeout_s": 30.0,
-            "rollout_server.stats_interval_s": 60.0,
-        },
-    )
-    engine = Engine(AutoTokenizer.from_pretrained(str(model)), ["42"])
-    engine.repeat_last = True
-    anyio.run(RolloutServer(config, tmp / "run", engine=engine).run)
+    serve_scripted(
+        tmp, model, address, shm, **{"transport.auth": "auto"}
+    )  # the default: the token, as CURVE
 
 
 @dataclass

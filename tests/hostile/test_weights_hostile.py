@@ -58,37 +58,9 @@ MAX_RSS_GROWTH = 100 << 20
 # -- the child: a real RolloutServer --------------------------------------------------------------
 def _serve(tmp: Path, model: Path, address: str, shm: Path) -> None:
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
-    import anyio
-    from scripted import EchoTool, ScriptedEngine
-    from server_testkit import make_config
-    from transformers import AutoTokenizer
+    from server_testkit import serve_scripted
 
-    from common.safetensors_buffers import model_manifest
-    from rollout_service.server import RolloutServer
-    from rollout_service.tools.base import TOOLS
-
-    class Engine(ScriptedEngine):
-        weight_manifest = model_manifest(model)
-
-        async def load_weights_file(self, version: int, path: str, *, mode: str) -> float:
-            self.version = version
-            return 0.001
-
-    TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
-    config = make_config(
-        tmp,
-        model,
-        address,
-        **{
-            "rollout_server.weights_timeout_s": TIMEOUT_S,
-            "learner.weights_file_dir": str(shm),
-            "transport.heartbeat_timeout_s": 30.0,
-            "rollout_server.stats_interval_s": 60.0,
-        },
-    )
-    engine = Engine(AutoTokenizer.from_pretrained(str(model)), ["42"])
-    engine.repeat_last = True
-    anyio.run(RolloutServer(config, tmp / "run", engine=engine).run)
+    serve_scripted(tmp, model, address, shm, **{"rollout_server.weights_timeout_s": TIMEOUT_S})
 
 
 # -- the hostile learner ----------------------------------------------------------------------------

@@ -271,7 +271,10 @@ def config(**kw: Any) -> Any:
             rollout=SimpleNamespace(n=4),
             model=SimpleNamespace(use_remove_padding=True, share_prefix=True),
         ),
-        algorithm=SimpleNamespace(use_kl_in_reward=kw.pop("use_kl_in_reward", False)),
+        algorithm=SimpleNamespace(
+            use_kl_in_reward=kw.pop("use_kl_in_reward", False),
+            rollout_correction=SimpleNamespace(active=kw.pop("rollout_correction", False)),
+        ),
         data=SimpleNamespace(train_batch_size=2),
         trainer=SimpleNamespace(critic_warmup=kw.pop("critic_warmup", 0), device="cpu"),
     )
@@ -288,6 +291,8 @@ def config(**kw: Any) -> Any:
         ({"off_policy": {"skip_old_logprob_forward": "never"}}, False),
         ({"off_policy": {"old_logprobs": "rollout"}}, False),
         ({"critic_warmup": 1}, False),  # no actor update this step
+        # verl's rollout correction is of the whole batch (weights, rejection before advantages)
+        ({"rollout_correction": True}, False),
     ],
 )
 def test_the_rule_for_old_logprobs_from_the_update(kw: dict[str, Any], skips: bool) -> None:

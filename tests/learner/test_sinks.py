@@ -219,6 +219,16 @@ def test_step_line_shows_key_figures_present() -> None:
         "  stale 1.25 (max 3)  tok/s 12.3k  time 12.3s (wait 1.23 prep 0.3 update 9.1 bcast 1.1)"
     )
     assert step_line(4, None, {"reward/mean": 0.5}).plain == "step 4  reward 0.5"
+    # over-long shaping and rollout correction, when on
+    shaped = {
+        "reward/overlong_frac": 0.25,
+        "reward/overlong_penalty_mean": -0.1,
+        "rollout_corr/kl": 0.002,
+        "rollout_corr/rollout_rs_masked_fraction": 0.01,
+    }
+    assert step_line(5, None, shaped).plain == (
+        "step 5  overlong 0.25 (-0.1)  mismatch 0.002 (rej 0.01)"
+    )
 
 
 def test_console_not_a_terminal_prints_only_the_step_lines(tmp_path: Path) -> None:

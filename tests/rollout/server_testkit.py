@@ -57,3 +57,35 @@ def make_config(tmp: Path, model: Path, address: str, **over: Any) -> Any:
         [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()],
         check_paths=False,
     )
+
+
+def serve_scripted(tmp: Path, model: Path, address: str, shm: Path, **over: Any) -> None:
+    """Run a real RolloutServer on the scripted engine (answers "42", echo tool) until it is
+    stopped: the child process of the hostile tests, whose weights by file are applied as a version
+    without touching a model. ``over``: config overrides on top of make_config's."""
+    import anyio
+    from scripted import EchoTool, ScriptedEngine
+    from transformers import AutoTokenizer
+
+    from common.safetensors_buffers import model_manifest
+    from rollout_service.server import RolloutServer
+    from rollout_service.tools.base import TOOLS
+
+    class Engine(ScriptedEngine):
+        weight_manifest = model_manifest(model)
+
+        async def load_weights_file(self, version: int, path: str, *, mode: str) -> float:
+            self.version = version
+            return 0.001
+
+    TOOLS.register("echo")(lambda **_: EchoTool(text="42"))
+    settings = {
+        "learner.weights_file_dir": str(shm),
+        "transport.heartbeat_timeout_s": 30.0,
+        "rollout_server.stats_interval_s": 60.0,
+        **over,
+    }
+    config = make_config(tmp, model, address, **settings)
+    engine = Engine(AutoTokenizer.from_pretrained(str(model)), ["42"])
+    engine.repeat_last = True
+    anyio.run(RolloutServer(config, tmp / "run", engine=engine).run)

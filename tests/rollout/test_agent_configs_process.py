@@ -41,13 +41,13 @@ def stop(proc: subprocess.Popen, log: Path) -> None:
     assert not alive, f"left behind by {log.name}: {[p.pid for p in alive]}"
 
 
-# The agents' configs, data and recordings are under test, not the model: two configs run on the
-# scripted engine (a fixed answer, rollout_service/engine/scripted.py); tiny_mixed keeps vLLM, so
-# a rollout server process generates with vLLM next to the tool server and the sandbox.
-ENGINES = {"tiny_statelm": "scripted", "tiny_code": "scripted", "tiny_mixed": "vllm"}
+# The agents' configs, data and recordings are under test, not the model: every config runs on
+# the scripted engine (a fixed answer, rollout_service/engine/scripted.py). A rollout server process
+# generating with vLLM is tests/rollout/test_server_process.py's and tools/test_replay_process.py's.
+CONFIGS = ["tiny_statelm", "tiny_code", "tiny_mixed"]
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, name: str) -> None:
     data = make_tiny_data(tmp_path / "data", train=32, val=4, agents=True)
     port = free_port("127.0.0.1")
@@ -60,7 +60,7 @@ def test_agent_config_streams_to_a_learner(tmp_path: Path, tiny_model: Path, nam
         "trainer.logger=[jsonl]",
         "transport.heartbeat_interval_s=0.5",
         "transport.heartbeat_timeout_s=10",
-        f"rollout_server.engine={ENGINES[name]}",
+        "rollout_server.engine=scripted",
     ]
     # The configs name runs/tiny-data/...: point every data path at this test's data.
     text = (REPO / "configs" / f"{name}.yaml").read_text()

@@ -116,7 +116,8 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(
 def test_unknown_names_are_refused_before_the_engine_starts(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    from rollout_service.server import RolloutServer, StartupError
+    from rollout_service.errors import StartupError
+    from rollout_service.server import RolloutServer
 
     config = make_config(
         tmp_path,
@@ -139,7 +140,8 @@ def test_unknown_names_are_refused_before_the_engine_starts(
 def test_a_second_server_on_the_same_shard_is_refused(
     tmp_path: Path, tiny_model: Path, echo_tool: Any
 ) -> None:
-    from rollout_service.server import RolloutServer, StartupError
+    from rollout_service.errors import StartupError
+    from rollout_service.server import RolloutServer
 
     config = make_config(tmp_path, tiny_model, "tcp://127.0.0.1:1")
     first = RolloutServer(config, tmp_path / "run")

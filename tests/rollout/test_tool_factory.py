@@ -162,7 +162,8 @@ def test_a_source_can_name_its_own_tools(tmp_path: Path) -> None:
     from typing import cast
 
     from rollout_service.agents.base import AgentDeps, deps_for
-    from rollout_service.server import StartupError, build_agent_deps, check_names
+    from rollout_service.errors import StartupError
+    from rollout_service.server import build_agent_deps, check_names
 
     config_file = tmp_path / "mixed.yaml"
     config_file.write_text(

