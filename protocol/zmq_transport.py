@@ -529,6 +529,16 @@ async def _watch_events(
         _report(report, host, code, reason)
 
 
+def _end_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop ``sock``'s monitor, then close its receiving end, in that order. libzmq sends each
+    event from its I/O thread with a blocking send: once the receiving end is closed, the next
+    event of a socket still monitored (a connection accepted or closed, the listener closing when
+    the socket is) blocks that thread for good, and with it every connection of the context."""
+    if not sock.closed:
+        sock.disable_monitor()
+    monitor.close(linger=0)
+
+
 class ZmqServerChannel:
     """ROUTER socket bound at ``address`` (``tcp://HOST:PORT``, ``ipc://PATH``)."""
 
@@ -633,12 +643,23 @@ class ZmqServerChannel:
 
     def _start_watch(self) -> None:
         if self._watch is None and self._monitor is not None:
-            monitor = self._monitor
+            sock, monitor = self.sock, self._monitor
             self._watch = asyncio.ensure_future(_watch(monitor, *self._watch_args))
-            # Closed in the loop that polls it, also when that loop ends with the channel left
-            # open (the task cancelled, maybe before it ever ran): collected later under another
-            # loop, it would unregister whatever socket then has its descriptor number there.
-            self._watch.add_done_callback(lambda _: monitor.close(linger=0))
+            # Ended in the loop that polls it, also when that loop ends with the channel left open
+            # (the task cancelled, maybe before it ever ran): collected later under another loop,
+            # it would unregister whatever socket then has its descriptor number there. The
+            # callback holds the socket, so a channel dropped unclosed cannot have it closed (by
+            # the collector) while its monitor still sends.
+            self._watch.add_done_callback(lambda _: _end_monitor(sock, monitor))
+
+    def __del__(self) -> None:
+        # Dropped unclosed before its watch started: the collector would close the socket and the
+        # monitor's receiving end in either order (see _end_monitor). Once started, the watch's
+        # own callback ends the monitor.
+        monitor = getattr(self, "_monitor", None)  # None too when __init__ failed early
+        if monitor is not None and self._watch is None:
+            _end_monitor(self.sock, monitor)
+            self._monitor = None
 
     async def send(self, identity: bytes, frames: Frames) -> None:
         await self.sock.send_multipart([identity, *frames], copy=False)
@@ -674,8 +695,7 @@ class ZmqServerChannel:
             self._watch.cancel()
             self._watch = None
         if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
+            _end_monitor(self.sock, self._monitor)
             self._monitor = None
         self.sock.close(linger=linger)
         if self._zap_domain is not None:
