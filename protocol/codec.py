@@ -218,6 +218,24 @@ def split_frames(frames: Sequence[Frame], piece_bytes: int) -> list[Frame]:
     return out
 
 
+class Joined(list):  # type: ignore[type-arg]
+    """A message's frames with their pieces already joined by the transport, as it read them
+    (``zmq_transport``, where peers split at its frame bound): ``decode`` takes them as they are.
+    ``unended``: the message ended inside a split frame (refused as ``join_pieces`` does)."""
+
+    def __init__(self, frames: Sequence[Frame] = (), *, unended: bool = False) -> None:
+        super().__init__(frames)
+        self.unended = unended
+
+
+def unended_split(piece_bytes: int) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.MALFORMED,
+        f"the message ends inside a split frame (its last frame has {piece_bytes} bytes, the "
+        "piece size: a split frame ends with a shorter piece, possibly empty)",
+    )
+
+
 def join_pieces(frames: Sequence[Frame], piece_bytes: int) -> list[Frame]:
     """The frames ``split_frames`` made: a frame of exactly ``piece_bytes`` continues in the next
     one. Each split frame is copied once, into one buffer (so decoded arrays stay views of one
@@ -236,11 +254,7 @@ def join_pieces(frames: Sequence[Frame], piece_bytes: int) -> list[Frame]:
         else:
             out.append(f)
     if run:
-        raise ProtocolError(
-            ErrorCode.MALFORMED,
-            f"the message ends inside a split frame (its last frame has {piece_bytes} bytes, the "
-            "piece size: a split frame ends with a shorter piece, possibly empty)",
-        )
+        raise unended_split(piece_bytes)
     return out
 
 
@@ -273,14 +287,18 @@ def decode(
     frames: Sequence[Frame], limits: CodecLimits = DEFAULT_LIMITS, *, piece_bytes: int = 0
 ) -> Message:
     """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known).
-    ``piece_bytes``: the receiver's frame bound, whose split frames are joined first (0: none)."""
+    ``piece_bytes``: the receiver's frame bound, whose split frames are joined first (0: none;
+    frames the transport joined, ``Joined``, are taken as they are)."""
     if isinstance(frames, Truncated):
         raise _over_budget(frames)
     size = frame_bytes(frames)
     t = peek_type(frames)
     header: Any = None
     try:
-        if piece_bytes:
+        if isinstance(frames, Joined):
+            if frames.unended:
+                raise unended_split(piece_bytes)
+        elif piece_bytes:
             frames = join_pieces(frames, piece_bytes)
         if size > limits.max_message_bytes:
             if view(frames[1]).nbytes <= _PEEK_HEADER_BYTES:

@@ -57,6 +57,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from protocol.budget import MessageBudget, MessageReader
+from protocol.codec import Joined
 from protocol.sender import Frames
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
@@ -371,6 +372,44 @@ async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> lis
     return reader.result()
 
 
+async def _read_joined(
+    sync: zmq.Socket, more: bool, reader: MessageReader, piece_bytes: int
+) -> list[Any]:
+    """``_read_rest`` where peers split frames at ``piece_bytes`` (SPEC §2): the budget counts the
+    pieces as they arrive, and a split frame's pieces, held as libzmq received them, are joined
+    with one copy once its last, shorter piece is read. The frames come back as ``Joined``, so
+    the codec does not walk them again; ``Truncated`` when over the budget."""
+    joined = Joined()
+    run: list[memoryview] = []
+    n = 0
+    while more:
+        frame = sync.recv(zmq.NOBLOCK, copy=False)
+        more, size = frame.more, len(frame)
+        if reader.nframes < 2:  # the type frame and the header: what a refusal keeps
+            reader.add(frame.buffer)
+        else:
+            reader.count(size)
+        if reader.over:  # what was kept is let go at once, and nothing more is
+            run.clear()
+            joined.clear()
+        elif size == piece_bytes:
+            run.append(frame.buffer)
+        elif run:
+            run.append(frame.buffer)
+            joined.append(b"".join(run))
+            run = []
+        else:
+            joined.append(frame.buffer)
+        del frame  # a frame over the budget is released here, not when the message ends
+        n += 1
+        if reader.over and n % _DRAIN_YIELD_FRAMES == 0:
+            await asyncio.sleep(0)
+    if reader.over:
+        return reader.result()
+    joined.unended = bool(run)
+    return joined
+
+
 def _bind(sock: zmq.Socket, address: str, *, wait_s: float = 0.5) -> None:
     """Bind, giving a just-closed socket of this process the moment libzmq needs to release the
     address (its listener closes asynchronously, in the reaper thread): a learner restarted in the
@@ -556,16 +595,18 @@ class ZmqServerChannel:
         handshakes_per_source: int = HANDSHAKES_PER_SOURCE,
         handshakes_total: int = HANDSHAKES_TOTAL,
         handshakes_reserved: int = HANDSHAKES_RESERVED,
+        peers_split: bool = True,
     ) -> None:
         """``curve`` or ``token``: only peers with an allowed key, or with the token's client key,
         get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
         others), and clients can tell this server from an impostor; neither: anyone does.
         ``budget(identity)``: the budget of the next message from that peer (default: the same
-        ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound
-        where peers split larger frames (SPEC §2), plus CURVE's envelope; default
-        ``max_message_bytes`` plus 1 MiB of slack. ``handshakes_per_source`` / ``handshakes_total`` / ``handshakes_reserved``:
-        connections over these caps in the handshake (``HandshakeGuard``, tcp only) are shut down
-        at once."""
+        ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound,
+        plus CURVE's envelope; default ``max_message_bytes`` plus 1 MiB of slack. With
+        ``peers_split``, peers split larger frames into pieces of that size (SPEC §2), and
+        ``recv`` joins them (``codec.Joined``). ``handshakes_per_source`` /
+        ``handshakes_total`` / ``handshakes_reserved``: connections over these caps in the
+        handshake (``HandshakeGuard``, tcp only) are shut down at once."""
         if curve is not None and token is not None:
             raise ValueError("a channel authenticates with CURVE or a token, not both")
         if token is not None and not token:
@@ -590,6 +631,7 @@ class ZmqServerChannel:
         self._monitor: zmq.asyncio.Socket | None = None
         self._watch: asyncio.Future[None] | None = None
         self._sync = zmq.Socket.shadow(self.sock.underlying)
+        self._piece_bytes = (max_frame_bytes or 0) if peers_split else 0
         guard = None
         if address.startswith("tcp://"):
             guard = HandshakeGuard(
@@ -671,7 +713,11 @@ class ZmqServerChannel:
                 copy=False
             )  # the routing id: the peer is known before its frames
             identity = first.bytes
-            frames = await _read_rest(self._sync, first.more, MessageReader(self.budget(identity)))
+            reader = MessageReader(self.budget(identity))
+            if self._piece_bytes:
+                frames = await _read_joined(self._sync, first.more, reader, self._piece_bytes)
+            else:
+                frames = await _read_rest(self._sync, first.more, reader)
             if frames:
                 return identity, frames
             # an identity with no content cannot be answered meaningfully; skip it

@@ -148,7 +148,9 @@ class WeightRelay:
         self.token_file = token_file
         # Downstream relays send only small messages: frames over the bound are dropped by libzmq,
         # also before the handshake completes (SPEC §13).
-        self.down = ZmqServerChannel(bind, token=self._token(), max_frame_bytes=MAX_FRAME_BYTES)
+        self.down = ZmqServerChannel(
+            bind, token=self._token(), max_frame_bytes=MAX_FRAME_BYTES, peers_split=False
+        )
         if not advertise:
             # a wildcard bind is reached through this machine's name (set --advertise otherwise)
             advertise = self.down.address.replace("0.0.0.0", socket.gethostname())
