@@ -12,6 +12,8 @@ frame by frame against the sending peer's ``MessageBudget`` (``protocol.budget``
 rest of the frames are read and let go at once, never kept, and the receiver gets a ``Truncated``
 list that the codec answers with a typed ERROR. libzmq hands a message over only once all of it
 has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
+Where peers split frames at the channel's frame bound (SPEC §2), the budget counts the pieces and
+the channel joins them as it reads them, one copy per split frame (``codec.Joined``).
 
 That is why the learner authenticates peers in ZeroMQ's own handshake, before any message: a peer
 refused there never gets one queued (SPEC §13). Both ways are CURVE, so both ends authenticate each
