@@ -702,7 +702,8 @@ class ZmqServerChannel:
         # own callback ends the monitor.
         monitor = getattr(self, "_monitor", None)  # None too when __init__ failed early
         if monitor is not None and self._watch is None:
-            _end_monitor(self.sock, monitor)
+            with contextlib.suppress(zmq.ZMQError):  # its context already terminated
+                _end_monitor(self.sock, monitor)
             self._monitor = None
 
     async def send(self, identity: bytes, frames: Frames) -> None:

@@ -124,6 +124,37 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
     ctx.destroy(linger=0)
 
 
+def test_channels_dropped_before_their_watch_started_do_not_stall_the_next_one() -> None:
+    """A channel made outside an event loop monitors its socket before any watch reads it; dropped
+    unclosed, its socket must not be closed with the monitor still on and its receiving end gone
+    (the context's I/O thread would block on the listener's close event, for good)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    for _ in range(20):
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", context=ctx)  # never closed, never served
+        assert ch._monitor is not None and ch._watch is None
+        del ch
+        gc.collect()
+
+    async def serve_one() -> bool:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", context=ctx)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(ch.address)
+        try:
+            await dealer.send_multipart([b"x"])
+            return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
+        finally:
+            dealer.close(linger=0)
+            ch.close()
+
+    try:
+        assert asyncio.run(serve_one()), "the I/O thread of the context is blocked"
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_warnings_name_the_residual_risk() -> None:
     none = exposure_warning("tcp://127.0.0.1:5555", curve=False, token=False)
     assert none is not None and "transport.auth: none" in none and "gigabytes" in none
