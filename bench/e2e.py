@@ -885,11 +885,13 @@ def close_run(
     except Exception as e:  # a damaged recording costs the lengths, not the run's figures
         result["lengths"] = {"error": f"{type(e).__name__}: {e}"}
     timed_out = result["timed_out"]
-    result["ok"] = (
-        not timed_out and result["exit_status"] == 0 and result["steps_done"] >= args.steps
-    )
+    all_steps = result["steps_done"] >= args.steps
+    # A limit reached after the last step (the final checkpoint, the shutdown) costs no figure:
+    # they are all in metrics.jsonl by then.
+    result["ok"] = all_steps and (timed_out or result["exit_status"] == 0)
     if result["ok"]:
-        progress(f"  {tag}: done in {result['wall_s']:.1f} s")
+        late = f" (stopped at its limit of {limit_s:.0f} s after its last step)" if timed_out else ""
+        progress(f"  {tag}: done in {result['wall_s']:.1f} s{late}")
         return
     why = (
         f"timed out after {limit_s:.0f} s"

@@ -23,9 +23,12 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   ``max_seconds`` is a safety cap that breaks that promise only when it triggers, and the summary
   says so;
 - ``device``: ``auto`` (the default) trains on CUDA when it is available, with float32 master
-  weights and bfloat16 autocast (GPU kernels are not bit-deterministic), else on the CPU (float32,
-  no autocast). Batch order
-  and drill strings come from the same CPU generator on both;
+  weights and bfloat16 autocast, else on the CPU (float32, no autocast). Batch order and drill
+  strings come from the same CPU generator on both. On CUDA torch's deterministic algorithms are
+  asked for (cuBLAS's fixed workspace, flash attention's deterministic backward): the atomics of
+  the default kernels made two warm-ups of one seed on one GPU type part from their first steps,
+  and one of them never reached the target. ``warn_only``: an op without a deterministic kernel
+  warns instead of stopping the warm-up;
 - the output is the source directory with new weights: ``model.safetensors`` under the
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and
   ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -228,6 +232,11 @@ def warmup(
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
+    if device == "cuda":
+        # must precede cuBLAS's first handle to take effect; process-wide, and the warm-up is a
+        # process of its own wherever it runs on a GPU (bench/e2e.py's child, the CLI)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     if device == "cuda":

@@ -170,3 +170,28 @@ def test_common_pieces(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     log.write_text("".join(f"line {i}\n" for i in range(100)))
     assert _common.tail(log, 2) == "line 98\nline 99" and _common.tail(tmp_path / "none") == ""
+
+
+@pytest.mark.parametrize(
+    ("steps_logged", "timed_out", "exit_status", "ok"),
+    [
+        (10, False, 0, True),
+        (10, True, -15, True),  # the limit fell in the final checkpoint: every figure is in
+        (7, True, -15, False),  # cut short: not a figure
+        (10, False, 1, False),  # bin/train failed after its steps
+    ],
+)
+def test_a_run_is_a_figure_once_all_its_steps_are_in(
+    tmp_path: Path, steps_logged: int, timed_out: bool, exit_status: int, ok: bool
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [json.dumps({"step": s, "timing/step_s": 1.0}) for s in range(1, steps_logged + 1)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    log = tmp_path / "train.log"
+    log.write_text("bin/train's output\n")
+    args = e2e.parse_args(["--device", "cpu", "--steps", "10"])
+    result: dict[str, Any] = {"timed_out": timed_out, "exit_status": exit_status, "wall_s": 9.0}
+    e2e.close_run(args, result, run_dir, log, 100.0, "sync r1")
+    assert result["ok"] is ok and result["steps_done"] == steps_logged
+    assert ("error" in result) is not ok
