@@ -45,7 +45,7 @@ from protocol.driver import (
     RolloutClient,
 )
 from protocol.events import BatchAcked, BatchReceived, Connected, PeerClosed
-from protocol.limits import CodecLimits
+from protocol.limits import MAX_FRAME_BYTES, CodecLimits
 from protocol.messages import Identity
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection, encode_batch
@@ -70,6 +70,7 @@ class Config:
         "columns"  # what producers hand to submit(): "columns" (TrajectoryBuilder) or "objects"
     )
     token: str = ""  # the raw phase: "" plain ZeroMQ, else CURVE with this token's keys
+    max_frame_bytes: int = MAX_FRAME_BYTES  # the receiver's frame bound (0: frames go whole)
 
 
 # -- process set-up -------------------------------------------------------------------------------------
@@ -219,12 +220,15 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
     import anyio
 
     async def main() -> None:
-        channel = ZmqServerChannel("tcp://127.0.0.1:0")
+        # The learner's frame bound (learner.bind): the sender splits, the receiver joins.
+        frame = cfg.max_frame_bytes
+        channel = ZmqServerChannel("tcp://127.0.0.1:0", max_frame_bytes=frame)
         proto = LearnerProtocol(
             tokenizer=Identity("bench", "", VOCAB),
             capacity=2 * cfg.credits,
             max_credits_per_peer=cfg.credits,
             limits=CodecLimits(vocab_size=VOCAB),
+            max_frame_bytes=frame,
         )
         server = LearnerServer(proto, channel)
         pipe.send(channel.address)
@@ -463,6 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="leave glibc's malloc thresholds alone in all four processes (see tune_malloc)",
     )
+    ap.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=d.max_frame_bytes,
+        help="the protocol receiver's frame bound: the sender splits larger frames into pieces "
+        "of this size (SPEC §2); 0: frames go whole, as before protocol 1.6",
+    )
     args = ap.parse_args(argv)
     cfg = Config(
         args.trajectories,
@@ -473,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         args.window,
         malloc_tuning=args.malloc_tuning,
         input=args.input,
+        max_frame_bytes=args.max_frame_bytes,
     )
 
     if args.repeat < 1:

@@ -3,7 +3,9 @@
 Design: everything a peer may send is bounded before it is read. The codec's limits come from the
 run (the policy's embedding rows, the context and response budgets), the message bound announced in
 WELCOME is the run's own, and peers are authenticated in ZeroMQ's handshake (``transport.auth``:
-a token, or CURVE), so one that fails it never has a message buffered.
+a token, or CURVE), so one that fails it never has a message buffered. Frames are bounded at
+``MAX_FRAME_BYTES`` (peers split larger ones) and connections in the handshake are capped per
+source and in all, so what hosts without credentials can make the learner hold is bounded too.
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ from common.safetensors_buffers import load_dir
 from protocol.codec import CodecLimits, run_message_bytes
 from protocol.driver import LearnerServer
 from protocol.events import BatchReceived
+from protocol.limits import MAX_FRAME_BYTES
 from protocol.receiver import LearnerProtocol
-from protocol.zmq_transport import CurveServerKeys, ZmqServerChannel, exposure_warning
+from protocol.zmq_transport import (
+    CurveServerKeys,
+    ZmqServerChannel,
+    exposure_warning,
+    raise_fd_limit,
+)
 
 
 def build_server(
@@ -69,6 +77,9 @@ def build_server(
         limits=limits,
         heartbeat_interval_s=t.heartbeat_interval_s,
         heartbeat_timeout_s=t.heartbeat_timeout_s,
+        # Peers split every larger frame (SPEC §2), so libzmq buffers at most this much for any
+        # one frame: what a connection still in the handshake can make the learner hold (§13).
+        max_frame_bytes=MAX_FRAME_BYTES,
     )
     curve, mode = None, auth_mode(config)
     if mode == "curve":
@@ -88,12 +99,14 @@ def build_server(
             auth=mode,
             fix="transport.auth: auto (the run's token, or the certificates of transport.curve)",
         )
+    raise_fd_limit()  # a descriptor per connection, handshaking ones included
     channel = ZmqServerChannel(
         address,
         curve=curve,
         token=token,
         on_refused=on_refused,
         max_message_bytes=limits.max_message_bytes,
+        max_frame_bytes=MAX_FRAME_BYTES,
         budget=proto.message_budget,
     )
     server = LearnerServer(proto, channel, persist=persist)

@@ -77,16 +77,20 @@ class MessageReader:
 
     def add(self, frame: Any) -> None:
         """One more frame (a buffer). Over budget, only the type frame and a small header stay."""
-        n = memoryview(frame).nbytes
-        self.nbytes += n
+        if self.count(memoryview(frame).nbytes):
+            self.frames.append(frame)
+
+    def count(self, nbytes: int) -> bool:
+        """Count one more frame of ``nbytes`` without keeping it here (a transport that keeps the
+        frames itself); whether the message is still within its budget."""
+        self.nbytes += nbytes
         self.nframes += 1
         if not self.over and (
             self.nbytes > self.budget.max_bytes or self.nframes > self.budget.max_frames
         ):
             self.over = True
             self.frames = [f for f in self.frames[:2] if memoryview(f).nbytes <= KEEP_HEADER_BYTES]
-        if not self.over:
-            self.frames.append(frame)
+        return not self.over
 
     def result(self) -> list[Any]:
         if not self.over:

@@ -201,6 +201,63 @@ def run_message_bytes(limits: CodecLimits) -> int:
     )
 
 
+def split_frames(frames: Sequence[Frame], piece_bytes: int) -> list[Frame]:
+    """``frames`` as sent to a receiver with a frame bound (SPEC §2, since 1.6): each frame of
+    ``piece_bytes`` or more becomes pieces of exactly ``piece_bytes`` and a last, shorter piece
+    (possibly empty); smaller frames are unchanged. Pieces are views of the frames, not copies."""
+    out: list[Frame] = []
+    for f in frames:
+        v = view(f)
+        if v.nbytes < piece_bytes:
+            out.append(f)
+            continue
+        v = v.cast("B")
+        whole = v.nbytes - v.nbytes % piece_bytes
+        out.extend(v[i : i + piece_bytes] for i in range(0, whole, piece_bytes))
+        out.append(v[whole:])
+    return out
+
+
+class Joined(list):  # type: ignore[type-arg]
+    """A message's frames with their pieces already joined by the transport, as it read them
+    (``zmq_transport``, where peers split at its frame bound): ``decode`` takes them as they are.
+    ``unended``: the message ended inside a split frame (refused as ``join_pieces`` does)."""
+
+    def __init__(self, frames: Sequence[Frame] = (), *, unended: bool = False) -> None:
+        super().__init__(frames)
+        self.unended = unended
+
+
+def unended_split(piece_bytes: int) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.MALFORMED,
+        f"the message ends inside a split frame (its last frame has {piece_bytes} bytes, the "
+        "piece size: a split frame ends with a shorter piece, possibly empty)",
+    )
+
+
+def join_pieces(frames: Sequence[Frame], piece_bytes: int) -> list[Frame]:
+    """The frames ``split_frames`` made: a frame of exactly ``piece_bytes`` continues in the next
+    one. Each split frame is copied once, into one buffer (so decoded arrays stay views of one
+    frame); frames that were not split are passed through. MALFORMED when the message ends inside
+    a split frame."""
+    out: list[Frame] = []
+    run: list[memoryview] = []
+    for f in frames:
+        v = view(f)
+        if v.nbytes == piece_bytes:
+            run.append(v)
+        elif run:
+            run.append(v)
+            out.append(b"".join(run))
+            run = []
+        else:
+            out.append(f)
+    if run:
+        raise unended_split(piece_bytes)
+    return out
+
+
 def frame_bytes(frames: Sequence[Frame]) -> int:
     return sum(view(f).nbytes for f in frames)
 
@@ -226,14 +283,23 @@ def peek_type(frames: Sequence[Frame]) -> MsgType:
     return t
 
 
-def decode(frames: Sequence[Frame], limits: CodecLimits = DEFAULT_LIMITS) -> Message:
-    """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known)."""
+def decode(
+    frames: Sequence[Frame], limits: CodecLimits = DEFAULT_LIMITS, *, piece_bytes: int = 0
+) -> Message:
+    """Frames -> validated message, or ProtocolError (with ref_type/ref_seq when known).
+    ``piece_bytes``: the receiver's frame bound, whose split frames are joined first (0: none;
+    frames the transport joined, ``Joined``, are taken as they are)."""
     if isinstance(frames, Truncated):
         raise _over_budget(frames)
     size = frame_bytes(frames)
     t = peek_type(frames)
     header: Any = None
     try:
+        if isinstance(frames, Joined):
+            if frames.unended:
+                raise unended_split(piece_bytes)
+        elif piece_bytes:
+            frames = join_pieces(frames, piece_bytes)
         if size > limits.max_message_bytes:
             if view(frames[1]).nbytes <= _PEEK_HEADER_BYTES:
                 header = _unpack(frames[1])  # only to name the refused batch (ref_seq) below

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_FRAME_BYTES = 64 << 10
+"""The reference learner's frame bound (SPEC §2, §13): what libzmq may be made to buffer for one
+frame, also by a peer still in the handshake; senders split larger frames into pieces of this size."""
+
 
 @dataclass(frozen=True)
 class CodecLimits:

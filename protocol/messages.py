@@ -91,6 +91,9 @@ class Limits:
     max_message_bytes: int
     max_trajectories_per_batch: int
     max_tokens_per_trajectory: int
+    # Since 1.6: the largest frame the learner's transport takes (0: no bound below the message's);
+    # a sender splits larger frames into pieces of exactly this size (SPEC §2).
+    max_frame_bytes: int = 0
 
 
 @dataclass(frozen=True)

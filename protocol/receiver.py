@@ -85,7 +85,7 @@ from protocol.messages import (
 from protocol.peers import Peer
 from protocol.relay import RelayTier
 from protocol.trajectory import Trajectory
-from protocol.version import PROTOCOL_VERSION, ProtocolVersion
+from protocol.version import FRAME_PIECES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weight_routing import WeightRouting
 from protocol.weights import NamedBuffer
 
@@ -243,7 +243,11 @@ class LearnerProtocol:
         host: str = "",
         admission: bool = False,
         small_message_bytes: int = SMALL_MESSAGE_BYTES,
+        max_frame_bytes: int = 0,
     ) -> None:
+        """``max_frame_bytes``: the transport's frame bound, announced in WELCOME; peers split
+        larger frames into pieces of this size, joined here (SPEC §2; 0: frames arrive whole, and
+        peers older than 1.6 are served)."""
         # Grant prompt groups to peers that offer "admission" (``admit``).
         self.admission = admission
         self.tokenizer, self.peer_id = tokenizer, peer_id
@@ -266,7 +270,10 @@ class LearnerProtocol:
         self._held: _Held | None = None
         self.stats = dict.fromkeys(STATS, 0)
         self.small_message_bytes = small_message_bytes
-        self._budgets = _budgets(small_message_bytes, self.limits.max_message_bytes)
+        self.max_frame_bytes = max_frame_bytes
+        self._budgets = _budgets(
+            small_message_bytes, self.limits.max_message_bytes, max_frame_bytes
+        )
 
     # -- application API -------------------------------------------------------------------------
     @property
@@ -453,7 +460,7 @@ class LearnerProtocol:
         peer = self.peers.get(identity)
         msg = None
         try:
-            msg = codec.decode(frames, self.limits)
+            msg = codec.decode(frames, self.limits, piece_bytes=self.max_frame_bytes)
             if isinstance(msg, Hello):
                 return self._on_hello(identity, msg, now)
             if peer is None or peer.hello is None:
@@ -498,7 +505,7 @@ class LearnerProtocol:
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not sent to a learner")
 
     def _on_hello(self, identity: bytes, msg: Hello, now: float) -> list[Event]:
-        _check_hello(msg, self.version, self.tokenizer)
+        _check_hello(msg, self.version, self.tokenizer, self.max_frame_bytes)
         replaced: list[Event] = []
         for ident, p in list(self.peers.items()):  # same server, new socket: forget the old one
             if p.hello is not None and (p.hello.peer_id == msg.peer_id or ident == identity):
@@ -604,6 +611,7 @@ class LearnerProtocol:
                 self.limits.max_message_bytes,
                 self.limits.max_trajectories_per_batch,
                 self.limits.max_tokens_per_trajectory,
+                self.max_frame_bytes,
             ),
             capabilities=capabilities,
             relay_upstream=relay_upstream,
@@ -627,15 +635,24 @@ class LearnerProtocol:
         self._out.append((identity, codec.encode(Error(int(code), message, code.fatal))))
 
 
-def _check_hello(msg: Hello, ours: ProtocolVersion, tokenizer: Identity) -> None:
-    """A HELLO this learner cannot serve: another major version, role or tokenizer (a relay never
-    tokenizes: it forwards bytes)."""
+def _check_hello(
+    msg: Hello, ours: ProtocolVersion, tokenizer: Identity, max_frame_bytes: int = 0
+) -> None:
+    """A HELLO this learner cannot serve: another major version, a version that does not split
+    frames to a learner with a frame bound, another role or tokenizer (a relay never tokenizes: it
+    forwards bytes)."""
     theirs = ProtocolVersion(*msg.protocol_version)
     if not ours.compatible_with(theirs):
         raise ProtocolError(
             ErrorCode.VERSION_MISMATCH,
             f"peer {msg.peer_id} speaks protocol {theirs}, this learner speaks {ours}; "
             "major versions must match",
+        )
+    if max_frame_bytes and theirs < FRAME_PIECES:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"peer {msg.peer_id} speaks protocol {theirs}; this learner takes frames of at most "
+            f"{max_frame_bytes} bytes, which senders split since {FRAME_PIECES}: upgrade the peer",
         )
     if msg.role != "rollout-server":
         raise ProtocolError(
@@ -657,25 +674,32 @@ def _check_hello(msg: Hello, ours: ProtocolVersion, tokenizer: Identity) -> None
 
 
 def _budgets(
-    small: int, max_message_bytes: int
+    small: int, max_message_bytes: int, max_frame_bytes: int = 0
 ) -> tuple[MessageBudget, MessageBudget, MessageBudget]:
     """Per-message budgets (``LearnerProtocol.message_budget``): before HELLO, in session without a
     credit, in session with one. Only a TRAJECTORY_BATCH is big, and only a peer in session holding
-    a credit may send one."""
+    a credit may send one. With a frame bound, frames are counted as they arrive (pieces): a frame
+    of n bytes arrives as n // max_frame_bytes + 1 of them."""
+
+    def frames(n: int, nbytes: int) -> int:
+        return n + nbytes // max_frame_bytes if max_frame_bytes else n
+
     return (
         MessageBudget(
             small,
-            2,
+            frames(2, small),
             "before HELLO",
             ErrorCode.HELLO_REQUIRED,
             ((int(MsgType.HELLO), ErrorCode.TOO_LARGE),),
         ),
         MessageBudget(
             small,
-            2,
+            frames(2, small),
             "a peer without a credit",
             ErrorCode.TOO_LARGE,
             ((int(MsgType.TRAJECTORY_BATCH), ErrorCode.CREDIT_EXCEEDED),),
         ),
-        MessageBudget(max_message_bytes, _BATCH_FRAMES, "max_message_bytes"),
+        MessageBudget(
+            max_message_bytes, frames(_BATCH_FRAMES, max_message_bytes), "max_message_bytes"
+        ),
     )

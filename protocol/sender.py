@@ -70,7 +70,7 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.trajectory import Trajectory
-from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
+from protocol.version import FRAME_PIECES, NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import ReceivedWeights, WeightAssembler
 
 Frames = list[codec.Frame]
@@ -180,6 +180,15 @@ class RolloutConnection:
         w = self.welcome
         return w is None or ProtocolVersion(*w.protocol_version) >= NUMBER_FRAMES
 
+    @property
+    def piece_bytes(self) -> int:
+        """The learner's frame bound (WELCOME ``limits.max_frame_bytes``, since 1.6): every frame
+        this large or larger goes out split into pieces of this size (SPEC §2). 0: frames go whole
+        (before WELCOME, nothing sent is that large: a HELLO)."""
+        if self.version < FRAME_PIECES or self.welcome is None:
+            return 0
+        return max(self.welcome.limits.max_frame_bytes, 0)
+
     def submit(self, trajectories: Sequence[Trajectory]) -> int:
         """Take ownership of a batch (encoding it now) and return its sequence number."""
         seq = self.allocate_seq()
@@ -253,6 +262,9 @@ class RolloutConnection:
                 )
         if out:
             self._last_sent = now
+        if piece := self.piece_bytes:
+            # Unacknowledged batches stay whole: a resend is split for the learner of its session.
+            out = [codec.split_frames(frames, piece) for frames in out]
         return out
 
     def next_deadline(self) -> float:

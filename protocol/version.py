@@ -13,7 +13,13 @@ start, and on which weights) and HEARTBEAT ``dropped_tokens``; 1.4 adds weight r
 1.5 adds the number frames of TRAJECTORY_BATCH: the per-trajectory numbers (lengths, reward,
 snapshot index and flag, turns) travel as binary columns after the token columns instead of header
 lists. Every receiver decodes both batch forms; a sender uses the 1.5 form only once the learner's
-WELCOME says 1.5 or newer (``NUMBER_FRAMES``), so older peers keep working in both directions.
+WELCOME says 1.5 or newer (``NUMBER_FRAMES``), so older peers keep working in both directions;
+1.6 adds frame pieces: a learner announces a frame bound (WELCOME ``limits.max_frame_bytes``) and a
+sender splits every larger frame into pieces of that size, which the learner joins, so that a peer
+still in ZeroMQ's handshake can make the learner buffer at most that much (SPEC §2, §13). The one
+exception to minor interoperability: a learner with a frame bound refuses a HELLO older than 1.6
+(``FRAME_PIECES``) with VERSION_MISMATCH, since such a sender's batch frames would be dropped by
+the transport; a 1.6 sender still talks to an older learner (it splits only what WELCOME asks).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ class ProtocolVersion(NamedTuple):
         return self.major == other.major
 
 
-PROTOCOL_VERSION = ProtocolVersion(1, 5)
+PROTOCOL_VERSION = ProtocolVersion(1, 6)
 NUMBER_FRAMES = ProtocolVersion(
     1, 5
 )  # the first version whose receivers decode batch number frames
+FRAME_PIECES = ProtocolVersion(1, 6)  # the first version whose senders split frames (SPEC §2)

@@ -12,6 +12,8 @@ frame by frame against the sending peer's ``MessageBudget`` (``protocol.budget``
 rest of the frames are read and let go at once, never kept, and the receiver gets a ``Truncated``
 list that the codec answers with a typed ERROR. libzmq hands a message over only once all of it
 has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
+Where peers split frames at the channel's frame bound (SPEC §2), the budget counts the pieces and
+the channel joins them as it reads them, one copy per split frame (``codec.Joined``).
 
 That is why the learner authenticates peers in ZeroMQ's own handshake, before any message: a peer
 refused there never gets one queued (SPEC §13). Both ways are CURVE, so both ends authenticate each
@@ -40,9 +42,13 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
+import resource
+import socket
 import struct
 import time
 import uuid
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,15 +59,25 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from protocol.budget import MessageBudget, MessageReader
+from protocol.codec import Joined
 from protocol.sender import Frames
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
 FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
+# Where peers split frames at the bound: MAXMSGSIZE = the bound + this, for CURVE's MESSAGE envelope
+# (33 bytes: libzmq checks the size of the frame on the wire, encrypted).
+ENVELOPE_BYTES = 1 << 10
 CLIENT_MAX_FRAMES = (
     1 << 16
 )  # frames of one message to a rollout server (a weights chunk: one per part)
 _DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
 HANDSHAKE_DEADLINE_MS = 5000  # a server drops a peer that has not finished ZMTP's handshake by then
+# Connections a server lets be in the handshake at once (SPEC §13): from one source address, and in
+# all, the last HANDSHAKES_RESERVED of them only for a source's first. Each may make libzmq hold one
+# frame bound (plus ~16 KiB of its own) until the deadline.
+HANDSHAKES_PER_SOURCE = 64
+HANDSHAKES_TOTAL = 768
+HANDSHAKES_RESERVED = 128
 
 
 @dataclass(frozen=True)
@@ -269,17 +285,76 @@ def serve_token(sock: zmq.Socket, token: str) -> dict[bytes, Any]:
     return {keys.client_public: True}
 
 
-def _tune(sock: zmq.Socket, max_frame_bytes: int | None) -> None:
+def _tune(sock: zmq.Socket, max_frame_bytes: int | None, slack: int = FRAME_SLACK_BYTES) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_DEADLINE_MS)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     if max_frame_bytes:
         # libzmq checks this against each frame's announced size, before allocating it, and drops
-        # the connection over it: the only bound it puts on memory a peer makes us hold. It is per
-        # frame, never per message (libzmq has no frame-count limit), see SPEC §13. The slack lets a
-        # frame a little over the limit through to be answered with a typed TOO_LARGE instead.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK_BYTES)
+        # the connection over it: the only bound it puts on memory a peer makes us hold, also
+        # before authentication. It is per frame, never per message (libzmq has no frame-count
+        # limit), see SPEC §13. The slack lets a frame a little over the limit through to be
+        # answered with a typed TOO_LARGE instead (only CURVE's envelope where peers split frames).
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + slack)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (a server holds one
+    descriptor per connection, also per connection still in the handshake); the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class HandshakeGuard:
+    """How many connections may be in ZMTP's handshake at once, per source address and in all.
+
+    libzmq reports no per-connection end of the handshake, so a connection counts as handshaking
+    for ``window_s`` after it was accepted (the handshake deadline: libzmq drops it by then) or
+    until it closes. Over either cap, the newest connection is refused (the caller shuts it down).
+    One source can take at most ``per_source``, and sources that already have one in the handshake
+    at most ``total - reserved`` together: the first connection of any other source (a valid peer's
+    host) still gets in while a few hosts flood. Pure: the caller passes the clock."""
+
+    def __init__(self, per_source: int, total: int, window_s: float, reserved: int = 0) -> None:
+        self.per_source, self.total, self.window_s = per_source, total, window_s
+        self.reserved = reserved
+        self._young: dict[int, tuple[str, float]] = {}  # fd -> (source, accepted at)
+        self._order: deque[tuple[float, int]] = deque()  # (accepted at, fd), oldest first
+        self._by_source: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._young)
+
+    def admit(self, fd: int, source: str, now: float) -> bool:
+        """A connection accepted on descriptor ``fd`` from ``source``: whether it may stay."""
+        self._expire(now)
+        self.closed(fd)  # a reused descriptor: its earlier connection is gone
+        mine = self._by_source[source]
+        room = self.total - (self.reserved if mine else 0)
+        if mine >= self.per_source or len(self._young) >= room:
+            return False
+        self._young[fd] = (source, now)
+        self._order.append((now, fd))
+        self._by_source[source] += 1
+        return True
+
+    def closed(self, fd: int) -> None:
+        entry = self._young.pop(fd, None)
+        if entry is not None:
+            self._by_source[entry[0]] -= 1
+            if not self._by_source[entry[0]]:
+                del self._by_source[entry[0]]
+
+    def _expire(self, now: float) -> None:
+        while self._order and now - self._order[0][0] >= self.window_s:
+            at, fd = self._order.popleft()
+            if (entry := self._young.get(fd)) is not None and entry[1] == at:
+                self.closed(fd)
 
 
 async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> list[Any]:
@@ -297,6 +372,44 @@ async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> lis
         if reader.over and n % _DRAIN_YIELD_FRAMES == 0:
             await asyncio.sleep(0)
     return reader.result()
+
+
+async def _read_joined(
+    sync: zmq.Socket, more: bool, reader: MessageReader, piece_bytes: int
+) -> list[Any]:
+    """``_read_rest`` where peers split frames at ``piece_bytes`` (SPEC §2): the budget counts the
+    pieces as they arrive, and a split frame's pieces, held as libzmq received them, are joined
+    with one copy once its last, shorter piece is read. The frames come back as ``Joined``, so
+    the codec does not walk them again; ``Truncated`` when over the budget."""
+    joined = Joined()
+    run: list[memoryview] = []
+    n = 0
+    while more:
+        frame = sync.recv(zmq.NOBLOCK, copy=False)
+        more, size = frame.more, len(frame)
+        if reader.nframes < 2:  # the type frame and the header: what a refusal keeps
+            reader.add(frame.buffer)
+        else:
+            reader.count(size)
+        if reader.over:  # what was kept is let go at once, and nothing more is
+            run.clear()
+            joined.clear()
+        elif size == piece_bytes:
+            run.append(frame.buffer)
+        elif run:
+            run.append(frame.buffer)
+            joined.append(b"".join(run))
+            run = []
+        else:
+            joined.append(frame.buffer)
+        del frame  # a frame over the budget is released here, not when the message ends
+        n += 1
+        if reader.over and n % _DRAIN_YIELD_FRAMES == 0:
+            await asyncio.sleep(0)
+    if reader.over:
+        return reader.result()
+    joined.unended = bool(run)
+    return joined
 
 
 def _bind(sock: zmq.Socket, address: str, *, wait_s: float = 0.5) -> None:
@@ -377,15 +490,71 @@ _PROTOCOL_ERRORS = {
 }
 
 
-async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> None:
-    """Report every handshake that failed before ZAP was asked (a peer without a token or key
-    fails with MECHANISM_MISMATCH, one with another token's keys with CRYPTOGRAPHIC) as
-    ``report(host, code, reason)``, like the authenticator."""
+def _report(report: Refused | None, host: str, code: str, reason: str) -> None:
+    if report is None:
+        return
+    try:
+        report(host, code, reason)
+    except Exception:  # a bad report must not end the watch
+        logging.getLogger(__name__).exception("on_refused failed")
+
+
+def _admit(guard: HandshakeGuard, fd: int, port: int, report: Refused | None) -> None:
+    """Count the connection libzmq accepted on ``fd``; shut it down when over the guard's caps
+    (libzmq then drops it, freeing what it buffered)."""
+    try:
+        conn = socket.socket(fileno=os.dup(fd))
+    except OSError:  # already closed
+        return
+    with conn:
+        try:
+            # By now libzmq may have closed it and the number may name another descriptor:
+            # only a connection to this listener is ever counted or shut down.
+            if conn.type != socket.SOCK_STREAM or conn.getsockname()[1] != port:
+                return
+            source = str(conn.getpeername()[0])
+        except OSError:
+            return
+        if guard.admit(fd, source, time.monotonic()):
+            return
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+    _report(
+        report,
+        source,
+        "HANDSHAKE_FAILED",
+        f"too many connections in the handshake (at most {guard.per_source} from one address, "
+        f"{guard.total} in all, within {guard.window_s:g} s of connecting)",
+    )
+
+
+async def _watch(
+    monitor: zmq.asyncio.Socket, report: Refused | None, guard: HandshakeGuard | None, port: int
+) -> None:
+    """Read the server socket's monitor: count accepted connections against ``guard`` (shutting
+    down those over it), and report every handshake that failed before ZAP was asked (a peer
+    without a token or key fails with MECHANISM_MISMATCH, one with another token's keys with
+    CRYPTOGRAPHIC) as ``report(host, code, reason)``, like the authenticator."""
+    await _watch_events(monitor, report, guard, port)
+
+
+async def _watch_events(
+    monitor: zmq.asyncio.Socket, report: Refused | None, guard: HandshakeGuard | None, port: int
+) -> None:
     while True:
         frames = await monitor.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 6:
             continue
         event, value = struct.unpack("=Hi", frames[0])
+        if guard is not None:
+            if event == zmq.EVENT_ACCEPTED:
+                _admit(guard, value, port, report)
+                continue
+            if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                guard.closed(value)
+                continue
+        if not event & _HANDSHAKE_FAILURES:
+            continue
         endpoint = frames[1].decode(errors="replace")
         host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0] if "://" in endpoint else endpoint
         code, reason = "HANDSHAKE_FAILED", "connection lost or not ZMTP"
@@ -398,10 +567,17 @@ async def _watch_handshakes(monitor: zmq.asyncio.Socket, report: Refused) -> Non
                 code, reason = "BAD_CREDENTIALS", "a key for another server (a wrong token?)"
             else:
                 reason = f"ZMTP protocol error {error}"
-        try:
-            report(host, code, reason)
-        except Exception:  # a bad report must not end the watch
-            logging.getLogger(__name__).exception("on_refused failed")
+        _report(report, host, code, reason)
+
+
+def _end_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop ``sock``'s monitor, then close its receiving end, in that order. libzmq sends each
+    event from its I/O thread with a blocking send: once the receiving end is closed, the next
+    event of a socket still monitored (a connection accepted or closed, the listener closing when
+    the socket is) blocks that thread for good, and with it every connection of the context."""
+    if not sock.closed:
+        sock.disable_monitor()
+    monitor.close(linger=0)
 
 
 class ZmqServerChannel:
@@ -418,12 +594,21 @@ class ZmqServerChannel:
         max_frame_bytes: int | None = None,
         budget: Callable[[bytes], MessageBudget] | None = None,
         context: zmq.asyncio.Context | None = None,
+        handshakes_per_source: int = HANDSHAKES_PER_SOURCE,
+        handshakes_total: int = HANDSHAKES_TOTAL,
+        handshakes_reserved: int = HANDSHAKES_RESERVED,
+        peers_split: bool = True,
     ) -> None:
         """``curve`` or ``token``: only peers with an allowed key, or with the token's client key,
         get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
-        others), and clients can tell this server from an impostor; neither: anyone does. ``budget(identity)``: the budget of the next message from that peer (default:
-        the same ``max_message_bytes`` for every peer); ``max_frame_bytes``: libzmq's per-frame
-        bound (default ``max_message_bytes``)."""
+        others), and clients can tell this server from an impostor; neither: anyone does.
+        ``budget(identity)``: the budget of the next message from that peer (default: the same
+        ``max_message_bytes`` for every peer). ``max_frame_bytes``: libzmq's per-frame bound,
+        plus CURVE's envelope; default ``max_message_bytes`` plus 1 MiB of slack. With
+        ``peers_split``, peers split larger frames into pieces of that size (SPEC §2), and
+        ``recv`` joins them (``codec.Joined``). ``handshakes_per_source`` /
+        ``handshakes_total`` / ``handshakes_reserved``: connections over these caps in the
+        handshake (``HandshakeGuard``, tcp only) are shut down at once."""
         if curve is not None and token is not None:
             raise ValueError("a channel authenticates with CURVE or a token, not both")
         if token is not None and not token:
@@ -444,11 +629,25 @@ class ZmqServerChannel:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._zap_domain: str | None = None
+        self._watch_args: tuple[Refused | None, HandshakeGuard | None, int] = (None, None, 0)
         self._monitor: zmq.asyncio.Socket | None = None
         self._watch: asyncio.Future[None] | None = None
         self._sync = zmq.Socket.shadow(self.sock.underlying)
+        self._piece_bytes = (max_frame_bytes or 0) if peers_split else 0
+        guard = None
+        if address.startswith("tcp://"):
+            guard = HandshakeGuard(
+                handshakes_per_source,
+                handshakes_total,
+                HANDSHAKE_DEADLINE_MS / 1000,
+                handshakes_reserved,
+            )
+        self.guard = guard
         try:
-            _tune(self.sock, min(max_frame_bytes or max_message_bytes, max_message_bytes))
+            if max_frame_bytes:
+                _tune(self.sock, min(max_frame_bytes, max_message_bytes), slack=ENVELOPE_BYTES)
+            else:
+                _tune(self.sock, max_message_bytes)
             if keys is not None and allowed is not None:
                 self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
@@ -458,31 +657,70 @@ class ZmqServerChannel:
                 allowed = serve_token(self.sock, token)
                 self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
+            events = 0
             if on_refused is not None and self._zap_domain is not None:
                 # ZAP hears of wrong keys and tokens; a peer with none at all (or not speaking
                 # ZMTP) fails before ZAP is asked, and only the socket monitor sees it.
-                self._monitor = cast(
-                    zmq.asyncio.Socket, self.sock.get_monitor_socket(_HANDSHAKE_FAILURES)
+                events |= _HANDSHAKE_FAILURES
+            if guard is not None:
+                events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+            if events:  # before the bind, so that no connection goes unseen
+                # A unique endpoint: pyzmq's default names it after the socket's descriptor number,
+                # which a socket closed just before (its endpoint released later, by libzmq's
+                # reaper) may have had.
+                monitor = self.sock.get_monitor_socket(
+                    events, f"inproc://monitor.{uuid.uuid4().hex}"
                 )
-                self._watch = asyncio.ensure_future(_watch_handshakes(self._monitor, on_refused))
+                self._monitor = cast(zmq.asyncio.Socket, monitor)
             _bind(self.sock, address)
+            self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            port = int(self.address.rsplit(":", 1)[1]) if guard is not None else 0
+            self._watch_args = (on_refused if self._zap_domain is not None else None, guard, port)
+            with contextlib.suppress(RuntimeError):  # no loop running yet: the first recv starts it
+                asyncio.get_running_loop()
+                self._start_watch()
         except BaseException:  # e.g. address in use: leave no socket or allow-list behind
             self._release()
             raise
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.token = token  # the token clients' keys derive from (None: no token auth)
         self._ipc_file = _ipc_file_identity(self.address)
+
+    def _start_watch(self) -> None:
+        if self._watch is None and self._monitor is not None:
+            sock, monitor = self.sock, self._monitor
+            self._watch = asyncio.ensure_future(_watch(monitor, *self._watch_args))
+            # Ended in the loop that polls it, also when that loop ends with the channel left open
+            # (the task cancelled, maybe before it ever ran): collected later under another loop,
+            # it would unregister whatever socket then has its descriptor number there. The
+            # callback holds the socket, so a channel dropped unclosed cannot have it closed (by
+            # the collector) while its monitor still sends.
+            self._watch.add_done_callback(lambda _: _end_monitor(sock, monitor))
+
+    def __del__(self) -> None:
+        # Dropped unclosed before its watch started: the collector would close the socket and the
+        # monitor's receiving end in either order (see _end_monitor). Once started, the watch's
+        # own callback ends the monitor.
+        monitor = getattr(self, "_monitor", None)  # None too when __init__ failed early
+        if monitor is not None and self._watch is None:
+            with contextlib.suppress(zmq.ZMQError):  # its context already terminated
+                _end_monitor(self.sock, monitor)
+            self._monitor = None
 
     async def send(self, identity: bytes, frames: Frames) -> None:
         await self.sock.send_multipart([identity, *frames], copy=False)
 
     async def recv(self) -> tuple[bytes, Frames]:
+        self._start_watch()
         while True:
             first = await self.sock.recv(
                 copy=False
             )  # the routing id: the peer is known before its frames
             identity = first.bytes
-            frames = await _read_rest(self._sync, first.more, MessageReader(self.budget(identity)))
+            reader = MessageReader(self.budget(identity))
+            if self._piece_bytes:
+                frames = await _read_joined(self._sync, first.more, reader, self._piece_bytes)
+            else:
+                frames = await _read_rest(self._sync, first.more, reader)
             if frames:
                 return identity, frames
             # an identity with no content cannot be answered meaningfully; skip it
@@ -490,8 +728,11 @@ class ZmqServerChannel:
     async def aclose(self) -> None:
         # A short linger lets the last ACKs and the BYE of LearnerServer.close() leave; a peer that is
         # gone costs at most 0.2 s (at context termination), as on the client side.
+        watch = self._watch
         self._release(linger=200)
         _remove_ipc_file(self._ipc_file)
+        if watch is not None:  # cancelled by _release: no task of the channel outlives it
+            await asyncio.wait([watch])
 
     def close(self) -> None:
         """Close at once, without the linger of ``aclose`` (a channel that never served)."""
@@ -503,8 +744,7 @@ class ZmqServerChannel:
             self._watch.cancel()
             self._watch = None
         if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
+            _end_monitor(self.sock, self._monitor)
             self._monitor = None
         self.sock.close(linger=linger)
         if self._zap_domain is not None:

@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 
 from common.safetensors_buffers import header_bytes
 from protocol import codec
+from protocol.limits import MAX_FRAME_BYTES
 from protocol.messages import Bye, Identity, WeightsAnnounce
 from protocol.relay import Completed, Frames, LearnerLost, RelayEvent, RelayNode, Routed
 from protocol.slot_files import FILE_NAME, make_root, remove_stale
@@ -145,7 +146,11 @@ class WeightRelay:
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
         self.stall_after_chunks, self.curve = stall_after_chunks, curve
         self.token_file = token_file
-        self.down = ZmqServerChannel(bind, token=self._token())
+        # Downstream relays send only small messages: frames over the bound are dropped by libzmq,
+        # also before the handshake completes (SPEC §13).
+        self.down = ZmqServerChannel(
+            bind, token=self._token(), max_frame_bytes=MAX_FRAME_BYTES, peers_split=False
+        )
         if not advertise:
             # a wildcard bind is reached through this machine's name (set --advertise otherwise)
             advertise = self.down.address.replace("0.0.0.0", socket.gethostname())

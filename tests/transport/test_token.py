@@ -9,6 +9,7 @@ real learner is tests/hostile/test_learner_auth.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import anyio
@@ -84,14 +85,15 @@ async def test_two_learners_in_one_context_keep_their_own_tokens(net: ZmqNet) ->
 def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one() -> None:
     """The authenticator is shared per context and answers from one event loop's task; a channel
     never closed in an earlier ``asyncio.run`` must not leave a dead task answering for the next
-    loop's channels (every handshake would hang)."""
+    loop's channels (every handshake would hang). Nor may its socket, collected after that loop
+    ended, leave the context's I/O thread blocked on an event for its closed monitor."""
     import zmq
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
 
-    async def leak() -> None:
-        ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)  # never closed
+    async def leak() -> ZmqServerChannel:
+        return ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)  # never closed
 
     async def serve_one() -> bool:
         ch = ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)
@@ -105,7 +107,11 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
             dealer.close(linger=0)
             ch.close()
 
-    asyncio.run(leak())
+    leaked = asyncio.run(leak())
+    # Collected only now, after its loop ended its monitor's task: its listener closes (an event
+    # for the monitor) while the next loop's channel is served.
+    del leaked
+    gc.collect()
     done: list[bool] = []
     t = threading.Thread(target=lambda: done.append(asyncio.run(serve_one())))
     t.start()
@@ -116,6 +122,37 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
             entry[1].stop()
     zmq_transport._zap.pop(id(ctx), None)
     ctx.destroy(linger=0)
+
+
+def test_channels_dropped_before_their_watch_started_do_not_stall_the_next_one() -> None:
+    """A channel made outside an event loop monitors its socket before any watch reads it; dropped
+    unclosed, its socket must not be closed with the monitor still on and its receiving end gone
+    (the context's I/O thread would block on the listener's close event, for good)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    for _ in range(20):
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", context=ctx)  # never closed, never served
+        assert ch._monitor is not None and ch._watch is None
+        del ch
+        gc.collect()
+
+    async def serve_one() -> bool:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", context=ctx)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(ch.address)
+        try:
+            await dealer.send_multipart([b"x"])
+            return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
+        finally:
+            dealer.close(linger=0)
+            ch.close()
+
+    try:
+        assert asyncio.run(serve_one()), "the I/O thread of the context is blocked"
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_warnings_name_the_residual_risk() -> None:

@@ -68,6 +68,10 @@ class Peer:
 
     # -- sending -------------------------------------------------------------------------------------
     async def send(self, frames: Frames) -> None:
+        """Send one message; split at the learner's frame bound once its WELCOME announced one
+        (SPEC §2, since 1.6)."""
+        if self.welcome is not None and (piece := self.welcome.limits.max_frame_bytes) > 0:
+            frames = codec.split_frames(frames, piece)
         await self.sock.send_multipart(frames, copy=False)
 
     async def send_msg(self, msg: Message) -> None:
