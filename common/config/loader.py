@@ -89,10 +89,27 @@ def override_label(text: str) -> str:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split `a.b.c=value` into (['a', 'b', 'c'], parsed value)."""
+    """Split `a.b.c=value` into (['a', 'b', 'c'], parsed value).
+
+    hydra's prefixes, as verl's recipe scripts write them: `+a.b=v` (add a key) and `++a.b=v` (add
+    or override) set the key like `a.b=v`, since every key of the typed config exists with its
+    default; `~a.b` (delete) is refused with why, since a key left out keeps its default."""
     label = override_label(text)
     key, sep, raw = text.partition("=")
-    parts = key.strip().split(".")
+    key = key.strip()
+    if key.startswith("~"):
+        raise ConfigError(
+            [
+                Issue(
+                    key[1:],
+                    "hydra's ~ (delete a key) has no meaning here: every key has a default, so "
+                    "leave the override out to keep it",
+                    source=label,
+                )
+            ]
+        )
+    key = key.removeprefix("++") if key.startswith("++") else key.removeprefix("+")
+    parts = key.split(".")
     if not sep or not all(p.strip() for p in parts):
         raise ConfigError([Issue("", "expected dotted.key=value", source=label)])
     parts = [p.strip() for p in parts]

@@ -103,6 +103,29 @@ def test_unknown_key_override_names_the_override(config_file: Path) -> None:
     assert "unknown key" in error_of(config_file, "nosuchsection.x=1")
 
 
+def test_hydra_prefixes_of_verl_recipes(config_file: Path) -> None:
+    """verl's DAPO recipe writes `+reward.reward_kwargs...` and users write `++key`: both set the
+    key; an unknown one is still refused, naming the override as written; `~key` says why not."""
+    config = load_config(
+        config_file,
+        [
+            "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+            "++trainer.total_training_steps=9",
+            "algorithm.filter_groups.enable=True",
+        ],
+    )
+    assert config.reward.reward_kwargs.overlong_buffer_cfg.enable is True
+    assert config.reward.reward_kwargs.overlong_buffer_cfg.len == 16
+    assert config.trainer.total_training_steps == 9
+    assert config.algorithm.filter_groups.enable is True
+    message = error_of(config_file, "+trainer.totl_training_steps=3")
+    assert message.startswith("command line override '+trainer.totl_training_steps=3': ")
+    assert "unknown key (did you mean total_training_steps?)" in message
+    message = error_of(config_file, "~trainer.total_training_steps")
+    assert "trainer.total_training_steps" in message and "leave the override out" in message
+
+
 def test_wrong_type(config_file: Path) -> None:
     message = error_of(config_file, "trainer.total_epochs=abc")
     assert message == (
