@@ -309,6 +309,12 @@ def check(ctx: Chaos, report: Report) -> None:
         v.append(f"the run reached step {reached} of {report.steps}")
     if report.facts.get("exit_code") != 0:
         v.append(f"the last bin/train exited {report.facts.get('exit_code')}")
+    if missed := [f.at_s for f in report.faults if f.done_at_s is None]:
+        # a run that ended before its faults tested nothing: a PASS would say otherwise
+        v.append(
+            f"{len(missed)} of {len(report.faults)} faults (due at {missed} s) fell after the "
+            "run's end: raise --steps or shorten --window-s"
+        )
     log = trained_log.read(run / TRAINED_IDS)
     ids = [t for step in log.trajectory_ids().values() for t in step]
     twice = len(ids) - len(set(ids))
