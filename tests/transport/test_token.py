@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -82,6 +83,24 @@ async def test_two_learners_in_one_context_keep_their_own_tokens(net: ZmqNet) ->
     net.term()
 
 
+async def served_once(ctx: Any, token: str | None = None) -> bool:
+    """Whether a fresh channel of ``ctx`` receives one message from a dealer (with ``token``):
+    False when the context's handshakes or I/O thread hang."""
+    import zmq
+
+    ch = ZmqServerChannel("tcp://127.0.0.1:0", token=token, context=ctx)
+    dealer = ctx.socket(zmq.DEALER)
+    if token is not None:
+        zmq_transport.use_token(dealer, token)
+    dealer.connect(ch.address)
+    try:
+        await dealer.send_multipart([b"x"])
+        return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
+    finally:
+        dealer.close(linger=0)
+        ch.close()
+
+
 def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one() -> None:
     """The authenticator is shared per context and answers from one event loop's task; a channel
     never closed in an earlier ``asyncio.run`` must not leave a dead task answering for the next
@@ -95,25 +114,13 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
     async def leak() -> ZmqServerChannel:
         return ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)  # never closed
 
-    async def serve_one() -> bool:
-        ch = ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx)
-        dealer = ctx.socket(zmq.DEALER)
-        zmq_transport.use_token(dealer, TOKEN)
-        dealer.connect(ch.address)
-        try:
-            await dealer.send_multipart([b"x"])
-            return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
-        finally:
-            dealer.close(linger=0)
-            ch.close()
-
     leaked = asyncio.run(leak())
     # Collected only now, after its loop ended its monitor's task: its listener closes (an event
     # for the monitor) while the next loop's channel is served.
     del leaked
     gc.collect()
     done: list[bool] = []
-    t = threading.Thread(target=lambda: done.append(asyncio.run(serve_one())))
+    t = threading.Thread(target=lambda: done.append(asyncio.run(served_once(ctx, TOKEN))))
     t.start()
     t.join(10)
     assert done == [True], "the handshake of a token client was never answered"
@@ -138,19 +145,8 @@ def test_channels_dropped_before_their_watch_started_do_not_stall_the_next_one()
         del ch
         gc.collect()
 
-    async def serve_one() -> bool:
-        ch = ZmqServerChannel("tcp://127.0.0.1:0", context=ctx)
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(ch.address)
-        try:
-            await dealer.send_multipart([b"x"])
-            return await asyncio.wait_for(ch.sock.poll(5000), 6) != 0
-        finally:
-            dealer.close(linger=0)
-            ch.close()
-
     try:
-        assert asyncio.run(serve_one()), "the I/O thread of the context is blocked"
+        assert asyncio.run(served_once(ctx)), "the I/O thread of the context is blocked"
     finally:
         ctx.destroy(linger=0)
 
