@@ -11,7 +11,9 @@ peer holding the token served.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,7 +98,9 @@ def test_a_wrong_token_is_refused_at_the_handshake(learner: LearnerProcess) -> N
     refused = [line for line in text.splitlines() if "connection refused at the handshake" in line]
     # its HELLO was sealed for the wrong token's server key: the learner cannot even open it
     assert refused and "BAD_CREDENTIALS" in refused[0] and "wrong token" in refused[0], text[-3000:]
-    assert len(refused) <= 5, f"{len(refused)} lines for one address"  # the limiter's burst
+    # the limiter's burst, per code: a refused handshake may also end as HANDSHAKE_FAILED
+    per_code = Counter(re.findall(r" code=(\w+)", "\n".join(refused)))
+    assert max(per_code.values()) <= 5, f"lines for one address: {per_code}"
     assert learner.token not in learner.log.read_text(errors="replace")
     print(f"\nwrong token: {len(refused)} log lines, learner RSS +{watch.growth / MiB:.1f} MiB")
 
