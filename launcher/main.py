@@ -8,9 +8,10 @@ Every import past argument parsing is lazy, so ``--help`` stays instant.
 Ending: the learner exiting 0 with every step done is success; the children are stopped (see
 `launcher.children.stop_all`), the curves are drawn and a summary printed (exit 0). A dead
 rollout server is restarted on its shard (its cursor and spool resume it) up to
-`launch.max_restarts` times; the learner or the tool server dying, restarts running out, the
-rollout servers not connecting within `launch.connect_timeout_s`, or a step count short of the
-total stop everything (exit 1, naming the process and its log). SIGINT/SIGTERM stop everything
+`launch.max_restarts` times, and so is a dead tool server, on the port the rollout servers were
+given; the learner dying, restarts running out, the rollout servers (or a restarted tool server)
+not answering within `launch.connect_timeout_s`, or a step count short of the total stop
+everything (exit 1, naming the process and its log). SIGINT/SIGTERM stop everything
 (exit 130); a second one skips the grace period. A bad config exits 2.
 """
 
@@ -28,8 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train",
         "Run a whole training job on this machine: the learner, launch.rollout_servers rollout "
         "servers (and a tool server with launch.tool_server=true), all from one config and one run "
-        "directory; shows progress, restarts rollout servers that die, stops everything on "
-        "Ctrl-C, and draws RUN_DIR/training_curves.png at the end.",
+        "directory; shows progress, restarts rollout servers and the tool server that die, "
+        "stops everything on Ctrl-C, and draws RUN_DIR/training_curves.png at the end.",
     )
     args = parser.parse_intermixed_args(argv)  # options may follow the overrides
 

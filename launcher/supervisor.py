@@ -5,7 +5,10 @@ then the learner's exit, the tool server's, each rollout server's, then the even
 the learner listens, who is connected; ``RUN_DIR/events.jsonl``) and metrics.jsonl (steps done).
 The rollout servers start once the learner's address is known (it binds port 0 with
 `launch.auto_port` and reports the port) and the tool server, if any, answers. Every start and
-exit of a child is appended to the event channel too, so it holds the whole story of a launch. Every way out of the loop goes through one `finally`
+exit of a child is appended to the event channel too, so it holds the whole story of a launch.
+A dead rollout server or tool server is restarted (`_restart`) up to `launch.max_restarts` times;
+the tool server on the port the rollout servers were given, and rollout servers' restarts wait
+until it answers again. Every way out of the loop goes through one `finally`
 that stops all children and sweeps their stray descendants, so nothing of a run outlives bin/train
 whatever ends it. Failures are reported after the stop, with the tail of the failed child's log.
 With `launch.placement: ray` the rollout servers are placed on the Ray cluster first
@@ -67,6 +70,8 @@ class Supervisor:
         self.finished: set[str] = set()
         self.exited: set[str] = set()
         """Children whose exit is already on the event channel (one EXITED per incarnation)."""
+        self.tool_restarted_at: float | None = None
+        """When the tool server was last restarted, until it answers GET /health again."""
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -131,8 +136,8 @@ class Supervisor:
                 self._poll_files()  # the last step's record
                 return self._learner_exited(code)
             ts = plan.tool_server
-            if ts is not None and ts.returncode() is not None:
-                return self._fail(f"{ts.title} died ({ts.describe_exit()})", ts)
+            if ts is not None and (status := self._check_tool_server(ts)) is not None:
+                return status
             if not self.rollouts_started:
                 learner_known = (
                     not plan.learner_auto_port or self.connections.learner_address is not None
@@ -256,6 +261,7 @@ class Supervisor:
                 self.log.info("learner listening", address=peer)
             elif event == "tool listening" and self.plan.tool_server is not None:
                 self.plan.tool_health_url = tool_url(self.plan.config.tool_server.host, int(peer))
+                self.log.info("tool server listening", url=self.plan.tool_health_url)
             elif event in ("joined", "rejoined"):
                 n, total = len(self.connections.ever), len(self.connections.expected)
                 self.log.info(
@@ -312,7 +318,52 @@ class Supervisor:
             self.finished.add(child.name)
             self.log.info(f"{child.title} finished", log=str(child.log))
             return None
-        if code == EXIT_REFUSED:
+        if self.tool_restarted_at is not None and code != EXIT_REFUSED:
+            # A rollout server asks the tool server for its tools as it starts, and one it cannot
+            # reach is a config error (exit 2, never restarted): the restart waits until the
+            # tool server answers again (_check_tool_server).
+            return None
+        return self._restart(child)
+
+    def _check_tool_server(self, child: Child) -> int | None:
+        """None while it runs (or after it was restarted); an exit status when the run must end.
+        Any exit is a death, 0 included: it serves until stopped (a SIGTERM ends it with 0)."""
+        if child.returncode() is None:
+            if self.tool_restarted_at is not None:
+                return self._tool_server_back(child, self.tool_restarted_at)
+            return None
+        port = self.connections.tool_port
+        if self.plan.tool_auto_port and port is not None:
+            # The rollout servers were given the URL with the port it reported (tools.remote.url)
+            # and keep it: its next incarnation binds that port again (SO_REUSEADDR,
+            # tool_server.bind_socket), not port 0. The later override wins over the port=0 one.
+            pinned = f"tool_server.port={port}"
+            if pinned not in child.argv:
+                child.argv.append(pinned)
+        status = self._restart(child)
+        if status is None:
+            self.tool_restarted_at = time.monotonic()
+        return status
+
+    def _tool_server_back(self, child: Child, restarted_at: float) -> int | None:
+        """After a restart of the tool server: None once it answers again (or while it may still
+        start), an exit status when it has not answered within launch.connect_timeout_s."""
+        if self._tool_server_ready():
+            self.tool_restarted_at = None
+            return None
+        timeout = self.plan.config.launch.connect_timeout_s
+        if time.monotonic() - restarted_at <= timeout:
+            return None
+        return self._fail(
+            f"{child.title} did not answer {self.plan.tool_health_url}/health within "
+            f"{timeout:g} s of its restart (launch.connect_timeout_s)",
+            child,
+        )
+
+    def _restart(self, child: Child) -> int | None:
+        """Restart a dead child (a rollout server, the tool server) under launch.max_restarts:
+        None once restarted; an exit status when the run must end instead."""
+        if child.returncode() == EXIT_REFUSED:
             return self._fail(
                 f"{child.title} refused its config or data ({child.describe_exit()}); not "
                 "restarted, since a restart would meet the same",
@@ -331,7 +382,7 @@ class Supervisor:
             log=str(child.log),
         )
         self._record_exits()  # its death, before the restart starts a new incarnation
-        kill_tree(child)  # its vLLM engine process too, before a new one loads the model
+        kill_tree(child)  # its vLLM engine (or sandboxed tool) processes too, before a new one
         child.restarts += 1
         self._start(child, f"restart {child.restarts} after {child.describe_exit()}")
         return None
@@ -379,7 +430,7 @@ class Supervisor:
             records = read_metrics(run_dir)
         except (OSError, ValueError):
             records = self.records
-        restarts = {c.title: c.restarts for c in self.plan.rollouts}
+        restarts = {c.title: c.restarts for c in self.plan.children}  # the learner's stay 0
         for line in summary_lines(
             run_dir,
             records,

@@ -227,7 +227,9 @@ class _DropColorMessage(logging.Filter):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port)."""
+    """A listening TCP socket on host:port (port 0: any free port). With SO_REUSEADDR (which
+    create_server sets on POSIX): bin/train restarts a dead tool server on the port the rollout
+    servers were given, and the connections of the killed one linger there in TIME_WAIT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=1024)
 

@@ -51,7 +51,8 @@ class LaunchConfig(Section):
     connect_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for every rollout server to connect to the learner before the run fails."""
     max_restarts: int = Field(default=2, ge=0)
-    """Restarts of each rollout server that dies (it resumes its shard); 0: any death stops the run."""
+    """Restarts of each rollout server that dies (it resumes its shard) and of the tool server (on
+    its port); 0: any death stops the run."""
     rollout_cpu_nice: int = Field(default=0, ge=0, le=19)
     """CPU runs (trainer.device: cpu): the niceness of each local rollout server and of its session's
     autogroup (launcher.children.yield_cpu). 19 gives the learner, the run's critical path, the cores

@@ -385,6 +385,25 @@ def test_binds_loopback_by_default(server: str) -> None:
     assert server.startswith("http://127.0.0.1:")  # the fixture only overrides the port
 
 
+def test_port_binds_again_while_the_last_ones_connections_linger() -> None:
+    """bin/train restarts a dead tool server on the same port (the rollout servers keep its URL):
+    the killed server's connections are in TIME_WAIT there, which only SO_REUSEADDR lets a new
+    listening socket bind over."""
+    import socket
+
+    from rollout_service.tool_server import bind_socket
+
+    with bind_socket("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        assert first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = first.accept()
+        accepted.close()  # the server's side closes first, as a killed server's: TIME_WAIT
+        client.close()
+    with bind_socket("127.0.0.1", port) as again:
+        assert again.getsockname()[1] == port
+
+
 @pytest.mark.anyio
 async def test_token_is_required_and_sent_by_the_client(tmp_path: Path) -> None:
     with tool_server(tmp_path, f"tool_server.token={TOKEN}") as (_, url, lines):

