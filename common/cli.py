@@ -7,7 +7,8 @@ target, and pydantic only after argument parsing, so `--help` is instant and `--
 a config on a machine without any engine installed.
 
 Exit status: 0 success, 2 bad usage or invalid configuration (message on stderr), 1 the run
-failed, 130 interrupted; a run target may also return its own integer status.
+failed, 74 the disk is full (`common.disk_full`: one line naming the path), 130 interrupted; a run
+target may also return its own integer status.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from common import disk_full  # stdlib only
 
 if TYPE_CHECKING:  # imported lazily at run time, see the module docstring
     from common.config import Config
@@ -121,7 +124,10 @@ def main(
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130
-    except Exception:
+    except Exception as e:
+        if (full := disk_full.find(e)) is not None:  # an operator's problem, not a bug: no trace
+            log.error("stopped: the disk is full", error=disk_full.describe(full))
+            return disk_full.EXIT_DISK_FULL
         log.exception("run failed")
         return 1
     log.info("finished", status=result if isinstance(result, int) else 0)

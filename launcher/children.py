@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.disk_full import EXIT_DISK_FULL
 from common.multicast import MULTICAST_OFF
 from common.run_events import EVENTS_ENV
 
@@ -91,6 +92,8 @@ class Child:
                 return f"killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"killed by signal {-code}"
+        if code == EXIT_DISK_FULL:
+            return f"exit status {code}: the disk is full"
         return f"exit status {code}"
 
     def tail(self, lines: int = 20) -> str:

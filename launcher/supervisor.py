@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from common.disk_full import EXIT_DISK_FULL
 from common.fileio import atomic_write_bytes
 from common.metrics_file import read_metrics
 from common.run_events import Event, Kind, append
@@ -294,6 +296,14 @@ class Supervisor:
 
     def _learner_exited(self, code: int) -> int:
         learner = self.plan.learner
+        if code == EXIT_DISK_FULL:
+            # its own line naming the file may not have reached its log: that disk is full
+            free = shutil.disk_usage(self.plan.run_dir).free / 2**20
+            return self._fail(
+                f"learner stopped: the disk is full (run directory {self.plan.run_dir}, "
+                f"{free:.0f} MiB free now)",
+                learner,
+            )
         if code != 0:
             return self._fail(f"learner failed ({learner.describe_exit()})", learner)
         done = self.records[-1]["step"] if self.records else self._last_step()

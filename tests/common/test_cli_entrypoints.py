@@ -160,6 +160,13 @@ async def run_async(config, run_dir):
 
 def crash(config, run_dir):
     raise RuntimeError("boom")
+
+def disk_full(config, run_dir):  # deep in a task group, behind another error, as writes fail
+    import errno
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", "/full/run/journal.bin")
+    except OSError as e:
+        raise ExceptionGroup("tasks", [ValueError("a task"), RuntimeError("write failed")]) from e
 """
 
 
@@ -247,6 +254,23 @@ def test_failing_run_exits_1_and_logs_the_error(
     failure = json.loads(log.splitlines()[-1])
     assert failure["event"] == "run failed" and failure["level"] == "error"
     assert "boom" in json.dumps(failure["exception"])
+
+
+def test_a_full_disk_exits_74_with_one_line_naming_the_path(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    status = cli.main(
+        ["--config", str(config_file)],
+        prog="learner",
+        description="test",
+        target=f"{fake_app}:disk_full",
+        component="learner",
+    )
+    assert status == 74
+    log = (config_file.parent / "runs" / "clitest" / "logs" / "learner.jsonl").read_text()
+    stop = json.loads(log.splitlines()[-1])
+    assert stop["event"] == "stopped: the disk is full" and "exception" not in stop
+    assert stop["error"] == "No space left on device: /full/run/journal.bin"
 
 
 def test_load_target_rejects_malformed_names() -> None:
