@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import asdict
 
@@ -61,11 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chaos = Chaos(args)
     chaos.root.mkdir(parents=True, exist_ok=True)
+    # SIGTERM as Ctrl-C: the run stops its job and unmounts its disk on the way out
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         report = chaos.go()
     except DiskError as e:
         print(f"chaos: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("chaos: interrupted; the job was stopped", file=sys.stderr)
+        return 130
     doc = {"verdict": report.verdict, **asdict(report)}
     (chaos.root / "chaos.json").write_text(json.dumps(doc, indent=1))
     print(report.verdict)

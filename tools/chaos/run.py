@@ -85,6 +85,7 @@ class Chaos:
         self.run = self.root / "run"
         self.job_must_restart = False  # set by a fault after which the job cannot go on
         self.job_may_stop = False  # set by a fault after which the job may stop cleanly
+        self.job: Job | None = None
         kinds = set(args.kinds)
         self.proxy = FaultProxy(free_port("127.0.0.1"), args.seed) if kinds & NETWORK else None
         self.disk = SmallDisk(self.run, args.disk_mib) if "disk-full" in kinds else None
@@ -214,13 +215,21 @@ class Chaos:
             self.disk.mount()
         if self.proxy is not None:
             self.proxy.start()
+        finished = False
         try:
-            job = self._drive(config, report)
-            self._stop(job)
-            report.facts["exit_code"] = job.proc.returncode
-        finally:
+            self._drive(config, report)
+            finished = True
+        finally:  # on Ctrl-C or SIGTERM too: no job, proxy or mount is left behind
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut this short
+                signal.signal(sig, signal.SIG_IGN)
+            if self.job is not None:
+                self._stop(self.job)
             if self.proxy is not None:
                 self.proxy.stop()
+            if self.disk is not None and not finished:
+                self.disk.unmount(self.run.with_name("run.saved"))
+        assert self.job is not None
+        report.facts["exit_code"] = self.job.proc.returncode
         check(self, report)
         if self.disk is not None:
             saved = self.run.with_name("run.saved")
@@ -228,9 +237,9 @@ class Chaos:
             report.facts["run_dir_saved"] = str(saved)
         return report
 
-    def _drive(self, config: Path, report: Report) -> Job:
+    def _drive(self, config: Path, report: Report) -> None:
         """Start the job, inject the faults as they fall due, start it again when a fault ended
-        it; the last job."""
+        it; ``self.job`` is the last."""
         a = self.args
         deadline = time.monotonic() + a.timeout_s
         pending = list(report.faults)
@@ -239,12 +248,12 @@ class Chaos:
         # the job's restarts (else every restart would start the schedule over, and faults due
         # late would fall after the run)
         while True:
-            job = Job(
+            job = self.job = Job(
                 config, self.overrides(), self.root / f"train-{report.restarts_of_the_job + 1}.out"
             )
             self.job_must_restart = False
             if not self.wait_training(job, deadline, self.steps_reached()):
-                return job
+                return
             started = time.monotonic() if started is None else started
             while job.alive() and time.monotonic() < deadline and not self.job_must_restart:
                 self.sample()
@@ -258,11 +267,11 @@ class Chaos:
                         disk_fault = fault
                 time.sleep(0.5)
             if time.monotonic() >= deadline:
-                return job
+                return
             if self.job_must_restart:
                 job.proc.wait(timeout=max(1.0, a.stop_wait_s))  # bin/train stops the rest itself
             elif job.alive() or time.monotonic() > may_stop_until:
-                return job  # done, or ended by no fault of ours: the check says which
+                return  # done, or ended by no fault of ours: the check says which
             else:  # a full disk stopped it: how it said so goes in the fault's note
                 disk_fault.note += f"; the job stopped (exit {job.proc.returncode}): " + (
                     _disk_line(job.out) or "no line named the disk"
