@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from common import disk_full  # stdlib only
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     # lazy: this module is bin/train's command line, whose --help stays instant
@@ -84,10 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # lazy: this module is bin/train's command line, whose --help stays instant
     from launcher.supervisor import Supervisor
 
+    log = get_logger("launcher")
     try:
-        return Supervisor(plan, get_logger("launcher")).run()
+        return Supervisor(plan, log).run()
     except KeyboardInterrupt:  # a Ctrl-C after the children were stopped (while plotting)
         return 130
+    except OSError as e:  # the children are stopped by now; a full disk ends bin/train's writes
+        if (full := disk_full.find(e)) is None:
+            raise
+        log.error("stopped: the disk is full", error=disk_full.describe(full))
+        return disk_full.EXIT_DISK_FULL
 
 
 MODEL_HINT = "# model made by:"

@@ -9,15 +9,17 @@ rollout server reaches them with ``RemoteTool`` (tools.remote). A small Starlett
     POST /call/{name}   {"arguments": {...}, "episode_id": "..."}
                         -> 200 {"text", "ok", "terminal", "answer", "metrics"}   (a ToolResult)
                            404 unknown tool, 400 malformed body, 413 body too large,
-                           401 missing or wrong token, 503 abandoned at shutdown: {"error": ...}
+                           401 unsigned, wrongly signed or replayed, 503 abandoned at
+                           shutdown: {"error": ...}
 
 Access: the server binds ``tool_server.host``, loopback (127.0.0.1) unless a config says
 otherwise, and a warning is logged when it serves another address without a token. With
-``tool_server.token`` set, every request but ``GET /health`` must carry ``Authorization: Bearer
-<token>`` (``RemoteToolClient`` sends the same key's value); the token is compared in constant time
-(``hmac.compare_digest``) and a request without the right one is refused with 401 before its body
-is read. The token is a shared secret, not encryption: across an untrusted network put the server
-behind TLS (a reverse proxy) as well.
+``tool_server.token`` set, client and server prove to each other that they hold it, with no
+secret on the wire (`rollout_service.tools.auth`): every request but ``GET /health`` must be
+signed, and is refused with 401 before its body is read when it is not (or is replayed); every
+answer to a signed request is signed in turn, and clients accept no other. The token
+authenticates, it does not encrypt: across an untrusted network put the server behind TLS (a
+reverse proxy) as well.
 
 A tool that raises is the model's problem to read (200, ok=false, the error text) and the
 operator's to fix (logged with its traceback); nothing a client sends stops the server. At most
@@ -30,7 +32,6 @@ and the process exits 0.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
@@ -51,6 +52,7 @@ from starlette.routing import Route
 
 from common.logging import get_logger
 from common.run_events import Kind, emit
+from rollout_service.tools.auth import RESPONSE_HEADER, RequestVerifier, sign_response
 from rollout_service.tools.base import Tool, ToolContext, ToolResult
 from rollout_service.tools.factory import build_local_tools
 from rollout_service.tools.remote import result_to_json
@@ -71,7 +73,8 @@ class ToolService:
         self, tools: Mapping[str, Tool], *, max_concurrent_calls: int, token: str | None = None
     ) -> None:
         self.tools = dict(tools)
-        self._token = token.encode() if token else None
+        self._token = token
+        self._verifier = RequestVerifier(token) if token else None
         self._schemas = [tool.schema for tool in self.tools.values()]
         self._limiter = anyio.CapacityLimiter(max_concurrent_calls)
         self._running: set[anyio.CancelScope] = set()
@@ -90,43 +93,49 @@ class ToolService:
             scope.cancel()
         return len(self._running)
 
-    def _refused(self, request: Request) -> Response | None:
-        """The 401 answer for a request without the right token; None when it may go on."""
-        if self._token is None:
-            return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest takes as long whatever prefix matches: the token cannot be guessed byte by byte.
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
-            return None
-        problem = "wrong token" if scheme else "no token"
-        return JSONResponse(
-            {
-                "error": f"unauthorized: {problem}; this tool server requires "
-                "'Authorization: Bearer <tool_server.token>'"
-            },
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    def _verify(self, request: Request) -> tuple[str, Response | None]:
+        """``(nonce, None)`` for a request that may go on ("" without a token), else the 401."""
+        if self._verifier is None:
+            return "", None
+        nonce, problem = self._verifier.check(request.method, request.url.path, request.headers)
+        if nonce is not None:
+            return nonce, None
+        refused = _error(401, f"unauthorized: {problem}; sign requests with tool_server.token")
+        return "", refused
+
+    def _signed(self, nonce: str, response: Response) -> Response:
+        """The answer to a verified request, signed so the client knows who answered it."""
+        if self._token is not None and nonce:
+            response.headers[RESPONSE_HEADER] = sign_response(
+                self._token, nonce, response.status_code, bytes(response.body)
+            )
+        return response
 
     async def _health(self, request: Request) -> Response:
         # Liveness for supervisors without the token; what is served only for clients with it.
-        if self._refused(request) is not None:
+        nonce, refused = self._verify(request)
+        if refused is not None:
             return JSONResponse({"ok": True})
-        return JSONResponse({"ok": True, "tools": list(self.tools)})
+        return self._signed(nonce, JSONResponse({"ok": True, "tools": list(self.tools)}))
 
     async def _list_tools(self, request: Request) -> Response:
-        if (refused := self._refused(request)) is not None:
+        nonce, refused = self._verify(request)
+        if refused is not None:
             return refused
-        return JSONResponse({"tools": self._schemas})
+        return self._signed(nonce, JSONResponse({"tools": self._schemas}))
 
     async def _call(self, request: Request) -> Response:
-        if (refused := self._refused(request)) is not None:
+        nonce, refused = self._verify(request)
+        if refused is not None:
             return refused
+        return self._signed(nonce, await self._answer_call(request))
+
+    async def _answer_call(self, request: Request) -> Response:
         name = request.path_params["name"]
         tool = self.tools.get(name)
         if tool is None:
             return _error(404, f"unknown tool {name!r}; served: {', '.join(self.tools) or 'none'}")
-        body = await _read_json_body(request)
+        body = await _read_json_body(request, self._verifier)
         if isinstance(body, Response):
             return body
         arguments, episode_id = body.get("arguments"), body.get("episode_id", "")
@@ -189,16 +198,22 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-async def _read_json_body(request: Request) -> dict[str, Any] | Response:
-    """The body as a JSON object, or the 4xx response saying what is wrong with it."""
+async def _read_json_body(
+    request: Request, verifier: RequestVerifier | None
+) -> dict[str, Any] | Response:
+    """The body as a JSON object, or the 4xx response saying what is wrong with it (a body other
+    than the one the client signed among them)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
             return _error(413, f"request body larger than {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
+    raw = b"".join(chunks)
+    if verifier is not None and not verifier.body_matches(request.headers, raw):
+        return _error(401, "unauthorized: the body is not the one that was signed")
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return _error(
             400,

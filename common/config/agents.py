@@ -188,7 +188,9 @@ class ToolServerConfig(Section):
     max_concurrent_calls: int = Field(default=32, gt=0)
     """Calls running at once; more wait in line (a client's own limit is tools.remote.max_concurrent)."""
     token: str | None = Field(default=None, min_length=16)
-    """Shared secret: when set, the tool server refuses (HTTP 401) every request but GET /health
-    without `Authorization: Bearer <token>`, and rollout servers (tools.remote) send it. At least 16
+    """Shared secret: when set, rollout servers (tools.remote) sign every request with it and the
+    tool server signs every answer, so each proves it holds it without sending it; the tool server
+    refuses (HTTP 401) every request but GET /health that is unsigned, wrongly signed or replayed,
+    and the rollout servers accept no answer it did not sign. At least 16
     characters, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`; null: no check
     (fine on loopback)."""

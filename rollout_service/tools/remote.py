@@ -9,12 +9,15 @@ unknown tool, a refused request), comes back as ``ToolResult(ok=False)`` naming 
 problem, for the model (and the failure metrics) to see. Retrying a timed-out call may run it
 twice on the server; tool calls are treated as idempotent, like the model retrying by hand.
 ``fetch_schemas`` is the synchronous start-up counterpart: it learns what a server offers and fails
-loudly, naming the config key, when it cannot be reached. Both send ``tool_server.token``, when one
-is configured, as ``Authorization: Bearer``; a refusal (401) is never retried and names that key.
+loudly, naming the config key, when it cannot be reached. With ``tool_server.token`` configured,
+both sign every request and accept only answers the server signed (`rollout_service.tools.auth`:
+no secret on the wire, and a listener without the token at the server's address gets nothing
+in); a refusal (401) or an unsigned answer is never retried and names that key.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -24,6 +27,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from rollout_service.tools.auth import response_is_genuine, sign_request
 from rollout_service.tools.base import ToolContext, ToolResult, invalid_args
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
@@ -32,9 +36,11 @@ _URL_KEY = "tools.remote.url"
 _TOKEN_KEY = "tool_server.token"
 
 
-def auth_headers(token: str | None) -> dict[str, str]:
-    """The headers that authenticate a client to a tool server with ``token`` (none without one)."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def _unsigned(url: str) -> str:
+    return (
+        f"tool server {url} did not prove it holds {_TOKEN_KEY} (its answer is not signed with "
+        "it): another process at that address, or a server with another token"
+    )
 
 
 class RemoteToolClient:
@@ -54,11 +60,11 @@ class RemoteToolClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._token = token
         self._limiter = anyio.CapacityLimiter(max_concurrent)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=timeout_s,
-            headers=auth_headers(token),
             limits=httpx.Limits(
                 max_connections=max_concurrent, max_keepalive_connections=max_concurrent
             ),
@@ -74,7 +80,7 @@ class RemoteToolClient:
     async def call(
         self, name: str, arguments: dict[str, Any], *, episode_id: str = ""
     ) -> ToolResult:
-        body = {"arguments": arguments, "episode_id": episode_id}
+        body = json.dumps({"arguments": arguments, "episode_id": episode_id}).encode()
         path = f"/call/{quote(name, safe='')}"
         attempts = self.retries + 1
         last_problem = ""
@@ -87,7 +93,18 @@ class RemoteToolClient:
                 # The limit counts requests in flight, not calls sleeping between retries.
                 async with self._limiter:
                     with anyio.fail_after(self.timeout_s):  # whole request, not per read
-                        response = await self._http.post(path, json=body)
+                        # signed afresh each attempt: the server refuses a nonce it has seen
+                        signed = (
+                            sign_request(self._token, "POST", path, body) if self._token else None
+                        )
+                        response = await self._http.post(
+                            path,
+                            content=body,
+                            headers={
+                                "content-type": "application/json",
+                                **(signed.headers if signed else {}),
+                            },
+                        )
             except TimeoutError:
                 last_problem = f"no response within {self.timeout_s:g} s"
                 continue
@@ -100,6 +117,18 @@ class RemoteToolClient:
                 last_problem = f"HTTP {response.status_code}: {_error_text(response)}"
                 delay = _retry_after(response)
                 continue
+            if (
+                signed is not None
+                and not response_is_genuine(
+                    self._token or "",
+                    signed.nonce,
+                    response.status_code,
+                    response.content,
+                    response.headers,
+                )
+                and response.status_code != 401
+            ):
+                return ToolResult(text=f"error: {_unsigned(self.url)}", ok=False)
             return self._result(name, response)
         return ToolResult(
             text=f"error: tool server {self.url} unreachable after {attempts} attempts: {last_problem}",
@@ -209,8 +238,11 @@ def fetch_schemas(
     for attempt in range(attempts):
         if attempt:
             time.sleep(0.25 * 2 ** (attempt - 1))
+        signed = sign_request(token, "GET", "/tools") if token else None
         try:
-            response = httpx.get(f"{base}/tools", timeout=timeout_s, headers=auth_headers(token))
+            response = httpx.get(
+                f"{base}/tools", timeout=timeout_s, headers=signed.headers if signed else None
+            )
         except httpx.TransportError as exc:
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             continue
@@ -223,6 +255,10 @@ def fetch_schemas(
                 f"{_TOKEN_KEY}: tool server {base} requires a token and {given} "
                 f"({_error_text(response)}); set the server's token in this config too"
             )
+        if signed is not None and not response_is_genuine(
+            token or "", signed.nonce, response.status_code, response.content, response.headers
+        ):
+            raise ValueError(f"{_TOKEN_KEY}: {_unsigned(base)}")
         try:
             return _schemas_from(response)
         except ValueError as exc:
