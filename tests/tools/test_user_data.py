@@ -234,12 +234,15 @@ def test_the_agentfly_gsm8k_example_checks_and_trains(
 
 
 @pytest.mark.e2e
-def test_overlong_shaping_and_rollout_correction_train_with_verls_keys(
+def test_verls_dapo_keys_train_together(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """verl's keys of over-long shaping and rollout correction train 2 steps through bin/train, and
-    their metrics reach metrics.jsonl. The scripted engine's answers are ~10 tokens: a buffer of 8
-    before max_resp_len 12 penalises them."""
+    """verl's keys of over-long shaping, rollout correction and dynamic sampling (a DAPO recipe's)
+    train 3 steps through one bin/train, and their metrics reach metrics.jsonl.
+
+    The scripted engine answers in rotation with an answer, the same answer and no answer, so of a
+    prompt's 2 episodes some agree on has_answer (the group is filtered) and some do not (trained).
+    Its answers are longer than 4 tokens: a buffer of 8 before max_resp_len 12 penalises them."""
     model, rows = assets
     data = verl_parquet(tmp_path / "train.parquet", rows)
     overlong = "reward.reward_kwargs.overlong_buffer_cfg"
@@ -254,31 +257,6 @@ def test_overlong_shaping_and_rollout_correction_train_with_verls_keys(
         f"{correction}.rollout_is_threshold=2.0",
         f"{correction}.rollout_rs=seq_max_k3",
         f"{correction}.rollout_rs_threshold=1000.0",
-        *cpu_size(tmp_path),
-        timeout=600,
-    )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:
-        assert r["reward/overlong_frac"] > 0 and r["reward/overlong_penalty_mean"] < 0
-        assert r["reward/shaped_mean"] < r["reward/mean"]
-        for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
-            assert f"rollout_corr/{key}" in r, key
-
-
-@pytest.mark.e2e
-def test_dynamic_sampling_trains_with_verls_keys_and_reports_filtered_groups(
-    assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
-) -> None:
-    """verl's algorithm.filter_groups keys train 3 steps through bin/train. The scripted engine
-    answers in rotation with an answer, the same answer and no answer, so of a prompt's 2 episodes
-    some agree on has_answer (the group is filtered) and some do not (trained)."""
-    model, rows = assets
-    data = verl_parquet(tmp_path / "train.parquet", rows)
-    out = train(
-        *verl_parquet_run(model, data),
         "algorithm.filter_groups.enable=True",
         "algorithm.filter_groups.metric=has_answer",
         "algorithm.filter_groups.max_num_gen_batches=0",
@@ -291,6 +269,11 @@ def test_dynamic_sampling_trains_with_verls_keys_and_reports_filtered_groups(
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["reward/overlong_frac"] > 0 and r["reward/overlong_penalty_mean"] < 0
+        assert r["reward/shaped_mean"] < r["reward/mean"]
+        for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
+            assert f"rollout_corr/{key}" in r, key
     last = records[-1]
     assert last["rollout/filtered_groups"] > 0 and 0 < last["rollout/filtered_frac"] < 1
     assert last["rollout/filtered_frac/openai/gsm8k"] == last["rollout/filtered_frac"]
