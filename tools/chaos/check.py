@@ -26,7 +26,8 @@ from protocol.slot_files import PREFIX
 from rollout_service.recording import BatchFileError, read_recording
 
 if TYPE_CHECKING:
-    from tools.chaos.run import Chaos, Report
+    from tools.chaos.state import Report
+    from tools.chaos.state import RunState as Chaos
 
 
 def check(ctx: Chaos, report: Report) -> None:

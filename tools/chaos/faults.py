@@ -16,25 +16,16 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from tools.chaos.netproxy import Link
+from tools.chaos.state import Fault
 
 if TYPE_CHECKING:
-    from tools.chaos.run import Chaos
-
-
-@dataclass
-class Fault:
-    at_s: float  # seconds after the job trained its first step (of this start)
-    kind: str
-    target: str = ""
-    done_at_s: float | None = None
-    note: str = ""
+    from tools.chaos.state import RunState as Chaos
 
 
 def children(run: Path) -> dict[str, Any]:

@@ -22,9 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 import yaml
@@ -32,32 +30,12 @@ import yaml
 from launcher.plan import free_port
 from tools.chaos.check import check
 from tools.chaos.disk import SmallDisk
-from tools.chaos.faults import FAULTS, NETWORK, TARGETS, Fault, children
+from tools.chaos.faults import FAULTS, NETWORK, TARGETS, children
 from tools.chaos.netproxy import FaultProxy
+from tools.chaos.state import Fault, Report
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "bin" / "train"
-
-
-@dataclass
-class Report:
-    seed: int
-    steps: int
-    faults: list[Fault] = field(default_factory=list)
-    restarts_of_the_job: int = 0
-    violations: list[str] = field(default_factory=list)
-    facts: dict[str, Any] = field(default_factory=dict)
-    growth: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def verdict(self) -> str:
-        kinds = sorted({f.kind for f in self.faults if f.done_at_s is not None})
-        head = "PASS" if not self.violations else f"FAIL ({len(self.violations)} violations)"
-        return (
-            f"{head}: seed {self.seed}, {self.facts.get('steps_reached', 0)}/{self.steps} steps, "
-            f"{sum(f.done_at_s is not None for f in self.faults)} faults ({', '.join(kinds)}), "
-            f"{self.restarts_of_the_job} job restarts"
-        )
 
 
 class Job:
