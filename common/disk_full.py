@@ -12,6 +12,7 @@ on it is restarted like any other, since space may have been freed by then.
 from __future__ import annotations
 
 import errno
+import traceback
 
 EXIT_DISK_FULL = 74
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -35,6 +36,10 @@ def find(exc: BaseException) -> OSError | None:
 
 
 def describe(e: OSError) -> str:
-    """``No space left on device: /run/x/journal.bin``: the path is what the operator acts on."""
-    path = e.filename if e.filename is not None else "(a file of the run)"
-    return f"{e.strerror or 'the disk is full'}: {path}"
+    """``No space left on device: /run/x/journal.bin``: the path is what the operator acts on.
+    A write to a file already open names no path: then the code that wrote it is named."""
+    if e.filename is not None:
+        return f"{e.strerror or 'the disk is full'}: {e.filename}"
+    frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ is not None else []
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+    return f"{e.strerror or 'the disk is full'}: a file written at {where}"

@@ -519,3 +519,14 @@ def test_check_refuses_a_sink_whose_package_is_missing(config_file: Path) -> Non
 
     config = load(str(config_file), ["trainer.logger=[console,wandb]"], check_paths=False)
     assert run(config, config_file.parent) == 2
+
+
+def test_a_full_disk_without_a_path_names_the_code_that_wrote() -> None:
+    from common import disk_full
+
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as e:
+        said = disk_full.describe(e)
+    assert said.startswith("No space left on device: a file written at ")
+    assert "test_cli_entrypoints.py:" in said
