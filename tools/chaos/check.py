@@ -106,21 +106,26 @@ def _leftovers(ctx: Chaos, report: Report) -> None:
 
 def _growth(ctx: Chaos, report: Report) -> None:
     """Per process incarnation observed for ``--min-observed-s``: RSS and fd growth from the middle
-    of that span (start-up allocations settled) to its end, per hour; the bounds."""
+    of that span (start-up allocations and a warm-up peak settled) to its end, per hour; the
+    bounds. Its samples go into the report too, one a minute, for a plot or a second look."""
     a = ctx.args
     for name, series in ctx.samples.items():
-        if series[-1][0] - series[0][0] < a.min_observed_s:  # too short-lived to say
+        start, end = series[0][0], series[-1][0]
+        if end - start < a.min_observed_s:  # too short-lived to say
             continue
-        settle = [s for s in series if s[0] - series[0][0] >= a.min_observed_s / 2]
-        t0, rss0, fd0 = settle[0]
+        t0, rss0, fd0 = next(s for s in series if s[0] >= (start + end) / 2)
         t1, rss1, fd1 = series[-1]
         hours = max((t1 - t0) / 3600, 1e-9)
+        minutes: dict[int, tuple[float, float, int]] = {}
+        for t, rss, fds in series:
+            minutes.setdefault(int((t - start) // 60), (round(t - start), round(rss, 1), fds))
         report.growth[name] = {
             "rss_mib": round(rss1, 1),
             "rss_mib_per_h": round((rss1 - rss0) / hours, 1),
             "fds": fd1,
             "fds_growth": fd1 - fd0,
             "seconds": round(t1 - t0),
+            "samples_s_rss_fds": list(minutes.values()),
         }
         if rss1 - rss0 > a.max_rss_growth_mib:
             report.violations.append(

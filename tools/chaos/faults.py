@@ -91,10 +91,18 @@ def _link(ctx: Chaos, server: str) -> Link | None:
     return next((link for link in ctx.proxy.links() if link.client_port in ports), None)
 
 
+LINK_WAIT_S = 90.0
+"""How long a network fault waits for its server's connection: right after a restart of the job or
+of the server (vLLM's start), it has none yet, and a fault that found none would test nothing."""
+
+
 def _net(action: Callable[[Chaos, Link], str]) -> Callable[[Chaos, Fault], str]:
     def inject(ctx: Chaos, fault: Fault) -> str:
-        link = _link(ctx, fault.target)
-        return "no connection" if link is None else action(ctx, link)
+        end = time.monotonic() + LINK_WAIT_S
+        while (link := _link(ctx, fault.target)) is None and time.monotonic() < end:
+            ctx.sample()
+            time.sleep(0.5)
+        return f"no connection within {LINK_WAIT_S:g} s" if link is None else action(ctx, link)
 
     return inject
 

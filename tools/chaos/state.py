@@ -31,15 +31,21 @@ class Report:
     restarts_of_the_job: int = 0
     violations: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
-    growth: dict[str, dict[str, float]] = field(default_factory=dict)
+    growth: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def landed(self) -> list[Fault]:
+        """The faults injected that found their target (not "no such process", "no connection")."""
+        return [f for f in self.faults if f.done_at_s is not None and not f.note.startswith("no ")]
 
     @property
     def verdict(self) -> str:
-        kinds = sorted({f.kind for f in self.faults if f.done_at_s is not None})
+        kinds = sorted({f.kind for f in self.landed})
         head = "PASS" if not self.violations else f"FAIL ({len(self.violations)} violations)"
+        done = sum(f.done_at_s is not None for f in self.faults)
         return (
             f"{head}: seed {self.seed}, {self.facts.get('steps_reached', 0)}/{self.steps} steps, "
-            f"{sum(f.done_at_s is not None for f in self.faults)} faults ({', '.join(kinds)}), "
+            f"{done} faults, {len(self.landed)} landed ({', '.join(kinds)}), "
             f"{self.restarts_of_the_job} job restarts"
         )
 
