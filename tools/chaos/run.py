@@ -166,6 +166,9 @@ class Chaos:
                     except psutil.Error:
                         continue
 
+    def job_alive(self) -> bool:
+        return self.job is not None and self.job.alive()
+
     def steps_reached(self) -> int:
         path = self.run / "metrics.jsonl"
         steps = [0]
@@ -221,7 +224,7 @@ class Chaos:
         a = self.args
         deadline = time.monotonic() + a.timeout_s
         pending = list(report.faults)
-        may_stop_until, disk_fault = 0.0, Fault(0.0, "")
+        disk_fault: Fault | None = None  # the last full disk of this start of the job
         started: float | None = None  # the schedule's clock: the first training step, kept across
         # the job's restarts (else every restart would start the schedule over, and faults due
         # late would fall after the run)
@@ -241,19 +244,17 @@ class Chaos:
                     fault.note = FAULTS[fault.kind](self, fault)
                     fault.done_at_s = round(time.monotonic() - started, 1)
                     if self.job_may_stop:
-                        self.job_may_stop, may_stop_until = False, time.monotonic() + 60.0
-                        disk_fault = fault
+                        self.job_may_stop, disk_fault = False, fault
                 time.sleep(0.5)
             if time.monotonic() >= deadline:
                 return
             if self.job_must_restart:
                 job.proc.wait(timeout=max(1.0, a.stop_wait_s))  # bin/train stops the rest itself
-            elif job.alive() or time.monotonic() > may_stop_until:
+            elif job.alive() or disk_fault is None or not (said := _disk_line(job.out)):
                 return  # done, or ended by no fault of ours: the check says which
-            else:  # a full disk stopped it: how it said so goes in the fault's note
-                disk_fault.note += f"; the job stopped (exit {job.proc.returncode}): " + (
-                    _disk_line(job.out) or "no line named the disk"
-                )
+            else:  # it stopped on the full disk, saying so (however long after: faults block)
+                disk_fault.note += f"; the job stopped (exit {job.proc.returncode}): {said}"
+            disk_fault = None
             report.restarts_of_the_job += 1
 
     def _stop(self, job: Job) -> None:
