@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -239,19 +240,24 @@ def test_derived_server_id_is_saved(
     )
 
 
-def test_failing_run_exits_1_and_logs_the_error(
-    config_file: Path, fake_app: str, restore_logging: None
-) -> None:
+def _run_learner(config_file: Path, target: str) -> tuple[int, dict[str, Any]]:
+    """The exit status of the learner's CLI running ``target``, and its last log record."""
     status = cli.main(
         ["--config", str(config_file)],
         prog="learner",
         description="test",
-        target=f"{fake_app}:crash",
+        target=target,
         component="learner",
     )
-    assert status == 1
     log = (config_file.parent / "runs" / "clitest" / "logs" / "learner.jsonl").read_text()
-    failure = json.loads(log.splitlines()[-1])
+    return status, json.loads(log.splitlines()[-1])
+
+
+def test_failing_run_exits_1_and_logs_the_error(
+    config_file: Path, fake_app: str, restore_logging: None
+) -> None:
+    status, failure = _run_learner(config_file, f"{fake_app}:crash")
+    assert status == 1
     assert failure["event"] == "run failed" and failure["level"] == "error"
     assert "boom" in json.dumps(failure["exception"])
 
@@ -259,16 +265,8 @@ def test_failing_run_exits_1_and_logs_the_error(
 def test_a_full_disk_exits_74_with_one_line_naming_the_path(
     config_file: Path, fake_app: str, restore_logging: None
 ) -> None:
-    status = cli.main(
-        ["--config", str(config_file)],
-        prog="learner",
-        description="test",
-        target=f"{fake_app}:disk_full",
-        component="learner",
-    )
+    status, stop = _run_learner(config_file, f"{fake_app}:disk_full")
     assert status == 74
-    log = (config_file.parent / "runs" / "clitest" / "logs" / "learner.jsonl").read_text()
-    stop = json.loads(log.splitlines()[-1])
     assert stop["event"] == "stopped: the disk is full" and "exception" not in stop
     assert stop["error"] == "No space left on device: /full/run/journal.bin"
 
