@@ -137,9 +137,12 @@ class RemoteToolClient:
 
     def _result(self, name: str, response: httpx.Response) -> ToolResult:
         if response.status_code == 401:
+            # A refusal cannot be signed (the server did not trust the request), so its text may
+            # come from anyone at that address: the model reads none of it when we sign.
+            why = "" if self._token else f": {_error_text(response)}"
             return ToolResult(
-                text=f"error: tool server {self.url} refused the call of {name!r}: "
-                f"{_error_text(response)} (check {_TOKEN_KEY} on both sides)",
+                text=f"error: tool server {self.url} refused the call of {name!r}{why} "
+                f"(check {_TOKEN_KEY} on both sides)",
                 ok=False,
             )
         if response.status_code != 200:
