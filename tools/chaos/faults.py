@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from tools.chaos.netproxy import Link
+from tools.chaos.netproxy import FaultProxy, Link
 from tools.chaos.state import Fault
 
 if TYPE_CHECKING:
@@ -96,7 +96,9 @@ LINK_WAIT_S = 90.0
 of the server (vLLM's start), it has none yet, and a fault that found none would test nothing."""
 
 
-def _net(action: Callable[[Chaos, Link], str]) -> Callable[[Chaos, Fault], str]:
+def _net(
+    action: Callable[[Chaos, FaultProxy, Link], str],
+) -> Callable[[Chaos, Fault], str]:
     def inject(ctx: Chaos, fault: Fault) -> str:
         end = time.monotonic() + LINK_WAIT_S
         while (link := _link(ctx, fault.target)) is None and time.monotonic() < end:
@@ -104,35 +106,33 @@ def _net(action: Callable[[Chaos, Link], str]) -> Callable[[Chaos, Fault], str]:
                 break
             ctx.sample()
             time.sleep(0.5)
-        return "no connection" if link is None else action(ctx, link)
+        if link is None or ctx.proxy is None:
+            return "no connection"
+        return action(ctx, ctx.proxy, link)
 
     return inject
 
 
-def _partition(ctx: Chaos, link: Link) -> str:
+def _partition(ctx: Chaos, proxy: FaultProxy, link: Link) -> str:
     seconds = ctx.rng.uniform(3.0, 10.0)
-    assert ctx.proxy is not None
-    ctx.proxy.partition(link, seconds)
+    proxy.partition(link, seconds)
     return f"nothing carried for {seconds:.1f} s"
 
 
-def _delay(ctx: Chaos, link: Link) -> str:
+def _delay(ctx: Chaos, proxy: FaultProxy, link: Link) -> str:
     seconds, delay = ctx.rng.uniform(10.0, 20.0), ctx.rng.uniform(0.05, 0.3)
-    assert ctx.proxy is not None
-    ctx.proxy.impair(link, seconds, delay_s=delay)
+    proxy.impair(link, seconds, delay_s=delay)
     return f"{delay * 1000:.0f} ms each way for {seconds:.1f} s"
 
 
-def _loss(ctx: Chaos, link: Link) -> str:
+def _loss(ctx: Chaos, proxy: FaultProxy, link: Link) -> str:
     seconds, loss = ctx.rng.uniform(10.0, 20.0), ctx.rng.uniform(0.05, 0.25)
-    assert ctx.proxy is not None
-    ctx.proxy.impair(link, seconds, loss=loss)
+    proxy.impair(link, seconds, loss=loss)
     return f"{loss:.0%} of segments retransmitted (0.2-1 s each) for {seconds:.1f} s"
 
 
-def _reset(ctx: Chaos, link: Link) -> str:
-    assert ctx.proxy is not None
-    ctx.proxy.reset(link)
+def _reset(ctx: Chaos, proxy: FaultProxy, link: Link) -> str:
+    proxy.reset(link)
     return "reset"
 
 
