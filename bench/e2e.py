@@ -890,7 +890,9 @@ def close_run(
     # they are all in metrics.jsonl by then.
     result["ok"] = all_steps and (timed_out or result["exit_status"] == 0)
     if result["ok"]:
-        late = f" (stopped at its limit of {limit_s:.0f} s after its last step)" if timed_out else ""
+        late = (
+            f" (stopped at its limit of {limit_s:.0f} s after its last step)" if timed_out else ""
+        )
         progress(f"  {tag}: done in {result['wall_s']:.1f} s{late}")
         return
     why = (
@@ -932,6 +934,20 @@ class RefusalWatch:
         return self.count >= self.LIMIT
 
 
+def tokens_per_s(steps: list[dict[str, Any]]) -> float | None:
+    """The steps' tokens over their time. Not the mean of each step's ``perf/tokens_per_s``: an
+    async run alternates short steps and steps that wait for data, with about the same tokens, and
+    that mean would count the short ones as the run's pace."""
+    pairs = [
+        (float(r["perf/tokens_per_s"]) * float(r["timing/step_s"]), float(r["timing/step_s"]))
+        for r in steps
+        if isinstance(r.get("perf/tokens_per_s"), (int, float))
+        and isinstance(r.get("timing/step_s"), (int, float))
+    ]
+    seconds = sum(t for _, t in pairs)
+    return round(sum(n for n, _ in pairs) / seconds, 4) if seconds > 0 else None
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the steps after the first (all of them when there is only one), curves, weights/*."""
     out: dict[str, Any] = {"steps_done": len(records)}
@@ -945,6 +961,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         return round(sum(vals) / len(vals), 4) if vals else None
 
     out["means"] = {k: mean(k) for k in (*TIMINGS, *EXTRA_MEANS)}
+    out["means"]["perf/tokens_per_s"] = tokens_per_s(body)
     weight_keys = sorted({k for r in records for k in r if k.startswith("weights/")})
     out["weights"] = {k: mean(k) for k in weight_keys}
     out["step1"] = {

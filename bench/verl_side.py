@@ -383,7 +383,7 @@ def _mean(values: list[float]) -> float | None:
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The report's figures of one verl run, from its stamped records: per version (step) after the
     first (start-up), the wall-clock between versions, its split as verl times it, tokens/s (prompt
-    and response tokens of the version / its wall-clock), the reward and the clock curves."""
+    and response tokens of those versions / their wall-clock), the reward and the clock curves."""
     steps = by_version(records)
     if not steps:
         return {"steps_done": 0}
@@ -395,17 +395,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if mean is not None:
             split[name] = round(split.get(name, 0.0) + mean, 4)
     split["step"] = _mean(walls) or 0.0
-    tokens = [
-        float(s["perf/total_num_tokens"]) / w
+    counted = [
+        (float(s["perf/total_num_tokens"]), w)
         for s, w in zip(body, walls, strict=True)
         if isinstance(s.get("perf/total_num_tokens"), (int, float)) and w > 0
     ]
+    seconds = sum(w for _, w in counted)  # tokens over time, as bench/e2e.py counts ours
     t0 = steps[0]["t"]
     return {
         "steps_done": len(steps),
         "split_s": split,
         "step_s_each": [round(w, 3) for w in walls],
-        "tokens_per_s": _mean(tokens),
+        "tokens_per_s": round(sum(n for n, _ in counted) / seconds, 4) if seconds else None,
         "response_length_mean": _mean(
             [float(s["response_length/mean"]) for s in body if "response_length/mean" in s]
         ),

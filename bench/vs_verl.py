@@ -63,13 +63,6 @@ from bench import _placement, verl_side  # noqa: E402
 from bench import vs_verl_report as reporting  # noqa: E402
 from bench._common import GpuMemory, Progress, tail  # noqa: E402
 
-OUR_TIMINGS = {
-    "timing/wait_s": "wait",
-    "timing/prepare_s": "prepare",
-    "timing/update_s": "update",
-    "timing/broadcast_s": "broadcast",
-    "timing/step_s": "step",
-}
 REWARD_WINDOW = 5
 CAVEATS = [
     "verl caps a turn only by the whole response budget; ours also at 64 tokens a turn",
@@ -345,7 +338,7 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     progress(f"ours: staleness {a.staleness}, {a.steps} steps, {a.repeats} repeat(s)")
     run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))
     e2e = json.loads(results.read_text()) if results.exists() else {"runs": []}
-    out = ours_configs(e2e)
+    out = reporting.ours_configs(e2e)
     if e2e.get("pending"):
         progress(f"ours: {len(e2e['pending'])} runs pending: call --stage ours again")
     if not out:
@@ -353,39 +346,6 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             {"label": "ours", "side": "ours", **run, "log_tail": tail(work / "ours-e2e.log")}
         )
     return out
-
-
-def ours_configs(e2e: dict[str, Any]) -> list[dict[str, Any]]:
-    """bench/e2e.py's results, one report configuration per run."""
-    where = (e2e.get("placement") or {}).get("description")  # a run names only its spec
-    return [our_run(r, where) for r in e2e.get("runs", [])]
-
-
-def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
-    """One run of bench/e2e.py's results in the report's terms; ``placement`` is the results'
-    description of it (each run carries only the spec string)."""
-    m = r.get("means", {})
-    memory = r.get("gpu_memory") or {}
-    return {
-        "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
-        "side": "ours",
-        "repeat": r.get("repeat", 1),
-        "placement": placement or r.get("placement"),
-        "max_staleness": r["max_staleness"],
-        "exit_status": r.get("exit_status"),
-        "timed_out": r.get("timed_out"),
-        "wall_s": r.get("wall_s"),
-        "steps_done": r.get("steps_done"),
-        "split_s": {n: m[k] for k, n in OUR_TIMINGS.items() if m.get(k) is not None},
-        "tokens_per_s": m.get("perf/tokens_per_s"),
-        "response_length_mean": m.get("response/length_mean"),
-        "reward_curve": r.get("reward_curve"),
-        "clock_curve": r.get("clock_curve"),
-        "waste": r.get("waste"),
-        "staleness_max": r.get("staleness_max"),
-        "peak_gpu_mib": memory.get("peak_gpu_mib"),
-        "timeline": r.get("timeline"),
-    }
 
 
 # -- report -----------------------------------------------------------------------------------------

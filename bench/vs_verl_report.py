@@ -34,14 +34,61 @@ SPLIT_KEYS = (
 )
 
 
+OUR_TIMINGS = {
+    "timing/wait_s": "wait",
+    "timing/prepare_s": "prepare",
+    "timing/update_s": "update",
+    "timing/broadcast_s": "broadcast",
+    "timing/step_s": "step",
+}
+
+
 def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def load_runs(work: Path) -> list[dict[str, Any]]:
-    """Every run of ``work``: verl's, one file each, then ours from the ours stage's file."""
-    files = [*sorted(work.glob("vs_verl-verl-*.json")), work / "vs_verl-ours.json"]
-    return [c for f in files for c in (load(f) or {}).get("configs", [])]
+    """Every run of ``work``: verl's, one file each, then ours from bench/e2e.py's results there
+    (``ours-e2e.json``, whether the ours stage or bench/e2e.py itself wrote them)."""
+    verl = [
+        c
+        for f in sorted(work.glob("vs_verl-verl-*.json"))
+        for c in (load(f) or {}).get("configs", [])
+    ]
+    return verl + ours_configs(load(work / "ours-e2e.json") or {})
+
+
+def ours_configs(e2e: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/e2e.py's results, one report configuration per run."""
+    where = (e2e.get("placement") or {}).get("description")  # a run names only its spec
+    return [our_run(r, where) for r in e2e.get("runs", [])]
+
+
+def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
+    """One run of bench/e2e.py's results in the report's terms; ``placement`` is the results'
+    description of it (each run carries only the spec string)."""
+    m = r.get("means", {})
+    memory = r.get("gpu_memory") or {}
+    return {
+        "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
+        "side": "ours",
+        "repeat": r.get("repeat", 1),
+        "placement": placement or r.get("placement"),
+        "max_staleness": r["max_staleness"],
+        "exit_status": r.get("exit_status"),
+        "timed_out": r.get("timed_out"),
+        "wall_s": r.get("wall_s"),
+        "steps_done": r.get("steps_done"),
+        "split_s": {n: m[k] for k, n in OUR_TIMINGS.items() if m.get(k) is not None},
+        "tokens_per_s": m.get("perf/tokens_per_s"),
+        "response_length_mean": m.get("response/length_mean"),
+        "reward_curve": r.get("reward_curve"),
+        "clock_curve": r.get("clock_curve"),
+        "waste": r.get("waste"),
+        "staleness_max": r.get("staleness_max"),
+        "peak_gpu_mib": memory.get("peak_gpu_mib"),
+        "timeline": r.get("timeline"),
+    }
 
 
 def _finished(run: dict[str, Any]) -> bool:

@@ -46,6 +46,13 @@ def test_read_metrics_and_summary(tmp_path: Path) -> None:
     assert s["weights"] == {"weights/applied_s": 1.25} and s["step1"]["timing/step_s"] == 10.0
     assert s["reward_curve"] == [0.1, 0.2, 0.3] and s["turns_mean"] == 1.5
     assert e2e.summarize([]) == {"steps_done": 0}
+    # tokens/s is the steps' tokens over their time: a 1 s step and a 9 s step of 9,000 tokens
+    # each make 1,800 tokens/s, not the 5,500 of their per-step figures' mean
+    paced = [
+        {"step": 1},
+        *({"step": t, "timing/step_s": t, "perf/tokens_per_s": 9000 / t} for t in (1, 9)),
+    ]
+    assert e2e.summarize(paced)["means"]["perf/tokens_per_s"] == 1800.0
     assert e2e.summarize(got[:1])["mean_over_steps"] == [1]  # one step: it is the mean
     assert "FAILED" in e2e.table([{"max_staleness": 0, "ok": False, "error": "x", **s}])
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench import verl_side, vs_verl  # noqa: E402
+from bench import vs_verl_report as reporting  # noqa: E402
 
 
 def test_verl_parquet_reads_back_as_our_rows(tmp_path: Path) -> None:
@@ -105,7 +106,7 @@ def test_ours_configurations_name_the_placement() -> None:
     """bench/e2e.py's results (a real 4-GPU run, docs/gpu) in the report's terms: each run names
     the results' placement, though a run itself carries only the spec string."""
     e2e = json.loads((ROOT / "docs/gpu/h200x4_bench_e2e_longtail_s0_s2.json").read_text())
-    out = vs_verl.ours_configs(e2e)
+    out = reporting.ours_configs(e2e)
     assert [c["label"] for c in out] == ["ours-sync", "ours-async-s2"] * 2
     assert {c["placement"] for c in out} == {e2e["placement"]["description"]}
     assert all(c["split_s"]["step"] > 0 for c in out)
@@ -164,16 +165,26 @@ def test_report_against_the_best_sync_and_each_verl_run(tmp_path: Path) -> None:
 
     verl = [cfg("verl-sync", "verl", 8.0, 1000.0), cfg("verl-fully-async-t1", "verl", 5.0, 1600.0)]
     verl.append(cfg("verl-fully-async-t1", "verl", 6.0, 1400.0, repeat=2))
-    ours = [cfg("ours-sync", "ours", 6.0, 1300.0), cfg("ours-async-s2", "ours", 2.0, 4000.0)]
-    ours += [
-        cfg("ours-async-s2", "ours", 3.0, 3000.0, 2),
-        cfg("ours-async-s2", "ours", 2.5, 3500.0, 3),
-    ]
-    ours.append(cfg("ours-async-s1", "ours", 1.0, 9.0) | {"steps_done": 0})  # failed: not a figure
+
+    def e2e_run(k: int, step: float, tps: float, repeat: int = 1, steps: int = 3) -> dict:
+        """A run as bench/e2e.py's results hold it (the report reads ours from there)."""
+        label = "sync" if k == 0 else f"async-s{k}"
+        means = {"timing/step_s": step, "perf/tokens_per_s": tps}
+        return {
+            "label": label,
+            "max_staleness": k,
+            "repeat": repeat,
+            "steps_done": steps,
+            "means": means,
+        }
+
+    ours = [e2e_run(0, 6.0, 1300.0), e2e_run(2, 2.0, 4000.0)]
+    ours += [e2e_run(2, 3.0, 3000.0, 2), e2e_run(2, 2.5, 3500.0, 3)]
+    ours.append(e2e_run(1, 1.0, 9.0, steps=0))  # failed: not a figure
     for c in verl:
         path = tmp_path / f"vs_verl-verl-{c['label']}-r{c['repeat']}.json"
         path.write_text(json.dumps({"configs": [c]}))
-    (tmp_path / "vs_verl-ours.json").write_text(json.dumps({"configs": ours}))
+    (tmp_path / "ours-e2e.json").write_text(json.dumps({"runs": ours}))
     out = vs_verl.report(tmp_path, None)
     assert out["best_sync"] == "ours-sync"
     s2 = out["configurations"]["ours-async-s2"]
