@@ -585,6 +585,23 @@ async def test_logprobs_after_an_update_match_the_new_weights(rig: Rig) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.e2e
+async def test_the_engine_starts_with_the_onednn_cache_capped(rig: Rig) -> None:
+    """Issue 36, item 9: under oneDNN's default cache each vLLM worker grew ~0.7 MiB a weight
+    update in a long run. The engine's processes inherit the cap from the process that started
+    the engine (their own /proc environ is overwritten by vLLM's process titles, so it is read
+    here, where it was set)."""
+    import os
+
+    from rollout_service.engine.vllm_compat import ONEDNN_CACHE_CAPACITY, vllm_info
+
+    if vllm_info().platform != "cpu":
+        pytest.skip("the cap is set for vLLM's CPU platform (oneDNN's kernels) only")
+    assert rig.engine.child_pids, "vLLM should have started an engine-core process"
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == ONEDNN_CACHE_CAPACITY
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
 async def test_shutdown_leaves_no_child_processes(rig: Rig) -> None:
     import psutil
 

@@ -69,6 +69,7 @@ class Chaos:
         self.disk = SmallDisk(self.run, args.disk_mib) if "disk-full" in kinds else None
         self.samples: dict[str, list[tuple[float, float, int]]] = {}  # name -> (t, rss MiB, fds)
         self.seen: dict[int, float] = {}  # every process of the run: pid -> start time
+        self._metrics_pos, self._step = 0, 0  # steps_reached's place in metrics.jsonl
 
     # -- set-up ----------------------------------------------------------------------------------
     def config(self) -> Path:
@@ -146,6 +147,8 @@ class Chaos:
 
     # -- the run ---------------------------------------------------------------------------------
     def sample(self) -> None:
+        if self.steps_reached() >= self.args.steps:  # the job is stopping: that is not growth
+            return
         now = time.time()
         for name, child in children(self.run).items():
             pids = [int(child["pid"])] if child.get("pid") else []
@@ -170,15 +173,26 @@ class Chaos:
         return self.job is not None and self.job.alive()
 
     def steps_reached(self) -> int:
+        """The highest step in the run's metrics.jsonl, read on from where the last call stopped
+        (it is called twice a second, and the file grows by a line a step); a file shorter than
+        that, written anew, is read from its start."""
         path = self.run / "metrics.jsonl"
-        steps = [0]
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    steps.append(int(json.loads(line)["step"]))
-                except (ValueError, KeyError):
-                    continue
-        return max(steps)
+        try:
+            if path.stat().st_size < self._metrics_pos:
+                self._metrics_pos, self._step = 0, 0
+            with path.open("rb") as f:
+                f.seek(self._metrics_pos)
+                chunk = f.read()
+        except OSError:
+            return self._step
+        end = chunk.rfind(b"\n") + 1  # whole lines only
+        self._metrics_pos += end
+        for line in chunk[:end].splitlines():
+            try:
+                self._step = max(self._step, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return self._step
 
     def wait_training(self, job: Job, deadline: float, after: int) -> bool:
         """Until the job trains a step past ``after``: faults hit a running job, not its start."""
