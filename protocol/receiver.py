@@ -519,7 +519,7 @@ class LearnerProtocol:
             self.routing.relay_joined(identity, msg)
             return [*replaced, PeerJoined(msg.peer_id, msg)]
         caps = [ADMISSION_CAPABILITY] if self.admission and peer.admits else []
-        self._send(identity, codec.encode(self._welcome(credits, stream.next_seq, caps)))
+        self._send(identity, codec.encode(welcome(self, credits, stream.next_seq, caps)))
         if self.routing.published and (
             msg.policy_version < 0 or msg.policy_version < self.policy_version
         ):
@@ -595,31 +595,9 @@ class LearnerProtocol:
             if n:
                 self._out.append((p.identity, codec.encode(Ack([], n))))
 
-    def _welcome(
-        self, credits: int, next_seq: int, capabilities: list[str], relay_upstream: str = ""
-    ) -> Welcome:
-        return Welcome(
-            protocol_version=list(self.version),
-            peer_id=self.peer_id,
-            session_id=self.session_id,
-            credits=credits,
-            policy_version=self.policy_version,
-            next_seq=next_seq,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            limits=Limits(
-                self.limits.max_message_bytes,
-                self.limits.max_trajectories_per_batch,
-                self.limits.max_tokens_per_trajectory,
-                self.max_frame_bytes,
-            ),
-            capabilities=capabilities,
-            relay_upstream=relay_upstream,
-        )
-
     def _relay_welcome(self, upstream: str) -> Welcome:
         """A weight relay's WELCOME: no credits, its place in the chain (``relay_upstream``)."""
-        return self._welcome(0, 1, [WEIGHT_RELAY_CAPABILITY], upstream)
+        return welcome(self, 0, 1, [WEIGHT_RELAY_CAPABILITY], upstream)
 
     def _send(self, identity: bytes, frames: Frames) -> None:
         self._out.append((identity, frames))
@@ -633,6 +611,34 @@ class LearnerProtocol:
     def error_for(self, identity: bytes, code: ErrorCode, message: str) -> None:
         """Queue an ERROR to a peer (used by drivers for transport-level problems)."""
         self._out.append((identity, codec.encode(Error(int(code), message, code.fatal))))
+
+
+def welcome(
+    p: LearnerProtocol,
+    credits: int,
+    next_seq: int,
+    capabilities: list[str],
+    relay_upstream: str = "",
+) -> Welcome:
+    """The WELCOME of a session with ``p``: its identity and settings, and what this peer gets."""
+    return Welcome(
+        protocol_version=list(p.version),
+        peer_id=p.peer_id,
+        session_id=p.session_id,
+        credits=credits,
+        policy_version=p.policy_version,
+        next_seq=next_seq,
+        heartbeat_interval_s=p.heartbeat_interval_s,
+        heartbeat_timeout_s=p.heartbeat_timeout_s,
+        limits=Limits(
+            p.limits.max_message_bytes,
+            p.limits.max_trajectories_per_batch,
+            p.limits.max_tokens_per_trajectory,
+            p.max_frame_bytes,
+        ),
+        capabilities=capabilities,
+        relay_upstream=relay_upstream,
+    )
 
 
 def _check_hello(

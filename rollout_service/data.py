@@ -475,6 +475,11 @@ class PromptSource:
         if position is not None:
             self.commit(position)
 
+    def commit_groups(self, group_uids: Iterable[str]) -> None:
+        """``commit_group`` for each (the shipper's groups acked before a restart)."""
+        for uid in group_uids:
+            self.commit_group(uid)
+
     def _fingerprint(self) -> dict[str, Any]:
         # A cursor is only meaningful for the same rows, shuffle, sharding and mix. The mixing keys
         # are left out without mixing, so cursors saved before mixing existed still load.

@@ -344,10 +344,6 @@ class RolloutServer:
         for deps in self.deps.values():
             deps.engine = counted
 
-    def _commit_groups(self, uids: list[str]) -> None:
-        for uid in uids:
-            self.source.commit_group(uid)
-
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
         Raises ShippingError when the learner refuses this server for good."""
@@ -359,7 +355,7 @@ class RolloutServer:
             state_dir=self.state_dir,
             stats=self.stats,
             log=self.log,
-            on_recovered_acked=self._commit_groups,
+            on_recovered_acked=self.source.commit_groups,
         )
         if server.metrics_port is not None:
             port = self.stats.start_metrics_server(server.metrics_port, server.metrics_host)
