@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.messages import Limits
+
 MAX_FRAME_BYTES = 64 << 10
 """The reference learner's frame bound (SPEC §2, §13): what libzmq may be made to buffer for one
 frame, also by a peer still in the handshake; senders split larger frames into pieces of this size."""
@@ -24,3 +26,12 @@ class CodecLimits:
     # with more response tokens than the rollout budget, cannot be trained; refused before any ACK.
     max_model_len: int = 0  # prompt_len + response_len
     max_response_tokens: int = 0  # response_len
+
+    def announced(self, max_frame_bytes: int = 0) -> Limits:
+        """What WELCOME tells a sender of these limits, with the transport's frame bound."""
+        return Limits(
+            self.max_message_bytes,
+            self.max_trajectories_per_batch,
+            self.max_tokens_per_trajectory,
+            max_frame_bytes,
+        )

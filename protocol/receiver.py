@@ -74,7 +74,6 @@ from protocol.messages import (
     Heartbeat,
     Hello,
     Identity,
-    Limits,
     MsgType,
     TrajectoryBatch,
     ValidateRequest,
@@ -630,12 +629,7 @@ def welcome(
         next_seq=next_seq,
         heartbeat_interval_s=p.heartbeat_interval_s,
         heartbeat_timeout_s=p.heartbeat_timeout_s,
-        limits=Limits(
-            p.limits.max_message_bytes,
-            p.limits.max_trajectories_per_batch,
-            p.limits.max_tokens_per_trajectory,
-            p.max_frame_bytes,
-        ),
+        limits=p.limits.announced(p.max_frame_bytes),
         capabilities=capabilities,
         relay_upstream=relay_upstream,
     )

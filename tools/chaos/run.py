@@ -15,7 +15,6 @@ processes included); `tools.chaos.check` then judges what the run left behind.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -27,6 +26,7 @@ from pathlib import Path
 import psutil
 import yaml
 
+from launcher.console import JsonlTail
 from launcher.plan import free_port
 from tools.chaos.check import check
 from tools.chaos.disk import SmallDisk
@@ -69,7 +69,8 @@ class Chaos:
         self.disk = SmallDisk(self.run, args.disk_mib) if "disk-full" in kinds else None
         self.samples: dict[str, list[tuple[float, float, int]]] = {}  # name -> (t, rss MiB, fds)
         self.seen: dict[int, float] = {}  # every process of the run: pid -> start time
-        self._metrics_pos, self._step = 0, 0  # steps_reached's place in metrics.jsonl
+        self._metrics = JsonlTail(self.run / "metrics.jsonl")  # read by steps_reached
+        self._step = 0  # the highest step it has seen
 
     # -- set-up ----------------------------------------------------------------------------------
     def config(self) -> Path:
@@ -173,25 +174,11 @@ class Chaos:
         return self.job is not None and self.job.alive()
 
     def steps_reached(self) -> int:
-        """The highest step in the run's metrics.jsonl, read on from where the last call stopped
-        (it is called twice a second, and the file grows by a line a step); a file shorter than
-        that, written anew, is read from its start."""
-        path = self.run / "metrics.jsonl"
-        try:
-            if path.stat().st_size < self._metrics_pos:
-                self._metrics_pos, self._step = 0, 0
-            with path.open("rb") as f:
-                f.seek(self._metrics_pos)
-                chunk = f.read()
-        except OSError:
-            return self._step
-        end = chunk.rfind(b"\n") + 1  # whole lines only
-        self._metrics_pos += end
-        for line in chunk[:end].splitlines():
-            try:
-                self._step = max(self._step, int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):
-                continue
+        """The highest step in the run's metrics.jsonl (read on from the last call: it is called
+        twice a second)."""
+        for record in self._metrics.read():
+            if isinstance(record.get("step"), int):
+                self._step = max(self._step, record["step"])
         return self._step
 
     def wait_training(self, job: Job, deadline: float, after: int) -> bool:

@@ -31,7 +31,6 @@ from protocol.messages import (
     Error,
     Heartbeat,
     Hello,
-    Limits,
     Message,
     MsgType,
     TrajectoryBatch,
@@ -194,11 +193,7 @@ class FakeLearner(CheckContext):
                 next_seq=next_seq,
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 heartbeat_timeout_s=self.heartbeat_timeout_s,
-                limits=Limits(
-                    self.limits.max_message_bytes,
-                    self.limits.max_trajectories_per_batch,
-                    self.limits.max_tokens_per_trajectory,
-                ),
+                limits=self.limits.announced(),
             ),
         )
         self.pump = True
