@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.config import Config
+from common.config.agents import ToolServerConfig
 from common.rundir import resolve_run_dir
 
 AuthMode = Literal["curve", "token", "none"]
 TOKEN_FILE_NAME = "learner.token"
+TOOL_TOKEN_FILE_NAME = "tool-server.token"
+"""Where bin/train keeps the secret of the tool server it starts (``tool_server.token_file``)."""
 TOKEN_BYTES = 32  # 256 random bits, written as hex
 
 
@@ -114,3 +117,23 @@ async def wait_for_token(
                 "file to this path when the learner runs on another host",
             )
         await anyio.sleep(poll_s)
+
+
+def tool_server_token(settings: ToolServerConfig, *, create: bool = False) -> str | None:
+    """The tool server's shared secret: ``tool_server.token``, else the token in
+    ``tool_server.token_file`` (created when missing if ``create``: the tool server's side), else
+    None (no check). A client whose file is missing gets a FileNotFoundError naming the key."""
+    if settings.token is not None:
+        return settings.token
+    if settings.token_file is None:
+        return None
+    path = Path(settings.token_file)
+    if create:
+        return ensure_token(path)
+    try:
+        return read_token(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"tool_server.token_file: {path} does not exist (the tool server creates it when it "
+            "starts; for a tool server on another host, copy its file here)"
+        ) from None

@@ -26,6 +26,7 @@ from common.config import ConfigError, load_config
 from common.config.launch import launch_issues, rollout_gpus_of, rollout_memory_of
 from common.config.loader import override_label, parse_override
 from common.epochs import total_steps
+from common.peer_auth import TOOL_TOKEN_FILE_NAME
 from common.run_events import EVENTS_FILE
 from common.rundir import resolve_run_dir
 from launcher.children import Child, child_env, cpu_share, python_argv
@@ -159,6 +160,11 @@ def launch_overrides(config: Config, run_dir: Path) -> LaunchOverrides:
         out.tool_remote = remote is None or is_loopback(urlsplit(remote).hostname or "")
         if out.tool_remote and out.tool_health_url is not None:
             out.overrides.append(f"tools.remote.url={_yaml(out.tool_health_url)}")
+        if out.tool_remote and ts.token is None and ts.token_file is None:
+            # Authenticated both ways by default: the tool server creates the file, the rollout
+            # servers (started once it listens) read it, and no secret goes on a command line.
+            secret = run_dir / TOOL_TOKEN_FILE_NAME
+            out.overrides.append(f"tool_server.token_file={_yaml(str(secret))}")
     return out
 
 

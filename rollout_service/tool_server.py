@@ -51,6 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.logging import get_logger
+from common.peer_auth import tool_server_token
 from common.run_events import Kind, emit
 from rollout_service.tools.auth import RESPONSE_HEADER, RequestVerifier, sign_response
 from rollout_service.tools.base import Tool, ToolContext, ToolResult
@@ -275,10 +276,9 @@ async def run(config: Config, run_dir: Path) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         tools = build_local_tools(config, settings.tools, key="tool_server.tools")
-        service = ToolService(
-            tools, max_concurrent_calls=settings.max_concurrent_calls, token=settings.token
-        )
-        if not is_loopback(settings.host) and settings.token is None:
+        token = tool_server_token(settings, create=True)
+        service = ToolService(tools, max_concurrent_calls=settings.max_concurrent_calls, token=token)
+        if not is_loopback(settings.host) and token is None:
             log.warning(
                 "tool server reachable from other hosts without a token: anyone who reaches "
                 "it can run code in its sandbox; set tool_server.token",
@@ -301,7 +301,7 @@ async def run(config: Config, run_dir: Path) -> int:
                 url=server_url(sock),
                 tools=list(tools),
                 max_concurrent_calls=settings.max_concurrent_calls,
-                token=settings.token is not None,
+                token=token is not None,
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_abandon_after_grace, server, service)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Section
 
@@ -192,5 +192,18 @@ class ToolServerConfig(Section):
     tool server signs every answer, so each proves it holds it without sending it; the tool server
     refuses (HTTP 401) every request but GET /health that is unsigned, wrongly signed or replayed,
     and the rollout servers accept no answer it did not sign. At least 16
-    characters, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`; null: no check
-    (fine on loopback)."""
+    characters, e.g. `python -c "import secrets; print(secrets.token_urlsafe(32))"`; null: the
+    token of `token_file`, or no check (fine on loopback only for a trusted host)."""
+    token_file: str | None = None
+    """A file holding that secret instead (so it never lands on a command line or in
+    config.resolved.yaml): the tool server creates it (mode 0600, 256 random bits) when missing and
+    keeps it across restarts, and rollout servers read it. bin/train sets
+    `<run_dir>/tool-server.token` when it starts the tool server and neither this nor `token` is
+    set, so its tool server and rollout servers authenticate each other by default. Set at most one
+    of `token` and `token_file`."""
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ToolServerConfig:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("set tool_server.token or tool_server.token_file, not both")
+        return self

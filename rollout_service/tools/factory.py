@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from common.peer_auth import tool_server_token
 from rollout_service.tools import load_builtin_tools
 from rollout_service.tools.base import Tool
 from rollout_service.tools.remote import RemoteTool, RemoteToolClient, fetch_schemas
@@ -98,7 +99,8 @@ def build_tools(
     served: dict[str, dict[str, Any]] = {}
     remote_names: list[str] = []
     if remote.url is not None and (not remote.names or set(remote.names) & set(wanted)):
-        served = fetch_schemas(remote.url, remote.timeout_s, token=config.tool_server.token)
+        token = tool_server_token(config.tool_server)
+        served = fetch_schemas(remote.url, remote.timeout_s, token=token)
         if remote.names:
             missing = [n for n in remote.names if n in wanted and n not in served]
             if missing:
@@ -128,7 +130,7 @@ def build_tools(
                 retries=remote.retries,
                 backoff_s=remote.backoff_s,
                 max_concurrent=remote.max_concurrent,
-                token=config.tool_server.token,
+                token=tool_server_token(config.tool_server),
             )
         tools.update({n: RemoteTool(n, served[n], client) for n in remote_names})
     return {n: tools[n] for n in wanted}

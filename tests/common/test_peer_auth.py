@@ -18,6 +18,7 @@ from common.peer_auth import (
     learner_token,
     read_token,
     token_path,
+    tool_server_token,
     wait_for_token,
 )
 
@@ -55,6 +56,21 @@ def test_an_explicit_token_file_and_the_other_modes(tmp_path: Path) -> None:
     none = _config(tmp_path, "transport.auth=none")
     assert auth_mode(none) == "none" and learner_token(none) is None and client_token(none) is None
     assert not (tmp_path / "run").exists()
+
+
+def test_the_tool_servers_secret_inline_from_a_file_or_none(tmp_path: Path) -> None:
+    assert tool_server_token(_config(tmp_path).tool_server) is None  # no check unless asked
+    inline = _config(tmp_path, "tool_server.token=sixteen-chars-at-least")
+    assert tool_server_token(inline.tool_server, create=True) == "sixteen-chars-at-least"
+    path = tmp_path / "run" / "tool-server.token"
+    settings = _config(tmp_path, f"tool_server.token_file={path}").tool_server
+    with pytest.raises(FileNotFoundError, match=r"tool_server.token_file: .*tool-server.token"):
+        tool_server_token(settings)  # a client before the tool server made it
+    made = tool_server_token(settings, create=True)
+    assert made is not None and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert tool_server_token(settings) == made == tool_server_token(settings, create=True)
+    with pytest.raises(ConfigError, match="tool_server.token or tool_server.token_file, not both"):
+        _config(tmp_path, "tool_server.token=sixteen-chars-at-least", f"tool_server.token_file={path}")
 
 
 def test_racing_learners_agree_on_one_token(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -101,6 +102,7 @@ def test_auto_port_binds_port_zero_only_on_loopback() -> None:
         over[0] == 'trainer.run_dir="/r/{{x}}"' and over[1] == 'trainer.logger=["console", "jsonl"]'
     )
     assert 'learner.bind_address="tcp://127.0.0.1:0"' in over and "tool_server.port=0" in over
+    assert 'tool_server.token_file="/r/{x}/tool-server.token"' in over  # authenticated by default
     assert decided.learner_auto_port and decided.tool_auto_port and decided.tool_remote
     assert decided.tool_health_url is None  # known once the tool server reports its port
     assert not any(
@@ -111,6 +113,9 @@ def test_auto_port_binds_port_zero_only_on_loopback() -> None:
     assert not decided.learner_auto_port and not any(
         o.startswith("learner.") for o in decided.overrides
     )
+    own = [*base, "launch.tool_server=true", "tool_server.token=a-secret-of-16-chars"]
+    decided = launch_overrides(load_config(None, own, check_paths=False), Path("/r"))
+    assert not any(o.startswith("tool_server.token") for o in decided.overrides)  # the user's
 
 
 def test_events_and_connections(tmp_path: Path) -> None:
@@ -409,6 +414,12 @@ def test_tool_server_kill_is_survived_on_the_same_port(job, tmp_path: Path) -> N
     )
     j.wait_for(lambda: 1 in j.steps(), 300, "step 1")
     [port] = tool_ports(j.run)
+    # No token was configured: bin/train gave the tool server and the rollout server a secret file,
+    # so a caller without it is refused while the rollout server's signed calls go through.
+    secret = j.run / "tool-server.token"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    refused = httpx.get(f"http://127.0.0.1:{port}/tools", timeout=10)
+    assert refused.status_code == 401, refused.text
     victim = j.processes()["children"]["tool-server"]["pid"]  # type: ignore[index]
     os.kill(victim, signal.SIGKILL)
     j.wait_for(lambda: len(tool_ports(j.run)) > 1, 120, "the tool server's restart")
@@ -423,6 +434,9 @@ def test_tool_server_kill_is_survived_on_the_same_port(job, tmp_path: Path) -> N
     children = j.processes()["children"]
     assert children["tool-server"]["restarts"] == 1 and len(children["tool-server"]["pids"]) == 2  # type: ignore[index]
     assert children["rollout-0"]["restarts"] == 0  # type: ignore[index]
+    token = secret.read_text().strip()
+    assert token not in json.dumps(j.processes()) and token not in out  # never on a command line
+    assert token not in (j.run / "config.resolved.yaml").read_text()
     j.assert_nothing_left()
 
 
