@@ -119,6 +119,7 @@ sys.path.insert(0, str(ROOT))
 from bench import _placement  # noqa: E402  (after the checkout is on the path)
 from bench._common import GpuMemory, Progress, gpu_count, gpu_names, ratio, tail  # noqa: E402
 from bench._repeats import summarize_repeats, summary_text  # noqa: E402
+from common.file_tail import LineTail  # noqa: E402
 from rollout_service.recording import read_recording  # noqa: E402
 from tools.make_tiny_data import make_longtail_data, make_tiny_data  # noqa: E402
 from tools.make_tiny_model import (  # noqa: E402
@@ -915,18 +916,11 @@ class RefusalWatch:
     LIMIT = 20
 
     def __init__(self, log: Path) -> None:
-        self.log, self.pos, self.count, self.first = log, 0, 0, ""
+        self.tail, self.count, self.first = LineTail(log, from_start=True), 0, ""
 
     def poll(self) -> bool:
-        try:
-            with self.log.open("rb") as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except OSError:
-            return False
-        end = chunk.rfind(b"\n") + 1  # whole lines only
-        self.pos += end
-        for line in chunk[:end].decode("utf-8", errors="replace").splitlines():
+        for raw in self.tail.read_lines():
+            line = raw.decode("utf-8", errors="replace")
             if "invalid message" in line:
                 self.count += 1
                 if not self.first:

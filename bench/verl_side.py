@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.file_tail import JsonlTail
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "bench" / "verl_plugins"
 ATTENTION_LIB = "bench.verl_plugins.varlen_attention"  # its device check runs before verl
@@ -311,24 +313,12 @@ class MetricsWatcher:
         self.records: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._offset, self._partial = 0, b""
+        self._tail = JsonlTail(path, from_start=True)
 
     def _poll(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except OSError:
-            return
-        self._offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial, now = lines.pop(), time.time()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("data"), dict):
+        now = time.time()
+        for rec in self._tail.read():
+            if isinstance(rec.get("data"), dict):
                 stamped = {"t": now, "step": rec.get("step"), "data": rec["data"]}
                 self.records.append(stamped)
                 if self.out is not None:

@@ -10,9 +10,7 @@ line (`common.console_format.step_line`) above it; when stdout is not a terminal
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,45 +19,8 @@ from typing import Any
 from rich.console import Console
 
 from common.console_format import short, step_line, step_progress
+from common.file_tail import JsonlTail
 from common.run_events import Event, Kind
-
-
-class JsonlTail:
-    """New JSON lines of a file another process appends to, from its size at construction on.
-
-    A line is returned once complete (ends in a newline); a line that is not JSON is skipped.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        st = path.stat() if path.exists() else None
-        self.offset = st.st_size if st else 0
-        self.inode = st.st_ino if st else None
-        self._partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_ino != self.inode:  # a new file (or the first): read it from the start
-                    self.inode, self.offset, self._partial = st.st_ino, 0, b""
-                elif st.st_size < self.offset:  # cut back (a writer dropped its partial last line)
-                    self.offset, self._partial = st.st_size, b""
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
 
 
 class Connections:

@@ -31,12 +31,13 @@ from types import FrameType
 from typing import Any
 
 from common.disk_full import EXIT_DISK_FULL
+from common.file_tail import JsonlTail
 from common.fileio import atomic_write_bytes
 from common.metrics_file import read_metrics
 from common.run_events import Event, Kind, append
 from common.rundir import checkpoint_dir
 from launcher.children import Child, RemoteChild, kill_tree, stop_all, sweep
-from launcher.console import Connections, Display, JsonlTail, metric_values, summary_lines
+from launcher.console import Connections, Display, metric_values, summary_lines
 from launcher.plan import (
     POLL_S,
     PROCESSES_FILE,

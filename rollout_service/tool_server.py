@@ -277,7 +277,9 @@ async def run(config: Config, run_dir: Path) -> int:
     try:
         tools = build_local_tools(config, settings.tools, key="tool_server.tools")
         token = tool_server_token(settings, create=True)
-        service = ToolService(tools, max_concurrent_calls=settings.max_concurrent_calls, token=token)
+        service = ToolService(
+            tools, max_concurrent_calls=settings.max_concurrent_calls, token=token
+        )
         if not is_loopback(settings.host) and token is None:
             log.warning(
                 "tool server reachable from other hosts without a token: anyone who reaches "

@@ -69,8 +69,12 @@ def test_the_tool_servers_secret_inline_from_a_file_or_none(tmp_path: Path) -> N
     made = tool_server_token(settings, create=True)
     assert made is not None and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert tool_server_token(settings) == made == tool_server_token(settings, create=True)
-    with pytest.raises(ConfigError, match="tool_server.token or tool_server.token_file, not both"):
-        _config(tmp_path, "tool_server.token=sixteen-chars-at-least", f"tool_server.token_file={path}")
+    with pytest.raises(
+        ConfigError, match=r"tool_server\.token or tool_server\.token_file, not both"
+    ):
+        _config(
+            tmp_path, "tool_server.token=sixteen-chars-at-least", f"tool_server.token_file={path}"
+        )
 
 
 def test_racing_learners_agree_on_one_token(tmp_path: Path) -> None:

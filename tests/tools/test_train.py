@@ -120,8 +120,9 @@ def test_auto_port_binds_port_zero_only_on_loopback() -> None:
 
 def test_events_and_connections(tmp_path: Path) -> None:
     """bin/train follows typed events (common/run_events.py), never the learner's log text."""
+    from common.file_tail import JsonlTail
     from common.run_events import EVENTS_ENV, Event, Kind, emit
-    from launcher.console import Connections, JsonlTail
+    from launcher.console import Connections
 
     events = tmp_path / "events.jsonl"
     emit(Kind.CONNECTED, "rs0")  # no EVENTS_ENV: started by hand, nothing written

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from launcher.console import JsonlTail
+from common.file_tail import JsonlTail
 from launcher.plan import free_port
 from tools.chaos.check import check
 from tools.chaos.disk import SmallDisk
