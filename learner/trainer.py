@@ -30,6 +30,7 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
+from common.config.actor_rollout_ref import ModelConfig
 from common.config.root import Config
 from common.epochs import total_steps
 from common.logging import get_logger
@@ -64,7 +65,7 @@ from learner.sinks import MetricSinks
 from learner.validation import due, validate_policy
 from learner.versions import VersionLedger
 from learner.worker_api import UpdateRequest
-from learner.worker_settings import WorkerSettings
+from learner.worker_settings import LoraSettings, WorkerSettings
 from learner.workers import WorkerGroup, init_ray
 from protocol.staleness import weights_lag
 from protocol.trajectory import Trajectory
@@ -119,6 +120,23 @@ def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
         critic_grad_clip=critic.grad_clip,
         cliprange_value=critic.cliprange_value,
         seed=trainer.seed,
+        lora=lora_settings(arr.model),
+    )
+
+
+def lora_settings(model: ModelConfig) -> LoraSettings | None:
+    """The actor's adapters as verl's keys ask for them; None with ``lora_rank`` 0."""
+    if model.lora_rank == 0:
+        return None
+
+    def patterns(value: str | list[str]) -> str | tuple[str, ...]:
+        return value if isinstance(value, str) else tuple(value)
+
+    return LoraSettings(
+        rank=model.lora_rank,
+        alpha=model.lora_alpha,
+        target_modules=patterns(model.target_modules),
+        exclude_modules=None if model.exclude_modules is None else patterns(model.exclude_modules),
     )
 
 
