@@ -5,7 +5,8 @@ shards in parallel, so saving never gathers a full copy and a checkpoint can be 
 different number of ranks. Per-rank extras (scheduler and RNG states) are small files read back with
 ``weights_only=True``. Full weights for rollout servers and for export are gathered to rank 0 with
 the original checkpoint's tensor names and dtypes (tied weights the checkpoint does not hold are
-left out), which is what vLLM's reload and transformers expect.
+left out), which is what vLLM's reload and transformers expect; an actor with LoRA adapters is
+gathered with them merged in (`policy_state_dict`), and its export also holds the adapter alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from common.safetensors_buffers import load_dir
 from learner.worker_api import WeightArray
+from learner.worker_settings import LoraSettings
 
 TORCH_TO_WIRE = {
     torch.float32: "float32",
@@ -29,16 +31,34 @@ TORCH_TO_WIRE = {
 }
 WIRE_TO_TORCH = {v: k for k, v in TORCH_TO_WIRE.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
+ADAPTER_DIR = "lora_adapter"
+"""Where an export with LoRA holds the adapter alone (peft's format), beside the merged model."""
 
 
-def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _full_state_dict(
+    module: torch.nn.Module, *, cpu_offload: bool = True
+) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return tensors_only(
         get_model_state_dict(
-            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         )
     )
+
+
+def policy_state_dict(
+    lm: torch.nn.Module, rank: int, *, cpu_offload: bool = True
+) -> dict[str, torch.Tensor] | None:
+    """Collective: on rank 0 the policy's full weights under the checkpoint's names (the CPU copy
+    with ``cpu_offload``, else where the shards lie), None on the others. LoRA adapters, if any,
+    are merged into their base weights (`learner.lora.merged`): readers of full weights never see
+    one."""
+    # lazy: learner.lora imports peft (and with it transformers)
+    from learner import lora
+
+    sd = _full_state_dict(lm, cpu_offload=cpu_offload)
+    return lora.merged(sd, lora.scalings(lm)) if rank == 0 else None
 
 
 def tensors_only(sd: Mapping[str, object]) -> dict[str, torch.Tensor]:
@@ -71,15 +91,16 @@ def full_weights(
 ) -> list[WeightArray] | None:
     """Collective. On rank 0: (name, wire dtype, shape, raw array) for every name in ``names``, cast
     to ``dtypes[name]`` when given (bf16 travels as its raw 16-bit pattern)."""
-    sd = _full_state_dict(lm)
-    if rank != 0:
+    sd = policy_state_dict(lm, rank)
+    if sd is None:
         return None
-    out = []
-    for n, t in select(sd, names, dtypes):
-        wire = TORCH_TO_WIRE[t.dtype]
-        raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
-        out.append(WeightArray(n, wire, tuple(t.shape), raw.numpy()))
-    return out
+    return [weight_array(n, t) for n, t in select(sd, names, dtypes)]
+
+
+def weight_array(name: str, t: torch.Tensor) -> WeightArray:
+    """A CPU tensor as (name, wire dtype, shape, raw array): bf16 travels as its raw 16-bit pattern."""
+    raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
+    return WeightArray(name, TORCH_TO_WIRE[t.dtype], tuple(t.shape), raw.numpy())
 
 
 def save(
@@ -137,15 +158,26 @@ def load(
     torch.set_rng_state(extras["rng"])
 
 
-def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int) -> None:
+def export_hf(
+    lm: torch.nn.Module,
+    directory: Path,
+    source_dir: Path,
+    rank: int,
+    lora_settings: LoraSettings | None = None,
+) -> None:
     """Collective: a Hugging Face model directory (safetensors, config, tokenizer) on rank 0,
-    loadable by transformers and vLLM as is."""
+    loadable by transformers and vLLM as is. With LoRA the model's weights are the merged ones and
+    the adapter alone is written beside them, in peft's format, into ``ADAPTER_DIR``."""
     from transformers import PreTrainedModel
 
+    # lazy: learner.lora imports peft (and with it transformers)
+    from learner import lora
+
     assert isinstance(lm, PreTrainedModel)  # FSDP2 subclasses the model's own class in place
-    sd = _full_state_dict(lm)
+    gathered = _full_state_dict(lm)
     if rank != 0:
         return
+    sd = lora.merged(gathered, lora.scalings(lm))
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -162,5 +194,8 @@ def export_hf(lm: torch.nn.Module, directory: Path, source_dir: Path, rank: int)
         k: v.to(source_dtype) if v.is_floating_point() else v for k, v in sd.items() if k in names
     }
     lm.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+    if lora_settings is not None:
+        adapter = lora.adapter_state(gathered)
+        lora.save_adapter(tmp / ADAPTER_DIR, adapter, lora_settings, str(source_dir))
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)

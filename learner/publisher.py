@@ -15,8 +15,9 @@ weights go through on the learner side happens here, in this order:
    one replaces, so that file is retired rather than overwritten while ZeroMQ may still send it.
 5. **Bookkeeping.** The slot becomes the current one (`WeightFiles.published`); a write that
    failed midway drops its slot, so a half-written file is never announced. The metrics
-   ``weights/*`` of the publish are returned (``weights/applied_s`` comes later, from the link's
-   weight part once every server applied the version: `learner.announcer`).
+   ``weights/*`` of the publish are returned (``weights/bytes``: what the update moved;
+   ``weights/applied_s`` comes later, from the link's weight part once every server applied the
+   version: `learner.announcer`).
 
 The first version of a run (the model, or the resumed checkpoint's export) is announced from
 disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
@@ -26,6 +27,7 @@ the next one opens them (`protocol.slot_files.remove_stale`).
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -53,6 +55,13 @@ class WeightPublisher:
     ledger: VersionLedger
     weights: WeightsRequest  # the checkpoint's tensor names and dtypes: what servers load
     files: WeightFiles | None = None  # None: chunks only
+    model_bytes: int = 0  # the full policy as servers load it: what one full update moves
+    model_params: int = 0
+
+    def adapter_bytes(self, params: int) -> int:
+        """What ``params`` adapter parameters take in the served weights' dtype (the checkpoint's
+        bytes per parameter): what an adapter-only update moves."""
+        return round(params * self.model_bytes / max(self.model_params, 1))
 
     @classmethod
     def open(
@@ -66,9 +75,9 @@ class WeightPublisher:
         with slot files when ``learner.weights_file_dir`` is set and has room for every slot (else
         weights go as chunks only, with a warning)."""
         request = WeightsRequest([t.name for t in model], {t.name: t.dtype for t in model})
-        return cls(
-            announcer, ledger, request, _open_files(config, sum(t.data.nbytes for t in model))
-        )
+        nbytes = sum(t.data.nbytes for t in model)
+        params = sum(math.prod(t.shape) for t in model)
+        return cls(announcer, ledger, request, _open_files(config, nbytes), nbytes, params)
 
     def publish_initial(self, version: int, tensors: list[NamedBuffer]) -> None:
         """The policy the run starts from, straight from disk: rollout servers that join get it at
@@ -104,6 +113,7 @@ class WeightPublisher:
                 "weights/copy_s": info.copy_s,
                 "weights/pinned": float(info.pinned),
                 "weights/via_file": 1.0,
+                "weights/bytes": float(info.bytes),
                 "weights/publish_s": time.perf_counter() - t0,
             }
         parts = await workers.full_weights(self.weights)
@@ -114,7 +124,11 @@ class WeightPublisher:
         replaced_chunked = self.announcer.announce(version, tensors, started=started)
         if self.files is not None:
             self.files.published(version, replaced_chunked=replaced_chunked)
-        return {"weights/via_file": 0.0, "weights/publish_s": time.perf_counter() - t0}
+        return {
+            "weights/via_file": 0.0,
+            "weights/bytes": float(sum(t.data.nbytes for t in tensors)),
+            "weights/publish_s": time.perf_counter() - t0,
+        }
 
     def close(self) -> None:
         """Remove the slot files (idempotent)."""

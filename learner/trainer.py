@@ -30,6 +30,7 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
+from common.config.actor_rollout_ref import ModelConfig
 from common.config.root import Config
 from common.epochs import total_steps
 from common.logging import get_logger
@@ -63,8 +64,8 @@ from learner.samples import Batching, Sample, split_for_ranks
 from learner.sinks import MetricSinks
 from learner.validation import due, validate_policy
 from learner.versions import VersionLedger
-from learner.worker_api import UpdateRequest
-from learner.worker_settings import WorkerSettings
+from learner.worker_api import UpdateRequest, WorkerInfo
+from learner.worker_settings import LoraSettings, WorkerSettings
 from learner.workers import WorkerGroup, init_ray
 from protocol.staleness import weights_lag
 from protocol.trajectory import Trajectory
@@ -119,7 +120,35 @@ def worker_settings(config: Config, total_steps: int) -> WorkerSettings:
         critic_grad_clip=critic.grad_clip,
         cliprange_value=critic.cliprange_value,
         seed=trainer.seed,
+        lora=lora_settings(arr.model),
     )
+
+
+def lora_settings(model: ModelConfig) -> LoraSettings | None:
+    """The actor's adapters as verl's keys ask for them; None with ``lora_rank`` 0."""
+    if model.lora_rank == 0:
+        return None
+
+    def patterns(value: str | list[str]) -> str | tuple[str, ...]:
+        return value if isinstance(value, str) else tuple(value)
+
+    return LoraSettings(
+        rank=model.lora_rank,
+        alpha=model.lora_alpha,
+        target_modules=patterns(model.target_modules),
+        exclude_modules=None if model.exclude_modules is None else patterns(model.exclude_modules),
+    )
+
+
+def lora_metrics(info: WorkerInfo, publisher: WeightPublisher) -> dict[str, float]:
+    """What LoRA trains and what its adapter weighs: the trainable parameters and their share of
+    the policy's, and the bytes an adapter-only weight update moves (in the served dtype), beside
+    ``weights/bytes`` of the full update."""
+    return {
+        "actor/trainable_params": float(info.trainable_params),
+        "actor/lora_trainable_frac": info.trainable_params / max(info.params, 1),
+        "weights/adapter_bytes": float(publisher.adapter_bytes(info.trainable_params)),
+    }
 
 
 @dataclass
@@ -171,6 +200,7 @@ class Trainer:
             run_dir
         )  # versions only go up across restarts (learner.versions)
         self._resume_metrics: dict[str, float] = {}  # logged with the first step
+        self._model_metrics: dict[str, float] = {}  # logged with every step (`lora_metrics`)
         self._val_reward: float | None = None  # the last validation's val/reward/mean
         self.timeline = TimelineWriter.off()  # opened by run()
 
@@ -216,6 +246,9 @@ class Trainer:
             device=info[0].device,
             params=info[0].params,
         )
+        if self.settings.lora is not None and self.publisher is not None:
+            self._model_metrics = lora_metrics(info[0], self.publisher)
+            self.log.info("LoRA adapters on the actor", **self._model_metrics)
         if resume is not None:
             await self.workers.load_checkpoint(str(resume))
 
@@ -502,7 +535,7 @@ class Trainer:
             sinks.log(self.step, await self._validate())
         while self.step < self.total:
             metrics = await self.train_step()
-            metrics |= self._resume_metrics
+            metrics |= self._model_metrics | self._resume_metrics
             self._resume_metrics = {}
             if due(self.step, t.test_freq):
                 metrics |= await self._validate()

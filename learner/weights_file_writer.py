@@ -7,7 +7,8 @@ are faulted in once and, on CUDA, registered with the driver (cudaHostRegister) 
 update is one device-to-host copy per tensor straight into the file at pinned-memory speed, with no
 staging buffer and no socket. Tensors are laid out by element size, largest first, so each starts
 aligned for its dtype (the byte views need that; safetensors allows any order but no holes).
-The gather is FSDP2's full state dict kept on the device (every rank takes part; rank 0 writes).
+The gather is FSDP2's full state dict kept on the device, LoRA adapters merged in
+(`learner.checkpoint_io.policy_state_dict`; every rank takes part, rank 0 writes).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from common.safetensors_buffers import header_bytes
-from learner.checkpoint_io import TORCH_TO_WIRE, select, tensors_only
+from learner.checkpoint_io import TORCH_TO_WIRE, policy_state_dict, select
 from learner.worker_api import WeightsFileResult
 
 
@@ -82,15 +83,9 @@ class WeightsFileWriter:
     ) -> WeightsFileResult | None:
         """Collective. Rank 0 writes every tensor in ``names`` (cast to ``dtypes[name]``) into
         ``path`` and returns timings; other ranks return None."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         t0 = time.perf_counter()
-        sd = tensors_only(
-            get_model_state_dict(
-                lm, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
-            )
-        )
-        if rank != 0:
+        sd = policy_state_dict(lm, rank, cpu_offload=False)
+        if sd is None:
             return None
         tensors = [(n, t.contiguous()) for n, t in select(sd, names, dtypes)]
         tensors.sort(key=lambda nt: (-nt[1].element_size(), nt[0]))

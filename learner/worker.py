@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from learner import checkpoint_io
+from learner.checkpoint_io import WIRE_TO_TORCH, weight_array
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
 from learner.varlen import can_share_prefix, varlen_kernel
 from learner.weights_file_writer import WeightsFileWriter
 from learner.worker_api import (
+    AdapterRequest,
     ForwardRequest,
     ForwardResult,
     Role,
@@ -92,17 +94,25 @@ class TrainWorker:
             rank=self.rank,
             world_size=self.world,
         )
-        torch.manual_seed(self.s.seed)  # same initialisation everywhere (value head of the critic)
+        # same initialisation everywhere (value head of the critic, LoRA's A matrices)
+        torch.manual_seed(self.s.seed)
         self._build()
+        # lazy: learner.lora imports peft (and with it transformers)
+        from learner import lora
+
+        actor = self.models["actor"]
+        # DTensors: global sizes
         return WorkerInfo(
             rank=self.rank,
             backend=backend,
             device=str(self.device),
-            params=sum(p.numel() for p in self.models["actor"].parameters()),
-        )  # DTensors: global sizes
+            params=sum(p.numel() for p in actor.parameters()),
+            trainable_params=sum(p.numel() for p in lora.trainable(actor)),
+        )
 
     def _build(self) -> None:
-        # lazy: learner.model imports verl
+        # lazy: learner.model imports verl, learner.lora peft
+        from learner.lora import add_adapters
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
@@ -126,6 +136,8 @@ class TrainWorker:
             ),
             self.device,
         )
+        if s.lora is not None:
+            add_adapters(lm, s.lora)  # before sharding: FSDP2 shards the adapters with their layer
         self.models["actor"] = sharded(PolicyHead(lm, s.temperature), lm)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:
@@ -163,8 +175,12 @@ class TrainWorker:
         return can_share_prefix(self.device)
 
     def _add_optimizer(self, role: TrainedRole, lr: float, weight_decay: float) -> None:
+        # lazy: learner.lora imports peft (and with it transformers)
+        from learner.lora import trainable
+
+        # only what is trained: with LoRA the adapters, so no optimizer state for the frozen base
         opt = torch.optim.AdamW(
-            self.models[role].parameters(), lr=lr, betas=self.s.betas, weight_decay=weight_decay
+            trainable(self.models[role]), lr=lr, betas=self.s.betas, weight_decay=weight_decay
         )
         self.optims[role] = opt
         self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(
@@ -305,6 +321,18 @@ class TrainWorker:
         """Collective: the full policy weights; rank 0 returns them (as raw arrays), others None."""
         return checkpoint_io.full_weights(self._policy_lm(), req.names, self.rank, req.dtypes)
 
+    def adapter_weights(self, req: AdapterRequest) -> list[WeightArray] | None:
+        """Collective: the actor's LoRA adapter alone (peft's saved names, `learner.lora`), cast to
+        ``req.dtype``; rank 0 returns it, others None. Only the adapter tensors are gathered."""
+        # lazy: learner.lora imports peft (and with it transformers)
+        from learner.lora import gather_adapter
+
+        tensors = gather_adapter(self._policy_lm(), self.rank)
+        if tensors is None:
+            return None
+        dtype = WIRE_TO_TORCH[req.dtype]
+        return [weight_array(n, t.to(dtype)) for n, t in tensors.items()]
+
     def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult | None:
         """Collective: the full policy written by rank 0 into the request's slot file (see
         ``learner.weights_file_writer``); rank 0 returns timings, others None."""
@@ -322,7 +350,9 @@ class TrainWorker:
         checkpoint_io.load(Path(directory), self.models, self.optims, self.scheds, self.rank)
 
     def export_hf(self, directory: str, source_dir: str) -> None:
-        checkpoint_io.export_hf(self._policy_lm(), Path(directory), Path(source_dir), self.rank)
+        checkpoint_io.export_hf(
+            self._policy_lm(), Path(directory), Path(source_dir), self.rank, self.s.lora
+        )
 
     def shutdown(self) -> None:
         import torch.distributed as dist

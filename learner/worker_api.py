@@ -31,6 +31,7 @@ class WorkerInfo:
     backend: str  # torch.distributed backend: nccl or gloo
     device: str
     params: int  # the policy's parameters (global sizes, not this rank's shard)
+    trainable_params: int = 0  # those the optimizer steps: all, or with LoRA the adapters'
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,14 @@ class WeightsRequest:
 
     names: list[str]
     dtypes: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    """The actor's LoRA adapter alone (`learner.lora.gather_adapter`: peft's saved names), every
+    tensor cast to ``dtype``: what an adapter-only weight update ships."""
+
+    dtype: str = "float32"  # wire dtype name
 
 
 class WeightArray(NamedTuple):

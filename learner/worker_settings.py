@@ -13,6 +13,22 @@ from learner.loss_settings import PolicyLossSettings
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The actor's LoRA adapters (verl's ``actor_rollout_ref.model.lora_rank`` and its siblings;
+    `learner.lora`). Lists are tuples so that the settings stay hashable and frozen."""
+
+    rank: int
+    alpha: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
+    exclude_modules: str | tuple[str, ...] | None = None
+
+    @property
+    def scaling(self) -> float:
+        """What an adapter's B @ A is multiplied by (peft's ``lora_alpha / r``)."""
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
 class WorkerSettings:
     model_path: str
     device: str = "cpu"  # "cpu" or "cuda"
@@ -46,6 +62,7 @@ class WorkerSettings:
     cliprange_value: float = 0.5
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    lora: LoraSettings | None = None  # None: the actor trains every weight
     keep_gathered: bool | None = (
         None  # FSDP2 parameters gathered through a step; None: by model size
     )

@@ -31,6 +31,7 @@ from common.ray_auth import join, start_local
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker
 from learner.worker_api import (
+    AdapterRequest,
     ForwardRequest,
     ForwardResult,
     Role,
@@ -218,6 +219,12 @@ class WorkerGroup:
     async def full_weights(self, req: WeightsRequest) -> list[WeightArray]:
         """The full policy, gathered to rank 0 and sent back through Ray (the chunked path)."""
         parts = await self._call(TrainWorker.full_weights, [(req,)] * self.world)
+        assert parts[0] is not None  # rank 0 answers
+        return parts[0]
+
+    async def adapter_weights(self, req: AdapterRequest) -> list[WeightArray]:
+        """The actor's LoRA adapter alone, gathered to rank 0 and sent back through Ray."""
+        parts = await self._call(TrainWorker.adapter_weights, [(req,)] * self.world)
         assert parts[0] is not None  # rank 0 answers
         return parts[0]
 

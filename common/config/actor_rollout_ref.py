@@ -8,6 +8,7 @@ compare sections (mini-batch size against the data batch size, prompt lengths) l
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -59,6 +60,39 @@ class ModelConfig(Section):
     once it passed a shared-prefix check on the device (else nothing is shared, with a warning).
     There each sequence's keys and values hold a copy of the prefix's (kv heads only): GPU memory
     beside the activations, B x prefix tokens a layer for B sequences of a micro-batch."""
+    lora_rank: int = Field(default=0, ge=0)
+    """LoRA rank of the actor's adapters (peft); 0 (verl's default) trains the full model. > 0:
+    the base weights stay frozen and only the adapters (rank x (in + out) per targeted linear) are
+    trained; rollout servers still get the full model with the adapters merged in."""
+    lora_alpha: int = Field(default=16, gt=0)
+    """LoRA scaling numerator: an adapter adds (lora_alpha / lora_rank) * B @ A to its weight."""
+    target_modules: str | list[str] = "all-linear"
+    """Linears that get adapters, as peft reads it: "all-linear" (every linear layer but the
+    output head), a list of module-name suffixes (["q_proj", "v_proj"]) or one regular expression
+    matched against whole module names."""
+    exclude_modules: str | list[str] | None = None
+    """Linears kept without adapters (peft's exclude_modules: suffixes or one regular expression);
+    null: none."""
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _module_patterns(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # peft reads a string as one regular expression ("all-linear" aside) and a list as
+        # name suffixes: refuse here what it would only refuse, or silently match nothing, later.
+        if isinstance(value, list):
+            if not value or not all(value):
+                raise ValueError(f"must be a non-empty list of module names (got {value!r})")
+        elif value == "":
+            raise ValueError('must be "all-linear", a list of module names or a regular expression')
+        elif value is not None and value != "all-linear":
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(
+                    f'must be "all-linear", a list of module names or a regular expression '
+                    f"(got {value!r}: {e})"
+                ) from None
+        return value
 
 
 class OptimConfig(Section):

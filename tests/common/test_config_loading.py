@@ -284,3 +284,37 @@ def test_override_into_a_value_is_an_error(config_file: Path) -> None:
     message = error_of(config_file, "trainer.total_epochs.x=1")
     assert "trainer.total_epochs: must be an integer" in message
     assert "data.datasets: has no item '0'" in error_of(config_file, "data.datasets.0.ratio=1")
+
+
+def test_lora_keys_as_verl_names_them(config_file: Path) -> None:
+    """verl's LoRA keys with verl 0.9.1's defaults (off, alpha 16, all linears); a list or a regular
+    expression of modules is taken, and what peft would refuse or match nothing with is refused
+    here, naming the override and the key."""
+    from learner.trainer import lora_settings
+    from learner.worker_settings import LoraSettings
+
+    model = load_config(config_file, []).actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (0, 16, "all-linear")
+    assert model.exclude_modules is None and lora_settings(model) is None
+    key = "actor_rollout_ref.model"
+    model = load_config(
+        config_file,
+        [f"{key}.lora_rank=8", f"{key}.lora_alpha=32", f"{key}.target_modules=[q_proj, v_proj]"],
+    ).actor_rollout_ref.model
+    assert lora_settings(model) == LoraSettings(8, 32, ("q_proj", "v_proj"))
+    assert lora_settings(model).scaling == 4.0  # type: ignore[union-attr]
+    regex = r".*\.(q|v)_proj"
+    model = load_config(config_file, [f"+{key}.target_modules={regex}"]).actor_rollout_ref.model
+    assert model.target_modules == regex
+    cases = {
+        f"{key}.lora_rank=-1": "must be at least 0",
+        f"{key}.lora_alpha=0": "must be greater than 0",
+        f"{key}.target_modules=[]": "must be a non-empty list of module names",
+        f"{key}.target_modules=(q_proj": 'must be "all-linear", a list of module names or a regular',
+        f"{key}.exclude_modules=[lm_head, '']": "must be a non-empty list of module names",
+    }
+    for override, expected in cases.items():
+        message = error_of(config_file, override)
+        assert message.startswith(f"command line override {override!r}"), message
+        assert f"{override.split('=')[0]}: {expected}" in message, message
+    assert "did you mean lora_rank?" in error_of(config_file, f"{key}.lora_rnak=8")

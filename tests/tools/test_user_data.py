@@ -237,8 +237,8 @@ def test_the_agentfly_gsm8k_example_checks_and_trains(
 def test_verls_dapo_keys_train_together(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """verl's keys of over-long shaping, rollout correction and dynamic sampling (a DAPO recipe's)
-    train 3 steps through one bin/train, and their metrics reach metrics.jsonl.
+    """verl's keys of over-long shaping, rollout correction, dynamic sampling and LoRA (a DAPO
+    recipe's) train 3 steps through one bin/train, and their metrics reach metrics.jsonl.
 
     The scripted engine answers in rotation with an answer, the same answer and no answer, so of a
     prompt's 2 episodes some agree on has_answer (the group is filtered) and some do not (trained).
@@ -260,6 +260,9 @@ def test_verls_dapo_keys_train_together(
         "algorithm.filter_groups.enable=True",
         "algorithm.filter_groups.metric=has_answer",
         "algorithm.filter_groups.max_num_gen_batches=0",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8",
+        "+actor_rollout_ref.model.target_modules=all-linear",
         "rollout_server.scripted_turns=['\\boxed{0}','\\boxed{0}','No answer.']",
         *cpu_size(tmp_path),
         "trainer.total_training_steps=3",
@@ -274,6 +277,9 @@ def test_verls_dapo_keys_train_together(
         assert r["reward/shaped_mean"] < r["reward/mean"]
         for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
             assert f"rollout_corr/{key}" in r, key
+        # LoRA: adapters alone are trained; what they weigh against the full update
+        assert 0 < r["actor/lora_trainable_frac"] < 0.05
+        assert 0 < r["weights/adapter_bytes"] * 20 <= r["weights/bytes"]
     last = records[-1]
     assert last["rollout/filtered_groups"] > 0 and 0 < last["rollout/filtered_frac"] < 1
     assert last["rollout/filtered_frac/openai/gsm8k"] == last["rollout/filtered_frac"]

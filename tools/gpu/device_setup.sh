@@ -67,7 +67,7 @@ mods = {"vllm": "vllm", "ray": "ray", "zmq": "pyzmq", "msgpack": "msgpack", "str
         "trio": "trio", "verl.trainer.ppo.core_algos": "verl", "bm25s": "bm25s", "math_verify": "math-verify",
         "tensorboardX": "tensorboardX", "starlette": "starlette", "uvicorn": "uvicorn", "httpx": "httpx",
         "matplotlib": "matplotlib", "torch": "torch", "transformers": "transformers",
-        "datasets": "datasets", "torchdata": "torchdata", "verl.trainer.main_ppo": "verl",
+        "datasets": "datasets", "torchdata": "torchdata", "verl.trainer.main_ppo": "verl", "peft": "peft",
         "common.cli": None, "learner.trainer": None, "rollout_service.server": None}
 failed = []
 for mod, dist in mods.items():
