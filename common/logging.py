@@ -1,10 +1,12 @@
 """Structured logging for every process, built on structlog and routed through stdlib `logging`.
 
-Design: structlog events and plain stdlib records (vLLM, Ray, urllib3 ...) end in the same
-handlers, so library logs share the format and the fields. Every record carries the process's
-static context (`component`, plus `server_id` or `rank`) added by a processor rather than by
-contextvars, because threads and executor pools do not inherit contextvars. Per-request context is
-bound by the caller, by convention with these names:
+Design: structlog events and plain stdlib records (urllib3, filelock ...) end in the same
+handlers, so library logs share the format and the fields. Ray's and vLLM's loggers are the
+exception: importing Ray, or starting a vLLM engine, gives them their own handler and turns off
+their propagation to the root.
+Every record carries the process's static context (`component`, plus `server_id` or `rank`) added
+by a processor rather than by contextvars, because threads and executor pools do not inherit
+contextvars. Per-request context is bound by the caller, by convention with these names:
 
     log = get_logger(trajectory_id=tid, policy_version=v)     # a logger bound for one episode
     with structlog.contextvars.bound_contextvars(trajectory_id=tid):   # or for an asyncio task

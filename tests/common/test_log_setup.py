@@ -28,7 +28,9 @@ def test_json_lines_carry_component_and_server_id() -> None:
     log = get_logger(trajectory_id="t-7", policy_version=3)
     log.info("episode finished", reward=1.0)
     log.debug("hidden at info level")
-    logging.getLogger("vllm.engine").warning("library says %s", "hi")
+    # A library logger that propagates to the root. Not vLLM's or Ray's: an earlier test in this
+    # process may have imported Ray or started a vLLM engine, which turn their propagation off.
+    logging.getLogger("somelib.engine").warning("library says %s", "hi")
     records = lines(out)
     assert len(records) == 2
     first, second = records
@@ -40,7 +42,7 @@ def test_json_lines_carry_component_and_server_id() -> None:
     assert second == {
         **second,
         "event": "library says hi",
-        "logger": "vllm.engine",
+        "logger": "somelib.engine",
         "level": "warning",
         "component": "rollout-server",
         "server_id": "s1",
