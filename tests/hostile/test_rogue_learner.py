@@ -18,6 +18,7 @@ run as a script) on the tiny model; only generation is scripted.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -113,10 +114,23 @@ def _greeting(mechanism: bytes) -> bytes:
     return ZMTP_SIGNATURE + bytes((3, 0)) + mechanism.ljust(20, b"\0") + b"\x01" + bytes(31)
 
 
+def _listen(port: int) -> socket.socket:
+    """A TCP listener on ``port``, once the previous test's rogue has let go of it: libzmq closes a
+    socket's listener in its I/O thread, after ``close()`` has returned."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return socket.create_server(("127.0.0.1", port), reuse_port=False)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _record(server: Server, mechanism: bytes, seconds: float) -> tuple[bytes, int]:
     """Everything the server sends to a raw TCP listener at the learner's address that greets each
     connection as a ``mechanism`` server, over ``seconds`` after its first connection."""
-    listener = socket.create_server(("127.0.0.1", server.port), reuse_port=False)
+    listener = _listen(server.port)
     listener.settimeout(0.2)
     got, conns, first = bytearray(), [], None
     deadline = time.monotonic() + 120  # until the child has started and connects
