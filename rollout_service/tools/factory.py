@@ -98,8 +98,9 @@ def build_tools(
     remote = config.tools.remote
     served: dict[str, dict[str, Any]] = {}
     remote_names: list[str] = []
+    token: str | None = None
     if remote.url is not None and (not remote.names or set(remote.names) & set(wanted)):
-        token = tool_server_token(config.tool_server)
+        token = tool_server_token(config.tool_server)  # read once: the schemas' and calls' secret
         served = fetch_schemas(remote.url, remote.timeout_s, token=token)
         if remote.names:
             missing = [n for n in remote.names if n in wanted and n not in served]
@@ -130,7 +131,7 @@ def build_tools(
                 retries=remote.retries,
                 backoff_s=remote.backoff_s,
                 max_concurrent=remote.max_concurrent,
-                token=tool_server_token(config.tool_server),
+                token=token,
             )
         tools.update({n: RemoteTool(n, served[n], client) for n in remote_names})
     return {n: tools[n] for n in wanted}
