@@ -182,6 +182,20 @@ def test_a_raw_listener_records_no_secret(server: Server, mechanism: bytes) -> N
     print(f"\n{mechanism.decode()} rogue: {conns} connections, {len(got)} bytes, no secret")
 
 
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """Bind once the previous test's socket has let go of ``address`` (libzmq closes a socket's
+    listener in its I/O thread, after ``close()`` has returned)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _rogue_router(address: str, kind: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -190,15 +204,8 @@ def _rogue_router(address: str, kind: str) -> zmq.Socket:
     elif kind == "curve-random":
         public, secret = zmq.curve_keypair()
         sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
-    deadline = time.monotonic() + 5
-    while True:  # the previous rogue's listener may take a moment to go
-        try:
-            sock.bind(address)
-            return sock
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    _bind(sock, address)
+    return sock
 
 
 def _welcome() -> Welcome:
@@ -277,7 +284,7 @@ def test_the_learner_holding_the_token_is_heard_and_its_weights_applied(
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     serve_token(sock, server.token)  # no ZAP handler here: any client key gets in
-    sock.bind(server.address)
+    _bind(sock, server.address)
     try:
         ann = _slot_file(server, tiny_model, 8)
         applied = None
