@@ -51,11 +51,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.safetensors_buffers import load_dir
 from rollout_service.engine.base import SamplingSettings
-from rollout_service.engine.vllm_engine import (
-    VllmEngine,
-    VllmEngineSettings,
-    _stage_safetensors,
-)
+from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
+from rollout_service.engine.vllm_weights import stage_safetensors
 from tools.make_tiny_model import (
     bfloat16_bits_to_float32,
     make_tiny_model,
@@ -226,7 +223,7 @@ def bfloat16_arrays() -> tuple[Any, str]:
         return None, "no ml_dtypes"
     try:
         with tempfile.TemporaryDirectory(prefix="bench-probe-") as d:
-            _stage_safetensors([("probe", np.zeros(4, ml_dtypes.bfloat16))], d)
+            stage_safetensors([("probe", np.zeros(4, ml_dtypes.bfloat16))], d)
     except Exception as e:
         return None, f"the engine cannot stage ml_dtypes.bfloat16 arrays ({type(e).__name__}: {e})"
     return np.dtype(ml_dtypes.bfloat16), ""

@@ -124,6 +124,10 @@ def main(
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130
+    except ConfigError as exc:  # found only at start (a checkpoint that does not fit the config)
+        print(exc, file=sys.stderr)
+        log.error("stopped: the configuration does not fit", error=str(exc))
+        return 2
     except Exception as e:
         if (full := disk_full.find(e)) is not None:  # an operator's problem, not a bug: no trace
             log.error("stopped: the disk is full", error=disk_full.describe(full))

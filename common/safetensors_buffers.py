@@ -125,6 +125,20 @@ def load_file(path: Path) -> list[NamedBuffer]:
     return out
 
 
+def save_file(path: str | Path, tensors: list[NamedBuffer]) -> int:
+    """``tensors`` as the safetensors file ``path``, written beside it and renamed into place (a
+    reader, or a mapping of the file it replaces, never sees it half written); its size in bytes."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    head = header_bytes([(t.name, t.dtype, t.shape, memoryview(t.data).nbytes) for t in tensors])
+    with tmp.open("wb") as f:
+        f.write(head)
+        for t in tensors:
+            f.write(memoryview(t.data).cast("B"))
+    os.replace(tmp, target)
+    return len(head) + sum(memoryview(t.data).nbytes for t in tensors)
+
+
 def load_dir(directory: str | Path) -> list[NamedBuffer]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:

@@ -14,10 +14,12 @@ functions, never by merging into the training weights (peft's ``merge_adapter`` 
 would have to be undone exactly before the next step):
 
 - `merged`: the full model with ``W + scaling * B @ A`` folded in (float32), under the checkpoint's
-  own names; what rollout servers reload today and what the Hugging Face export holds;
-- `adapter_names` / `gather_adapter`: the adapter alone, named as peft's ``save_pretrained`` writes
-  it (``base_model.model.<module>.lora_A.weight``), gathered without the base weights: what an
-  adapter-only weight update will ship, and what `save_adapter` writes beside the export.
+  own names; what the Hugging Face export holds, and what rollout servers reload with
+  ``actor_rollout_ref.model.lora.merge`` true;
+- `adapter_state` / `gather_adapter`: the adapter alone, named as peft's ``save_pretrained`` writes
+  it (``base_model.model.<module>.lora_A.weight``, `protocol.adapters`), gathered without the base
+  weights: what an adapter-only weight update ships, and what `save_adapter` writes beside the
+  export.
 """
 
 from __future__ import annotations
@@ -31,14 +33,10 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from learner.worker_settings import LoraSettings
+from protocol.adapters import ADAPTER_FILE, PEFT_PREFIX
 
 ADAPTER = "default"
 """peft's name of the one adapter (it appears in parameter names, not in saved files)."""
-PEFT_PREFIX = "base_model.model."
-"""What peft's ``save_pretrained`` puts before a module's name (a ``PeftModel``'s own prefix)."""
-ADAPTER_FILE = "adapter_model.safetensors"
-"""peft's file names: ``PeftModel.from_pretrained`` and vLLM's LoRA loader read these."""
-ADAPTER_CONFIG = "adapter_config.json"
 _BASE = ".base_layer."
 
 

@@ -19,8 +19,13 @@ weights go through on the learner side happens here, in this order:
    ``weights/applied_s`` comes later, from the link's weight part once every server applied the
    version: `learner.announcer`).
 
-The first version of a run (the model, or the resumed checkpoint's export) is announced from
-disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
+With LoRA (``actor_rollout_ref.model.lora_rank`` > 0, ``lora.merge`` false) a version is the
+adapter alone (``adapter_dtype``: the checkpoint's floating dtype): gathered to rank 0
+(`learner.lora.gather_adapter`), written whole into the slot file by this process, announced the
+same way. Rollout servers tell it from full weights by its names (`protocol.adapters`).
+
+The first version of a run (the model, or the resumed checkpoint's export: its adapter alone with
+adapter-only updates) is announced from disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
 and is called first on every way out of the trainer; stale ones of dead learners are removed when
 the next one opens them (`protocol.slot_files.remove_stale`).
 """
@@ -31,19 +36,20 @@ import math
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.config.root import Config
 from common.logging import get_logger
-from common.safetensors_buffers import load_file
+from common.safetensors_buffers import load_file, save_file
 from learner.announcer import WeightAnnouncer
 from learner.versions import VersionLedger
 from learner.weights_files import WeightFiles
-from learner.worker_api import WeightsFileRequest, WeightsRequest
+from learner.worker_api import AdapterRequest, WeightsFileRequest, WeightsRequest
 from protocol.slot_files import remove_stale
-from protocol.weights import NamedBuffer
+from protocol.weights import FLOAT_DTYPES, NamedBuffer
 
 if TYPE_CHECKING:
     from learner.workers import WorkerGroup
@@ -57,6 +63,7 @@ class WeightPublisher:
     files: WeightFiles | None = None  # None: chunks only
     model_bytes: int = 0  # the full policy as servers load it: what one full update moves
     model_params: int = 0
+    adapter_dtype: str | None = None  # set: each version is the LoRA adapter alone, in this dtype
 
     def adapter_bytes(self, params: int) -> int:
         """What ``params`` adapter parameters take in the served weights' dtype (the checkpoint's
@@ -77,7 +84,12 @@ class WeightPublisher:
         request = WeightsRequest([t.name for t in model], {t.name: t.dtype for t in model})
         nbytes = sum(t.data.nbytes for t in model)
         params = sum(math.prod(t.shape) for t in model)
-        return cls(announcer, ledger, request, _open_files(config, nbytes), nbytes, params)
+        m = config.actor_rollout_ref.model
+        adapter_dtype = None
+        if m.lora_rank > 0 and not m.lora.merge:
+            adapter_dtype = next((t.dtype for t in model if t.dtype in FLOAT_DTYPES), "float32")
+        files = _open_files(config, nbytes)
+        return cls(announcer, ledger, request, files, nbytes, params, adapter_dtype)
 
     def publish_initial(self, version: int, tensors: list[NamedBuffer]) -> None:
         """The policy the run starts from, straight from disk: rollout servers that join get it at
@@ -95,6 +107,8 @@ class WeightPublisher:
             take = self.files.take(
                 version, oldest_applied=self.announcer.file_peers_oldest_version()
             )
+        if self.adapter_dtype is not None:
+            return await self._publish_adapter(version, workers, take, started, t0)
         if self.files is not None and take is not None:
             slot, path = take
             try:
@@ -126,6 +140,41 @@ class WeightPublisher:
             self.files.published(version, replaced_chunked=replaced_chunked)
         return {
             "weights/via_file": 0.0,
+            "weights/bytes": float(sum(t.data.nbytes for t in tensors)),
+            "weights/publish_s": time.perf_counter() - t0,
+        }
+
+    async def _publish_adapter(
+        self,
+        version: int,
+        workers: WorkerGroup,
+        take: tuple[int, Path] | None,
+        started: float,
+        t0: float,
+    ) -> dict[str, float]:
+        """``version`` as the LoRA adapter alone: gathered to rank 0 and brought back through Ray
+        (a few MB), written whole into the slot file when there is one."""
+        parts = await workers.adapter_weights(AdapterRequest(self.adapter_dtype or "float32"))
+        gathered = time.perf_counter()
+        tensors = [
+            NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
+            for w in parts
+        ]
+        file = ""
+        if self.files is not None and take is not None:
+            slot, path = take
+            try:
+                save_file(path, tensors)
+            except BaseException:
+                self.files.failed(slot)
+                raise
+            file = str(path)
+        replaced_chunked = self.announcer.announce(version, tensors, file=file, started=started)
+        if self.files is not None:
+            self.files.published(version, replaced_chunked=replaced_chunked)
+        return {
+            "weights/gather_s": gathered - t0,
+            "weights/via_file": float(bool(file)),
             "weights/bytes": float(sum(t.data.nbytes for t in tensors)),
             "weights/publish_s": time.perf_counter() - t0,
         }

@@ -31,12 +31,13 @@ import torch
 from anyio.abc import TaskStatus
 
 from common.config.actor_rollout_ref import ModelConfig
+from common.config.errors import ConfigError, Issue
 from common.config.root import Config
 from common.epochs import total_steps
 from common.logging import get_logger
 from common.run_events import Kind, emit
 from common.rundir import checkpoint_dir
-from common.safetensors_buffers import load_dir
+from common.safetensors_buffers import load_dir, load_file
 from common.timeline import (
     CHECKPOINT_SPAN,
     Role,
@@ -47,6 +48,7 @@ from common.timeline import (
 )
 from learner import checkpoints, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
+from learner.checkpoint_io import ADAPTER_DIR
 from learner.link import LearnerLink
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
@@ -67,8 +69,10 @@ from learner.versions import VersionLedger
 from learner.worker_api import UpdateRequest, WorkerInfo
 from learner.worker_settings import LoraSettings, WorkerSettings
 from learner.workers import WorkerGroup, init_ray
+from protocol.adapters import ADAPTER_FILE
 from protocol.staleness import weights_lag
 from protocol.trajectory import Trajectory
+from protocol.weights import NamedBuffer
 
 if TYPE_CHECKING:
     from learner.algorithms.kl import KLController
@@ -140,14 +144,70 @@ def lora_settings(model: ModelConfig) -> LoraSettings | None:
     )
 
 
+def lora_record(s: LoraSettings | None) -> dict[str, Any] | None:
+    """The adapters a checkpoint was trained with, as its state records them."""
+    if s is None:
+        return None
+    return {
+        "lora_rank": s.rank,
+        "lora_alpha": s.alpha,
+        "target_modules": s.target_modules,
+        "exclude_modules": s.exclude_modules,
+    }
+
+
+def check_lora_resume(state: dict[str, Any], lora: LoraSettings | None, path: Path | None) -> None:
+    """A checkpoint resumes only under the adapters it was trained with: its sharded state holds
+    exactly those tensors, and its policy is base + that adapter. Checkpoints that predate the
+    record are not checked."""
+    if "lora" not in state:
+        return
+    saved, now = state["lora"], lora_record(lora)
+    if isinstance(saved, dict):  # msgpack brings tuples back as lists
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
+    if saved == now:
+        return
+    key = "actor_rollout_ref.model"
+    differ = (
+        [k for k in (saved or {}) if (saved or {}).get(k) != (now or {}).get(k)]
+        if saved and now
+        else ["lora_rank"]
+    )
+    raise ConfigError(
+        [
+            Issue(
+                f"{key}.{differ[0]}",
+                f"the checkpoint {path} was trained with "
+                f"{saved or 'no LoRA adapters (lora_rank 0)'}, this run asks for "
+                f"{now or 'no LoRA adapters (lora_rank 0)'}: resume with the checkpoint's "
+                f"settings, or start a new run (trainer.resume_mode=disable)",
+                source=str(path) if path else None,
+            )
+        ]
+    )
+
+
+def initial_weights(
+    model: list[NamedBuffer], resume: Path | None, publisher: WeightPublisher
+) -> list[NamedBuffer]:
+    """What the run's first version is: the model, or the resumed checkpoint's export; with
+    adapter-only updates that export's adapter alone (servers run the base model already)."""
+    if resume is None:
+        return model
+    if publisher.adapter_dtype is not None:
+        return load_file(resume / "hf" / ADAPTER_DIR / ADAPTER_FILE)
+    return load_dir(resume / "hf")
+
+
 def lora_metrics(info: WorkerInfo, publisher: WeightPublisher) -> dict[str, float]:
     """What LoRA trains and what its adapter weighs: the trainable parameters and their share of
-    the policy's, and the bytes an adapter-only weight update moves (in the served dtype), beside
-    ``weights/bytes`` of the full update."""
+    the policy's, the bytes an adapter-only weight update moves (in the served dtype) and those a
+    full one would (``weights/bytes`` is what each update did move)."""
     return {
         "actor/trainable_params": float(info.trainable_params),
         "actor/lora_trainable_frac": info.trainable_params / max(info.params, 1),
         "weights/adapter_bytes": float(publisher.adapter_bytes(info.trainable_params)),
+        "weights/full_bytes": float(publisher.model_bytes),
     }
 
 
@@ -264,6 +324,7 @@ class Trainer:
         )
         torch.manual_seed(self.config.trainer.seed)
         if state:
+            check_lora_resume(state, self.settings.lora, resume_path)
             self.step, self.version = state["step"], state["policy_version"]
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
             self._val_reward = state.get("val_reward")
@@ -435,6 +496,7 @@ class Trainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "intake": intake_state,
             "val_reward": self._val_reward,  # the last validation's, for keep_best_ckpt
+            "lora": lora_record(self.settings.lora),  # a resume with other adapters is refused
         }
         t = self.config.trainer
         path = checkpoints.finalize(
@@ -481,7 +543,7 @@ class Trainer:
         publisher = self.publisher = WeightPublisher.open(
             self.config, self.link.weights, self.ledger, v0
         )
-        publisher.publish_initial(self.version, v0 if resume is None else load_dir(resume / "hf"))
+        publisher.publish_initial(self.version, initial_weights(v0, resume, publisher))
         t = self.config.trainer
         sinks = MetricSinks(
             t.logger,

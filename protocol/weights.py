@@ -11,8 +11,9 @@ is never half-applied.
 The receiver trusts nothing an announce claims (SPEC §8 "Checks before allocating"):
 - the manifest is checked before anything is allocated: against the receiver's own model
   (``ModelManifest``: names, shapes and dtypes from the model's safetensors headers; every tensor
-  required, none unknown, floating dtypes no wider than the model's or float32) when it has one,
-  else only against ``max_total_bytes``; ``num_chunks`` may not exceed the bytes announced;
+  required, none unknown, floating dtypes no wider than the model's or float32; or, for an
+  adapter-only update, `protocol.adapters`' checks) when it has one, else only against
+  ``max_total_bytes``; ``num_chunks`` may not exceed the bytes announced;
 - a tensor's buffer is allocated when the first chunk writing into it arrives, never for the whole
   claim up front: memory grows with the tensors that chunks reach, at most the checked manifest;
 - every transfer has a deadline: it is abandoned (``expire``) once no new chunk has arrived for
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from protocol.adapters import adapter_problems, is_adapter_update
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import ChunkPart, MsgType, TensorSpec, WeightsAnnounce, WeightsChunk
 from protocol.slot_files import PREFIX as SLOT_DIR_PREFIX
@@ -140,6 +142,7 @@ class ModelManifest:
         default_factory=dict
     )  # tied lm_head
     name: str = "the model"  # for messages
+    lora_max_rank: int = 0  # > 0: the receiver also takes adapter-only updates up to this rank
 
     def _spec(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         return self.tensors.get(name) or self.optional.get(name)
@@ -160,7 +163,16 @@ class ModelManifest:
         )
 
     def problems(self, specs: Sequence[TensorSpec]) -> list[tuple[str, str]]:
-        """(field, what is wrong) for every tensor of ``specs`` the model does not have as announced."""
+        """(field, what is wrong) for every tensor of ``specs`` the model does not have as announced;
+        an adapter-only update is checked as one (`protocol.adapters`)."""
+        if is_adapter_update([s.name for s in specs]):
+            return adapter_problems(
+                specs,
+                {**self.tensors, **self.optional},
+                max_rank=self.lora_max_rank,
+                floating=FLOAT_DTYPES,
+                what=self.name,
+            )
         out: list[tuple[str, str]] = []
         seen: set[str] = set()
         for i, s in enumerate(specs):

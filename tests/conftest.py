@@ -24,6 +24,7 @@ import functools
 import json
 import multiprocessing.process
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -81,6 +82,10 @@ _guard = _Guard()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # pytest-xdist's workers start with SIGINT ignored, and an ignored signal stays ignored
+        # across exec: every child would then shrug off the Ctrl-C the signal tests send it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _guard.wrap(subprocess.Popen, "_execute_child", "a subprocess")
     _guard.wrap(multiprocessing.process.BaseProcess, "start", "a multiprocessing process")
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):

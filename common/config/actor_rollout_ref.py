@@ -35,6 +35,16 @@ POLICY_LOSS_MODES: tuple[str, ...] = (
 no torch; tests/learner/test_policy_losses.py holds it equal to verl's registry."""
 
 
+class LoraBlock(Section):
+    """verl's ``actor_rollout_ref.model.lora`` block, as far as it applies here."""
+
+    merge: bool = False
+    """How rollout servers get the policy when lora_rank > 0. false (verl's default): each weight
+    update ships the adapter alone (a few MB), and the servers' vLLM serves the base model plus the
+    newest adapter; generation does not pause for it. true: the learner merges the adapter into the
+    base weights and ships the full model, for engines that cannot serve adapters."""
+
+
 class ModelConfig(Section):
     """The Hugging Face model that the actor, the reference and the rollout engine load."""
 
@@ -63,7 +73,7 @@ class ModelConfig(Section):
     lora_rank: int = Field(default=0, ge=0)
     """LoRA rank of the actor's adapters (peft); 0 (verl's default) trains the full model. > 0:
     the base weights stay frozen and only the adapters (rank x (in + out) per targeted linear) are
-    trained; rollout servers still get the full model with the adapters merged in."""
+    trained, and a weight update ships the adapter alone (see lora.merge)."""
     lora_alpha: int = Field(default=16, gt=0)
     """LoRA scaling numerator: an adapter adds (lora_alpha / lora_rank) * B @ A to its weight."""
     target_modules: str | list[str] = "all-linear"
@@ -73,6 +83,7 @@ class ModelConfig(Section):
     exclude_modules: str | list[str] | None = None
     """Linears kept without adapters (peft's exclude_modules: suffixes or one regular expression);
     null: none."""
+    lora: LoraBlock = Field(default_factory=LoraBlock)
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod

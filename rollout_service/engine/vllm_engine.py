@@ -25,6 +25,9 @@ Design:
   ``max_tokens``; the caller gets one ``Generation`` with old then new versions. Prefix caching
   is salted with the policy version so a resubmitted or new request never reuses KV blocks
   computed with old weights.
+- LoRA (``lora_rank`` > 0): an update whose tensors are an adapter (`protocol.adapters`) is served
+  beside the base weights (`vllm_adapters`): no pause, no reload; new submissions use it, running
+  ones finish with the adapter they started with (``abort``: are continued with the new one).
 - lifecycle: ``await VllmEngine.start(settings)``; ``await engine.shutdown()`` stops the engine
   core and worker processes and waits (bounded) until none of them survives.
 vLLM is imported inside functions: importing this module is cheap.
@@ -34,20 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
-import os
 import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from common.safetensors_buffers import CODES, header_bytes, model_manifest, read_header
-from rollout_service.engine import vllm_worker
+from common.safetensors_buffers import model_manifest, read_header
+from protocol.adapters import ADAPTER_FILE, is_adapter_update
+from rollout_service.engine import vllm_adapters, vllm_worker
 from rollout_service.engine.base import (
     FinishReason,
     Generation,
@@ -55,7 +58,16 @@ from rollout_service.engine.base import (
     UpdateMode,
     WeightUpdateError,
 )
+from rollout_service.engine.vllm_adapters import AdapterSlots
 from rollout_service.engine.vllm_compat import resolve_dtype, set_platform_env, vllm_info
+from rollout_service.engine.vllm_weights import (
+    Checkpoint,
+    check_newer,
+    read_checkpoint,
+    stage_root,
+    stage_safetensors,
+    write_safetensors,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -90,6 +102,8 @@ class VllmEngineSettings:
     # learner's importance ratio needs when it divides its logits by the same temperature).
     logprobs_mode: LogprobsMode = "processed_logprobs"
     shm_dir: str | None = None  # where update files are staged; None: /dev/shm if present
+    lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank (adapter-only weight updates)
+    lora_alpha: int = 16  # the adapters' scaling numerator (peft's lora_alpha)
 
     @classmethod
     def from_config(
@@ -108,6 +122,9 @@ class VllmEngineSettings:
             "max_num_seqs": rollout.max_num_seqs,
             "trust_remote_code": actor_rollout_ref.model.trust_remote_code,
         }
+        model = actor_rollout_ref.model
+        if model.lora_rank > 0 and not model.lora.merge:
+            values |= {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha}
         values.update(overrides)
         return cls(**values)
 
@@ -120,14 +137,7 @@ class _Request:
     vllm_id: str = ""
     user_aborted: bool = False
     preempted: bool = False  # aborted by a weight update: generate() continues it
-
-
-@dataclass
-class _Checkpoint:
-    """Names and shapes an update must match (from the model dir's safetensors headers)."""
-
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    optional: frozenset[str] = frozenset()  # accepted but not required (tied lm_head)
+    lora_id: int = 0  # the adapter its current submission samples with (0: none)
 
 
 class VllmEngine:
@@ -139,7 +149,7 @@ class VllmEngine:
         settings: VllmEngineSettings,
         *,
         version_labels: bool,
-        checkpoint: _Checkpoint,
+        checkpoint: Checkpoint,
         child_pids: frozenset[int],
     ) -> None:
         self._llm = llm
@@ -157,6 +167,7 @@ class VllmEngine:
         self._good_file_dir: Path | None = None  # or the learner's file of it (file hand-over)
         self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
         self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
+        self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -180,7 +191,7 @@ class VllmEngine:
             llm,
             settings,
             version_labels=version_labels,
-            checkpoint=_read_checkpoint(Path(settings.model)),
+            checkpoint=read_checkpoint(Path(settings.model)),
             child_pids=frozenset(children),
         )
         del llm  # the engine owns it: shutdown() must be able to drop the last reference
@@ -217,6 +228,7 @@ class VllmEngine:
                 proc.kill()
         if self._good_weights is not None:
             shutil.rmtree(self._good_weights, ignore_errors=True)
+        self._adapters.close()
 
     async def __aenter__(self) -> VllmEngine:
         return self
@@ -236,9 +248,10 @@ class VllmEngine:
     @property
     def weight_manifest(self) -> ModelManifest:
         """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs): the
-        server checks weight announces against it before receiving anything."""
-
-        return model_manifest(self._settings.model)
+        server checks weight announces against it before receiving anything. With LoRA it also
+        takes adapters up to the served rank (`protocol.adapters`)."""
+        manifest = model_manifest(self._settings.model)
+        return dataclasses.replace(manifest, lora_max_rank=self._settings.lora_rank)
 
     # -- Engine protocol -----------------------------------------------------------------------
 
@@ -315,13 +328,23 @@ class VllmEngine:
         self, version: int, tensors: list[tuple[str, np.ndarray]], *, mode: UpdateMode
     ) -> float:
         """Swaps in new weights as ``version``; returns the seconds taken. All or nothing: on any
-        error the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why."""
+        error the previous weights and ``policy_version`` stay and ``WeightUpdateError`` says why.
+        An adapter (`protocol.adapters` names) is served beside the base weights instead."""
         start = time.perf_counter()
+        if is_adapter_update([name for name, _ in tensors]):
+            specs = [(n, a.shape, a.dtype.name) for n, a in tensors]
+            return await self._load_adapter(
+                version, specs, lambda d: write_safetensors(tensors, d / ADAPTER_FILE), mode, start
+            )
         async with self._updating(mode):
-            self._check_update(version, [(n, a.shape, a.dtype.name) for n, a in tensors])
+            self._checkpoint.check(
+                version, self._version, [(n, a.shape, a.dtype.name) for n, a in tensors]
+            )
             checked = time.perf_counter()
             nbytes = sum(array.nbytes for _, array in tensors)
-            staged = await asyncio.to_thread(_stage_safetensors, tensors, self._stage_root(nbytes))
+            staged = await asyncio.to_thread(
+                stage_safetensors, tensors, stage_root(self._settings.shm_dir, nbytes)
+            )
             staged_at = time.perf_counter()
             try:
                 await self._swap_to_end(version, staged, mode)
@@ -345,13 +368,20 @@ class VllmEngine:
         next version is applied (it is also the rollback source while it exists)."""
 
         start = time.perf_counter()
+        try:
+            header = read_header(path)
+            nbytes = Path(path).stat().st_size
+        except (OSError, ValueError, KeyError) as e:
+            raise WeightUpdateError(f"cannot read the weights file {path}: {e}") from e
+        if is_adapter_update(list(header)):
+            specs = [(n, shape, dtype) for n, (dtype, shape) in header.items()]
+            return await self._load_adapter(
+                version, specs, lambda d: shutil.copyfile(path, d / ADAPTER_FILE), mode, start
+            )
         async with self._updating(mode):
-            try:
-                header = read_header(path)
-                nbytes = Path(path).stat().st_size
-            except (OSError, ValueError, KeyError) as e:
-                raise WeightUpdateError(f"cannot read the weights file {path}: {e}") from e
-            self._check_update(version, [(n, shape, dtype) for n, (dtype, shape) in header.items()])
+            self._checkpoint.check(
+                version, self._version, [(n, shape, dtype) for n, (dtype, shape) in header.items()]
+            )
             checked = time.perf_counter()
             folder = Path(path).parent
             try:
@@ -366,6 +396,41 @@ class VllmEngine:
             "reload_s": self._last_reload_s,
             "total_s": end - start,
             "bytes": float(nbytes),
+        }
+        return end - start
+
+    async def _load_adapter(
+        self,
+        version: int,
+        specs: list[tuple[str, tuple[int, ...], str]],
+        write: Callable[[Path], object],
+        mode: UpdateMode,
+        start: float,
+    ) -> float:
+        """``version`` as a LoRA adapter beside the base weights (`vllm_adapters`), without a pause:
+        new submissions use it; running ones keep theirs (``keep``) or continue with it (``abort``)."""
+        async with self._updating(mode):
+            check_newer(version, self._version)
+            # a server without lora_rank is refused here too, by the manifest (lora_max_rank 0)
+            request = await self._adapters.add(
+                version, specs, write, stage_root(self._settings.shm_dir, 0), self.weight_manifest
+            )
+            loaded = time.perf_counter()
+            running = list(self._requests.values())
+            if mode == "abort":
+                for req in running:  # generate() continues them with the new adapter
+                    req.preempted = True
+            self._adapters.current = request
+            self._version = version
+            if mode == "abort" and (ids := [r.vllm_id for r in running if r.vllm_id]):
+                await self._llm.abort(ids)
+            await self._adapters.release({r.lora_id for r in self._requests.values()})
+        end = time.perf_counter()
+        self.last_update_timings = {
+            "reload_s": loaded - start,  # checked, staged and loaded by vLLM's add_lora
+            "swap_s": end - loaded,
+            "total_s": end - start,
+            "bytes": float(self._adapters.nbytes(specs)),
         }
         return end - start
 
@@ -405,34 +470,6 @@ class VllmEngine:
             shutil.rmtree(self._good_weights, ignore_errors=True)
         self._good_weights, self._good_file_dir = staged, file_dir
 
-    def _check_update(self, version: int, tensors: list[tuple[str, tuple[int, ...], str]]) -> None:
-        """``tensors``: (name, shape, numpy-style dtype name) of every tensor of the update."""
-        if version <= self._version:
-            raise WeightUpdateError(
-                f"version {version} is not newer than the current {self._version}"
-            )
-        ckpt = self._checkpoint
-        names = [name for name, _, _ in tensors]
-        problems = []
-        if dupes := sorted({n for n in names if names.count(n) > 1}):
-            problems.append(f"duplicate names {dupes[:5]}")
-        if unknown := sorted(set(names) - set(ckpt.shapes) - ckpt.optional):
-            problems.append(
-                f"unknown names {unknown[:5]} (the checkpoint has e.g. {sorted(ckpt.shapes)[:3]})"
-            )
-        if missing := sorted(set(ckpt.shapes) - set(names)):
-            problems.append(f"missing names {missing[:5]} ({len(missing)} in all)")
-        for name, shape, dtype in tensors:
-            want = ckpt.shapes.get(name)
-            if want is not None and tuple(shape) != want:
-                problems.append(f"{name}: shape {tuple(shape)}, the model has {want}")
-            if dtype not in SAFETENSORS_DTYPES:
-                problems.append(f"{name}: dtype {dtype} is not a floating type")
-        if problems:
-            raise WeightUpdateError(
-                f"refused weights for version {version}: " + "; ".join(problems)
-            )
-
     async def _swap(self, version: int, staged: Path, mode: UpdateMode) -> None:
         keep = mode == "keep" and self._version_labels
         self._ready.clear()
@@ -454,6 +491,7 @@ class VllmEngine:
             if self._version_labels:
                 await self._llm.update_weight_version(str(version))
             self._version = version
+            self._adapters.current = None  # full weights: the policy is exactly these
         finally:
             await self._llm.resume_generation()
             self._ready.set()
@@ -476,20 +514,6 @@ class VllmEngine:
             log.exception("rollback to %s failed: the engine's weights are undefined", good)
             raise
 
-    def _stage_root(self, nbytes: int) -> str | None:
-        """/dev/shm (RAM, no disk I/O) when it has room; containers often give it only 64 MiB,
-        and then the default temp dir is used."""
-        if self._settings.shm_dir is not None:
-            return self._settings.shm_dir
-        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 1.1 * nbytes:
-            return "/dev/shm"
-        log.warning(
-            "/dev/shm lacks %.2f GB: staging weight updates in %s",
-            nbytes / 1e9,
-            tempfile.gettempdir(),
-        )
-        return None
-
     # -- one vLLM submission -------------------------------------------------------------------
 
     async def _submit(
@@ -497,8 +521,9 @@ class VllmEngine:
     ) -> _Piece:
         from vllm.inputs import TokensPrompt
 
-        version = self._version
+        version, lora = self._version, self._adapters.current
         req.vllm_id = f"{req.request_id}#{next(self._serial)}"
+        req.lora_id = lora.lora_int_id if lora is not None else 0
         params = _sampling_params(sampling, max_tokens)
         final = None
         # cache_salt: blocks cached under older weights are never reused by this submission.
@@ -506,12 +531,14 @@ class VllmEngine:
             TokensPrompt(prompt_token_ids=prompt, cache_salt=f"policy-v{version}"),
             params,
             request_id=req.vllm_id,
+            lora_request=lora,
         )
         async for out in stream:  # FINAL_ONLY: one item; cancellation aborts the vLLM request
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
-        return _piece(final.outputs[0], version)
+        # vLLM's version spans label the engine's weights; an adapter's tokens are its version's.
+        return _piece(final.outputs[0], version, spans=lora is None)
 
 
 @dataclass
@@ -545,15 +572,18 @@ def _sampling_params(s: SamplingSettings, max_tokens: int) -> Any:
     )
 
 
-def _piece(comp: Any, submitted_version: int) -> _Piece:
+def _piece(comp: Any, submitted_version: int, *, spans: bool = True) -> _Piece:
     """What a submission returned (vLLM's ``CompletionOutput``), tokens labelled with the version
-    whose weights computed them (``submitted_version`` when vLLM gives no spans)."""
+    whose weights computed them (``submitted_version`` when vLLM gives no spans, or ``spans`` is
+    false: a submission with an adapter samples with it to the end)."""
     ids = list(comp.token_ids)
     lps = comp.logprobs or []
     logprobs = [float(lps[i][t].logprob) for i, t in enumerate(ids)] if lps else []
     if len(logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
-    versions = _versions_from_spans(getattr(comp, "weight_versions", None), len(ids))
+    versions = (
+        _versions_from_spans(getattr(comp, "weight_versions", None), len(ids)) if spans else None
+    )
     if versions is None:
         versions = [submitted_version] * len(ids)
     reason = comp.finish_reason
@@ -607,58 +637,6 @@ def _build_async_llm(s: VllmEngineSettings) -> AsyncLLM:
         logprobs_mode=s.logprobs_mode,
         disable_log_stats=True,
         worker_extension_cls=vllm_worker.EXTENSION,
+        **vllm_adapters.engine_args(s.lora_rank),
     )
     return AsyncLLM.from_engine_args(args)
-
-
-def _read_checkpoint(model_dir: Path) -> _Checkpoint:
-    """Names and shapes from the safetensors headers (no tensor data is read)."""
-    import json
-
-    ckpt = _Checkpoint()
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}: cannot check weight updates")
-    for path in files:
-        ckpt.shapes.update((name, shape) for name, (_, shape) in read_header(path).items())
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in ckpt.shapes:
-        ckpt.optional = frozenset({"lm_head.weight"})
-    return ckpt
-
-
-# The floating dtypes weights may arrive in: numpy dtype name -> safetensors code, taken from the
-# one safetensors table (bfloat16/fp8 names are ml_dtypes').
-SAFETENSORS_DTYPES = {
-    name: CODES[name]
-    for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-}
-
-
-def _stage_safetensors(tensors: list[tuple[str, np.ndarray]], root: str | None) -> Path:
-    """Writes the update as one safetensors file in a fresh temp dir (RAM-backed when possible).
-
-    Written by hand (8-byte header length, JSON header, raw bytes) straight from the arrays'
-    buffers: safetensors.numpy.save_file first copies every tensor with tobytes(), one more full
-    copy of the model in RAM at the moment memory is tightest (same speed otherwise)."""
-    import numpy as np
-
-    if bad := [f"{n}: {a.dtype}" for n, a in tensors if a.dtype.name not in SAFETENSORS_DTYPES]:
-        raise WeightUpdateError(
-            f"cannot stage {bad[:3]} (known dtypes: {sorted(SAFETENSORS_DTYPES)})"
-        )
-    arrays = [np.ascontiguousarray(a) for _, a in tensors]
-    head = header_bytes(
-        [(n, a.dtype.name, a.shape, a.nbytes) for (n, _), a in zip(tensors, arrays, strict=True)]
-    )
-    out = Path(tempfile.mkdtemp(prefix="vllm-weights-", dir=root))
-    try:
-        with (out / "model.safetensors").open("wb") as f:
-            f.write(head)
-            for array in arrays:
-                # a byte view: memoryview cannot cast ml_dtypes' bfloat16 ("E") to bytes
-                f.write(array.reshape(-1).view(np.uint8).data)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    return out

@@ -66,10 +66,10 @@ def engine_stages_bfloat16() -> bool:
     try:
         import ml_dtypes
 
-        from rollout_service.engine.vllm_engine import _stage_safetensors
+        from rollout_service.engine.vllm_weights import stage_safetensors
 
         with tempfile.TemporaryDirectory() as d:
-            _stage_safetensors([("probe", np.zeros(4, ml_dtypes.bfloat16))], d)
+            stage_safetensors([("probe", np.zeros(4, ml_dtypes.bfloat16))], d)
     except Exception:
         return False
     return True
@@ -91,11 +91,11 @@ def test_engine_stages_bfloat16_arrays(tmp_path: Path) -> None:
     with their bytes unchanged. No engine needed; gpu-marked because ml_dtypes is on the GPU
     image and not in the CPU environment."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    from rollout_service.engine.vllm_engine import _stage_safetensors
+    from rollout_service.engine.vllm_weights import stage_safetensors
 
     values = np.array([[1.0, -2.5], [3.140625, 0.0078125]], np.float32)
     bits = to_bfloat16_bits(values)
-    staged = _stage_safetensors([("w", bits.view(ml_dtypes.bfloat16))], str(tmp_path))
+    staged = stage_safetensors([("w", bits.view(ml_dtypes.bfloat16))], str(tmp_path))
     raw = (staged / "model.safetensors").read_bytes()
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + size])

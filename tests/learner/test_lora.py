@@ -24,6 +24,7 @@ from learner.checkpoint_io import ADAPTER_DIR
 from learner.samples import Sample, split_for_ranks
 from learner.worker_api import AdapterRequest, UpdateRequest, WeightsFileRequest, WeightsRequest
 from learner.worker_settings import LoraSettings
+from protocol.adapters import ADAPTER_CONFIG
 
 LORA = LoraSettings(rank=4, alpha=8)
 
@@ -179,7 +180,7 @@ def test_lora_trains_adapters_only_and_publishes_merged_weights(
     with torch.no_grad():
         torch.testing.assert_close(peft_lm(ids).logits, exported(ids).logits, rtol=1e-5, atol=1e-5)
     assert isinstance(peft_lm.peft_config["default"], LoraConfig)
-    assert (tmp_path / "hf" / ADAPTER_DIR / lora.ADAPTER_CONFIG).is_file()
+    assert (tmp_path / "hf" / ADAPTER_DIR / ADAPTER_CONFIG).is_file()
 
     # the trained base, as the checkpoint holds it, is the model's bit for bit
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

