@@ -33,7 +33,7 @@ progress = Progress("lora_update")
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="lora_update", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="lora_update", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--alpha", type=int, default=32, help="LoRA alpha (default 32)")
     p.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")

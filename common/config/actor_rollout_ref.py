@@ -84,6 +84,7 @@ class ModelConfig(Section):
     """Linears kept without adapters (peft's exclude_modules: suffixes or one regular expression);
     null: none."""
     lora: LoraBlock = Field(default_factory=LoraBlock)
+    """verl's LoRA block; only ``merge`` applies here (how rollout servers get the policy)."""
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod

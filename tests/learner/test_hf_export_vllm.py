@@ -4,6 +4,9 @@ the model the run started from)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,6 @@ from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # vLLM
 
 
 @pytest.fixture(scope="module")
@@ -67,26 +65,46 @@ def hf_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> np.nda
     return logp[pos, torch.tensor(tokens)].numpy()
 
 
-@pytest.mark.anyio
-async def test_export_serves_in_vllm(exported: tuple[Path, Path]) -> None:
-    from rollout_service.engine.base import SamplingSettings
-    from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
+_SERVE = """
+import asyncio, json, sys
+from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
 
-    base, out = exported
+async def main():
     engine = await VllmEngine.start(
-        VllmEngineSettings(model=str(out), max_model_len=256, max_num_seqs=4)
+        VllmEngineSettings(model=sys.argv[1], max_model_len=256, max_num_seqs=4)
     )
     try:
-        prompt = list(range(10, 30))
-        gen: Any = await engine.generate(
-            "r1", prompt, SamplingSettings(max_tokens=12, temperature=1.0, seed=3)
+        gen = await engine.generate(
+            "r1", json.loads(sys.argv[2]), SamplingSettings(max_tokens=12, temperature=1.0, seed=3)
         )
     finally:
         await engine.shutdown()
-    tokens = list(gen.token_ids)
+    print(json.dumps({"tokens": list(gen.token_ids), "logprobs": list(gen.logprobs)}))
+
+asyncio.run(main())
+"""
+
+
+def test_export_serves_in_vllm(exported: tuple[Path, Path]) -> None:
+    """vLLM runs in a process of its own: this one has joined the Ray cluster the export used, and
+    a vLLM engine forked beside a Ray driver's threads is not what a rollout server runs."""
+    base, out = exported
+    prompt = list(range(10, 30))
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVE, str(out), json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    gen = json.loads(done.stdout.strip().splitlines()[-1])
+    tokens = gen["tokens"]
     assert len(tokens) > 0
     want = hf_logprobs(out, prompt, tokens)
-    np.testing.assert_allclose(np.asarray(gen.logprobs), want, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(gen["logprobs"]), want, atol=2e-4)
     before = hf_logprobs(base, prompt, tokens)
     assert np.abs(before - want).max() > 1e-3, (
         "vLLM served the exported weights, not the original ones"
