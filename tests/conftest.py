@@ -153,6 +153,46 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if getattr(getattr(item, "module", None), "OWN_RAY_CLUSTER", False):
+        item.add_marker(pytest.mark.ray_owner)
+
+
+def _check_ray_groups(items: list[pytest.Item]) -> None:
+    """A test that uses ``ray_cluster`` lives in a file that says ``OWN_RAY_CLUSTER = True``: such
+    files are marked ``ray_owner``, and `bin/test` runs them in one process after the others (two
+    Ray clusters held at once by two xdist workers, the session's ``ray_cluster`` of one and a
+    ``ray start`` head of the other, killed a worker in two runs of four)."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and not getattr(
+            module, "OWN_RAY_CLUSTER", False
+        ):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses ray_cluster: set OWN_RAY_CLUSTER = True in its module "
+                "(tests/conftest.py: it runs with the other ray_owner files)"
+            )
+
+
+@pytest.fixture
+def own_ray_cluster() -> Iterator[None]:
+    """For a test that runs a Ray cluster of its own: this process may have joined the session's
+    (tests/learner's ``ray_cluster``); it is left for the test and joined again after it, so the
+    tests after this one still find it."""
+    import ray
+
+    joined = ray.is_initialized()
+    if joined:
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if joined:
+        from learner.workers import init_ray
+
+        init_ray(None, 2, log_to_driver=False)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Every test has one tier: a test marked with none is a unit test, and a GPU test is nightly.
@@ -165,6 +205,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.nightly)
         elif not tiers:
             item.add_marker(pytest.mark.unit)
+    _check_ray_groups(items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

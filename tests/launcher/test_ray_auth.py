@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e  # a real `ray start` cluster
+OWN_RAY_CLUSTER = True  # tests/conftest.py: with the other files that hold a Ray cluster
 
 REPO = Path(__file__).resolve().parents[2]
 JOIN = (
@@ -29,6 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.usefixtures("own_ray_cluster")
 def test_the_learner_joins_a_cluster_from_ray_start() -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))}

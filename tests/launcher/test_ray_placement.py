@@ -15,13 +15,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: with the other files that hold a Ray cluster
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "tools"))
 
@@ -156,28 +156,9 @@ def test_stop_all_and_kill_tree_reach_remote_children(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- a simulated 2-node cluster
 
 
-@pytest.fixture
-def ray_to_itself() -> Iterator[None]:
-    """Ray lets a process join one cluster, and this test joins its own. A cluster this worker
-    process already joined (tests/learner's ``ray_cluster``, kept for the session) is left for the
-    test and joined again after it, so the tests after this one still find it."""
-    import ray
-
-    joined = ray.is_initialized()
-    if joined:
-        ray.shutdown()
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-    if joined:
-        from learner.workers import init_ray
-
-        init_ray(None, 2, log_to_driver=False)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
-@pytest.mark.usefixtures("ray_to_itself")
+@pytest.mark.usefixtures("own_ray_cluster")
 def test_two_node_cluster_restarts_a_killed_server(tmp_path: Path, assets) -> None:  # type: ignore[no-untyped-def]
     import ray
     from ray.cluster_utils import Cluster

@@ -25,6 +25,8 @@ from learner.worker_api import (
 )
 from learner.worker_settings import WorkerSettings
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+
 pytestmark = pytest.mark.e2e
 
 

@@ -70,6 +70,8 @@ import asyncio, json, sys
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+
 async def main():
     engine = await VllmEngine.start(
         VllmEngineSettings(model=sys.argv[1], max_model_len=256, max_num_seqs=4)

@@ -33,6 +33,8 @@ from learner.algorithms import (
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.worker_api import UpdateRequest
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}

@@ -9,6 +9,8 @@ from typing import Any
 import psutil
 import pytest
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+
 pytestmark = pytest.mark.integration
 
 LOOPBACK = ("127.", "::1", "::ffff:127.")

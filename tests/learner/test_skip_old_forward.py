@@ -14,6 +14,8 @@ import anyio
 import numpy as np
 import pytest
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+
 pytestmark = pytest.mark.e2e
 
 

@@ -105,7 +105,9 @@ async def test_adapters_are_served_as_the_merged_model_and_labelled_with_their_v
     torch.testing.assert_close(
         torch.tensor(got.logprobs), logprobs_of(merged, got.token_ids), rtol=0, atol=1e-4
     )
-    assert set(await engine.async_llm.list_loras()) == {3}  # version 1's is gone: no request used it
+    assert set(await engine.async_llm.list_loras()) == {
+        3
+    }  # version 1's is gone: no request used it
 
 
 async def test_an_adapter_that_does_not_fit_is_refused_and_the_version_stays(
