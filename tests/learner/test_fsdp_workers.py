@@ -25,7 +25,7 @@ from learner.worker_api import (
 )
 from learner.worker_settings import WorkerSettings
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
 
 pytestmark = pytest.mark.e2e
 

@@ -19,6 +19,8 @@ from learner.samples import split_for_ranks
 from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
 
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+
 pytestmark = pytest.mark.e2e
 
 
@@ -69,8 +71,6 @@ _SERVE = """
 import asyncio, json, sys
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
-
-OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
 
 async def main():
     engine = await VllmEngine.start(

@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 import pytest
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
 
 pytestmark = pytest.mark.integration
 

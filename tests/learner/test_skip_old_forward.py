@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: on the worker of the files that hold a Ray cluster
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
 
 pytestmark = pytest.mark.e2e
 
