@@ -155,12 +155,12 @@ def _no_cuda_reason() -> str | None:
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     if getattr(getattr(item, "module", None), "OWN_RAY_CLUSTER", False):
-        item.add_marker(pytest.mark.ray_owner)
+        item.add_marker(pytest.mark.serial)
 
 
 def _check_ray_groups(items: list[pytest.Item]) -> None:
     """A test that uses ``ray_cluster`` lives in a file that says ``OWN_RAY_CLUSTER = True``: such
-    files are marked ``ray_owner``, and `bin/test` runs them in one process after the others (two
+    files are marked ``serial``, and `bin/test` runs them in one process after the others (two
     Ray clusters held at once by two xdist workers, the session's ``ray_cluster`` of one and a
     ``ray start`` head of the other, killed a worker in two runs of four)."""
     for item in items:
@@ -170,7 +170,7 @@ def _check_ray_groups(items: list[pytest.Item]) -> None:
         ):
             raise pytest.UsageError(
                 f"{item.nodeid} uses ray_cluster: set OWN_RAY_CLUSTER = True in its module "
-                "(tests/conftest.py: it runs with the other ray_owner files)"
+                "(tests/conftest.py: it runs in the serial pass)"
             )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e  # a real `ray start` cluster
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 REPO = Path(__file__).resolve().parents[2]
 JOIN = (

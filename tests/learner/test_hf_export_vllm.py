@@ -19,7 +19,7 @@ from learner.samples import split_for_ranks
 from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from learner.worker_api import AdapterRequest, UpdateRequest, WeightsFileRequest
 from learner.worker_settings import LoraSettings
 from protocol.adapters import ADAPTER_CONFIG
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 LORA = LoraSettings(rank=4, alpha=8)
 

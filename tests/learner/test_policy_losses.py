@@ -33,7 +33,7 @@ from learner.algorithms import (
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.worker_api import UpdateRequest
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 ROOT = Path(__file__).resolve().parents[2]
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")

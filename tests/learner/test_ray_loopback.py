@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 import pytest
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 pytestmark = pytest.mark.integration
 

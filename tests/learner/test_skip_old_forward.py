@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in one process with the ray_owner files
+OWN_RAY_CLUSTER = True  # tests/conftest.py: runs in the serial pass
 
 pytestmark = pytest.mark.e2e
 

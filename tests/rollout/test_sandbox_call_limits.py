@@ -22,7 +22,8 @@ from scripted import fork_until_refused
 from rollout_service.sandbox import SandboxLimits, SandboxResult, _live_pids_of_uid, run_python
 from rollout_service.sandbox_cgroup import host_hierarchy
 
-pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+# serial: the memory bound is read as the machine's available memory, which another worker's vLLM moves
+pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.serial]
 
 MIB = 1024 * 1024
 AS_ROOT = os.geteuid() == 0

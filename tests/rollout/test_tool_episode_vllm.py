@@ -25,7 +25,9 @@ from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.agents.tool_agent import ToolAgent
 from rollout_service.engine.base import SamplingSettings
 
-pytestmark = pytest.mark.e2e
+# serial: it trains the model on the CPU before the episode, under the test timeout, which a second
+# worker sharing the cores pushed past 300 s
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 QUESTION = "What is 6 * 7?"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 ANSWER = "The answer is \\boxed{42}."
