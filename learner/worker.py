@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from learner import checkpoint_io
+from learner import checkpoint_io, rendezvous
 from learner.checkpoint_io import WIRE_TO_TORCH, weight_array
 from learner.samples import MiniBatchPlan, OldFromForward, Sample
 from learner.varlen import can_share_prefix, varlen_kernel
@@ -71,14 +70,15 @@ class TrainWorker:
         self._weights_writer: WeightsFileWriter | None = None  # made at the first file hand-over
 
     # -- set-up ---------------------------------------------------------------------------------
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0 only: an address and free port for the process group."""
-        host = socket.gethostbyname(socket.gethostname()) if self.world > 1 else "127.0.0.1"
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return host, sock.getsockname()[1]
+    def machine(self) -> str:
+        """The machine this rank runs on (`learner.rendezvous`)."""
+        return rendezvous.machine_id()
 
-    def setup(self, master_addr: str, master_port: int) -> WorkerInfo:
+    def rendezvous(self, one_machine: bool) -> str:
+        """Rank 0 only: where every rank's process group starts (`learner.rendezvous`)."""
+        return rendezvous.init_method(one_machine)
+
+    def setup(self, init_method: str) -> WorkerInfo:
         import torch.distributed as dist
 
         if self.s.threads:
@@ -89,10 +89,7 @@ class TrainWorker:
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world,
+            backend, init_method=init_method, rank=self.rank, world_size=self.world
         )
         # same initialisation everywhere (value head of the critic, LoRA's A matrices)
         torch.manual_seed(self.s.seed)
@@ -112,7 +109,7 @@ class TrainWorker:
 
     def _build(self) -> None:
         # lazy: learner.model imports verl, learner.lora peft
-        from learner.lora import add_adapters
+        from learner.lora import add_adapters, load_adapter
         from learner.model import PolicyHead, ValueHead, load_causal_lm, load_value_model, shard
 
         s, bf16 = self.s, self.device.type == "cuda"
@@ -138,6 +135,8 @@ class TrainWorker:
         )
         if s.lora is not None:
             add_adapters(lm, s.lora)  # before sharding: FSDP2 shards the adapters with their layer
+            if s.lora.adapter_path is not None:
+                load_adapter(lm, s.lora)
         self.models["actor"] = sharded(PolicyHead(lm, s.temperature), lm)
         self._add_optimizer("actor", s.lr, s.weight_decay)
         if s.need_ref:

@@ -137,8 +137,9 @@ class WorkerGroup:
         ]
 
     async def start(self) -> list[WorkerInfo]:
-        addr, port = await self._placed(self.actors[0].rendezvous.remote())
-        infos = await self._call(TrainWorker.setup, [(addr, port)] * self.world)
+        machines = await self._placed(asyncio.gather(*(a.machine.remote() for a in self.actors)))
+        method = await self.actors[0].rendezvous.remote(len(set(machines)) == 1)
+        infos = await self._call(TrainWorker.setup, [(method,)] * self.world)
         self.can_pack = all(await self._call(TrainWorker.can_pack))
         self.can_share_prefix = all(await self._call(TrainWorker.can_share_prefix))
         if not self.can_pack:

@@ -45,17 +45,18 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def remove_stale(parent: str | Path) -> list[Path]:
+def remove_stale(parent: str | Path, name: re.Pattern[str] = NAME) -> list[Path]:
     """Delete the weights directories under ``parent`` left by learners that are no longer alive
     (killed with no chance to clean up); returns what was removed. A directory of a live process
-    (another learner on this machine) or of another user is left alone."""
+    (another learner on this machine) or of another user is left alone. ``name``: the directories'
+    names, group 1 the pid of the process that made each (another kind of per-process directory)."""
     removed = []
     try:
         entries = list(Path(parent).iterdir())
     except OSError:
         return removed
     for d in entries:
-        m = NAME.fullmatch(d.name)
+        m = name.fullmatch(d.name)
         if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
             continue
         try:
