@@ -33,6 +33,8 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from common.hostkey import host_key
+from common.peer_auth import read_token
 from common.safetensors_buffers import header_bytes
 from protocol import codec
 from protocol.limits import MAX_FRAME_BYTES
@@ -141,8 +143,6 @@ class WeightRelay:
         (transport.auth token), read again at every connection to the learner so a restarted
         learner's new token is followed; the links between relays are token CURVE too, each relay
         a server with the token's server key, so a relay takes weights only from a token holder."""
-        from common.hostkey import host_key
-
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
         self.stall_after_chunks, self.curve = stall_after_chunks, curve
         self.token_file = token_file
@@ -173,8 +173,6 @@ class WeightRelay:
     def _token(self) -> str | None:
         if not self.token_file:
             return None
-        from common.peer_auth import read_token  # lazily: it imports the whole config
-
         return read_token(Path(self.token_file))
 
     def _poke(self) -> None:

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+import rollout_service.rewards as rewards_pkg
+import rollout_service.tools as tools_pkg
 from common.logging import get_logger
 from common.ratelimit import GlobalRateLimiter, set_shared
 from common.run_events import Kind, emit
@@ -59,19 +61,22 @@ from protocol.events import (
 )
 from protocol.messages import ADMISSION_CAPABILITY, ValidateRequest
 from protocol.staleness import group_too_old
+from rollout_service.agents import load_builtin_agents
 from rollout_service.agents.base import AGENTS, AgentDeps, AgentLimits, deps_for, source_deps_key
 from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.connecting import build_shipper
+from rollout_service.data import PromptSource
 from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
 from rollout_service.errors import StartupError
 from rollout_service.granting import GrantBook
 from rollout_service.groups import RewardChoice, run_group
-from rollout_service.metrics import CountingEngine, RolloutStats
+from rollout_service.metrics import CountingEngine, RolloutStats, run_stats_logger
 from rollout_service.prompt_memory import PromptMemory
 from rollout_service.rewards.base import REWARDS
 from rollout_service.shipping import ShippingError
-from rollout_service.tools.factory import close_tools
+from rollout_service.tools.factory import build_tools, close_tools
+from rollout_service.tools.limited import rate_limited
 from rollout_service.validation import ValidationRunner
 from rollout_service.weights_applier import WeightApplier
 
@@ -150,9 +155,6 @@ def build_agent_deps(
     """Per agent type, its tools (local or remote, rate-limited where a bucket is configured; one
     build, so remote tools share one client) and options; and per source that names its own tools
     (``source_deps_key``), the same agent with those tools. Look a row's up with ``deps_for``."""
-    from rollout_service.tools.factory import build_tools
-    from rollout_service.tools.limited import rate_limited
-
     setups = {a: agent_setup(config, a) for a in sorted(agent_types)}
     per_source = {
         source_deps_key(a, src): replace(setups[a], tools=tools)
@@ -171,9 +173,6 @@ def build_agent_deps(
 def check_names(config: Config, agent_types: set[str]) -> None:
     """Fail at start-up, naming the config key, for any agent or reward name nothing provides
     (unknown tools are reported by the tool factory, which also knows the tool server's)."""
-    import rollout_service.rewards as rewards_pkg
-    from rollout_service.agents import load_builtin_agents
-
     rewards_pkg.load_builtin_rewards()
     load_builtin_agents()
     problems = [
@@ -207,8 +206,6 @@ def check_names(config: Config, agent_types: set[str]) -> None:
     if (
         config.tools.remote.url is None
     ):  # else the tool factory checks, knowing what the server serves
-        import rollout_service.tools as tools_pkg
-
         registry = tools_pkg.load_builtin_tools()
         keys = {"statelm": "agents.statelm.tools"}
         for agent in sorted(
@@ -268,8 +265,6 @@ class RolloutServer:
         """Everything but the engine is checked and built here, so a bad name or data file fails
         before the (slow) engine starts; ``attach_engine`` completes the server."""
         from transformers import AutoTokenizer
-
-        from rollout_service.data import PromptSource
 
         self.config, self.run_dir = config, run_dir
         self.engine: Engine = engine if engine is not None else DetachedEngine()
@@ -392,8 +387,6 @@ class RolloutServer:
                 await close_tools({n: t for d in self.deps.values() for n, t in d.tools.items()})
 
     async def _serve(self, max_groups: int | None) -> None:
-        from rollout_service.metrics import run_stats_logger
-
         server = self.config.rollout_server
         async with anyio.create_task_group() as tg:
             self._tasks = tg  # validation requests run as tasks of this group

@@ -36,6 +36,7 @@ from anyio.abc import TaskStatus
 from common.logging import get_logger
 from protocol.batch import Trajectories, TrajectoryBuilder
 from protocol.driver import RolloutClient
+from protocol.errors import ErrorCode
 from protocol.events import BatchAcked, BatchRejected, Event
 from protocol.sender import SenderState, encode_batch
 from protocol.trajectory import Trajectory
@@ -303,8 +304,6 @@ class Shipper:
 
 
 def _code_name(code: int) -> str:
-    from protocol.errors import ErrorCode
-
     return ErrorCode(code).name if code in ErrorCode._value2member_map_ else f"error {code}"
 
 

@@ -20,22 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "protocol", "rollout_service", "learner", "launcher", "tools", "bench")
 ENTRYPOINTS = {"common/cli.py"}
 """Besides every ``*/app.py``."""
-# being restructured (issue 35 item 1)
-RESTRUCTURING = {
-    "learner/intake.py",
-    "protocol/receiver.py",
-    "rollout_service/server.py",
-    "rollout_service/shipping.py",
-    "learner/buffer.py",
-    "learner/admission.py",
-    "rollout_service/relay.py",
-    "learner/weights_files.py",
-}
 MARK = "# lazy:"
 
 
 def _exempt(rel: str) -> bool:
-    return rel.endswith("/app.py") or rel in ENTRYPOINTS or rel in RESTRUCTURING
+    return rel.endswith("/app.py") or rel in ENTRYPOINTS
 
 
 def _is_project(node: ast.Import | ast.ImportFrom) -> bool:
@@ -105,8 +94,3 @@ def test_no_uncommented_project_import_inside_a_function() -> None:
         "imports of project modules inside functions: move them to the top of the module, or say "
         f"which heavy import each defers in a `{MARK} ...` comment above it:\n" + "\n".join(found)
     )
-
-
-def test_the_restructured_files_exist() -> None:
-    missing = sorted(rel for rel in RESTRUCTURING if not (ROOT / rel).exists())
-    assert not missing, f"drop these from RESTRUCTURING: {missing}"

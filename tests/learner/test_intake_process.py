@@ -14,7 +14,9 @@ import pytest
 
 from launcher.plan import free_port
 
-pytestmark = pytest.mark.integration
+# serial: whole bin/learner processes (each starts Ray) under the conformance suite's timeouts; one
+# stalled after its handshake for 120 s beside the other worker
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -219,7 +219,9 @@ def test_sigkill_mid_write_leaves_a_readable_journal(tmp_path: Path) -> None:
         return seg.stat().st_size if seg.exists() else 0
 
     try:
-        deadline = time.monotonic() + 30
+        # a bound on a hang, not a speed: the writer's start-up and the wait for a size between
+        # records took over 30 s beside another test worker on 2 cores
+        deadline = time.monotonic() + 120
         while size() < 16 + 24:
             assert writer.poll() is None and time.monotonic() < deadline
         with seg.open("rb") as f:  # segment header (16 bytes), then the first record's header
