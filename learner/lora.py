@@ -24,16 +24,17 @@ would have to be undone exactly before the next step):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from learner.worker_settings import LoraSettings
-from protocol.adapters import ADAPTER_FILE, PEFT_PREFIX
+from protocol.adapters import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 
 ADAPTER = "default"
 """peft's name of the one adapter (it appears in parameter names, not in saved files)."""
@@ -63,6 +64,34 @@ def add_adapters(lm: torch.nn.Module, s: LoraSettings) -> None:
     inject_adapter_in_model(lora_config(s), lm, adapter_name=ADAPTER)
     for name, p in lm.named_parameters():
         p.requires_grad_(is_adapter(name))
+
+
+def load_adapter(lm: torch.nn.Module, s: LoraSettings) -> None:
+    """The adapters of ``lm`` (just added, not sharded) set from ``s.adapter_path``, a peft adapter
+    directory. ValueError naming the file and what does not match: its rank or alpha against
+    ``s``, a tensor the model has no adapter for, one it lacks, or a shape."""
+    folder = Path(s.adapter_path or "")
+    config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    for key, want in (("r", s.rank), ("lora_alpha", s.alpha)):
+        if config.get(key) != want:
+            raise ValueError(
+                f"{folder / ADAPTER_CONFIG}: {key} is {config.get(key)!r}, the run's is {want} "
+                "(actor_rollout_ref.model.lora_rank / lora_alpha)"
+            )
+    params = {peft_name(n): p for n, p in lm.named_parameters() if is_adapter(n)}
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    path = folder / ADAPTER_FILE
+    if unknown := sorted(set(tensors) - set(params)):
+        raise ValueError(f"{path}: no adapter of the model is named {unknown[:3]}")
+    if missing := sorted(set(params) - set(tensors)):
+        raise ValueError(f"{path}: lacks {len(missing)} adapter tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(tensors[name].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{path}: {name} has shape {list(tensors[name].shape)}, the model's {list(p.shape)}"
+                )
+            p.copy_(tensors[name].to(p.dtype))
 
 
 def is_adapter(name: str) -> bool:

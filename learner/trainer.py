@@ -141,6 +141,7 @@ def lora_settings(model: ModelConfig) -> LoraSettings | None:
         alpha=model.lora_alpha,
         target_modules=patterns(model.target_modules),
         exclude_modules=None if model.exclude_modules is None else patterns(model.exclude_modules),
+        adapter_path=model.lora_adapter_path,
     )
 
 
@@ -188,11 +189,17 @@ def check_lora_resume(state: dict[str, Any], lora: LoraSettings | None, path: Pa
 
 
 def initial_weights(
-    model: list[NamedBuffer], resume: Path | None, publisher: WeightPublisher
+    model: list[NamedBuffer],
+    resume: Path | None,
+    publisher: WeightPublisher,
+    adapter_path: str | None = None,
 ) -> list[NamedBuffer]:
     """What the run's first version is: the model, or the resumed checkpoint's export; with
-    adapter-only updates that export's adapter alone (servers run the base model already)."""
+    adapter-only updates that export's adapter alone (servers run the base model already), or at a
+    fresh start the adapter of ``lora_adapter_path`` (else the model)."""
     if resume is None:
+        if adapter_path is not None:
+            return load_file(Path(adapter_path) / ADAPTER_FILE)
         return model
     if publisher.adapter_dtype is not None:
         return load_file(resume / "hf" / ADAPTER_DIR / ADAPTER_FILE)
@@ -543,7 +550,10 @@ class Trainer:
         publisher = self.publisher = WeightPublisher.open(
             self.config, self.link.weights, self.ledger, v0
         )
-        publisher.publish_initial(self.version, initial_weights(v0, resume, publisher))
+        start = initial_weights(
+            v0, resume, publisher, self.config.actor_rollout_ref.model.lora_adapter_path
+        )
+        publisher.publish_initial(self.version, start)
         t = self.config.trainer
         sinks = MetricSinks(
             t.logger,

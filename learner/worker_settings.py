@@ -21,6 +21,7 @@ class LoraSettings:
     alpha: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
     exclude_modules: str | tuple[str, ...] | None = None
+    adapter_path: str | None = None  # a peft adapter directory the adapters start from
 
     @property
     def scaling(self) -> float:

@@ -149,7 +149,7 @@ class WeightApplier:
             policy=policy,
             seconds=round(seconds, 4),
             via=via,
-            reload_s=round(timings.get("reload_s", 0.0), 4),
+            **{k: round(v, 4) for k, v in timings.items() if k.endswith("_s")},
         )
 
 

@@ -83,6 +83,12 @@ class ModelConfig(Section):
     exclude_modules: str | list[str] | None = None
     """Linears kept without adapters (peft's exclude_modules: suffixes or one regular expression);
     null: none."""
+    lora_adapter_path: str | None = None
+    """A peft adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``, as
+    ``save_pretrained`` or a checkpoint's ``hf/lora_adapter`` hold it) that the actor's adapters
+    start from instead of zero, as verl's key. Its rank and alpha must equal lora_rank and
+    lora_alpha, and it must hold exactly the targeted linears; the run's first version is then this
+    adapter. Needs lora_rank > 0 and lora.merge false. null: adapters start at zero (B = 0)."""
     lora: LoraBlock = Field(default_factory=LoraBlock)
     """verl's LoRA block; only ``merge`` applies here (how rollout servers get the policy)."""
 

@@ -36,6 +36,7 @@ from common.config.training import (
     RayConfig,
     TrainerConfig,
 )
+from protocol.adapters import ADAPTER_FILE
 
 
 class Config(Section):
@@ -245,6 +246,23 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
             "transport.curve.enabled",
         )
 
+    if (adapter := arr.model.lora_adapter_path) is not None:
+        key = "actor_rollout_ref.model.lora_adapter_path"
+        if arr.model.lora_rank == 0:
+            add(
+                key,
+                "needs actor_rollout_ref.model.lora_rank > 0",
+                "actor_rollout_ref.model.lora_rank",
+            )
+        elif arr.model.lora.merge:
+            add(
+                key,
+                "cannot be combined with lora.merge true: merge the adapter into the model (peft's "
+                "merge_and_unload) and set actor_rollout_ref.model.path to it",
+                "actor_rollout_ref.model.lora.merge",
+            )
+        elif check_paths and not (Path(adapter) / ADAPTER_FILE).is_file():
+            add(key, f"no {ADAPTER_FILE} in {adapter}")
     if check_paths:
         model_path = Path(arr.model.path)
         if not model_path.exists():

@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,7 @@ class AdapterSlots:
         self._llm, self._alpha, self._base = llm, alpha, base_model
         self.current: LoRARequest | None = None  # what new submissions sample with
         self._dirs: dict[int, Path] = {}  # vLLM's adapter id -> its directory
+        self.last_timings: dict[str, float] = {}  # the last update's stage_s, add_s, release_s
 
     @staticmethod
     def nbytes(specs: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
@@ -117,11 +119,14 @@ class AdapterSlots:
         folder = Path(tempfile.mkdtemp(prefix="vllm-lora-", dir=root))
         request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
         try:
+            start = time.perf_counter()
             await asyncio.to_thread(write, folder)
             config = adapter_config([(n, shape) for n, shape, _ in specs], self._alpha, self._base)
             (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+            staged = time.perf_counter()
             if not await self._llm.add_lora(request):
                 raise WeightUpdateError(f"vLLM did not take the adapter of version {version}")
+            self.last_timings = {"stage_s": staged - start, "add_s": time.perf_counter() - staged}
         except WeightUpdateError:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -136,10 +141,12 @@ class AdapterSlots:
     async def release(self, in_use: Collection[int]) -> None:
         """Remove every adapter but the current one and those in ``in_use`` (ids of running
         submissions) from vLLM, and delete their directories."""
+        start = time.perf_counter()
         keep = {*in_use, self.current.lora_int_id if self.current else 0}
         for lora_id in [i for i in self._dirs if i not in keep]:
             await self._llm.remove_lora(lora_id)
             shutil.rmtree(self._dirs.pop(lora_id), ignore_errors=True)
+        self.last_timings["release_s"] = time.perf_counter() - start
 
     def close(self) -> None:
         """Delete every staged adapter directory (the engine is gone)."""

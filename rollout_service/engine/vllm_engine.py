@@ -166,6 +166,7 @@ class VllmEngine:
         self._good_weights: Path | None = None  # staged dir of the current version (rollback)
         self._good_file_dir: Path | None = None  # or the learner's file of it (file hand-over)
         self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
+        self._manifest: ModelManifest | None = None  # weight_manifest, read at its first use
         self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
@@ -210,22 +211,12 @@ class VllmEngine:
         if self._closed:
             return
         self._closed = True
-        import psutil
-
         self._llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         # AsyncLLM.__del__ shuts down again; at interpreter exit that fails noisily, so let the
         # object go now, while the interpreter is whole.
         del self._llm
         gc.collect()
-        procs = []
-        for pid in self._child_pids:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                procs.append(psutil.Process(pid))
-        _, alive = await asyncio.to_thread(psutil.wait_procs, procs, SHUTDOWN_TIMEOUT_S)
-        for proc in alive:
-            log.warning("vLLM child process %d survived shutdown; killing it", proc.pid)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+        await _reap(self._child_pids)
         if self._good_weights is not None:
             shutil.rmtree(self._good_weights, ignore_errors=True)
         self._adapters.close()
@@ -247,11 +238,12 @@ class VllmEngine:
 
     @property
     def weight_manifest(self) -> ModelManifest:
-        """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs): the
-        server checks weight announces against it before receiving anything. With LoRA it also
-        takes adapters up to the served rank (`protocol.adapters`)."""
-        manifest = model_manifest(self._settings.model)
-        return dataclasses.replace(manifest, lora_max_rank=self._settings.lora_rank)
+        """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs; read
+        once), checked before anything is received; with LoRA, adapters up to the served rank."""
+        if self._manifest is None:
+            manifest = model_manifest(self._settings.model)
+            self._manifest = dataclasses.replace(manifest, lora_max_rank=self._settings.lora_rank)
+        return self._manifest
 
     # -- Engine protocol -----------------------------------------------------------------------
 
@@ -410,6 +402,7 @@ class VllmEngine:
         """``version`` as a LoRA adapter beside the base weights (`vllm_adapters`), without a pause:
         new submissions use it; running ones keep theirs (``keep``) or continue with it (``abort``)."""
         async with self._updating(mode):
+            entered = time.perf_counter()
             check_newer(version, self._version)
             # a server without lora_rank is refused here too, by the manifest (lora_max_rank 0)
             request = await self._adapters.add(
@@ -427,8 +420,9 @@ class VllmEngine:
             await self._adapters.release({r.lora_id for r in self._requests.values()})
         end = time.perf_counter()
         self.last_update_timings = {
-            "reload_s": loaded - start,  # checked, staged and loaded by vLLM's add_lora
-            "swap_s": end - loaded,
+            **self._adapters.last_timings,  # stage_s, add_s (vLLM's add_lora), release_s
+            "wait_s": entered - start,  # for the update before it (one at a time)
+            "reload_s": loaded - start,  # waited for, checked, staged and loaded by add_lora
             "total_s": end - start,
             "bytes": float(self._adapters.nbytes(specs)),
         }
@@ -548,6 +542,21 @@ class _Piece:
     versions: list[int]
     finish_reason: FinishReason
     stop_string: str | None = None
+
+
+async def _reap(pids: frozenset[int]) -> None:
+    """Waits for vLLM's child processes to exit after its shutdown; kills the stragglers."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = await asyncio.to_thread(psutil.wait_procs, procs, SHUTDOWN_TIMEOUT_S)
+    for proc in alive:
+        log.warning("vLLM child process %d survived shutdown; killing it", proc.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def _sampling_params(s: SamplingSettings, max_tokens: int) -> Any:
