@@ -189,15 +189,22 @@ def test_advance_to_and_clear(tmp_path: Path) -> None:
 
 
 _WRITER = """
-import pathlib, sys
+import os, pathlib, sys, time
 import numpy as np
+import learner.journal as journal
 from learner.journal import Journal
 from protocol.trajectory import Trajectory
+real_write_all = journal._write_all
+def torn(fd, parts):  # from the 5th record on: half of the record's bytes, then stop mid-write
+    data = b"".join(bytes(p) for p in parts)
+    real_write_all(fd, [data[: len(data) // 2]])
+    pathlib.Path(sys.argv[2]).touch()
+    time.sleep(600)
 j = Journal(pathlib.Path(sys.argv[1]))
 n = 200_000
-seq = 0
-while True:  # records of one size: ids of a fixed width
-    seq += 1
+for seq in range(1, 6):  # records of one size: ids of a fixed width
+    if seq == 5:
+        journal._write_all = torn
     j.append("rs", "e", seq, [Trajectory(f"t{seq:08d}", "g", np.zeros(4, np.int32), np.ones(n, np.int32),
                                          np.ones(n, np.uint8), np.zeros(n, np.float32), np.zeros(n, np.int32))])
 """
@@ -205,11 +212,11 @@ while True:  # records of one size: ids of a fixed width
 
 @pytest.mark.integration
 def test_sigkill_mid_write_leaves_a_readable_journal(tmp_path: Path) -> None:
-    """A writer process is killed while the file is not at a record boundary (so most likely in the
-    middle of a record): every complete record reads back, the rest is cut off."""
-    d = tmp_path / "j"
+    """A writer process is killed in the middle of writing its 5th record (it wrote half of the
+    record's bytes and stopped there): every complete record reads back, the torn tail is cut off."""
+    d, torn = tmp_path / "j", tmp_path / "torn"
     writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(d)],
+        [sys.executable, "-c", _WRITER, str(d), str(torn)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -219,25 +226,23 @@ def test_sigkill_mid_write_leaves_a_readable_journal(tmp_path: Path) -> None:
         return seg.stat().st_size if seg.exists() else 0
 
     try:
-        # a bound on a hang, not a speed: the writer's start-up and the wait for a size between
-        # records took over 30 s beside another test worker on 2 cores
-        deadline = time.monotonic() + 120
-        while size() < 16 + 24:
+        deadline = time.monotonic() + 120  # a bound on a hang (the writer's start-up), not a speed
+        while not torn.exists():
             assert writer.poll() is None and time.monotonic() < deadline
-        with seg.open("rb") as f:  # segment header (16 bytes), then the first record's header
-            record_bytes = 24 + struct.unpack("<4sIQQ", f.read(40)[16:])[3]
-        while (n := size()) < 4 * record_bytes or (n - 16) % record_bytes == 0:
-            assert writer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait()
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
+    with seg.open("rb") as f:  # segment header (16 bytes), then the first record's header
+        record_bytes = 24 + struct.unpack("<4sIQQ", f.read(40)[16:])[3]
+    assert (size() - 16) % record_bytes != 0, "the tail is not torn"
     before = size()
     j = Journal(d)
     ids = j.record_ids
-    assert ids == list(range(1, len(ids) + 1)) and len(ids) >= 3
+    assert ids == [1, 2, 3, 4]
     assert [r.seq for r in j.records()] == ids
     assert [r.trajectories[0].trajectory_id for r in j.records([ids[-1]])] == [f"t{ids[-1]:08d}"]
     assert size() == 16 + len(ids) * record_bytes <= before  # a torn tail, if any, was cut off
