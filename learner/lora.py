@@ -79,8 +79,8 @@ def load_adapter(lm: torch.nn.Module, s: LoraSettings) -> None:
                 "(actor_rollout_ref.model.lora_rank / lora_alpha)"
             )
     params = {peft_name(n): p for n, p in lm.named_parameters() if is_adapter(n)}
-    tensors = load_file(str(folder / ADAPTER_FILE))
     path = folder / ADAPTER_FILE
+    tensors = load_file(str(path))
     if unknown := sorted(set(tensors) - set(params)):
         raise ValueError(f"{path}: no adapter of the model is named {unknown[:3]}")
     if missing := sorted(set(params) - set(tensors)):

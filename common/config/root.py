@@ -36,7 +36,7 @@ from common.config.training import (
     RayConfig,
     TrainerConfig,
 )
-from protocol.adapters import ADAPTER_FILE
+from protocol.adapters import ADAPTER_CONFIG, ADAPTER_FILE
 
 
 class Config(Section):
@@ -261,8 +261,10 @@ def consistency_issues(config: Config, *, check_paths: bool = False) -> list[Iss
                 "merge_and_unload) and set actor_rollout_ref.model.path to it",
                 "actor_rollout_ref.model.lora.merge",
             )
-        elif check_paths and not (Path(adapter) / ADAPTER_FILE).is_file():
-            add(key, f"no {ADAPTER_FILE} in {adapter}")
+        elif check_paths:
+            for name in (ADAPTER_FILE, ADAPTER_CONFIG):  # what learner.lora.load_adapter reads
+                if not (Path(adapter) / name).is_file():
+                    add(key, f"no {name} in {adapter}")
     if check_paths:
         model_path = Path(arr.model.path)
         if not model_path.exists():
