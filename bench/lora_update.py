@@ -7,12 +7,13 @@ fine-tuning (the bound: every weight update moves the whole model), then LoRA (r
 the base weights). Per update, ``weights/applied_s`` is the time from the learner starting to
 gather a version until every rollout server generates with it. The figure is
 ``update_speedup`` = median full ``applied_s`` / median LoRA ``applied_s`` (issue 38's target on a
-GPU with the 0.5B shape: >= 5), printed with the bytes each update moved and the step times.
+GPU with the 0.5B shape: >= 5), printed with each one's spread (``applied_s_spread``: min, quartiles,
+max), the bytes each update moved and the step times. Run at least 20 steps for a figure.
 
 Both runs use the same ``max_staleness`` (``--staleness``, default 2) and the same steps; step 1 is
 left out of the medians (first use of everything). Progress goes to stderr; the last line of stdout
 is one JSON object. Run: ``.venv/bin/python bench/lora_update.py`` (CPU: the tiny model, a few
-minutes); on a GPU ``--shape 0.5b --steps 10``. Arguments after ``--`` go to bench/e2e.py.
+minutes); on a GPU ``--shape 0.5b --steps 20``. Arguments after ``--`` go to bench/e2e.py.
 """
 
 from __future__ import annotations
@@ -83,9 +84,18 @@ def figures(logs: Path) -> dict[str, Any]:
         values = [float(r[key]) for r in later if key in r]
         return round(statistics.median(values), 4) if values else None
 
+    def spread(key: str) -> list[float] | None:
+        """[min, first quartile, third quartile, max] over the same steps."""
+        values = sorted(float(r[key]) for r in later if key in r)
+        if len(values) < 2:
+            return None
+        q1, _, q3 = statistics.quantiles(values, n=4)
+        return [round(v, 4) for v in (values[0], q1, q3, values[-1])]
+
     return {
         "steps": len(records),
         "applied_s": median("weights/applied_s"),
+        "applied_s_spread": spread("weights/applied_s"),
         "publish_s": median("weights/publish_s"),
         "bytes": median("weights/bytes"),
         "step_s": median("timing/step_s"),
@@ -112,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     progress(
         f"weight update end to end: full {full['applied_s']} s ({full['bytes']} B), LoRA "
         f"{adapter['applied_s']} s ({adapter['bytes']} B): {result['update_speedup']}x faster; "
+        f"spread (min, quartiles, max) full {full['applied_s_spread']}, LoRA "
+        f"{adapter['applied_s_spread']}; "
         f"step {full['step_s']} s vs {adapter['step_s']} s"
     )
     print(json.dumps(result, sort_keys=True), flush=True)

@@ -33,6 +33,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
+from learner.full_tensors import full_tensors
 from learner.worker_settings import LoraSettings
 from protocol.adapters import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 
@@ -154,23 +155,21 @@ def adapter_state(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {peft_name(k): sd[k] for k in sorted(sd) if is_adapter(k)}
 
 
-def gather_adapter(lm: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Collective: the full adapter tensors (peft's names, float32, on the CPU) on rank 0, None on
-    the others. Only the adapters are gathered, one all-gather each in the same name order on every
-    rank; the sharded state dict itself moves nothing (FSDP2's state-dict hooks reshard a model
-    kept gathered first)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    sd = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=False))
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted(k for k in sd if is_adapter(k)):
-        t = sd[key]
-        assert isinstance(t, torch.Tensor)
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        if rank == 0:
-            out[peft_name(key)] = full.detach().cpu()
-    return out if rank == 0 else None
+def gather_adapter(
+    lm: torch.nn.Module, rank: int, *, to_cpu: bool = True
+) -> dict[str, torch.Tensor] | None:
+    """Collective: the full adapter tensors (peft's names, float32) on rank 0, None on the others;
+    on the CPU, or left where they were gathered with ``to_cpu`` false (the slot-file writer copies
+    them from there). Only the adapters are gathered, all in one collective
+    (`learner.full_tensors`), in the same name order on every rank. They are read from the
+    parameters themselves: under FSDP2 a parameter keeps its module path as its name, which is its
+    state-dict key (adapters are never tied, nor buffers)."""
+    params = dict(lm.named_parameters())
+    keys = sorted(k for k in params if is_adapter(k))
+    whole = full_tensors([params[k].detach() for k in keys])
+    if rank != 0:
+        return None
+    return {peft_name(k): t.cpu() if to_cpu else t for k, t in zip(keys, whole, strict=True)}
 
 
 def save_adapter(

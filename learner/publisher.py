@@ -20,9 +20,8 @@ weights go through on the learner side happens here, in this order:
    version: `learner.announcer`).
 
 With LoRA (``actor_rollout_ref.model.lora_rank`` > 0, ``lora.merge`` false) a version is the
-adapter alone (``adapter_dtype``: the checkpoint's floating dtype): gathered to rank 0
-(`learner.lora.gather_adapter`), written whole into the slot file by this process, announced the
-same way. Rollout servers tell it from full weights by its names (`protocol.adapters`).
+adapter alone (``adapter_dtype``: the checkpoint's floating dtype), written into the slot file by
+rank 0 as full weights are (`learner.weights_file_writer`), announced the same way. Rollout servers tell it from full weights by its names (`protocol.adapters`).
 
 The first version of a run (the model, or the resumed checkpoint's export: its adapter alone with
 adapter-only updates) is announced from disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)
@@ -43,11 +42,16 @@ import numpy as np
 
 from common.config.root import Config
 from common.logging import get_logger
-from common.safetensors_buffers import load_file, save_file
+from common.safetensors_buffers import load_file
 from learner.announcer import WeightAnnouncer
 from learner.versions import VersionLedger
 from learner.weights_files import WeightFiles
-from learner.worker_api import AdapterRequest, WeightsFileRequest, WeightsRequest
+from learner.worker_api import (
+    AdapterFileRequest,
+    AdapterRequest,
+    WeightsFileRequest,
+    WeightsRequest,
+)
 from protocol.slot_files import remove_stale
 from protocol.weights import FLOAT_DTYPES, NamedBuffer
 
@@ -152,29 +156,40 @@ class WeightPublisher:
         started: float,
         t0: float,
     ) -> dict[str, float]:
-        """``version`` as the LoRA adapter alone: gathered to rank 0 and brought back through Ray
-        (a few MB), written whole into the slot file when there is one."""
-        parts = await workers.adapter_weights(AdapterRequest(self.adapter_dtype or "float32"))
+        """``version`` as the LoRA adapter alone: written by rank 0 straight into the slot file
+        when there is one, else gathered to rank 0 and brought back through Ray (a few MB)."""
+        dtype = self.adapter_dtype or "float32"
+        if self.files is not None and take is not None:
+            slot, path = take
+            try:
+                info = await workers.write_adapter_file(AdapterFileRequest(dtype, slot, str(path)))
+            except BaseException:
+                self.files.failed(slot)
+                raise
+            replaced_chunked = self.announcer.announce(
+                version, load_file(path), file=str(path), started=started
+            )
+            self.files.published(version, replaced_chunked=replaced_chunked)
+            return {
+                "weights/gather_s": info.gather_s,
+                "weights/copy_s": info.copy_s,
+                "weights/pinned": float(info.pinned),
+                "weights/via_file": 1.0,
+                "weights/bytes": float(info.bytes),
+                "weights/publish_s": time.perf_counter() - t0,
+            }
+        parts = await workers.adapter_weights(AdapterRequest(dtype))
         gathered = time.perf_counter()
         tensors = [
             NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
             for w in parts
         ]
-        file = ""
-        if self.files is not None and take is not None:
-            slot, path = take
-            try:
-                save_file(path, tensors)
-            except BaseException:
-                self.files.failed(slot)
-                raise
-            file = str(path)
-        replaced_chunked = self.announcer.announce(version, tensors, file=file, started=started)
+        replaced_chunked = self.announcer.announce(version, tensors, started=started)
         if self.files is not None:
             self.files.published(version, replaced_chunked=replaced_chunked)
         return {
             "weights/gather_s": gathered - t0,
-            "weights/via_file": float(bool(file)),
+            "weights/via_file": 0.0,
             "weights/bytes": float(sum(t.data.nbytes for t in tensors)),
             "weights/publish_s": time.perf_counter() - t0,
         }

@@ -8,7 +8,9 @@ update is one device-to-host copy per tensor straight into the file at pinned-me
 staging buffer and no socket. Tensors are laid out by element size, largest first, so each starts
 aligned for its dtype (the byte views need that; safetensors allows any order but no holes).
 The gather is FSDP2's full state dict kept on the device, LoRA adapters merged in
-(`learner.checkpoint_io.policy_state_dict`; every rank takes part, rank 0 writes).
+(`learner.checkpoint_io.policy_state_dict`; every rank takes part, rank 0 writes). An adapter-only
+update writes the adapter tensors alone the same way (`write_adapter`), gathered on the device:
+no per-tensor host copy and no trip through Ray.
 """
 
 from __future__ import annotations
@@ -87,7 +89,30 @@ class WeightsFileWriter:
         sd = policy_state_dict(lm, rank, cpu_offload=False)
         if sd is None:
             return None
-        tensors = [(n, t.contiguous()) for n, t in select(sd, names, dtypes)]
+        result = self._write(t0, select(sd, names, dtypes), slot, path)
+        del sd
+        return result
+
+    def write_adapter(
+        self, lm: torch.nn.Module, rank: int, dtype: torch.dtype, slot: int, path: str
+    ) -> WeightsFileResult | None:
+        """Collective. Rank 0 writes the LoRA adapter alone (`learner.lora.gather_adapter`'s
+        names, cast to ``dtype`` on the device) into ``path``; other ranks return None."""
+        # lazy: learner.lora imports peft (and with it transformers)
+        from learner.lora import gather_adapter
+
+        t0 = time.perf_counter()
+        adapter = gather_adapter(lm, rank, to_cpu=False)
+        if adapter is None:
+            return None
+        return self._write(t0, [(n, t.to(dtype)) for n, t in adapter.items()], slot, path)
+
+    def _write(
+        self, t0: float, named: list[tuple[str, torch.Tensor]], slot: int, path: str
+    ) -> WeightsFileResult:
+        """``named`` (gathered since ``t0``) into the slot file: one copy per tensor straight into
+        the mapped (and, on CUDA, pinned) file, one synchronisation at the end."""
+        tensors = [(n, t.contiguous()) for n, t in named]
         tensors.sort(key=lambda nt: (-nt[1].element_size(), nt[0]))
         cuda = tensors[0][1].is_cuda
         if cuda:
@@ -104,7 +129,6 @@ class WeightsFileWriter:
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
-        del sd, tensors
         return WeightsFileResult(
             gather_s=gathered - t0, copy_s=end - gathered, bytes=total, pinned=m.registered
         )

@@ -29,6 +29,7 @@ from learner.samples import MiniBatchPlan, OldFromForward, Sample
 from learner.varlen import can_share_prefix, varlen_kernel
 from learner.weights_file_writer import WeightsFileWriter
 from learner.worker_api import (
+    AdapterFileRequest,
     AdapterRequest,
     ForwardRequest,
     ForwardResult,
@@ -340,6 +341,15 @@ class TrainWorker:
             self._weights_writer = WeightsFileWriter()
         return self._weights_writer.write(
             self._policy_lm(), req.weights.names, self.rank, req.weights.dtypes, req.slot, req.path
+        )
+
+    def write_adapter_file(self, req: AdapterFileRequest) -> WeightsFileResult | None:
+        """Collective: the LoRA adapter alone written by rank 0 into the request's slot file;
+        rank 0 returns timings, others None."""
+        if self._weights_writer is None:
+            self._weights_writer = WeightsFileWriter()
+        return self._weights_writer.write_adapter(
+            self._policy_lm(), self.rank, WIRE_TO_TORCH[req.dtype], req.slot, req.path
         )
 
     def save_checkpoint(self, directory: str) -> None:

@@ -117,6 +117,16 @@ class WeightsFileRequest:
 
 
 @dataclass(frozen=True)
+class AdapterFileRequest:
+    """The actor's LoRA adapter alone, cast to ``dtype``, written by rank 0 into the slot file
+    ``path`` (`learner.weights_file_writer`); ``slot`` as in `WeightsFileRequest`."""
+
+    dtype: str
+    slot: int
+    path: str
+
+
+@dataclass(frozen=True)
 class WeightsFileResult:
     gather_s: float  # FSDP2's full state dict on the device
     copy_s: float  # device -> file

@@ -31,6 +31,7 @@ from common.ray_auth import join, start_local
 from learner.samples import Batching, Sample, TokenField, split_forward
 from learner.worker import TrainWorker
 from learner.worker_api import (
+    AdapterFileRequest,
     AdapterRequest,
     ForwardRequest,
     ForwardResult,
@@ -232,6 +233,12 @@ class WorkerGroup:
     async def write_weights_file(self, req: WeightsFileRequest) -> WeightsFileResult:
         """The full policy written into a slot file by rank 0 (the file hand-over)."""
         parts = await self._call(TrainWorker.write_weights_file, [(req,)] * self.world)
+        assert parts[0] is not None  # rank 0 answers
+        return parts[0]
+
+    async def write_adapter_file(self, req: AdapterFileRequest) -> WeightsFileResult:
+        """The LoRA adapter alone written into a slot file by rank 0 (the file hand-over)."""
+        parts = await self._call(TrainWorker.write_adapter_file, [(req,)] * self.world)
         assert parts[0] is not None  # rank 0 answers
         return parts[0]
 

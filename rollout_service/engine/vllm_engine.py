@@ -237,6 +237,11 @@ class VllmEngine:
         return self._llm
 
     @property
+    def adapters_staged(self) -> set[int]:
+        """vLLM ids of the LoRA adapters whose files are kept (`vllm_adapters`)."""
+        return self._adapters.staged
+
+    @property
     def weight_manifest(self) -> ModelManifest:
         """Every tensor an update must carry (names, dtypes, shapes of the checkpoint it runs; read
         once), checked before anything is received; with LoRA, adapters up to the served rank."""
@@ -406,7 +411,12 @@ class VllmEngine:
             check_newer(version, self._version)
             # a server without lora_rank is refused here too, by the manifest (lora_max_rank 0)
             request = await self._adapters.add(
-                version, specs, write, stage_root(self._settings.shm_dir, 0), self.weight_manifest
+                version,
+                specs,
+                write,
+                stage_root(self._settings.shm_dir, 0),
+                self.weight_manifest,
+                in_use={r.lora_id for r in self._requests.values()},
             )
             loaded = time.perf_counter()
             running = list(self._requests.values())
@@ -417,10 +427,9 @@ class VllmEngine:
             self._version = version
             if mode == "abort" and (ids := [r.vllm_id for r in running if r.vllm_id]):
                 await self._llm.abort(ids)
-            await self._adapters.release({r.lora_id for r in self._requests.values()})
         end = time.perf_counter()
         self.last_update_timings = {
-            **self._adapters.last_timings,  # stage_s, add_s (vLLM's add_lora), release_s
+            **self._adapters.last_timings,  # stage_s, add_s (vLLM's add_lora), released
             "wait_s": entered - start,  # for the update before it (one at a time)
             "reload_s": loaded - start,  # waited for, checked, staged and loaded by add_lora
             "total_s": end - start,

@@ -22,7 +22,13 @@ from transformers import AutoModelForCausalLM
 from learner import lora
 from learner.checkpoint_io import ADAPTER_DIR
 from learner.samples import Sample, split_for_ranks
-from learner.worker_api import AdapterRequest, UpdateRequest, WeightsFileRequest, WeightsRequest
+from learner.worker_api import (
+    AdapterFileRequest,
+    AdapterRequest,
+    UpdateRequest,
+    WeightsFileRequest,
+    WeightsRequest,
+)
 from learner.worker_settings import LoraSettings
 from protocol.adapters import ADAPTER_CONFIG
 
@@ -109,6 +115,14 @@ async def _chain(model: Path, tmp: Path) -> dict[str, Any]:
         await group.write_weights_file(
             WeightsFileRequest(WeightsRequest(names, dtypes), 0, str(path))
         )
+        adapter_slot = tmp / "adapter-slot" / "model.safetensors"
+        adapter_slot.parent.mkdir()
+        out["adapter_written"] = await group.write_adapter_file(
+            AdapterFileRequest("bfloat16", 1, str(adapter_slot))
+        )
+        out["adapter_bf16"] = {
+            w.name: w.array for w in await group.adapter_weights(AdapterRequest("bfloat16"))
+        }
         out["bf16"] = {
             w.name: w.array for w in await group.full_weights(WeightsRequest(names, dtypes))
         }
@@ -170,6 +184,12 @@ def test_lora_trains_adapters_only_and_publishes_merged_weights(
 
     written = {t.name: bytes(t.data) for t in load_raw(tmp_path / "slot" / "model.safetensors")}
     assert written == {n: a.tobytes() for n, a in out["bf16"].items()}
+    # and rank 0's adapter file (adapter-only updates) the adapter's, as Ray brings it back
+    written = {
+        t.name: bytes(t.data) for t in load_raw(tmp_path / "adapter-slot" / "model.safetensors")
+    }
+    assert written == {n: a.tobytes() for n, a in out["adapter_bf16"].items()}
+    assert out["adapter_written"].bytes == sum(len(b) for b in written.values())
 
     # the export: merged weights in transformers, the adapter alone in peft
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)

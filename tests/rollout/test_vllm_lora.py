@@ -100,14 +100,21 @@ async def test_adapters_are_served_as_the_merged_model_and_labelled_with_their_v
         [NamedBuffer(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in second.items()],
     )
     await engine.load_weights_file(2, str(slot / FILE_NAME), mode="abort")
+    # version 2 has version 1's shapes: vLLM loads it at its first request, not at the update
+    assert 3 not in await engine.async_llm.list_loras()
     got = await engine.generate("v2", PROMPT, GREEDY)
+    assert 3 in await engine.async_llm.list_loras()
     assert set(got.versions) == {2}
     torch.testing.assert_close(
         torch.tensor(got.logprobs), logprobs_of(merged, got.token_ids), rtol=0, atol=1e-4
     )
-    assert set(await engine.async_llm.list_loras()) == {
-        3
-    }  # version 1's is gone: no request used it
+    # version 1's (id 2) was current until version 2 came: its files go at the next update, as no
+    # request uses it, while version 2's stay as the current one
+    assert engine.adapters_staged == {2, 3}
+    await engine.load_weights(3, sorted(first.items()), mode="keep")
+    assert engine.adapters_staged == {3, 4}
+    got = await engine.generate("v3", PROMPT, GREEDY)
+    assert set(got.versions) == {3} and 4 in await engine.async_llm.list_loras()
 
 
 async def test_an_adapter_that_does_not_fit_is_refused_and_the_version_stays(

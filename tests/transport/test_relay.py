@@ -5,7 +5,8 @@
 Covered: the learner sends a version once and it reaches every host down the chain with every
 checksum verified; a relay SIGKILLed mid-transfer and the relay behind it still getting the
 version; a late joiner and a restarted server getting the newest version at once; a server without
-the capability still served with chunks straight from the learner.
+the capability still served with chunks straight from the learner; a LoRA adapter-only version
+(SPEC §8) forwarded like any other and accepted by a server whose model serves adapters.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,10 @@ from transport_testkit import ClientHandle, ZmqNet, client_running, learner_runn
 
 from common.safetensors_buffers import load_file
 from protocol import codec
+from protocol.adapters import adapter_name
 from protocol.events import PeerTimedOut, PeerWeightsApplied, WeightsReceived
 from protocol.messages import WEIGHTS_FILE_CAPABILITY, MsgType
-from protocol.weights import NamedBuffer, WeightAssembler, plan_transfer
+from protocol.weights import ModelManifest, NamedBuffer, WeightAssembler, plan_transfer
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +59,27 @@ def tensors(version: int, mb: float = 2.0) -> list[NamedBuffer]:
         "model.layer.0.b": rng.integers(0, 1 << 30, n // 4, dtype=np.int32),
         "model.norm": rng.standard_normal(7).astype(np.float16),
     }
+    return [
+        NamedBuffer(k, str(a.dtype), a.shape, memoryview(a).cast("B")) for k, a in arrays.items()
+    ]
+
+
+MODULES = {
+    "model.layers.0.self_attn.q_proj": (4096, 1024),
+    "model.layers.0.mlp.up_proj": (2048, 1024),
+}
+LORA_MODEL = ModelManifest(
+    {f"{m}.weight": ("bfloat16", shape) for m, shape in MODULES.items()}, lora_max_rank=16
+)
+
+
+def adapter(version: int) -> list[NamedBuffer]:
+    """A rank-8 LoRA adapter of ``MODULES``, named as peft saves one (what a LoRA learner sends)."""
+    rng = np.random.default_rng(version)
+    arrays = {}
+    for module, (out, inp) in MODULES.items():
+        arrays[adapter_name(module, "A")] = rng.standard_normal((8, inp), dtype=np.float32)
+        arrays[adapter_name(module, "B")] = rng.standard_normal((out, 8), dtype=np.float32)
     return [
         NamedBuffer(k, str(a.dtype), a.shape, memoryview(a).cast("B")) for k, a in arrays.items()
     ]
@@ -130,14 +153,20 @@ async def server(
     mb: float = 2.0,
     token: str | None = None,
     roots: list[str] | None = None,
+    want: Callable[[int], list[NamedBuffer]] | None = None,
+    manifest: ModelManifest | None = None,
 ) -> AsyncIterator[tuple[ClientHandle, dict[int, str]]]:
     """A rollout server on ``host`` that applies what it receives once every byte is checked
-    against ``tensors(version)``; yields it and {version: the file it came in ("" chunks)}."""
+    against ``want(version)`` (default ``tensors(version, mb)``), announces checked against
+    ``manifest`` when given; yields it and {version: the file it came in ("" chunks)}."""
     applied: dict[int, str] = {}
+    expected = want or (lambda v: tensors(v, mb))
     conn_kw = {
         "capabilities": [WEIGHTS_FILE_CAPABILITY] if files else [],
         "host": host,
-        "weights": WeightAssembler(file_roots=[str(tmp / host)] if roots is None else roots),
+        "weights": WeightAssembler(
+            manifest=manifest, file_roots=[str(tmp / host)] if roots is None else roots
+        ),
     }
     async with client_running(
         net.connector(address, token=token), peer_id=peer_id or f"server-{host}", request_weights=True,
@@ -154,8 +183,8 @@ async def server(
                         got = {t.name: bytes(t.data) for t in load_file(Path(w.file))}
                     else:
                         got = {s.name: bytes(b) for s, b in w.tensors}
-                    want = {t.name: bytes(t.data) for t in tensors(w.version, mb)}
-                    assert got == want, f"version {w.version} differs"
+                    wanted = {t.name: bytes(t.data) for t in expected(w.version)}
+                    assert got == wanted, f"version {w.version} differs"
                     applied[w.version] = w.file
                     ch.client.weights_applied(w.version, w.transfer_id, ok=True)
                     ch.watch.notify()
@@ -203,6 +232,28 @@ async def test_chain_forwards_each_version_once_with_checksums(net: ZmqNet, tmp_
                     await lh.watch.until(lambda: 2 in d, 30)
                     assert "/hostD/agentrl-weights-" in d[2] and 1 not in d
                 assert set(ch.chunks) == {relay_ids(lh)["relay-hostA"]}
+
+
+async def test_an_adapter_goes_down_the_chain_as_full_weights_do(
+    net: ZmqNet, tmp_path: Path
+) -> None:
+    """LoRA's adapter-only versions: the relays never read names; the last host's server checks
+    each against a model that serves adapters and gets it as its relay's verified file."""
+    ch = CountingChannel(net.server("tcp://127.0.0.1:0"))
+    async with learner_running(ch, host="learner-host") as lh:
+        async with (
+            relays(lh, ["hostA", "hostB"], tmp_path),
+            server(net, ch.address, "hostB", tmp_path, want=adapter, manifest=LORA_MODEL) as (
+                _,
+                got,
+            ),
+        ):
+            for v in (1, 2):
+                lh.server.publish_weights(v, adapter(v), chunk_bytes=CHUNK)
+                await lh.watch.until(lambda v=v: v in got, 30)
+                assert "/hostB/agentrl-weights-" in got[v]
+            n = num_chunks(adapter(1))
+            assert n > 1 and ch.chunks == Counter({relay_ids(lh)["relay-hostA"]: 2 * n})
 
 
 async def test_relay_killed_mid_transfer_downstream_still_gets_version(
