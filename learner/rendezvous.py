@@ -6,6 +6,12 @@ single-host job, and any learner of one rank) meet through a file store instead,
 rendezvous listens on a socket. Only ranks spread over machines use the TCP store, on a free port of
 rank 0's host (docs/training.md lists it with the job's other ports).
 
+The process group's own sockets follow: gloo and NCCL listen on the interface they pick, by default
+the one the host's name resolves to, which on most machines is reachable from the network. Ranks
+on one machine talk over loopback instead (`use_loopback`: ``GLOO_SOCKET_IFNAME`` and
+``NCCL_SOCKET_IFNAME``, unless the user set them; NCCL's data moves over NVLink or shared memory
+between GPUs of one host either way, the socket is its bootstrap).
+
 A file store lives in a fresh directory ``agentrl-pg-<pid>-*`` under the temp dir of rank 0's
 process; Ray kills the workers without a chance to clean up, so rank 0 removes the directories of
 processes that are gone whenever it makes a new one (its own stays for the run).
@@ -17,7 +23,10 @@ import os
 import re
 import socket
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
+
+import psutil
 
 from protocol.slot_files import remove_stale
 
@@ -47,3 +56,23 @@ def init_method(one_machine: bool) -> str:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"
+
+
+def use_loopback(init_method: str, env: MutableMapping[str, str]) -> dict[str, str]:
+    """Before ``init_process_group``: with a file store (every rank on this machine), gloo's and
+    NCCL's sockets on the loopback interface, unless ``env`` names an interface already; what was
+    set."""
+    if not init_method.startswith("file://"):
+        return {}
+    lo = loopback_interface()
+    chosen = {k: lo for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(k)}
+    env.update(chosen)
+    return chosen

@@ -89,6 +89,7 @@ class TrainWorker:
             self.device = torch.device("cuda", local)
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        rendezvous.use_loopback(init_method, os.environ)
         dist.init_process_group(
             backend, init_method=init_method, rank=self.rank, world_size=self.world
         )
