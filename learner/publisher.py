@@ -35,7 +35,6 @@ import math
 import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -102,7 +101,8 @@ class WeightPublisher:
         self.announcer.announce(version, tensors)
 
     async def publish(self, version: int, workers: WorkerGroup) -> dict[str, float]:
-        """Gather the workers' policy and announce it as ``version``; the ``weights/*`` metrics."""
+        """Gather the workers' policy (or its adapter) and announce it as ``version``; the
+        ``weights/*`` metrics."""
         t0 = time.perf_counter()
         started = time.monotonic()
         self.ledger.record(version)
@@ -111,74 +111,35 @@ class WeightPublisher:
             take = self.files.take(
                 version, oldest_applied=self.announcer.file_peers_oldest_version()
             )
+        if self.files is not None and take is not None:
+            slot, path = take
+            try:
+                if self.adapter_dtype is not None:
+                    req = AdapterFileRequest(self.adapter_dtype, slot, str(path))
+                    info = await workers.write_adapter_file(req)
+                else:
+                    info = await workers.write_weights_file(
+                        WeightsFileRequest(self.weights, slot, str(path))
+                    )
+            except BaseException:
+                self.files.failed(slot)
+                raise
+            replaced_chunked = self.announcer.announce(
+                version, load_file(path), file=str(path), started=started
+            )
+            self.files.published(version, replaced_chunked=replaced_chunked)
+            return {
+                "weights/gather_s": info.gather_s,
+                "weights/copy_s": info.copy_s,
+                "weights/pinned": float(info.pinned),
+                "weights/via_file": 1.0,
+                "weights/bytes": float(info.bytes),
+                "weights/publish_s": time.perf_counter() - t0,
+            }
         if self.adapter_dtype is not None:
-            return await self._publish_adapter(version, workers, take, started, t0)
-        if self.files is not None and take is not None:
-            slot, path = take
-            try:
-                info = await workers.write_weights_file(
-                    WeightsFileRequest(self.weights, slot, str(path))
-                )
-            except BaseException:
-                self.files.failed(slot)
-                raise
-            replaced_chunked = self.announcer.announce(
-                version, load_file(path), file=str(path), started=started
-            )
-            self.files.published(version, replaced_chunked=replaced_chunked)
-            return {
-                "weights/gather_s": info.gather_s,
-                "weights/copy_s": info.copy_s,
-                "weights/pinned": float(info.pinned),
-                "weights/via_file": 1.0,
-                "weights/bytes": float(info.bytes),
-                "weights/publish_s": time.perf_counter() - t0,
-            }
-        parts = await workers.full_weights(self.weights)
-        tensors = [
-            NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
-            for w in parts
-        ]
-        replaced_chunked = self.announcer.announce(version, tensors, started=started)
-        if self.files is not None:
-            self.files.published(version, replaced_chunked=replaced_chunked)
-        return {
-            "weights/via_file": 0.0,
-            "weights/bytes": float(sum(t.data.nbytes for t in tensors)),
-            "weights/publish_s": time.perf_counter() - t0,
-        }
-
-    async def _publish_adapter(
-        self,
-        version: int,
-        workers: WorkerGroup,
-        take: tuple[int, Path] | None,
-        started: float,
-        t0: float,
-    ) -> dict[str, float]:
-        """``version`` as the LoRA adapter alone: written by rank 0 straight into the slot file
-        when there is one, else gathered to rank 0 and brought back through Ray (a few MB)."""
-        dtype = self.adapter_dtype or "float32"
-        if self.files is not None and take is not None:
-            slot, path = take
-            try:
-                info = await workers.write_adapter_file(AdapterFileRequest(dtype, slot, str(path)))
-            except BaseException:
-                self.files.failed(slot)
-                raise
-            replaced_chunked = self.announcer.announce(
-                version, load_file(path), file=str(path), started=started
-            )
-            self.files.published(version, replaced_chunked=replaced_chunked)
-            return {
-                "weights/gather_s": info.gather_s,
-                "weights/copy_s": info.copy_s,
-                "weights/pinned": float(info.pinned),
-                "weights/via_file": 1.0,
-                "weights/bytes": float(info.bytes),
-                "weights/publish_s": time.perf_counter() - t0,
-            }
-        parts = await workers.adapter_weights(AdapterRequest(dtype))
+            parts = await workers.adapter_weights(AdapterRequest(self.adapter_dtype))
+        else:
+            parts = await workers.full_weights(self.weights)
         gathered = time.perf_counter()
         tensors = [
             NamedBuffer(w.name, w.dtype, w.shape, np.ascontiguousarray(w.array).data.cast("B"))
