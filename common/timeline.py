@@ -71,6 +71,9 @@ class Track(StrEnum):
 PHASES = ("wait", "prepare", "update", "broadcast")
 VALIDATE_SPAN = "validate"
 CHECKPOINT_SPAN = "checkpoint"
+EARLY_REF_SPAN = (
+    "ref_early"  # a reference forward run in a wait (inside it; learner.early_reference)
+)
 # Learner instants.
 PUBLISH_EVENT = "publish"  # Track.WEIGHTS, args: version
 GRANT_EVENT = "grant"  # Track.ADMISSION, args: server, groups, min_version

@@ -313,6 +313,15 @@ class Intake:
             mix=dict(quotas or {}),
         )
 
+    def buffered(self) -> list[Group]:
+        """The groups waiting to be taken, in the order ``next_batch`` takes them."""
+        return self._buffer.by_deadline()
+
+    async def arrival(self) -> None:
+        """Returns at the next arrival that would wake ``next_batch``."""
+        self._arrived = self._arrived or anyio.Event()
+        await self._arrived.wait()
+
     def mark_trained(self, taken: TakenBatch) -> None:
         """``taken`` was trained on: batches whose groups are now all trained free their room, and
         (with admission) as many new groups are granted, on the newest published weights."""

@@ -46,16 +46,16 @@ from common.timeline import (
     sample_every,
     timeline_path,
 )
-from learner import checkpoints, trained_log, versions
+from learner import checkpoints, early_reference, trained_log, versions
 from learner.agent_metrics import KnownNames, agent_metrics
 from learner.checkpoint_io import ADAPTER_DIR
+from learner.early_reference import EarlyReference
 from learner.link import LearnerLink
 from learner.loss_settings import policy_loss_settings
 from learner.prepare import (
     batch_metrics,
     batching,
     mini_batch_count,
-    old_logprob_parts,
     old_logprobs_from_update,
     reduce_worker_metrics,
     rewards_and_advantages,
@@ -64,6 +64,7 @@ from learner.prepare import (
 from learner.publisher import WeightPublisher
 from learner.samples import Batching, Sample, split_for_ranks
 from learner.sinks import MetricSinks
+from learner.step_forwards import forward_passes
 from learner.validation import due, validate_policy
 from learner.versions import VersionLedger
 from learner.worker_api import UpdateRequest, WorkerInfo
@@ -270,6 +271,7 @@ class Trainer:
         self._model_metrics: dict[str, float] = {}  # logged with every step (`lora_metrics`)
         self._val_reward: float | None = None  # the last validation's val/reward/mean
         self.timeline = TimelineWriter.off()  # opened by run()
+        self._early_ref: EarlyReference | None = None  # made with the workers
 
     # The parts made at start-up (`run`), each checked once here rather than at every use.
     @property
@@ -318,6 +320,9 @@ class Trainer:
             self.log.info("LoRA adapters on the actor", **self._model_metrics)
         if resume is not None:
             await self.workers.load_checkpoint(str(resume))
+        if self.settings.need_ref and self.config.actor_rollout_ref.ref.forward_in_waits:
+            chunk = self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * self.world
+            self._early_ref = EarlyReference(self.workers, self._batching, chunk, self.timeline)
 
     def _init_algorithm_state(
         self, state: dict[str, Any] | None, resume_path: Path | None = None
@@ -356,31 +361,25 @@ class Trainer:
             can_share=self.workers.can_share_prefix,
         )
 
-    async def _forward_passes(self, samples: list[Sample], in_update: bool) -> None:
-        """The forwards before the update: old logprobs (unless the rollout's stand for them, or
-        the update takes the first mini-batch's from its own forward: then only the later
-        mini-batches run here, `learner.prepare.old_logprob_parts`), reference logprobs, values."""
-
-        passes = self._batching()
-        if self.config.actor_rollout_ref.actor.off_policy.old_logprobs == "rollout":
-            for s in samples:
-                s.old_logprobs = s.rollout_logprobs
-        elif not in_update:
-            await self.workers.forward("actor", samples, "old_logprobs", passes)
-        elif parts := old_logprob_parts(self.config, len(samples)):
-            await self.workers.forward("actor", samples, "old_logprobs", passes, parts=parts)
-        if self.settings.need_ref:
-            await self.workers.forward("ref", samples, "ref_logprobs", passes)
-        if self.settings.critic_model_path:
-            await self.workers.forward("critic", samples, "values", passes)
-
-    async def _prepare(self, trajs: list[Trajectory], samples: list[Sample]) -> dict[str, float]:
-        """The forwards, then rewards, advantages and importance weights (``learner.prepare``)."""
+    async def _prepare(
+        self, trajs: list[Trajectory], samples: list[Sample], ref_missing: list[int] | None
+    ) -> dict[str, float]:
+        """The forwards (`learner.step_forwards`; reference logprobs only for ``ref_missing`` when
+        the wait computed the others), then rewards, advantages and importance weights
+        (``learner.prepare``)."""
         # Old logprobs (of the first mini-batch at least) from the update's own forward: then the
         # importance weights and logprob_diff come from the workers with the update's metrics (the
         # rule: old_logprobs_from_update).
         in_update = old_logprobs_from_update(self.config, self.step) is not None
-        await self._forward_passes(samples, in_update)
+        await forward_passes(
+            self.config,
+            self.settings,
+            self.workers,
+            self._batching(),
+            samples,
+            in_update=in_update,
+            ref_missing=ref_missing,
+        )
         return rewards_and_advantages(
             self.config,
             trajs,
@@ -431,8 +430,9 @@ class Trainer:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
         step, tl = self.step + 1, self.timeline
-        taken = await self.link.intake.next_batch(
-            self.config.data.train_batch_size, self.version, self.max_staleness
+        intake, early = self.link.intake, self._early_ref
+        taken = await early_reference.next_batch(
+            intake, early, self.config.data.train_batch_size, self.version, self.max_staleness, step
         )
         trajs = list(taken.trajectories)
         tl.span(Track.STEP, "wait", *timer.lap("wait"), step=step, groups=groups_by_server(taken))
@@ -443,7 +443,9 @@ class Trainer:
             for src in sorted({*taken.mix, *taken.sources}):
                 metrics[f"batch/groups/{src or 'unknown'}"] = float(taken.sources.count(src))
         samples = to_samples(trajs)
-        metrics |= await self._prepare(trajs, samples)
+        ref_missing = early.take(trajs, samples, intake.buffered()) if early else None
+        metrics |= await self._prepare(trajs, samples, ref_missing)
+        metrics |= early.metrics(len(samples)) if early else {}
         tl.span(Track.STEP, "prepare", *timer.lap("prepare"), step=step)
         tokens = sum(len(s.input_ids) for s in samples)
         update = await self._update(samples)

@@ -21,6 +21,7 @@ from typing import Any
 from common.timeline import (
     APPLY_SPAN,
     CHECKPOINT_SPAN,
+    EARLY_REF_SPAN,
     GRANT_EVENT,
     PUBLISH_EVENT,
     VALIDATE_SPAN,
@@ -31,6 +32,7 @@ from tools.timeline_read import Timeline, level, rate, steps
 
 PHASE_COLORS = {
     "wait": "#d62728",
+    EARLY_REF_SPAN: "#e377c2",  # drawn over the wait it ran in
     "prepare": "#ff7f0e",
     "update": "#1f77b4",
     "broadcast": "#2ca02c",

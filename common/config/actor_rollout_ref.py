@@ -387,6 +387,12 @@ class RefConfig(Section):
 
     fsdp_config: RefFsdpConfig = Field(default_factory=RefFsdpConfig)
     """FSDP2 settings."""
+    forward_in_waits: bool = False
+    """Run the reference forward over buffered trajectories while the learner waits for its batch
+    (the reference never changes), so that a step's prepare runs it only for those that arrived
+    last (learner/early_reference.py). Helps where the learner has its own devices and waits with
+    them idle; where it shares them with generation (the CPU demo) the forwards slow generation
+    down by more than prepare gains. false: all of it in prepare, as verl does."""
 
 
 class ActorRolloutRefConfig(Section):

@@ -38,6 +38,8 @@ STEP_KEYS = (
     "timing/update_s",
     "timing/broadcast_s",
     "perf/tokens_per_s",
+    "timing/ref_early_s",  # KL loss: the reference forwards the waits ran (learner.early_reference)
+    "prepare/ref_early_frac",
 )
 
 
@@ -54,6 +56,7 @@ def write_config(tmp: Path, model: Path, port: int, shm: Path) -> Path:
                 "optim": {"lr": 1e-3},
             },
             "rollout": {"n": 2, "max_staleness": 1000},
+            "ref": {"forward_in_waits": True},
         },
         "data": {"train_files": [str(data)], "train_batch_size": 2},
         "trainer": {
@@ -189,6 +192,9 @@ def test_train_checkpoint_sigkill_after_step_5_restart_from_3(
         for key in STEP_KEYS:
             assert key in m, (m["step"], key)
     assert metrics[-1]["actor/kl_loss"] > 0, "the policy moved away from the reference"
+    # the reference forwards of groups buffered during a wait ran in it (learner.early_reference)
+    early = [m["prepare/ref_early_frac"] for m in metrics]
+    assert any(f > 0 for f in early) and all(0 <= f <= 1 for f in early), early
 
     # versions only go up: on the learner (every step line, undone ones included) and on every
     # server, and every version published reaches the server connected then (0 only if it asked:

@@ -88,10 +88,10 @@ def per_sample_logprobs(head: Any, s: Sample) -> np.ndarray:
     return logp.gather(1, torch.from_numpy(s.input_ids[s.prompt_len :])[:, None])[:, 0].numpy()
 
 
-async def prepare(model: Path, tmp: Path, overrides: list[str]) -> tuple[list[Sample], Any, dict]:
-    """`Trainer._prepare` of one batch (3 groups of 4, 3 mini-batches, KL loss, 2 ranks)."""
+def local_trainer(model: Path, tmp: Path, overrides: list[str]) -> tuple[Any, LocalWorkers, dict]:
+    """A `Trainer` for batches of 3 groups of 4 (3 mini-batches, KL loss, 2 ranks) over
+    `LocalWorkers`, with its actor and reference heads."""
     from common.config.loader import load_config
-    from learner.prepare import to_samples
     from learner.trainer import Trainer
     from learner.worker import TrainWorker
 
@@ -121,10 +121,25 @@ async def prepare(model: Path, tmp: Path, overrides: list[str]) -> tuple[list[Sa
     for w in ranks:
         w.models = dict(heads)
     trainer.workers = group = LocalWorkers(ranks)
+    return trainer, group, heads
+
+
+async def prepare(model: Path, tmp: Path, overrides: list[str]) -> tuple[list[Sample], Any, dict]:
+    """`Trainer._prepare` of one batch (`local_trainer`)."""
+    from learner.prepare import to_samples
+
+    trainer, group, heads = local_trainer(model, tmp, overrides)
     trajs = trajectories(3, 4)
     samples = to_samples(trajs)
-    await trainer._prepare(trajs, samples)
+    await trainer._prepare(trajs, samples, None)
     return samples, group, heads
+
+
+def ran(group: LocalWorkers, role: str) -> int:
+    """The samples ``role``'s forwards have run over so far (placeholders not counted)."""
+    return sum(
+        s is not None for r in group.requests if r.role == role for m in r.micro_batches for s in m
+    )
 
 
 @pytest.mark.parametrize(("skip", "temperature"), [("auto", 1.0), ("auto", 0.7), ("never", 1.0)])
@@ -153,17 +168,81 @@ def test_prepare_logprobs_equal_a_per_sample_forward(
         np.testing.assert_allclose(s.old_logprobs, want, atol=1e-5, rtol=1e-5, err_msg=str(i))
         assert np.abs(s.old_logprobs - s.ref_logprobs).max() > 1e-3, "actor and reference differ"
     # what ran: the reference over the 12 samples, the actor over 8 (auto) or 12 (never)
-    ran = {
-        role: sum(
-            s is not None
-            for r in group.requests
-            if r.role == role
-            for m in r.micro_batches
-            for s in m
-        )
-        for role in ("actor", "ref")
-    }
-    assert ran == {"actor": 12 - first, "ref": 12}
+    assert {role: ran(group, role) for role in ("actor", "ref")} == {"actor": 12 - first, "ref": 12}
+
+
+async def early_then_prepare(model: Path, tmp: Path) -> dict[str, Any]:
+    """Reference forwards run while the step waits (`learner.early_reference`): 2 groups buffered,
+    then 2 more arrive; the step takes 3 of the 4, the 4th is dropped; then the next batch of 3
+    groups, only one of which was seen in a wait."""
+    from common.timeline import TimelineWriter
+    from learner.buffer import Group
+    from learner.early_reference import EarlyReference
+    from learner.prepare import to_samples
+
+    trainer, group, heads = local_trainer(model, tmp, [])
+    trajs = trajectories(7, 4, seed=5)
+    groups = [Group((i, f"g{i}"), trajs[4 * i : 4 * i + 4], 0) for i in range(7)]
+    early = EarlyReference(group, trainer._batching, 5, TimelineWriter.off())
+    out: dict[str, Any] = {"heads": heads}
+    visible, arrivals, taken = groups[:2], [anyio.Event()], anyio.Event()
+
+    async def arrival() -> None:
+        await arrivals[-1].wait()
+
+    async def until(n: int) -> None:
+        with anyio.fail_after(60):
+            while early.computed < n:
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(early.run, lambda: visible, arrival, taken, 1)
+        await until(8)
+        out["calls_first"] = sum(r.role == "ref" for r in group.requests) // 2  # a request a rank
+        visible = groups[:4]
+        arrivals.append(anyio.Event())
+        arrivals[-2].set()
+        await until(16)
+        taken.set()
+    out["calls"] = sum(r.role == "ref" for r in group.requests) // 2
+    batch = [t for g in groups[:3] for t in g.trajectories]
+    out["samples"] = samples = to_samples(batch)
+    out["missing"] = early.take(batch, samples, still=[])  # the 4th group was dropped
+    out["metrics"] = early.metrics(len(samples))
+    out["kept_after"] = early.computed
+    before = ran(group, "ref")
+    await trainer._prepare(batch, samples, out["missing"])
+    out["ref_in_prepare"] = ran(group, "ref") - before
+    # the next step: one group computed in a wait, two not
+    visible, taken = groups[4:5], anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(early.run, lambda: visible, arrival, taken, 2)
+        await until(4)
+        taken.set()
+    batch = [t for g in groups[4:7] for t in g.trajectories]
+    out["samples2"] = samples = to_samples(batch)
+    out["missing2"] = early.take(batch, samples, still=[])
+    before = ran(group, "ref")
+    await trainer._prepare(batch, samples, out["missing2"])
+    out["ref_in_prepare2"] = ran(group, "ref") - before
+    return out
+
+
+def test_reference_logprobs_computed_in_the_wait_are_those_of_prepare(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out = anyio.run(early_then_prepare, tiny_model, tmp_path)
+    # in chunks of at most 5: 8 samples in 2 calls, the 8 that arrived in 2 more; no call after
+    assert (out["calls_first"], out["calls"]) == (2, 4)
+    assert out["missing"] == [] and out["ref_in_prepare"] == 0
+    assert out["kept_after"] == 0  # the dropped group's are forgotten with it
+    assert out["metrics"]["prepare/ref_early_frac"] == 1.0
+    assert out["metrics"]["timing/ref_early_s"] > 0
+    assert out["missing2"] == list(range(4, 12)) and out["ref_in_prepare2"] == 8
+    for samples in (out["samples"], out["samples2"]):
+        for i, s in enumerate(samples):
+            want = per_sample_logprobs(out["heads"]["ref"], s)
+            np.testing.assert_allclose(s.ref_logprobs, want, atol=1e-5, rtol=1e-5, err_msg=str(i))
 
 
 @pytest.mark.parametrize(

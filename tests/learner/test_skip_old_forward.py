@@ -82,7 +82,7 @@ async def one_step(
         await trainer.workers.start()
         trajs = trajectories()
         samples = to_samples(trajs)
-        metrics = await trainer._prepare(trajs, samples)
+        metrics = await trainer._prepare(trajs, samples, None)
         metrics |= (await trainer._update(samples)).metrics
         names = [t.name for t in load_dir(model)]
         weights = await trainer.workers.full_weights(WeightsRequest(names))
