@@ -8,7 +8,7 @@ NCCL and bf16 on CUDA) runs the actor update (``TrainWorker.update``) on ``split
 mixed lengths of agentic batches) for a Qwen2 model written locally by ``tools.make_tiny_model``
 (``--shape``), in packed or padded micro-batches (``--layout``) of ``--micro-size`` samples or of at
 most ``--max-tokens`` tokens. ``--old-logprobs`` and ``--ref`` add what a training step's prepare
-spends before the update (`learner.trainer.Trainer._forward_passes`): the old-logprob forward of
+spends before the update (`learner.step_forwards.forward_passes`): the old-logprob forward of
 every sample, or of the mini-batches after the first when the update takes the first's from its own
 forward; the reference forward (with a KL loss in the update). Prepare is then timed on its own and
 reported against the update (``prepare_over_update``, the trainer's ``timing/prepare_s`` over
@@ -733,7 +733,7 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 async def prepare_passes(
     group: Any, args: argparse.Namespace, samples: list[Any], batching: Any
 ) -> None:
-    """The forwards `learner.trainer.Trainer._forward_passes` runs before the update for these
+    """The forwards `learner.step_forwards.forward_passes` runs before the update for these
     flags (samples shipped each time, as there): the old logprobs of every sample (``forward``) or
     of the mini-batches after the first (``from-update``), then the reference's (``--ref``)."""
 
