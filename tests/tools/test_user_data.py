@@ -237,8 +237,9 @@ def test_the_agentfly_gsm8k_example_checks_and_trains(
 def test_verls_dapo_keys_train_together(
     assets: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """verl's keys of over-long shaping, rollout correction, dynamic sampling and LoRA (a DAPO
-    recipe's) train 3 steps through one bin/train, and their metrics reach metrics.jsonl.
+    """verl's keys of over-long shaping, rollout correction, dynamic sampling and LoRA, written as
+    verl's DAPO recipe writes them (hydra's `+` where the recipe adds a key), pass `bin/train
+    --check` and train 3 steps through one bin/train, and their metrics reach metrics.jsonl.
 
     The scripted engine answers in rotation with an answer, the same answer and no answer, so of a
     prompt's 2 episodes some agree on has_answer (the group is filtered) and some do not (trained).
@@ -247,12 +248,14 @@ def test_verls_dapo_keys_train_together(
     data = verl_parquet(tmp_path / "train.parquet", rows)
     overlong = "reward.reward_kwargs.overlong_buffer_cfg"
     correction = "algorithm.rollout_correction"
-    out = train(
+    recipe = [
         *verl_parquet_run(model, data),
-        f"{overlong}.enable=True",
-        f"{overlong}.len=8",
-        f"{overlong}.penalty_factor=0.5",
-        "reward.reward_kwargs.max_resp_len=12",
+        "reward.reward_manager.name=dapo",
+        f"+{overlong}.enable=True",
+        f"+{overlong}.len=8",
+        f"+{overlong}.penalty_factor=0.5",
+        f"+{overlong}.log=False",
+        "+reward.reward_kwargs.max_resp_len=12",
         f"{correction}.rollout_is=token",
         f"{correction}.rollout_is_threshold=2.0",
         f"{correction}.rollout_rs=seq_max_k3",
@@ -266,8 +269,10 @@ def test_verls_dapo_keys_train_together(
         "rollout_server.scripted_turns=['\\boxed{0}','\\boxed{0}','No answer.']",
         *cpu_size(tmp_path),
         "trainer.total_training_steps=3",
-        timeout=600,
-    )
+    ]
+    checked = train("--check", *recipe, timeout=120)
+    assert checked.returncode == 0, (checked.stdout + checked.stderr)[-5000:]
+    out = train(*recipe, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
