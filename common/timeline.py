@@ -71,9 +71,8 @@ class Track(StrEnum):
 PHASES = ("wait", "prepare", "update", "broadcast")
 VALIDATE_SPAN = "validate"
 CHECKPOINT_SPAN = "checkpoint"
-EARLY_REF_SPAN = (
-    "ref_early"  # a reference forward run in a wait (inside it; learner.early_reference)
-)
+# A reference forward run inside a step's wait (learner.early_reference).
+EARLY_REF_SPAN = "ref_early"
 # Learner instants.
 PUBLISH_EVENT = "publish"  # Track.WEIGHTS, args: version
 GRANT_EVENT = "grant"  # Track.ADMISSION, args: server, groups, min_version

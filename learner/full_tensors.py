@@ -34,26 +34,26 @@ def _rows_sharded(t: DTensor) -> bool:
 def full_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Collective: each of ``tensors`` whole, where the shards lie (see the module docstring)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    packed: dict[tuple[torch.dtype, int], list[int]] = {}
+    packed: dict[tuple[torch.dtype, int], list[tuple[int, DTensor]]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, DTensor):
             out[i] = t
         elif _rows_sharded(t):
-            packed.setdefault((t.dtype, id(t.device_mesh)), []).append(i)
+            packed.setdefault((t.dtype, id(t.device_mesh)), []).append((i, t))
         else:
             out[i] = t.full_tensor()
-    for idx in packed.values():
-        for i, whole in zip(idx, _gather_packed([tensors[i] for i in idx]), strict=True):
+    for group in packed.values():
+        wholes = _gather_packed([t for _, t in group])
+        for (i, _), whole in zip(group, wholes, strict=True):
             out[i] = whole
     assert all(t is not None for t in out)
     return [t for t in out if t is not None]
 
 
-def _gather_packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _gather_packed(tensors: list[DTensor]) -> list[torch.Tensor]:
     """Row-sharded DTensors of one dtype and mesh, whole, through one all-gather."""
-    locals_ = [t.to_local() for t in tensors if isinstance(t, DTensor)]
-    mesh = tensors[0].device_mesh if isinstance(tensors[0], DTensor) else None
-    assert mesh is not None and len(locals_) == len(tensors)
+    locals_ = [t.to_local() for t in tensors]
+    mesh = tensors[0].device_mesh
     world = mesh.size()
     if world == 1:
         return locals_

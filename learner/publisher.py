@@ -21,7 +21,8 @@ weights go through on the learner side happens here, in this order:
 
 With LoRA (``actor_rollout_ref.model.lora_rank`` > 0, ``lora.merge`` false) a version is the
 adapter alone (``adapter_dtype``: the checkpoint's floating dtype), written into the slot file by
-rank 0 as full weights are (`learner.weights_file_writer`), announced the same way. Rollout servers tell it from full weights by its names (`protocol.adapters`).
+rank 0 as full weights are (`learner.weights_file_writer`), announced the same way. Rollout
+servers tell it from full weights by its names (`protocol.adapters`).
 
 The first version of a run (the model, or the resumed checkpoint's export: its adapter alone with
 adapter-only updates) is announced from disk by ``publish_initial``, before the workers exist. ``close`` removes the slot files (/dev/shm)

@@ -429,7 +429,7 @@ class VllmEngine:
                 await self._llm.abort(ids)
         end = time.perf_counter()
         self.last_update_timings = {
-            **self._adapters.last_timings,  # stage_s, add_s (vLLM's add_lora), released
+            **self._adapters.last_timings,  # stage_s, add_s (vLLM's add_lora; 0 after the first)
             "wait_s": entered - start,  # for the update before it (one at a time)
             "reload_s": loaded - start,  # waited for, checked, staged and loaded by add_lora
             "total_s": end - start,
