@@ -71,6 +71,7 @@ class Config:
     )
     token: str = ""  # the raw phase: "" plain ZeroMQ, else CURVE with this token's keys
     max_frame_bytes: int = MAX_FRAME_BYTES  # the receiver's frame bound (0: frames go whole)
+    hold_watch: bool = True  # the receiver bounds what libzmq holds per connection, as the learner
 
 
 # -- process set-up -------------------------------------------------------------------------------------
@@ -222,13 +223,17 @@ def protocol_receiver(cfg: Config, pipe: Any) -> None:
     async def main() -> None:
         # The learner's frame bound (learner.bind): the sender splits, the receiver joins.
         frame = cfg.max_frame_bytes
-        channel = ZmqServerChannel("tcp://127.0.0.1:0", max_frame_bytes=frame)
         proto = LearnerProtocol(
             tokenizer=Identity("bench", "", VOCAB),
             capacity=2 * cfg.credits,
             max_credits_per_peer=cfg.credits,
             limits=CodecLimits(vocab_size=VOCAB),
             max_frame_bytes=frame,
+        )
+        channel = ZmqServerChannel(
+            "tcp://127.0.0.1:0",
+            max_frame_bytes=frame,
+            allowance=proto.hold_allowance if cfg.hold_watch else None,
         )
         server = LearnerServer(proto, channel)
         pipe.send(channel.address)
@@ -474,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the protocol receiver's frame bound: the sender splits larger frames into pieces "
         "of this size (SPEC §2); 0: frames go whole, as before protocol 1.6",
     )
+    ap.add_argument(
+        "--no-hold-watch",
+        dest="hold_watch",
+        action="store_false",
+        help="the receiver does not bound what libzmq holds per connection (the learner does, "
+        "protocol.hold_ledger)",
+    )
     args = ap.parse_args(argv)
     cfg = Config(
         args.trajectories,
@@ -485,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         malloc_tuning=args.malloc_tuning,
         input=args.input,
         max_frame_bytes=args.max_frame_bytes,
+        hold_watch=args.hold_watch,
     )
 
     if args.repeat < 1:

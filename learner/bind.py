@@ -108,6 +108,7 @@ def build_server(
         max_message_bytes=limits.max_message_bytes,
         max_frame_bytes=MAX_FRAME_BYTES,
         budget=proto.message_budget,
+        allowance=proto.hold_allowance,
     )
     server = LearnerServer(proto, channel, persist=persist)
     if publish_initial:

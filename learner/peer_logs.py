@@ -18,6 +18,9 @@ import structlog
 from common.log_throttle import PeerErrorLog
 from protocol.events import PeerError, ProtocolViolation
 
+# What a refusal is logged as, by its code, where not a refused handshake.
+_REFUSALS = {"TOO_LARGE": "connection cut: libzmq held more of it than its credits allow"}
+
 
 class PeerLogs:
     def __init__(self, log: structlog.stdlib.BoundLogger, auth: str) -> None:
@@ -51,13 +54,14 @@ class PeerLogs:
 
     def refused(self, address: str, code: str, reason: str) -> None:
         """A peer failed ZeroMQ's handshake (wrong or missing token or key): nothing of it was
-        buffered. Counted, and logged per address through the limiter."""
+        buffered; or its connection was cut for what libzmq held of it (``TOO_LARGE``, SPEC §13).
+        Counted, and logged per address through the limiter."""
         self.counts["refused_connections"] += 1
         self.refusals.log(
             address or "(unknown)",
             code,
             time.monotonic(),
-            "connection refused at the handshake",
+            _REFUSALS.get(code, "connection refused at the handshake"),
             reason=reason[:100],
             auth=self._auth,
         )

@@ -15,7 +15,7 @@ TRAJECTORY_BATCH is big and it may send none.
 What this bounds is what the application keeps and decodes. ZeroMQ delivers a multipart message
 only once all of it has arrived, so the bytes of one message are already in libzmq's buffers when
 its first frame is read; libzmq itself bounds each frame (``MAXMSGSIZE``), not the frame count.
-SPEC §13 states what that leaves open.
+What libzmq holds meanwhile is bounded per connection by ``protocol.hold_ledger`` (SPEC §13).
 """
 
 from __future__ import annotations

@@ -421,6 +421,17 @@ class LearnerProtocol:
             return self._budgets[0]
         return self._budgets[2] if peer.credits > 0 else self._budgets[1]
 
+    def hold_allowance(self, identity: bytes | None) -> int:
+        """The most the peer of ``identity`` (None: not seen yet) may have sent that is not read
+        yet (``protocol.hold_ledger``): before HELLO, one small message; in session, a batch for
+        each credit it holds, and a batch's worth of small messages besides (heartbeats and
+        answers that pile up while the learner's loop is busy). The transport's watch thread
+        calls it: it only reads."""
+        peer = self.peers.get(identity) if identity is not None else None
+        if peer is None or peer.hello is None:
+            return self._budgets[0].max_bytes
+        return (1 + max(peer.credits, 0)) * self._budgets[2].max_bytes
+
     def data_to_send(self, now: float) -> list[tuple[bytes, Frames]]:
         for p in self.peers.values():
             if p.hello is not None and now - p.last_sent >= self.heartbeat_interval_s:

@@ -11,7 +11,9 @@ frame a valid message has) by dropping the connection before buffering it, and a
 frame by frame against the sending peer's ``MessageBudget`` (``protocol.budget``): past it, the
 rest of the frames are read and let go at once, never kept, and the receiver gets a ``Truncated``
 list that the codec answers with a typed ERROR. libzmq hands a message over only once all of it
-has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile.
+has arrived, so the budget bounds what is kept and decoded, not what libzmq buffered meanwhile:
+given an ``allowance``, a server bounds that per connection from outside libzmq, and cuts a
+connection past it (``protocol.hold_ledger``, ``protocol.zmq_hold_watch``).
 Where peers split frames at the channel's frame bound (SPEC §2), the budget counts the pieces and
 the channel joins them as it reads them, one copy per split frame (``codec.Joined``).
 
@@ -42,7 +44,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import os
 import resource
 import socket
 import struct
@@ -60,7 +61,9 @@ from zmq.utils import z85
 
 from protocol.budget import MessageBudget, MessageReader
 from protocol.codec import Joined
+from protocol.hold_ledger import HoldLedger
 from protocol.sender import Frames
+from protocol.zmq_hold_watch import HoldWatch, connection_to
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20  # as ``CodecLimits``: what a channel accepts unless told
 FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
@@ -78,6 +81,9 @@ HANDSHAKE_DEADLINE_MS = 5000  # a server drops a peer that has not finished ZMTP
 HANDSHAKES_PER_SOURCE = 64
 HANDSHAKES_TOTAL = 768
 HANDSHAKES_RESERVED = 128
+# What the hold bound (protocol.hold_ledger) allows besides two frame bounds: the ZMTP greeting and
+# the handshake's small commands, which stay counted as held.
+HOLD_SLACK_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -357,15 +363,19 @@ class HandshakeGuard:
                 self.closed(fd)
 
 
-async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> list[Any]:
+async def _read_rest(
+    sync: zmq.Socket, more: bool, reader: MessageReader, sizes: list[int] | None = None
+) -> list[Any]:
     """The rest of the message being read (``more``: its last frame read had the MORE flag), fed
     to ``reader``; its frames, or ``Truncated`` when over the budget. The rest of a message is in
     libzmq once its first frame is readable (delivery is atomic), so it is read without waiting,
-    through ``sync`` (a blocking shadow of the asyncio socket)."""
+    through ``sync`` (a blocking shadow of the asyncio socket). ``sizes`` gets each frame's size."""
     n = 0
     while more:
         frame = sync.recv(zmq.NOBLOCK, copy=False)
         more = frame.more
+        if sizes is not None:
+            sizes.append(len(frame))
         reader.add(frame.buffer)
         del frame  # a frame over the budget is released here, not when the message ends
         n += 1
@@ -375,7 +385,11 @@ async def _read_rest(sync: zmq.Socket, more: bool, reader: MessageReader) -> lis
 
 
 async def _read_joined(
-    sync: zmq.Socket, more: bool, reader: MessageReader, piece_bytes: int
+    sync: zmq.Socket,
+    more: bool,
+    reader: MessageReader,
+    piece_bytes: int,
+    sizes: list[int] | None = None,
 ) -> list[Any]:
     """``_read_rest`` where peers split frames at ``piece_bytes`` (SPEC §2): the budget counts the
     pieces as they arrive, and a split frame's pieces, held as libzmq received them, are joined
@@ -387,6 +401,8 @@ async def _read_joined(
     while more:
         frame = sync.recv(zmq.NOBLOCK, copy=False)
         more, size = frame.more, len(frame)
+        if sizes is not None:
+            sizes.append(size)
         if reader.nframes < 2:  # the type frame and the header: what a refusal keeps
             reader.add(frame.buffer)
         else:
@@ -477,8 +493,7 @@ def exposure_warning(address: str, *, curve: bool, token: bool = False) -> str |
     return (
         "peers are not authenticated (transport.auth: none): any process that can reach "
         f"{address} may connect, and may pose as the learner to rollout servers while it is "
-        "down; a peer that never says HELLO can make the learner buffer a whole multi-frame "
-        "message, gigabytes, before anything can refuse it (SPEC §13)"
+        "down"
     )
 
 
@@ -499,48 +514,41 @@ def _report(report: Refused | None, host: str, code: str, reason: str) -> None:
         logging.getLogger(__name__).exception("on_refused failed")
 
 
-def _admit(guard: HandshakeGuard, fd: int, port: int, report: Refused | None) -> None:
+def _admit(
+    guard: HandshakeGuard, fd: int, port: int, report: Refused | None
+) -> tuple[str, int] | None:
     """Count the connection libzmq accepted on ``fd``; shut it down when over the guard's caps
-    (libzmq then drops it, freeing what it buffered)."""
-    try:
-        conn = socket.socket(fileno=os.dup(fd))
-    except OSError:  # already closed
-        return
-    with conn:
-        try:
-            # By now libzmq may have closed it and the number may name another descriptor:
-            # only a connection to this listener is ever counted or shut down.
-            if conn.type != socket.SOCK_STREAM or conn.getsockname()[1] != port:
-                return
-            source = str(conn.getpeername()[0])
-        except OSError:
-            return
-        if guard.admit(fd, source, time.monotonic()):
-            return
+    (libzmq then drops it, freeing what it buffered). Its peer's (address, port) when it stays."""
+    with connection_to(fd, port) as found:
+        if found is None:
+            return None
+        conn, peer = found
+        if guard.admit(fd, peer[0], time.monotonic()):
+            return peer
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
     _report(
         report,
-        source,
+        peer[0],
         "HANDSHAKE_FAILED",
         f"too many connections in the handshake (at most {guard.per_source} from one address, "
         f"{guard.total} in all, within {guard.window_s:g} s of connecting)",
     )
+    return None
 
 
 async def _watch(
-    monitor: zmq.asyncio.Socket, report: Refused | None, guard: HandshakeGuard | None, port: int
+    monitor: zmq.asyncio.Socket,
+    report: Refused | None,
+    guard: HandshakeGuard | None,
+    port: int,
+    ledger: HoldLedger | None = None,
 ) -> None:
     """Read the server socket's monitor: count accepted connections against ``guard`` (shutting
-    down those over it), and report every handshake that failed before ZAP was asked (a peer
-    without a token or key fails with MECHANISM_MISMATCH, one with another token's keys with
-    CRYPTOGRAPHIC) as ``report(host, code, reason)``, like the authenticator."""
-    await _watch_events(monitor, report, guard, port)
-
-
-async def _watch_events(
-    monitor: zmq.asyncio.Socket, report: Refused | None, guard: HandshakeGuard | None, port: int
-) -> None:
+    down those over it) and record those that stay in ``ledger``, and report every handshake that
+    failed before ZAP was asked (a peer without a token or key fails with MECHANISM_MISMATCH, one
+    with another token's keys with CRYPTOGRAPHIC) as ``report(host, code, reason)``, like the
+    authenticator."""
     while True:
         frames = await monitor.recv_multipart()
         if len(frames) != 2 or len(frames[0]) != 6:
@@ -548,10 +556,14 @@ async def _watch_events(
         event, value = struct.unpack("=Hi", frames[0])
         if guard is not None:
             if event == zmq.EVENT_ACCEPTED:
-                _admit(guard, value, port, report)
+                peer = _admit(guard, value, port, report)
+                if peer is not None and ledger is not None:
+                    ledger.accepted(value, peer)
                 continue
             if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 guard.closed(value)
+                if ledger is not None:
+                    ledger.closed(value)
                 continue
         if not event & _HANDSHAKE_FAILURES:
             continue
@@ -568,6 +580,20 @@ async def _watch_events(
             else:
                 reason = f"ZMTP protocol error {error}"
         _report(report, host, code, reason)
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection a received frame came on (-1 if libzmq will not say)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError):  # ZMQ_SRCFD is deprecated: gone in some future libzmq
+        return -1
+
+
+def _peer_of(fd: int, port: int) -> tuple[str, int] | None:
+    """The peer (address, port) of the connection to ``port`` on ``fd``; None if it is not one."""
+    with connection_to(fd, port) as found:
+        return None if found is None else found[1]
 
 
 def _end_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
@@ -598,6 +624,7 @@ class ZmqServerChannel:
         handshakes_total: int = HANDSHAKES_TOTAL,
         handshakes_reserved: int = HANDSHAKES_RESERVED,
         peers_split: bool = True,
+        allowance: Callable[[bytes | None], int] | None = None,
     ) -> None:
         """``curve`` or ``token``: only peers with an allowed key, or with the token's client key,
         get through ZeroMQ's handshake (``on_refused(address, code, reason)`` hears of the
@@ -608,7 +635,10 @@ class ZmqServerChannel:
         ``peers_split``, peers split larger frames into pieces of that size (SPEC §2), and
         ``recv`` joins them (``codec.Joined``). ``handshakes_per_source`` /
         ``handshakes_total`` / ``handshakes_reserved``: connections over these caps in the
-        handshake (``HandshakeGuard``, tcp only) are shut down at once."""
+        handshake (``HandshakeGuard``, tcp only) are shut down at once. ``allowance(identity)``:
+        the most a peer may have sent that is not read yet (None: a peer not seen yet); a tcp
+        connection that makes libzmq hold more, e.g. with an unfinished message of many frames, is
+        cut (``protocol.hold_ledger``; default: no such bound)."""
         if curve is not None and token is not None:
             raise ValueError("a channel authenticates with CURVE or a token, not both")
         if token is not None and not token:
@@ -629,7 +659,12 @@ class ZmqServerChannel:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._zap_domain: str | None = None
-        self._watch_args: tuple[Refused | None, HandshakeGuard | None, int] = (None, None, 0)
+        self._watch_args: tuple[Refused | None, HandshakeGuard | None, int, HoldLedger | None] = (
+            None,
+            None,
+            0,
+            None,
+        )
         self._monitor: zmq.asyncio.Socket | None = None
         self._watch: asyncio.Future[None] | None = None
         self._sync = zmq.Socket.shadow(self.sock.underlying)
@@ -643,11 +678,22 @@ class ZmqServerChannel:
                 handshakes_reserved,
             )
         self.guard = guard
+        frame_limit = (  # libzmq's MAXMSGSIZE
+            min(max_frame_bytes, max_message_bytes) + ENVELOPE_BYTES
+            if max_frame_bytes
+            else max_message_bytes + FRAME_SLACK_BYTES
+        )
+        self.ledger: HoldLedger | None = None
+        if guard is not None and allowance is not None:
+            # the slack: what the handshake's frames (greeting, HELLO, INITIATE) leave counted
+            self.ledger = HoldLedger(
+                allowance,
+                2 * frame_limit + HOLD_SLACK_BYTES,
+                curve=curve is not None or bool(token),
+            )
+        self._hold: HoldWatch | None = None
         try:
-            if max_frame_bytes:
-                _tune(self.sock, min(max_frame_bytes, max_message_bytes), slack=ENVELOPE_BYTES)
-            else:
-                _tune(self.sock, max_message_bytes)
+            _tune(self.sock, frame_limit, slack=0)
             if keys is not None and allowed is not None:
                 self._zap_domain = _zap_domain(self.ctx, curve_keys=allowed, on_refused=on_refused)
                 self.sock.zap_domain = self._zap_domain.encode()
@@ -675,7 +721,14 @@ class ZmqServerChannel:
             _bind(self.sock, address)
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
             port = int(self.address.rsplit(":", 1)[1]) if guard is not None else 0
-            self._watch_args = (on_refused if self._zap_domain is not None else None, guard, port)
+            self._watch_args = (
+                on_refused if self._zap_domain is not None else None,
+                guard,
+                port,
+                self.ledger,
+            )
+            if self.ledger is not None:
+                self._hold = HoldWatch(self.ledger, port, lambda *a: _report(on_refused, *a))
             with contextlib.suppress(RuntimeError):  # no loop running yet: the first recv starts it
                 asyncio.get_running_loop()
                 self._start_watch()
@@ -686,6 +739,8 @@ class ZmqServerChannel:
         self._ipc_file = _ipc_file_identity(self.address)
 
     def _start_watch(self) -> None:
+        if self._hold is not None:
+            self._hold.start(asyncio.get_running_loop())
         if self._watch is None and self._monitor is not None:
             sock, monitor = self.sock, self._monitor
             self._watch = asyncio.ensure_future(_watch(monitor, *self._watch_args))
@@ -717,13 +772,26 @@ class ZmqServerChannel:
             )  # the routing id: the peer is known before its frames
             identity = first.bytes
             reader = MessageReader(self.budget(identity))
+            sizes: list[int] | None = [] if self.ledger is not None else None
             if self._piece_bytes:
-                frames = await _read_joined(self._sync, first.more, reader, self._piece_bytes)
+                frames = await _read_joined(
+                    self._sync, first.more, reader, self._piece_bytes, sizes
+                )
             else:
-                frames = await _read_rest(self._sync, first.more, reader)
+                frames = await _read_rest(self._sync, first.more, reader, sizes)
+            if self.ledger is not None and sizes is not None:
+                self._delivered(_source_fd(first), identity, sizes)
             if frames:
                 return identity, frames
             # an identity with no content cannot be answered meaningfully; skip it
+
+    def _delivered(self, fd: int, identity: bytes, sizes: list[int]) -> None:
+        assert self.ledger is not None
+        if not self.ledger.knows(fd):  # its monitor event not read yet: record it now
+            if (peer := _peer_of(fd, self._watch_args[2])) is None:
+                return
+            self.ledger.accepted(fd, peer)
+        self.ledger.delivered(fd, identity, sizes)
 
     async def aclose(self) -> None:
         # A short linger lets the last ACKs and the BYE of LearnerServer.close() leave; a peer that is
@@ -740,6 +808,8 @@ class ZmqServerChannel:
         _remove_ipc_file(self._ipc_file)
 
     def _release(self, linger: int = 0) -> None:
+        if self._hold is not None:
+            self._hold.stop()
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None

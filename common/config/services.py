@@ -179,8 +179,7 @@ class TransportConfig(Section):
     CURVE (pyzmq's wheels have it). curve: the certificates of transport.curve (needs
     curve.enabled); token: CURVE with key pairs derived from the shared secret in auth_token_file,
     which never crosses the wire; none: anyone who reaches the address, and a rollout server
-    cannot tell the learner from an impostor (warned at start: a peer that never says HELLO can
-    also make the learner buffer a whole multi-frame message, gigabytes); auto: curve when
+    cannot tell the learner from an impostor (warned at start); auto: curve when
     transport.curve.enabled, else token."""
     auth_token_file: str | None = None
     """The shared token of auth: token; null: <run_dir>/learner.token. The learner creates it

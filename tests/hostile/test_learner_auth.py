@@ -28,6 +28,9 @@ pytestmark = pytest.mark.integration
 RSS_BOUND = 300 * MiB
 FRAME = 32 * MiB
 FRAMES = 64  # 2 GiB in one message, each frame under the run's 67 MiB frame bound
+HOLD_BOUND = 100 * MiB  # issue 37's bound for a token holder's message
+PIECE = 64 << 10  # the learner's frame bound (SPEC §2)
+PIECES = 23_000  # 1.5 GB in one message
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,35 @@ def test_a_wrong_token_is_refused_at_the_handshake(learner: LearnerProcess) -> N
     print(f"\nwrong token: {len(refused)} log lines, learner RSS +{watch.growth / MiB:.1f} MiB")
 
 
+def test_a_token_holders_message_of_many_frames_is_cut_off(learner: LearnerProcess) -> None:
+    """A peer holding the token sends one message of 1.5 GB before HELLO, in frames under the
+    64 KiB frame bound (issue 37). libzmq would hold all of it until the last frame: the learner's
+    hold watch cuts the connection once it holds more than a peer without a session may send
+    (1 MiB and the handshake's frames), so the learner grows by less than 100 MiB."""
+    watch = RssWatch(learner)
+    log0 = learner.log_bytes
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDHWM, 0)
+    use_token(dealer, learner.token)
+    dealer.connect(learner.address)
+    piece = bytes(PIECE)  # sent zero-copy PIECES times: this process holds 64 KiB of it
+    try:
+        dealer.send_multipart([bytes((MsgType.HELLO,)), *[piece] * PIECES], copy=False)
+        growth = watch.sample_for(5.0)
+    finally:
+        dealer.close(linger=0)
+    assert growth < HOLD_BOUND, f"RSS grew by {growth / MiB:.0f} MiB"
+    serves_a_valid_peer(learner, "after-many-frames")
+    text = learner.log.read_text(errors="replace")[log0:]
+    cut = [line for line in text.splitlines() if "connection cut" in line]
+    assert cut and "TOO_LARGE" in cut[0], text[-3000:]
+    print(f"\n{PIECE * PIECES / 1e9:.2f} GB in {PIECES} frames, token: RSS +{growth / MiB:.1f} MiB")
+
+
 def test_refusals_are_counted(learner: LearnerProcess) -> None:
     """Runs last: it stops the learner to read its final stats."""
     assert learner.stop() == 0
     stats = json.loads((learner.run_dir / "intake_stats.json").read_text())
     assert stats["refused_connections"] >= 2, stats
-    assert stats["batches"] == 2, stats  # only the valid peers' batches
+    assert stats["batches"] == 3, stats  # only the valid peers' batches

@@ -80,6 +80,19 @@ def test_learner_budget_by_peer_state() -> None:
     assert proto.message_budget(b"r0").name == "a peer without a credit"
 
 
+def test_what_a_peer_may_make_the_transport_hold_follows_its_credits() -> None:
+    """``hold_allowance`` (``protocol.hold_ledger``): a stranger one small message, a peer in
+    session a batch per credit and one more for small messages."""
+    net = connected(max_credits=2)
+    proto, batch = net.learner, net.learner.limits.max_message_bytes
+    assert (
+        proto.hold_allowance(None) == proto.hold_allowance(b"stranger") == proto.small_message_bytes
+    )
+    assert proto.hold_allowance(b"r0") == 3 * batch
+    proto.peers[b"r0"].credits = 0
+    assert proto.hold_allowance(b"r0") == batch
+
+
 def test_truncated_batch_from_a_stranger_is_answered_hello_required() -> None:
     proto = learner()
     t = _read(proto.message_budget(b"x"), _batch_frames(seq=3))
