@@ -50,7 +50,8 @@ from protocol.messages import Identity
 from protocol.receiver import LearnerProtocol
 from protocol.sender import RolloutConnection, encode_batch
 from protocol.trajectory import Trajectory
-from protocol.zmq_transport import ZmqServerChannel, client_factory, serve_token, use_token
+from protocol.zmq_auth import serve_token, use_token
+from protocol.zmq_transport import ZmqServerChannel, client_factory
 
 VOCAB = 151_936
 DISTINCT = 32  # distinct batches (own buffers) both phases cycle through (~200 MB by default)

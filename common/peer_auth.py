@@ -6,7 +6,7 @@ message, because libzmq buffers a whole multi-frame message before any reader se
 run directory (mode 0600) and keeps it across restarts; every client of the run (rollout servers,
 relays, replay, conformance, tests) reads the same file, so one config on one host just works.
 The token itself never crosses the wire: both ends derive CURVE key pairs from it
-(``protocol.zmq_transport.token_keys``), so each proves to the other that it holds the token, and
+(``protocol.zmq_auth.token_keys``), so each proves to the other that it holds the token, and
 traffic is encrypted. It is a secret, never part of the config, so it never lands in
 ``config.resolved.yaml``.
 """

@@ -26,12 +26,8 @@ from protocol.driver import LearnerServer
 from protocol.events import BatchReceived
 from protocol.limits import MAX_FRAME_BYTES
 from protocol.receiver import LearnerProtocol
-from protocol.zmq_transport import (
-    CurveServerKeys,
-    ZmqServerChannel,
-    exposure_warning,
-    raise_fd_limit,
-)
+from protocol.zmq_auth import CurveServerKeys
+from protocol.zmq_transport import ZmqServerChannel, exposure_warning, raise_fd_limit
 
 
 def build_server(

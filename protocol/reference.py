@@ -39,12 +39,8 @@ from protocol.sender import RolloutConnection
 from protocol.trajectory import Trajectory
 from protocol.validation import EpisodeOutcome, summarize
 from protocol.weights import NamedBuffer
-from protocol.zmq_transport import (
-    CurveClientKeys,
-    CurveServerKeys,
-    ZmqServerChannel,
-    client_factory,
-)
+from protocol.zmq_auth import CurveClientKeys, CurveServerKeys
+from protocol.zmq_transport import ZmqServerChannel, client_factory
 
 REFERENCE_TOKENIZER = Identity(
     name="reference", sha256="", vocab_size=512

@@ -43,7 +43,8 @@ from protocol.messages import (
     WEIGHTS_FILE_CAPABILITY,
 )
 from protocol.sender import RolloutConnection
-from protocol.zmq_transport import CurveClientKeys, client_factory, require_curve
+from protocol.zmq_auth import CurveClientKeys, require_curve
+from protocol.zmq_transport import client_factory
 from rollout_service.errors import StartupError
 from rollout_service.metrics import RolloutStats
 from rollout_service.recording import Recorder

@@ -42,7 +42,8 @@ from protocol.messages import Bye, Identity, WeightsAnnounce
 from protocol.relay import Completed, Frames, LearnerLost, RelayEvent, RelayNode, Routed
 from protocol.slot_files import FILE_NAME, make_root, remove_stale
 from protocol.weights import DTYPE_SIZES, WeightAssembler
-from protocol.zmq_transport import CurveClientKeys, ZmqClientChannel, ZmqServerChannel
+from protocol.zmq_auth import CurveClientKeys
+from protocol.zmq_transport import ZmqClientChannel, ZmqServerChannel
 
 RECONNECT_S = 0.5  # between two attempts to reach a silent learner
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import anyio
 
     # lazy: this module is bin/weight-relay's command line, whose --help stays instant
-    from protocol.zmq_transport import CurveClientKeys
+    from protocol.zmq_auth import CurveClientKeys
     from rollout_service.relay import RelayRefused, WeightRelay
 
     relays: list[WeightRelay] = []

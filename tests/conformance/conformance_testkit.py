@@ -23,7 +23,7 @@ import numpy as np
 from anyio.from_thread import start_blocking_portal
 
 from launcher.plan import free_port as launch_free_port
-from protocol import codec, zmq_transport
+from protocol import codec, zmq_auth
 from protocol.driver import LearnerServer, RolloutClient
 from protocol.events import (
     BatchReceived,
@@ -185,7 +185,7 @@ async def serve_learner(
     """
     channel = ZmqServerChannel(bind, token=token, max_message_bytes=proto.limits.max_message_bytes)
     if any_client_key:
-        auth = zmq_transport._zap[id(channel.ctx)][1]
+        auth = zmq_auth._zap[id(channel.ctx)][1]
         assert channel._zap_domain is not None
         auth.certs[channel._zap_domain] = _AnyKey()
     server = LearnerServer(proto, channel)

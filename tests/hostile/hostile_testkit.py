@@ -26,7 +26,7 @@ from protocol import codec
 from protocol.messages import Ack, Error, Welcome
 from protocol.sender import RolloutConnection, SenderState
 from protocol.trajectory import Trajectory
-from protocol.zmq_transport import use_token
+from protocol.zmq_auth import use_token
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

@@ -22,7 +22,7 @@ import zmq
 from hostile_testkit import LearnerProcess, MiB, Peer, RssWatch, serves_a_valid_peer
 
 from protocol.messages import MsgType
-from protocol.zmq_transport import use_token
+from protocol.zmq_auth import use_token
 
 pytestmark = pytest.mark.integration
 RSS_BOUND = 300 * MiB

@@ -26,7 +26,7 @@ from hostile_testkit import (
 
 from protocol.errors import ErrorCode
 from protocol.messages import Ack, Error, MsgType
-from protocol.zmq_transport import use_token
+from protocol.zmq_auth import use_token
 
 pytestmark = pytest.mark.integration
 RSS_BOUND = 300 * MiB

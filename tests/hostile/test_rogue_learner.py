@@ -49,7 +49,7 @@ from protocol.messages import (
 )
 from protocol.version import PROTOCOL_VERSION
 from protocol.weights import plan_transfer
-from protocol.zmq_transport import serve_token, token_keys
+from protocol.zmq_auth import serve_token, token_keys
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

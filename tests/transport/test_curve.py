@@ -15,13 +15,9 @@ import pytest
 import zmq
 from transport_testkit import ZmqNet, client_running, learner_running, make_batch, submit_all
 
-from protocol import zmq_transport
-from protocol.zmq_transport import (
-    CurveClientKeys,
-    CurveServerKeys,
-    ZmqClientChannel,
-    client_factory,
-)
+from protocol import zmq_auth
+from protocol.zmq_auth import CurveClientKeys, CurveServerKeys
+from protocol.zmq_transport import ZmqClientChannel, client_factory
 from tools.curve_keys import make_keys
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +131,7 @@ async def test_two_curve_learners_in_one_context_keep_their_own_allow_lists(
                 await cross.watch.until(lambda: cross.connected() > 0)
             assert cross.connected() == 0, "the second learner's allow-list leaked into the first's"
         assert l1.joined() == 1 and l2.joined() == 1
-    assert not zmq_transport._zap, "the shared authenticator outlived its last channel"
+    assert not zmq_auth._zap, "the shared authenticator outlived its last channel"
     net.term()
 
 
@@ -171,7 +167,7 @@ async def test_bad_keys_fail_early_and_leave_nothing_behind(
     first = net.server("tcp://127.0.0.1:0", curve=_server_keys(keys))
     with pytest.raises(zmq.ZMQError):
         net.server(first.address, curve=_server_keys(keys))
-    assert len(zmq_transport._zap[id(net.ctx)][2]) == 1
+    assert len(zmq_auth._zap[id(net.ctx)][2]) == 1
     await first.aclose()
-    assert not zmq_transport._zap
+    assert not zmq_auth._zap
     net.term()

@@ -322,7 +322,7 @@ async def test_relays_present_the_learners_token_and_serve_only_its_holders(
 
     from protocol.messages import WEIGHT_RELAY_CAPABILITY, Hello, Identity
     from protocol.version import PROTOCOL_VERSION
-    from protocol.zmq_transport import use_token
+    from protocol.zmq_auth import use_token
 
     (tmp_path / "learner.token").write_text("s3cret-token\n")
     ch = net.server("tcp://127.0.0.1:0", token="s3cret-token")

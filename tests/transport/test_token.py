@@ -17,7 +17,7 @@ import anyio
 import pytest
 from transport_testkit import ZmqNet, client_running, learner_running, make_batch, submit_all
 
-from protocol import zmq_transport
+from protocol import zmq_auth, zmq_transport
 from protocol.zmq_transport import ZmqServerChannel, client_factory, exposure_warning
 
 pytestmark = pytest.mark.anyio
@@ -91,7 +91,7 @@ async def served_once(ctx: Any, token: str | None = None) -> bool:
     ch = ZmqServerChannel("tcp://127.0.0.1:0", token=token, context=ctx)
     dealer = ctx.socket(zmq.DEALER)
     if token is not None:
-        zmq_transport.use_token(dealer, token)
+        zmq_auth.use_token(dealer, token)
     dealer.connect(ch.address)
     try:
         await dealer.send_multipart([b"x"])
@@ -124,10 +124,10 @@ def test_a_channel_left_open_by_an_ended_event_loop_does_not_stall_the_next_one(
     t.start()
     t.join(10)
     assert done == [True], "the handshake of a token client was never answered"
-    for entry in list(zmq_transport._zap.values()):
+    for entry in list(zmq_auth._zap.values()):
         if entry[0] is ctx:
             entry[1].stop()
-    zmq_transport._zap.pop(id(ctx), None)
+    zmq_auth._zap.pop(id(ctx), None)
     ctx.destroy(linger=0)
 
 
@@ -170,7 +170,7 @@ def test_token_keys_are_fixed_by_the_token_and_differ_by_role() -> None:
     import zmq
     from zmq.utils import z85
 
-    keys = zmq_transport.token_keys(TOKEN)
+    keys = zmq_auth.token_keys(TOKEN)
     want = z85.encode(
         hmac.new(TOKEN.encode(), b"agentrl token-curve server v1", hashlib.sha256).digest()
     )
@@ -180,11 +180,11 @@ def test_token_keys_are_fixed_by_the_token_and_differ_by_role() -> None:
     assert (
         len({keys.server_public, keys.client_public, keys.server_secret, keys.client_secret}) == 4
     )
-    assert zmq_transport.token_keys(TOKEN) == keys
-    other = zmq_transport.token_keys("b" * 64)
+    assert zmq_auth.token_keys(TOKEN) == keys
+    other = zmq_auth.token_keys("b" * 64)
     assert other.server_public != keys.server_public and other.client_public != keys.client_public
     with pytest.raises(ValueError, match="empty token"):
-        zmq_transport.token_keys("")
+        zmq_auth.token_keys("")
 
 
 def test_a_libzmq_without_curve_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,7 +192,7 @@ def test_a_libzmq_without_curve_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
     with pytest.raises(RuntimeError, match="without CURVE"):
-        zmq_transport.token_keys(TOKEN)
+        zmq_auth.token_keys(TOKEN)
 
 
 def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() -> None:
@@ -208,7 +208,7 @@ def test_a_channel_reopened_at_once_in_the_same_context_gets_the_zap_endpoint() 
             ZmqServerChannel("tcp://127.0.0.1:0", token=TOKEN, context=ctx).close()
 
     asyncio.run(reopen())
-    assert id(ctx) not in zmq_transport._zap
+    assert id(ctx) not in zmq_auth._zap
     ctx.destroy(linger=0)
 
 

@@ -41,7 +41,7 @@ from protocol.messages import (
 from protocol.reference import synthetic_validation
 from protocol.version import NUMBER_FRAMES, PROTOCOL_VERSION, ProtocolVersion
 from protocol.weights import WeightAssembler
-from protocol.zmq_transport import token_keys
+from protocol.zmq_auth import token_keys
 from tools.conformance import credit_window, wire
 from tools.conformance.peer import LearnerTarget, Peer
 from tools.conformance.registry import CheckFailed, register

@@ -22,7 +22,7 @@ import zmq.asyncio
 from protocol import codec
 from protocol.messages import Ack, Bye, Heartbeat, Identity, Message, Welcome
 from protocol.trajectory import Trajectory
-from protocol.zmq_transport import use_token
+from protocol.zmq_auth import use_token
 from tools.conformance import wire
 from tools.conformance.registry import CheckContext, CheckFailed
 from tools.conformance.wire import Frames, Received

@@ -20,7 +20,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from protocol.zmq_transport import use_token
+from protocol.zmq_auth import use_token
 
 PROBE_S = 5.0
 """Longest look: a learner that answers at all completes its handshake far sooner."""

@@ -48,7 +48,8 @@ from protocol.events import (
     WeightsReceived,
 )
 from protocol.sender import RolloutConnection, SenderState
-from protocol.zmq_transport import CurveClientKeys, client_factory
+from protocol.zmq_auth import CurveClientKeys
+from protocol.zmq_transport import client_factory
 from rollout_service.recording import BatchFileError, read_batch_file
 from tools.replay import locate
 
