@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -106,7 +107,10 @@ class HoldWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # the bound must outlive a bad allowance or report
+                logging.getLogger(__name__).exception("hold watch sweep failed")
 
     def sweep(self) -> list[Over]:
         """One pass over the recorded connections; those cut."""
@@ -117,8 +121,11 @@ class HoldWatch:
             except (OSError, ValueError):
                 continue
             over = self.ledger.check(fd, received, unread)
-            if over is not None and cut(fd, self.port, over.peer):
-                self.ledger.closed(fd)
+            if over is None:
+                continue
+            # Forgotten either way: cut, or (not cut) the number names another connection by now.
+            self.ledger.closed(fd)
+            if cut(fd, self.port, over.peer):
                 self.cuts += 1
                 cuts.append(over)
                 self._report(over)
