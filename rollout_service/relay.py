@@ -45,6 +45,10 @@ from protocol.weights import DTYPE_SIZES, WeightAssembler
 from protocol.zmq_auth import CurveClientKeys
 from protocol.zmq_transport import ZmqClientChannel, ZmqServerChannel
 
+# What a downstream peer may make a relay hold unread: its messages (HELLO, WEIGHTS_APPLIED,
+# heartbeats) are a few KiB; this leaves room for many of them piling up while the relay forwards.
+DOWNSTREAM_HOLD_BYTES = 4 << 20
+
 RECONNECT_S = 0.5  # between two attempts to reach a silent learner
 
 
@@ -147,10 +151,16 @@ class WeightRelay:
         self.learner_address, self.max_message_bytes = learner, max_message_bytes
         self.stall_after_chunks, self.curve = stall_after_chunks, curve
         self.token_file = token_file
-        # Downstream relays send only small messages: frames over the bound are dropped by libzmq,
-        # also before the handshake completes (SPEC §13).
+        # Downstream relays and servers send only small messages: frames over the bound are
+        # dropped by libzmq, also before the handshake completes, and a connection that makes
+        # libzmq hold more than DOWNSTREAM_HOLD_BYTES unread (a message of many frames) is cut
+        # (SPEC §13).
         self.down = ZmqServerChannel(
-            bind, token=self._token(), max_frame_bytes=MAX_FRAME_BYTES, peers_split=False
+            bind,
+            token=self._token(),
+            max_frame_bytes=MAX_FRAME_BYTES,
+            peers_split=False,
+            allowance=lambda identity: DOWNSTREAM_HOLD_BYTES,
         )
         if not advertise:
             # a wildcard bind is reached through this machine's name (set --advertise otherwise)

@@ -328,7 +328,7 @@ async def test_relays_present_the_learners_token_and_serve_only_its_holders(
     ch = net.server("tcp://127.0.0.1:0", token="s3cret-token")
     async with learner_running(ch, host="learner-host") as lh:
         tok = ["--token-file", str(tmp_path / "learner.token")]
-        async with relays(lh, ["hostA", "hostB"], tmp_path, hostA=tok, hostB=tok):
+        async with relays(lh, ["hostA", "hostB"], tmp_path, hostA=tok, hostB=tok) as procs:
             async with (
                 server(net, ch.address, "hostA", tmp_path, token="s3cret-token") as (_, a),
                 server(net, ch.address, "hostB", tmp_path, token="s3cret-token") as (_, b),
@@ -362,6 +362,31 @@ async def test_relays_present_the_learners_token_and_serve_only_its_holders(
                 finally:
                     dealer.close(0)
                 assert bool(got) == (token == "s3cret-token"), f"token {token!r}: answered {got}"
+            # A token holder's one message of 64 MiB in frames under the bound: the relay cuts
+            # the connection once libzmq holds 4 MiB of it (SPEC §13), instead of holding it all.
+            rss0 = _rss(procs["hostA"].pid)
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            use_token(dealer, "s3cret-token")
+            dealer.connect(first.address)
+            piece = bytes(64 << 10)
+            try:
+                dealer.send_multipart([hello[0], *[piece] * 1024], copy=False)
+                peak = rss0
+                for _ in range(100):
+                    await anyio.sleep(0.02)
+                    peak = max(peak, _rss(procs["hostA"].pid))
+            finally:
+                dealer.close(0)
+            assert procs["hostA"].poll() is None
+            assert peak - rss0 < 32 << 20, f"relay RSS +{(peak - rss0) >> 20} MiB"
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 async def test_server_that_cannot_use_the_file_gets_chunks(net: ZmqNet, tmp_path: Path) -> None:
