@@ -552,6 +552,9 @@ class ZmqServerChannel:
             with contextlib.suppress(zmq.ZMQError):  # its context already terminated
                 _end_monitor(self.sock, monitor)
             self._monitor = None
+        # The hold watch's thread holds no reference to the channel, so it would poll on.
+        if (hold := getattr(self, "_hold", None)) is not None:
+            hold.stop()
 
     async def send(self, identity: bytes, frames: Frames) -> None:
         await self.sock.send_multipart([identity, *frames], copy=False)

@@ -7,6 +7,7 @@ with real CURVE and plain connections, frame sizes at each header boundary."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import struct
 
@@ -152,3 +153,16 @@ def test_an_unfinished_message_of_many_frames_is_cut() -> None:
     sent, refused = asyncio.run(main())
     assert refused and refused[0][1] == "TOO_LARGE" and "connection cut" in refused[0][2], refused
     assert sent < 64 * MiB, f"{sent / MiB:.0f} MiB sent before the cut"
+
+
+def test_a_channel_dropped_unclosed_stops_its_watch_thread() -> None:
+    async def main() -> None:
+        ch = ZmqServerChannel("tcp://127.0.0.1:0", allowance=lambda ident: MiB)
+        ch._start_watch()
+        hold = ch._hold
+        assert hold is not None and hold._thread is not None and hold._thread.is_alive()
+        del ch
+        gc.collect()
+        assert not hold._thread.is_alive()
+
+    asyncio.run(main())
