@@ -357,6 +357,11 @@ class RolloutConfig(Section):
     default (torch.compile + piecewise/full graphs)."""
     tensor_model_parallel_size: int = Field(default=1, gt=0)
     """GPUs one engine is sharded over."""
+    prefetch_weights: bool = True
+    """Copy each full weight update onto the engine's device while generation goes on, so that
+    generation pauses only for device-to-device copies. Needs free device memory for one copy of
+    the weights beyond gpu_memory_utilization's share; without it the engine reads the file during
+    the pause, as with false."""
     seed: int = 0
     """Engine sampling seed."""
     n: int = Field(default=4, gt=0)

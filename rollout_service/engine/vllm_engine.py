@@ -16,6 +16,10 @@ Design:
   ``collective_rpc("reload_weights_tied", weights_path=...)`` in every worker (vLLM's in-place
   ``reload_weights``, then the refresh of an output layer tied to the embedding:
   ``vllm_worker``), relabel, resume.
+  Prefetch (``prefetch_weights``, on by default): before pausing, every worker copies the file's
+  tensors onto its device in a thread of its own while generation goes on (``vllm_worker``), and
+  the engine polls until they are there; the pause then holds only device-to-device copies. A
+  worker that cannot stage (no device memory to spare, a failed copy) reloads from the file.
   If the reload fails the last good weights are reloaded and the version stays unchanged.
 - file hand-over (``load_weights_file``): when the learner runs on this machine it writes the new
   weights as a safetensors file on /dev/shm itself, and the engine reloads straight from it after
@@ -80,6 +84,8 @@ log = logging.getLogger(__name__)
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 SHUTDOWN_TIMEOUT_S = 30.0
+PREFETCH_POLL_S = 0.005  # each poll is an RPC the engine core answers between two steps
+PREFETCH_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class VllmEngineSettings:
     shm_dir: str | None = None  # where update files are staged; None: /dev/shm if present
     lora_rank: int = 0  # > 0: serve LoRA adapters up to this rank (adapter-only weight updates)
     lora_alpha: int = 16  # the adapters' scaling numerator (peft's lora_alpha)
+    prefetch_weights: bool = True  # copy a full update onto the device before pausing
 
     @classmethod
     def from_config(
@@ -121,6 +128,7 @@ class VllmEngineSettings:
             "seed": rollout.seed,
             "max_num_seqs": rollout.max_num_seqs,
             "trust_remote_code": actor_rollout_ref.model.trust_remote_code,
+            "prefetch_weights": rollout.prefetch_weights,
         }
         model = actor_rollout_ref.model
         if model.lora_rank > 0 and not model.lora.merge:
@@ -168,6 +176,8 @@ class VllmEngine:
         self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
         self._manifest: ModelManifest | None = None  # weight_manifest, read at its first use
         self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
+        self._last_reload_staged = False  # ... and whether every worker loaded a prefetched copy
+        self.prefetch_weights = settings.prefetch_weights  # the settings', unless turned off later
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
 
@@ -344,6 +354,8 @@ class VllmEngine:
             )
             staged_at = time.perf_counter()
             try:
+                await self._prefetch(staged)
+                prefetched = time.perf_counter()
                 await self._swap_to_end(version, staged, mode)
             finally:
                 self._adopt(version, staged=staged)
@@ -351,8 +363,10 @@ class VllmEngine:
         self.last_update_timings = {
             "check_s": checked - start,
             "stage_s": staged_at - checked,
-            "swap_s": end - staged_at,
+            "prefetch_s": prefetched - staged_at,
+            "swap_s": end - prefetched,
             "reload_s": self._last_reload_s,
+            "prefetched": float(self._last_reload_staged),
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -382,6 +396,8 @@ class VllmEngine:
             checked = time.perf_counter()
             folder = Path(path).parent
             try:
+                await self._prefetch(folder)
+                prefetched = time.perf_counter()
                 await self._swap_to_end(version, folder, mode)
             finally:
                 self._adopt(version, file_dir=folder)
@@ -389,8 +405,10 @@ class VllmEngine:
         self.last_update_timings = {
             "check_s": checked - start,
             "stage_s": 0.0,
-            "swap_s": end - checked,
+            "prefetch_s": prefetched - checked,
+            "swap_s": end - prefetched,
             "reload_s": self._last_reload_s,
+            "prefetched": float(self._last_reload_staged),
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -447,6 +465,27 @@ class VllmEngine:
                 raise WeightUpdateError("the engine is shut down")
             yield
 
+    async def _prefetch(self, folder: Path) -> None:
+        """Has every worker copy ``folder``'s weights onto its device while generation goes on,
+        and waits for them (bounded: past the bound, or for a worker that could not, the swap
+        reads the file)."""
+        if not self.prefetch_weights:
+            return
+        path = {"weights_path": str(folder)}
+        started = await self._llm.collective_rpc(vllm_worker.STAGE, kwargs=path)
+        if not all(s == "started" for s in started):
+            log.info("weights of %s not prefetched: %s", folder, started)
+            return
+        deadline = time.monotonic() + PREFETCH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            states = await self._llm.collective_rpc(vllm_worker.STAGED, kwargs=path)
+            if all(states):
+                if any(s != "ok" for s in states):
+                    log.warning("prefetching the weights of %s failed: %s", folder, states)
+                return
+            await asyncio.sleep(PREFETCH_POLL_S)
+        log.warning("prefetching the weights of %s took over %.0f s", folder, PREFETCH_TIMEOUT_S)
+
     async def _swap_to_end(self, version: int, folder: Path, mode: UpdateMode) -> None:
         """The swap is not interruptible: a cancelled caller waits for it to finish, so the
         workers never keep half-loaded weights and generation is always resumed; then the
@@ -501,9 +540,10 @@ class VllmEngine:
 
     async def _reload(self, weights_dir: Path) -> None:
         # reload_weights, plus the refresh of a tied output layer (rollout_service/engine/vllm_worker)
-        await self._llm.collective_rpc(
-            "reload_weights_tied", kwargs={"weights_path": str(weights_dir)}
+        done = await self._llm.collective_rpc(
+            vllm_worker.RELOAD, kwargs={"weights_path": str(weights_dir)}
         )
+        self._last_reload_staged = all(d["staged"] for d in done)
 
     async def _rollback(self) -> None:
         """Puts the last good weights back after a failed reload (it may have loaded some)."""

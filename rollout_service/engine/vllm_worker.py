@@ -12,13 +12,28 @@ output layer would go on computing logits with the first weights' packed copy wh
 the model moved on. `refresh_tied_heads` re-runs it for every output layer that shares its weight
 with an embedding. On the GPU that processing does nothing for an unquantized output layer, so the
 refresh costs nothing there.
+
+Prefetch: `stage_weights` starts a thread that copies a weights directory's tensors onto the
+worker's device (on CUDA through a side stream) and returns at once, so the engine core goes on
+stepping meanwhile; `reload_weights_tied` of that directory then loads from those device tensors,
+and generation pauses only for device-to-device copies instead of reading the file and copying it
+host to device. A thread, not an RPC that does the work: the engine core runs RPCs between its
+steps, so one that copied a model would stall generation as long as the pause it saves. Staging
+needs free device memory for one copy of the weights beyond what vLLM reserved; without it, or
+when the thread failed, the reload reads the file as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
+from common.safetensors_buffers import load_dir
+
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 EXTENSION = f"{__name__}.ReloadExtension"
@@ -51,11 +66,111 @@ def _storage(module: nn.Module) -> int:
     return weight.data_ptr()
 
 
+STAGE, STAGED, RELOAD = "stage_weights", "staged_weights_ready", "reload_weights_tied"
+"""`ReloadExtension`'s methods, by the names ``collective_rpc`` takes."""
+
+STAGING_HEADROOM_BYTES = 1 << 30
+"""Device memory left free beyond a staged copy (the engine's own allocations go on meanwhile)."""
+
+
+class Staging:
+    """One weights directory's tensors, copied onto ``device`` by a thread of its own."""
+
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.path = path
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.error = ""
+        self.done = threading.Event()
+        threading.Thread(
+            target=self._copy, args=(device,), name="stage-weights", daemon=True
+        ).start()
+
+    def _copy(self, device: torch.device) -> None:
+        import torch
+
+        try:
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for buf in load_dir(self.path):
+                    self.tensors.append(
+                        (buf.name, _on_device(buf.data, buf.dtype, buf.shape, device))
+                    )
+            if stream is not None:
+                stream.synchronize()  # the reload's copies run on the engine's own stream
+        except Exception as e:  # reported through ready(); the reload then reads the file
+            self.error = f"{type(e).__name__}: {e}"
+            self.tensors = []
+        finally:
+            self.done.set()
+
+
+def _on_device(
+    data: memoryview, dtype: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A copy on ``device`` of one tensor's raw bytes (a view of the mapped file)."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    if data.nbytes == 0:
+        return torch.empty(shape, dtype=kind, device=device)
+    with warnings.catch_warnings():  # the mapping is read-only; nothing writes through the view
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.frombuffer(data, dtype=kind).view(shape)
+    return view.to(device, copy=True)  # torch lets the GIL go while it copies
+
+
+def staged_bytes(path: str) -> int:
+    return sum(buf.data.nbytes for buf in load_dir(path))
+
+
 class ReloadExtension:
     """Mixed into vLLM's worker class (``self`` is a worker: ``reload_weights``, ``model_runner``)."""
 
-    def reload_weights_tied(self, weights_path: str) -> list[str]:
-        """``reload_weights`` from ``weights_path``, then `refresh_tied_heads`; the heads refreshed."""
+    def stage_weights(self, weights_path: str) -> str:
+        """Starts copying ``weights_path``'s tensors onto this worker's device (see the module
+        docstring); "started", or why not (then the reload reads the file)."""
+        import torch
+
         worker: Any = self
-        worker.reload_weights(weights_path=weights_path)
-        return refresh_tied_heads(worker.model_runner.get_model())
+        worker._staging = None  # one at a time: an earlier one is dropped
+        device = next(worker.model_runner.get_model().parameters()).device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            need = staged_bytes(weights_path) + STAGING_HEADROOM_BYTES
+            if free < need:
+                return f"skipped: {free >> 20} MiB free on {device}, {need >> 20} MiB needed"
+        worker._staging = Staging(weights_path, device)
+        return "started"
+
+    def staged_weights_ready(self, weights_path: str) -> str:
+        """ "" while the copy of ``weights_path`` runs; "ok" when done; else why it failed."""
+        staging: Staging | None = getattr(self, "_staging", None)
+        if staging is None or staging.path != weights_path:
+            return "not staged"
+        if not staging.done.is_set():
+            return ""
+        return staging.error or "ok"
+
+    def reload_weights_tied(self, weights_path: str) -> dict[str, Any]:
+        """``reload_weights`` from ``weights_path`` (from its staged copy when `stage_weights`
+        finished it without error), then `refresh_tied_heads`: ``{"staged": whether the staged
+        copy was used, "heads": the heads refreshed}``."""
+        import torch
+
+        worker: Any = self
+        staging: Staging | None = getattr(worker, "_staging", None)
+        worker._staging = None
+        staged = (
+            staging is not None
+            and staging.path == weights_path
+            and staging.done.is_set()
+            and not staging.error
+        )
+        if staging is not None and staged:
+            worker.reload_weights(weights_iterator=iter(staging.tensors))
+            if staging.tensors and staging.tensors[0][1].is_cuda:
+                # the staged blocks go back to the side stream's pool: the copies finish first
+                torch.cuda.current_stream().synchronize()
+        else:
+            worker.reload_weights(weights_path=weights_path)
+        return {"staged": staged, "heads": refresh_tied_heads(worker.model_runner.get_model())}

@@ -542,7 +542,9 @@ async def test_file_hand_over_loads_in_place_and_checks_the_header(
     version = engine.policy_version + 1
     await engine.load_weights_file(version, str(tmp_path / "v" / "model.safetensors"), mode="keep")
     rig.current = new
-    assert engine.policy_version == version and engine.last_update_timings["stage_s"] == 0.0
+    timings = engine.last_update_timings
+    assert engine.policy_version == version and timings["stage_s"] == 0.0
+    assert timings["prefetched"] == 1.0  # the worker loaded the copy it staged before the pause
     after = await greedy(engine, PROMPT, 16, "file-after")
     assert after != before
     name = "model.layers.0.mlp.up_proj.weight"
@@ -571,6 +573,7 @@ async def test_logprobs_after_an_update_match_the_new_weights(rig: Rig) -> None:
     from transformers import AutoModelForCausalLM
 
     await update(rig, perturbed(rig.base, seed=11))
+    assert rig.engine.last_update_timings["prefetched"] == 1.0  # loaded from the staged copy
     gen = await rig.engine.generate(
         "after-update", PROMPT, SamplingSettings(max_tokens=8, temperature=0.0, ignore_eos=True)
     )

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Generation while full weight updates land: tokens/s against the same engine with no updates.
+
+Design: one ``VllmEngine`` on the ``--shape`` model (bench/rollout.py's models: ``tiny``, or
+``0.5b``, Qwen2-0.5B's shape with random weights). A round is ``--requests`` concurrent
+single-turn requests of ``--tokens`` tokens each (``ignore_eos``), as in bench/rollout.py. Three
+kinds of round, alternated for ``--repeat`` rounds after a warm-up round of each:
+
+- ``none``: no update; its tokens/s is the bound;
+- ``prefetch``: a task calls ``load_weights_file(v, FILE, mode="keep")`` every ``--every-s``
+  seconds while the round generates (the learner's file hand-over); the workers copy the file onto
+  the device while generation goes on, and generation pauses only for device-to-device copies;
+- ``file``: the same with the engine's prefetch turned off, so the pause reads the file (the
+  engine's behaviour before prefetch).
+
+FILE is the model's own safetensors file, loaded as a new version each time: the bytes moved and
+the work done are those of new weights. Per kind: the median tokens/s over its rounds, and its
+ratio to ``none`` (1.0: updates cost generation nothing); per update, the pause (``swap_s``:
+generation stopped, the in-place reload and relabel inside it) and the prefetch before it. The
+last line of stdout is one JSON object. On one H200: ``python3 bench/update_pause.py --shape 0.5b
+--graphs --requests 256 --tokens 512 --every-s 1 --repeat 3``; on the CPU:
+``.venv/bin/python bench/update_pause.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import rollout as rollout_bench  # noqa: E402  (after the checkout is on the path)
+from bench._common import Progress  # noqa: E402
+
+progress = Progress("update_pause")
+KINDS = ("none", "prefetch", "file")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/update_pause.py", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("--shape", choices=("tiny", "0.5b"), default="tiny")
+    p.add_argument("--requests", type=int, default=16, help="concurrent requests a round")
+    p.add_argument("--tokens", type=int, default=1024, help="generated tokens per request")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--every-s", type=float, default=0.5, help="seconds between updates")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds per kind")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs (bench/rollout.py's)")
+    return p.parse_args(argv)
+
+
+async def updating(engine: Any, file: Path, every_s: float, pauses: list[dict[str, float]]) -> None:
+    """A full update from ``file`` every ``every_s`` seconds until cancelled between two."""
+    while True:
+        await asyncio.sleep(every_s)
+        # shielded: a round that ends mid-update lets that update finish before the next round
+        await asyncio.shield(
+            engine.load_weights_file(engine.policy_version + 1, str(file), mode="keep")
+        )
+        t = engine.last_update_timings
+        pauses.append({k: round(t[k], 4) for k in ("prefetch_s", "swap_s", "total_s")})
+
+
+async def one_round(
+    engine: Any, kind: str, args: argparse.Namespace, file: Path, tag: str
+) -> tuple[float, list[dict[str, float]]]:
+    engine.prefetch_weights = kind == "prefetch"
+    batch = rollout_bench.prompts(args.requests, args.prompt_len)
+    pauses: list[dict[str, float]] = []
+    updater = (
+        asyncio.create_task(updating(engine, file, args.every_s, pauses))
+        if kind != "none"
+        else None
+    )
+    try:
+        tok_s = await rollout_bench.round_engine(engine, batch, args.tokens, tag)
+    finally:
+        if updater is not None:
+            updater.cancel()
+            try:
+                await updater
+            except asyncio.CancelledError:
+                pass
+    return tok_s, pauses
+
+
+def summarize(
+    rounds: dict[str, list[float]], pauses: dict[str, list[dict[str, float]]]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"tok_s": {k: [round(x) for x in v] for k, v in rounds.items()}}
+    bound = statistics.median(rounds["none"])
+    for kind in ("prefetch", "file"):
+        ps = pauses[kind]
+        out[kind] = {
+            "tok_s_median": round(statistics.median(rounds[kind])),
+            "ratio": round(statistics.median(rounds[kind]) / bound, 4),
+            "ratios": [round(x / bound, 4) for x in rounds[kind]],
+            "updates": len(ps),
+            "pause_s_median": statistics.median(p["swap_s"] for p in ps) if ps else None,
+            "pause_s_range": [min(p["swap_s"] for p in ps), max(p["swap_s"] for p in ps)]
+            if ps
+            else None,
+            "prefetch_s_median": statistics.median(p["prefetch_s"] for p in ps) if ps else None,
+            "update_s_median": statistics.median(p["total_s"] for p in ps) if ps else None,
+        }
+    out["none"] = {"tok_s_median": round(bound)}
+    if out["prefetch"]["pause_s_median"] and out["file"]["pause_s_median"]:
+        out["pause_file_over_prefetch"] = round(
+            out["file"]["pause_s_median"] / out["prefetch"]["pause_s_median"], 2
+        )
+    return out
+
+
+async def run(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -> None:
+    rargs = rollout_bench.parse_args(
+        [
+            "--shape",
+            args.shape,
+            "--requests",
+            str(args.requests),
+            "--tokens",
+            str(args.tokens),
+            "--prompt-len",
+            str(args.prompt_len),
+        ]
+        + (["--graphs"] if args.graphs else [])
+    )
+    rollout_bench.resolve_defaults(rargs, rollout_bench.cuda_available())
+    result["config"] = {**vars(args), "device": rargs.device, "dtype": rargs.dtype}
+    model = rollout_bench.write_model(workdir, args.shape, rargs.dtype)
+    (file,) = model.glob("*.safetensors")
+    progress(f"model written ({file.stat().st_size / 1e9:.3f} GB); starting the engine")
+    engine = await rollout_bench.VllmEngine.start(rollout_bench.engine_settings(rargs, model))
+    try:
+        rounds: dict[str, list[float]] = {k: [] for k in KINDS}
+        pauses: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+        for kind in KINDS:  # warm-up: the first reloads of a process set things up
+            await one_round(engine, kind, args, file, f"warm-{kind}")
+        for r in range(args.repeat):
+            for kind in KINDS:
+                tok_s, ps = await one_round(engine, kind, args, file, f"{kind}-{r}")
+                rounds[kind].append(tok_s)
+                pauses[kind] += ps
+                progress(f"round {r} {kind}: {tok_s:,.0f} tok/s, {len(ps)} updates {ps[:3]}")
+        result.update(summarize(rounds, pauses))
+    finally:
+        await engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result: dict[str, Any] = {"bench": "update_pause", "versions": rollout_bench.versions()}
+    with tempfile.TemporaryDirectory(prefix="bench-update-pause-") as tmp:
+        asyncio.run(run(args, Path(tmp), result))
+    p, f = result["prefetch"], result["file"]
+    print(
+        f"generation under an update every {args.every_s} s, against none: prefetch "
+        f"{p['ratio']:.3f} (pause {p['pause_s_median']} s), file {f['ratio']:.3f} "
+        f"(pause {f['pause_s_median']} s)"
+    )
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
