@@ -39,7 +39,9 @@ from bench import rollout as rollout_bench  # noqa: E402  (after the checkout is
 from bench._common import Progress  # noqa: E402
 
 progress = Progress("update_pause")
-KINDS = ("none", "prefetch", "file")
+KINDS = ("none", "prefetch", "direct", "file")
+PARTS = ("prefetch_s", "swap_s", "pause_s", "reload_s", "total_s", "prefetched")
+"""What each update records: the swap (generation stopped) holds pause_generation and the reload."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,13 +67,14 @@ async def updating(engine: Any, file: Path, every_s: float, pauses: list[dict[st
             engine.load_weights_file(engine.policy_version + 1, str(file), mode="keep")
         )
         t = engine.last_update_timings
-        pauses.append({k: round(t[k], 4) for k in ("prefetch_s", "swap_s", "total_s")})
+        pauses.append({k: round(t[k], 4) for k in PARTS})
 
 
 async def one_round(
     engine: Any, kind: str, args: argparse.Namespace, file: Path, tag: str
 ) -> tuple[float, list[dict[str, float]]]:
-    engine.prefetch_weights = kind == "prefetch"
+    engine.prefetch_weights = kind in ("prefetch", "direct")
+    engine.direct_load = kind == "direct"
     batch = rollout_bench.prompts(args.requests, args.prompt_len)
     pauses: list[dict[str, float]] = []
     updater = (
@@ -96,7 +99,7 @@ def summarize(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"tok_s": {k: [round(x) for x in v] for k, v in rounds.items()}}
     bound = statistics.median(rounds["none"])
-    for kind in ("prefetch", "file"):
+    for kind in ("prefetch", "direct", "file"):
         ps = pauses[kind]
         out[kind] = {
             "tok_s_median": round(statistics.median(rounds[kind])),
@@ -108,6 +111,11 @@ def summarize(
             if ps
             else None,
             "prefetch_s_median": statistics.median(p["prefetch_s"] for p in ps) if ps else None,
+            "pause_generation_s_median": statistics.median(p["pause_s"] for p in ps)
+            if ps
+            else None,
+            "reload_s_median": statistics.median(p["reload_s"] for p in ps) if ps else None,
+            "prefetched": sum(p["prefetched"] for p in ps),
             "update_s_median": statistics.median(p["total_s"] for p in ps) if ps else None,
         }
     out["none"] = {"tok_s_median": round(bound)}

@@ -177,7 +177,9 @@ class VllmEngine:
         self._manifest: ModelManifest | None = None  # weight_manifest, read at its first use
         self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
         self._last_reload_staged = False  # ... and whether every worker loaded a prefetched copy
+        self._last_pause_s = 0.0  # pause_generation of the last swap (in-flight steps finish)
         self.prefetch_weights = settings.prefetch_weights  # the settings', unless turned off later
+        self.direct_load = False  # a prefetched copy through load_weights alone (vllm_worker)
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
 
@@ -367,6 +369,7 @@ class VllmEngine:
             "swap_s": end - prefetched,
             "reload_s": self._last_reload_s,
             "prefetched": float(self._last_reload_staged),
+            "pause_s": self._last_pause_s,
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -409,6 +412,7 @@ class VllmEngine:
             "swap_s": end - prefetched,
             "reload_s": self._last_reload_s,
             "prefetched": float(self._last_reload_staged),
+            "pause_s": self._last_pause_s,
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -520,9 +524,11 @@ class VllmEngine:
                 # Mark before pausing: their "abort" outputs may arrive before pause returns.
                 for req in self._requests.values():
                     req.preempted = True
+            t_pause = time.perf_counter()
             await self._llm.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
             try:
                 t_reload = time.perf_counter()
+                self._last_pause_s = t_reload - t_pause
                 await self._reload(staged)
                 self._last_reload_s = time.perf_counter() - t_reload
             except Exception as e:
@@ -541,7 +547,8 @@ class VllmEngine:
     async def _reload(self, weights_dir: Path) -> None:
         # reload_weights, plus the refresh of a tied output layer (rollout_service/engine/vllm_worker)
         done = await self._llm.collective_rpc(
-            vllm_worker.RELOAD, kwargs={"weights_path": str(weights_dir)}
+            vllm_worker.RELOAD,
+            kwargs={"weights_path": str(weights_dir), "direct": self.direct_load},
         )
         self._last_reload_staged = all(d["staged"] for d in done)
 

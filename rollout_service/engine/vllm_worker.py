@@ -119,6 +119,13 @@ def _on_device(
     return view.to(device, copy=True)  # torch lets the GIL go while it copies
 
 
+def _plain_cuda(worker: Any, staging: Staging) -> bool:
+    """Whether the staged weights are on CUDA for a model without quantization."""
+    config = getattr(worker.model_runner, "model_config", None)
+    quantized = getattr(config, "quantization", None) is not None
+    return bool(staging.tensors) and staging.tensors[0][1].is_cuda and not quantized
+
+
 def staged_bytes(path: str) -> int:
     return sum(buf.data.nbytes for buf in load_dir(path))
 
@@ -136,6 +143,8 @@ class ReloadExtension:
         device = next(worker.model_runner.get_model().parameters()).device
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
+            # blocks torch's allocator keeps for reuse (an earlier staging's among them) count too
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             need = staged_bytes(weights_path) + STAGING_HEADROOM_BYTES
             if free < need:
                 return f"skipped: {free >> 20} MiB free on {device}, {need >> 20} MiB needed"
@@ -151,10 +160,12 @@ class ReloadExtension:
             return ""
         return staging.error or "ok"
 
-    def reload_weights_tied(self, weights_path: str) -> dict[str, Any]:
+    def reload_weights_tied(self, weights_path: str, direct: bool = False) -> dict[str, Any]:
         """``reload_weights`` from ``weights_path`` (from its staged copy when `stage_weights`
         finished it without error), then `refresh_tied_heads`: ``{"staged": whether the staged
-        copy was used, "heads": the heads refreshed}``."""
+        copy was used, "heads": the heads refreshed}``. ``direct``: a staged copy on CUDA of an
+        unquantized model goes through the model's ``load_weights`` alone (each weight loader
+        copies into the tensor the engine uses), not through vLLM's layer-by-layer reload."""
         import torch
 
         worker: Any = self
@@ -166,11 +177,15 @@ class ReloadExtension:
             and staging.done.is_set()
             and not staging.error
         )
-        if staging is not None and staged:
+        model = worker.model_runner.get_model()
+        if staging is not None and staged and direct and _plain_cuda(worker, staging):
+            model.load_weights(iter(staging.tensors))
+            torch.cuda.current_stream().synchronize()
+        elif staging is not None and staged:
             worker.reload_weights(weights_iterator=iter(staging.tensors))
             if staging.tensors and staging.tensors[0][1].is_cuda:
                 # the staged blocks go back to the side stream's pool: the copies finish first
                 torch.cuda.current_stream().synchronize()
         else:
             worker.reload_weights(weights_path=weights_path)
-        return {"staged": staged, "heads": refresh_tied_heads(worker.model_runner.get_model())}
+        return {"staged": staged, "heads": refresh_tied_heads(model)}
