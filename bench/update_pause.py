@@ -10,8 +10,13 @@ kinds of round, alternated for ``--repeat`` rounds after a warm-up round of each
 - ``prefetch``: a task calls ``load_weights_file(v, FILE, mode="keep")`` every ``--every-s``
   seconds while the round generates (the learner's file hand-over); the workers copy the file onto
   the device while generation goes on, and generation pauses only for device-to-device copies;
+- ``direct``: ``prefetch`` with the staged copy loaded through the model's ``load_weights``
+  alone instead of vLLM's layer-by-layer reload;
 - ``file``: the same with the engine's prefetch turned off, so the pause reads the file (the
-  engine's behaviour before prefetch).
+  engine's behaviour before prefetch);
+- ``recompute``: ``file`` in ``abort`` mode. On a vLLM without weight-version spans (0.24, the GPU
+  build) this is what ``keep`` did before the engine continued requests on their cached KV:
+  every running request's KV recomputed after each update.
 
 FILE is the model's own safetensors file, loaded as a new version each time: the bytes moved and
 the work done are those of new weights. Per kind: the median tokens/s over its rounds, and its
@@ -37,9 +42,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import rollout as rollout_bench  # noqa: E402  (after the checkout is on the path)
 from bench._common import Progress  # noqa: E402
+from rollout_service.engine.vllm_engine import Continuations  # noqa: E402
 
 progress = Progress("update_pause")
-KINDS = ("none", "prefetch", "direct", "file")
+KINDS = {
+    # kind: (prefetch, direct load, update mode)
+    "none": (False, False, "keep"),
+    "prefetch": (True, False, "keep"),
+    "direct": (True, True, "keep"),
+    "file": (False, False, "keep"),
+    "recompute": (False, False, "abort"),
+}
+"""``recompute`` is what a ``keep`` update did on a vLLM without weight-version spans before the
+engine continued requests on their cached KV: abort them, clear the cache, recompute their KV."""
 PARTS = ("prefetch_s", "swap_s", "pause_s", "reload_s", "total_s", "prefetched")
 """What each update records: the swap (generation stopped) holds pause_generation and the reload."""
 
@@ -58,13 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def updating(engine: Any, file: Path, every_s: float, pauses: list[dict[str, float]]) -> None:
+async def updating(
+    engine: Any, file: Path, every_s: float, mode: str, pauses: list[dict[str, float]]
+) -> None:
     """A full update from ``file`` every ``every_s`` seconds until cancelled between two."""
     while True:
         await asyncio.sleep(every_s)
         # shielded: a round that ends mid-update lets that update finish before the next round
         await asyncio.shield(
-            engine.load_weights_file(engine.policy_version + 1, str(file), mode="keep")
+            engine.load_weights_file(engine.policy_version + 1, str(file), mode=mode)
         )
         t = engine.last_update_timings
         pauses.append({k: round(t[k], 4) for k in PARTS})
@@ -73,12 +90,12 @@ async def updating(engine: Any, file: Path, every_s: float, pauses: list[dict[st
 async def one_round(
     engine: Any, kind: str, args: argparse.Namespace, file: Path, tag: str
 ) -> tuple[float, list[dict[str, float]]]:
-    engine.prefetch_weights = kind in ("prefetch", "direct")
-    engine.direct_load = kind == "direct"
+    engine.prefetch_weights, engine.direct_load, mode = KINDS[kind]
+    engine.continuations = Continuations()
     batch = rollout_bench.prompts(args.requests, args.prompt_len)
     pauses: list[dict[str, float]] = []
     updater = (
-        asyncio.create_task(updating(engine, file, args.every_s, pauses))
+        asyncio.create_task(updating(engine, file, args.every_s, mode, pauses))
         if kind != "none"
         else None
     )
@@ -91,6 +108,9 @@ async def one_round(
                 await updater
             except asyncio.CancelledError:
                 pass
+    c = engine.continuations
+    for p in pauses:  # the round's continuations: how much of their KV was found cached
+        p["continued_cached"] = round(c.cached_tokens / c.tokens, 4) if c.tokens else 0.0
     return tok_s, pauses
 
 
@@ -99,14 +119,14 @@ def summarize(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"tok_s": {k: [round(x) for x in v] for k, v in rounds.items()}}
     bound = statistics.median(rounds["none"])
-    for kind in ("prefetch", "direct", "file"):
+    for kind in [k for k in KINDS if k != "none"]:
         ps = pauses[kind]
         out[kind] = {
             "tok_s_median": round(statistics.median(rounds[kind])),
             "ratio": round(statistics.median(rounds[kind]) / bound, 4),
             "ratios": [round(x / bound, 4) for x in rounds[kind]],
             "updates": len(ps),
-            "pause_s_median": statistics.median(p["swap_s"] for p in ps) if ps else None,
+            "pause_s_median": round(statistics.median(p["swap_s"] for p in ps), 4) if ps else None,
             "pause_s_range": [min(p["swap_s"] for p in ps), max(p["swap_s"] for p in ps)]
             if ps
             else None,
@@ -116,6 +136,9 @@ def summarize(
             else None,
             "reload_s_median": statistics.median(p["reload_s"] for p in ps) if ps else None,
             "prefetched": sum(p["prefetched"] for p in ps),
+            "continued_cached": statistics.median(p["continued_cached"] for p in ps)
+            if ps
+            else None,
             "update_s_median": statistics.median(p["total_s"] for p in ps) if ps else None,
         }
     out["none"] = {"tok_s_median": round(bound)}
@@ -167,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"bench": "update_pause", "versions": rollout_bench.versions()}
     with tempfile.TemporaryDirectory(prefix="bench-update-pause-") as tmp:
         asyncio.run(run(args, Path(tmp), result))
-    p, f = result["prefetch"], result["file"]
     print(
-        f"generation under an update every {args.every_s} s, against none: prefetch "
-        f"{p['ratio']:.3f} (pause {p['pause_s_median']} s), file {f['ratio']:.3f} "
-        f"(pause {f['pause_s_median']} s)"
+        f"generation under an update every {args.every_s} s, against none: "
+        + ", ".join(
+            f"{k} {result[k]['ratio']:.3f} (pause {result[k]['pause_s_median']} s)"
+            for k in KINDS
+            if k != "none"
+        )
     )
     print(json.dumps(result), flush=True)
     return 0

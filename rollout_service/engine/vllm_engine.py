@@ -8,8 +8,11 @@ Design:
   and changes the label only while generation is paused; the final ``CompletionOutput`` carries
   the spans ``[start, end) -> label``. The label is ``str(policy_version)``, so each token's
   version is the one whose weights computed it, exact even for tokens that were in the output
-  pipe while the update ran. On a vLLM without these spans, ``keep`` updates fall back to the
-  ``abort`` path below (also exact; the kept prefix is recomputed with the new weights).
+  pipe while the update ran. On a vLLM without these spans (0.24, the GPU build), ``keep``
+  updates abort the running requests and continue them as the ``abort`` path below does, but
+  without recomputing their KV: a request keeps the prefix-cache salt of its first submission, the
+  cache is not cleared, so its continuation finds every full block of prompt + tokens so far still
+  cached (what ``keep`` means: old KV, new weights from here on), and the labels stay exact.
 - weight update (``load_weights``): validate names/shapes/dtypes against the checkpoint first
   (nothing touched on error), write one safetensors file to a temp dir on /dev/shm (RAM), pause
   the scheduler (``keep``: requests stay frozen with their KV; ``abort``: vLLM aborts them),
@@ -27,8 +30,8 @@ Design:
 - ``abort`` continuation: ``generate`` sees its request finish with "abort" because of the
   update, waits for the new weights and resubmits prompt + tokens so far with the remaining
   ``max_tokens``; the caller gets one ``Generation`` with old then new versions. Prefix caching
-  is salted with the policy version so a resubmitted or new request never reuses KV blocks
-  computed with old weights.
+  is salted with the policy version so a new request, or one continued in ``abort`` mode, never
+  reuses KV blocks computed with old weights.
 - LoRA (``lora_rank`` > 0): an update whose tensors are an adapter (`protocol.adapters`) is served
   beside the base weights (`vllm_adapters`): no pause, no reload; new submissions use it, running
   ones finish with the adapter they started with (``abort``: are continued with the new one).
@@ -146,6 +149,8 @@ class _Request:
     user_aborted: bool = False
     preempted: bool = False  # aborted by a weight update: generate() continues it
     lora_id: int = 0  # the adapter its current submission samples with (0: none)
+    salt: str = ""  # prefix-cache salt its KV blocks are cached under ("": set at submission)
+    submissions: int = 0  # to vLLM so far (more than one: continued after weight updates)
 
 
 class VllmEngine:
@@ -180,6 +185,7 @@ class VllmEngine:
         self._last_pause_s = 0.0  # pause_generation of the last swap (in-flight steps finish)
         self.prefetch_weights = settings.prefetch_weights  # the settings', unless turned off later
         self.direct_load = False  # a prefetched copy through load_weights alone (vllm_worker)
+        self.continuations = Continuations()
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
 
@@ -517,15 +523,20 @@ class VllmEngine:
         self._good_weights, self._good_file_dir = staged, file_dir
 
     async def _swap(self, version: int, staged: Path, mode: UpdateMode) -> None:
-        keep = mode == "keep" and self._version_labels
+        keep = mode == "keep"
+        frozen = keep and self._version_labels  # vLLM keeps them with their KV and relabels
         self._ready.clear()
         try:
-            if not keep:
+            if not frozen:
                 # Mark before pausing: their "abort" outputs may arrive before pause returns.
                 for req in self._requests.values():
                     req.preempted = True
+                    if not keep:  # its continuation recomputes its KV with the new weights
+                        req.salt = ""
             t_pause = time.perf_counter()
-            await self._llm.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
+            await self._llm.pause_generation(
+                mode="keep" if frozen else "abort", clear_cache=not keep
+            )
             try:
                 t_reload = time.perf_counter()
                 self._last_pause_s = t_reload - t_pause
@@ -576,9 +587,12 @@ class VllmEngine:
         req.lora_id = lora.lora_int_id if lora is not None else 0
         params = _sampling_params(sampling, max_tokens)
         final = None
-        # cache_salt: blocks cached under older weights are never reused by this submission.
+        continued, req.submissions = req.submissions > 0, req.submissions + 1
+        # cache_salt: blocks cached under older weights are reused only by the request whose KV
+        # they are, continued after a "keep" update (_swap); never by a new one.
+        req.salt = req.salt or f"policy-v{version}"
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt, cache_salt=f"policy-v{version}"),
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=req.salt),
             params,
             request_id=req.vllm_id,
             lora_request=lora,
@@ -587,8 +601,25 @@ class VllmEngine:
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
+        if continued:
+            self.continuations.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
         # vLLM's version spans label the engine's weights; an adapter's tokens are its version's.
-        return _piece(final.outputs[0], version, spans=lora is None)
+        return _piece(final.outputs[0], version, spans=lora is None and self._version_labels)
+
+
+@dataclass
+class Continuations:
+    """Submissions that continued a request after a weight update: how much of what they sent
+    back (prompt and tokens so far) vLLM found cached instead of recomputing."""
+
+    submissions: int = 0
+    tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, tokens: int, cached: int) -> None:
+        self.submissions += 1
+        self.tokens += tokens
+        self.cached_tokens += cached
 
 
 @dataclass

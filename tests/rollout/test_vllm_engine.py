@@ -33,7 +33,12 @@ from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.agents.statelm import StateLMAgent
 from rollout_service.agents.statelm_context import STUB
 from rollout_service.engine.base import Generation, SamplingSettings
-from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings, WeightUpdateError
+from rollout_service.engine.vllm_engine import (
+    Continuations,
+    VllmEngine,
+    VllmEngineSettings,
+    WeightUpdateError,
+)
 from rollout_service.rewards.base import RewardResult
 from rollout_service.tools.base import TOOLS
 
@@ -444,6 +449,34 @@ async def test_update_during_generation(rig: Rig, mode: str) -> None:
         # The continuation is exactly what the new weights produce from prompt + old tokens.
         fresh = await greedy(engine, PROMPT + tokens[:cut], LONG - cut, "fresh-continuation")
         assert tokens[cut:] == fresh
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_an_update_without_version_spans_continues_requests(
+    rig: Rig, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.24, the GPU build, labels no token with a weight version. Then a "keep" update
+    aborts the running requests and continues them on the KV they had: the continuation finds all
+    but the last, partial block of prompt + tokens so far in the prefix cache. An "abort" update's
+    continuation recomputes it all with the new weights. Either way the labels are exact."""
+    engine = rig.engine
+    monkeypatch.setattr(engine, "_version_labels", False)
+    monkeypatch.setattr(engine, "continuations", Continuations())
+    reference_old = await greedy(engine, PROMPT, LONG, f"ref-spanless-{mode}")
+    try:
+        tokens, versions, new = await straddle(rig, mode, perturbed(rig.base, seed=12))
+    finally:  # this vLLM labels tokens: its label must be the version again for the next tests
+        await engine.async_llm.update_weight_version(str(engine.policy_version))
+    cut = versions.index(new)
+    assert tokens[:cut] == reference_old[:cut] and versions == sorted(versions)
+    c = engine.continuations
+    assert c.submissions == 1 and c.tokens == len(PROMPT) + cut
+    if mode == "keep":
+        assert c.tokens - 128 <= c.cached_tokens < c.tokens, c  # a block is at most 128 tokens
+    else:
+        assert c.cached_tokens == 0, c
 
 
 @pytest.mark.anyio
