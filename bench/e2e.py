@@ -1084,22 +1084,26 @@ def episode_lengths(episodes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-APPLIED = re.compile(r"weights applied.*?reload_s=([0-9.]+).*?version=(\d+)")
+APPLIED = re.compile(r"weights applied.*")
+PART = re.compile(r"\b(version|prefetch_s|reload_s)=([0-9.]+)")
 
 
 def weight_updates(records: list[dict[str, Any]], logs: Path) -> dict[str, Any]:
     """Each weight update end to end against its bound, both from this run. End to end
     (``weights/applied_s``): from the learner starting to gather version v until every rollout
     server generates with it. Bound: the bare ``reload_weights`` of that same file inside the
-    rollout server (``reload_s`` in its "weights applied" log line; slowest server) plus the
+    rollout server (``prefetch_s`` + ``reload_s`` in its "weights applied" log line: the copy of the
+    file onto the device before the pause and the reload inside it; slowest server) plus the
     learner's device-to-host copy of the weights at its best speed in the run (``weights/copy_s``
     of a publish into a slot file whose pages already exist; the first publishes into each new
     file also pay for faulting its pages in, which the end-to-end time includes)."""
     reload: dict[int, float] = {}
     for log in sorted(logs.glob("*.log")):
-        for m in APPLIED.finditer(log.read_text(errors="replace")):
-            v = int(m.group(2))
-            reload[v] = max(reload.get(v, 0.0), float(m.group(1)))
+        for line in APPLIED.finditer(log.read_text(errors="replace")):
+            parts = {k: float(x) for k, x in PART.findall(line.group(0))}
+            if "version" in parts and "reload_s" in parts:
+                v, seconds = int(parts["version"]), parts["reload_s"] + parts.get("prefetch_s", 0.0)
+                reload[v] = max(reload.get(v, 0.0), seconds)
     copy = {int(r["step"]): float(r["weights/copy_s"]) for r in records if "weights/copy_s" in r}
     rows = []
     for r in records:

@@ -19,9 +19,12 @@ kinds of round, alternated for ``--repeat`` rounds after a warm-up round of each
   every running request's KV recomputed after each update.
 
 FILE is the model's own safetensors file, loaded as a new version each time: the bytes moved and
-the work done are those of new weights. Per kind: the median tokens/s over its rounds, and its
-ratio to ``none`` (1.0: updates cost generation nothing); per update, the pause (``swap_s``:
-generation stopped, the in-place reload and relabel inside it) and the prefetch before it. The
+the work done are those of new weights. Updates start every ``--every-s`` seconds, start to start,
+as a learner publishes at its own pace. Per kind: the median tokens/s over its rounds, and its
+ratio to ``none`` (1.0: updates cost generation nothing); the seconds of generation an update
+costs (a round's time beyond what its tokens take at ``none``'s pace, over its updates); per
+update, the pause (``swap_s``: generation stopped; ``pause_generation``, the reload and the resume
+inside it) and the prefetch before it. The
 last line of stdout is one JSON object. On one H200: ``python3 bench/update_pause.py --shape 0.5b
 --graphs --requests 256 --tokens 512 --every-s 1 --repeat 3``; on the CPU:
 ``.venv/bin/python bench/update_pause.py``.
@@ -31,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +60,7 @@ KINDS = {
 }
 """``recompute`` is what a ``keep`` update did on a vLLM without weight-version spans before the
 engine continued requests on their cached KV: abort them, clear the cache, recompute their KV."""
-PARTS = ("prefetch_s", "swap_s", "pause_s", "reload_s", "total_s", "prefetched")
+PARTS = ("prefetch_s", "swap_s", "pause_s", "reload_s", "resume_s", "total_s", "prefetched")
 """What each update records: the swap (generation stopped) holds pause_generation and the reload."""
 
 
@@ -76,9 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def updating(
     engine: Any, file: Path, every_s: float, mode: str, pauses: list[dict[str, float]]
 ) -> None:
-    """A full update from ``file`` every ``every_s`` seconds until cancelled between two."""
-    while True:
-        await asyncio.sleep(every_s)
+    """A full update from ``file`` every ``every_s`` seconds, start to start (the learner publishes
+    at its own pace, however long a server takes to apply), until cancelled."""
+    start = time.perf_counter()
+    for n in itertools.count(1):
+        await asyncio.sleep(max(0.0, start + n * every_s - time.perf_counter()))
         # shielded: a round that ends mid-update lets that update finish before the next round
         await asyncio.shield(
             engine.load_weights_file(engine.policy_version + 1, str(file), mode=mode)
@@ -114,38 +121,42 @@ async def one_round(
     return tok_s, pauses
 
 
+def _median(ps: list[dict[str, float]], key: str) -> float | None:
+    return round(statistics.median(p[key] for p in ps), 4) if ps else None
+
+
 def summarize(
-    rounds: dict[str, list[float]], pauses: dict[str, list[dict[str, float]]]
+    rounds: dict[str, list[tuple[float, int]]],
+    pauses: dict[str, list[dict[str, float]]],
+    tokens: int,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"tok_s": {k: [round(x) for x in v] for k, v in rounds.items()}}
-    bound = statistics.median(rounds["none"])
-    for kind in [k for k in KINDS if k != "none"]:
-        ps = pauses[kind]
-        out[kind] = {
-            "tok_s_median": round(statistics.median(rounds[kind])),
-            "ratio": round(statistics.median(rounds[kind]) / bound, 4),
-            "ratios": [round(x / bound, 4) for x in rounds[kind]],
-            "updates": len(ps),
-            "pause_s_median": round(statistics.median(p["swap_s"] for p in ps), 4) if ps else None,
-            "pause_s_range": [min(p["swap_s"] for p in ps), max(p["swap_s"] for p in ps)]
-            if ps
-            else None,
-            "prefetch_s_median": statistics.median(p["prefetch_s"] for p in ps) if ps else None,
-            "pause_generation_s_median": statistics.median(p["pause_s"] for p in ps)
-            if ps
-            else None,
-            "reload_s_median": statistics.median(p["reload_s"] for p in ps) if ps else None,
-            "prefetched": sum(p["prefetched"] for p in ps),
-            "continued_cached": statistics.median(p["continued_cached"] for p in ps)
-            if ps
-            else None,
-            "update_s_median": statistics.median(p["total_s"] for p in ps) if ps else None,
-        }
+    """Per kind, from its rounds' (tokens/s, updates): tokens/s against the ``none`` rounds'
+    median, and the seconds of generation each update cost: a round's time beyond what the same
+    tokens take at the bound, over the round's updates (median over rounds)."""
+    out: dict[str, Any] = {"tok_s": {k: [round(t) for t, _ in v] for k, v in rounds.items()}}
+    bound = statistics.median(t for t, _ in rounds["none"])
     out["none"] = {"tok_s_median": round(bound)}
-    if out["prefetch"]["pause_s_median"] and out["file"]["pause_s_median"]:
-        out["pause_file_over_prefetch"] = round(
-            out["file"]["pause_s_median"] / out["prefetch"]["pause_s_median"], 2
-        )
+    for kind in [k for k in KINDS if k != "none"]:
+        ps, tok_s = pauses[kind], [t for t, _ in rounds[kind]]
+        lost = [(tokens / t - tokens / bound) / n for t, n in rounds[kind] if n]
+        swaps = [p["swap_s"] for p in ps]
+        out[kind] = {
+            "tok_s_median": round(statistics.median(tok_s)),
+            "ratio": round(statistics.median(tok_s) / bound, 4),
+            "ratios": [round(t / bound, 4) for t in tok_s],
+            "updates": len(ps),
+            "lost_s_per_update": round(statistics.median(lost), 4) if lost else None,
+            "lost_s_per_update_rounds": [round(x, 4) for x in lost],
+            "pause_s_median": _median(ps, "swap_s"),
+            "pause_s_range": [min(swaps), max(swaps)] if swaps else None,
+            "prefetch_s_median": _median(ps, "prefetch_s"),
+            "pause_generation_s_median": _median(ps, "pause_s"),
+            "reload_s_median": _median(ps, "reload_s"),
+            "resume_s_median": _median(ps, "resume_s"),
+            "prefetched": sum(p["prefetched"] for p in ps),
+            "continued_cached": _median(ps, "continued_cached"),
+            "update_s_median": _median(ps, "total_s"),
+        }
     return out
 
 
@@ -170,17 +181,17 @@ async def run(args: argparse.Namespace, workdir: Path, result: dict[str, Any]) -
     progress(f"model written ({file.stat().st_size / 1e9:.3f} GB); starting the engine")
     engine = await rollout_bench.VllmEngine.start(rollout_bench.engine_settings(rargs, model))
     try:
-        rounds: dict[str, list[float]] = {k: [] for k in KINDS}
+        rounds: dict[str, list[tuple[float, int]]] = {k: [] for k in KINDS}
         pauses: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
         for kind in KINDS:  # warm-up: the first reloads of a process set things up
             await one_round(engine, kind, args, file, f"warm-{kind}")
         for r in range(args.repeat):
             for kind in KINDS:
                 tok_s, ps = await one_round(engine, kind, args, file, f"{kind}-{r}")
-                rounds[kind].append(tok_s)
+                rounds[kind].append((tok_s, len(ps)))
                 pauses[kind] += ps
                 progress(f"round {r} {kind}: {tok_s:,.0f} tok/s, {len(ps)} updates {ps[:3]}")
-        result.update(summarize(rounds, pauses))
+        result.update(summarize(rounds, pauses, args.requests * args.tokens))
     finally:
         await engine.shutdown()
 
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"generation under an update every {args.every_s} s, against none: "
         + ", ".join(
-            f"{k} {result[k]['ratio']:.3f} (pause {result[k]['pause_s_median']} s)"
+            f"{k} {result[k]['ratio']:.3f} ({result[k]['lost_s_per_update']} s lost an update, "
+            f"pause {result[k]['pause_s_median']} s)"
             for k in KINDS
             if k != "none"
         )

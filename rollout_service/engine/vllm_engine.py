@@ -183,6 +183,7 @@ class VllmEngine:
         self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
         self._last_reload_staged = False  # ... and whether every worker loaded a prefetched copy
         self._last_pause_s = 0.0  # pause_generation of the last swap (in-flight steps finish)
+        self._last_resume_s = 0.0  # ... and its resume_generation
         self.prefetch_weights = settings.prefetch_weights  # the settings', unless turned off later
         self.direct_load = False  # a prefetched copy through load_weights alone (vllm_worker)
         self.continuations = Continuations()
@@ -376,6 +377,7 @@ class VllmEngine:
             "reload_s": self._last_reload_s,
             "prefetched": float(self._last_reload_staged),
             "pause_s": self._last_pause_s,
+            "resume_s": self._last_resume_s,
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -419,6 +421,7 @@ class VllmEngine:
             "reload_s": self._last_reload_s,
             "prefetched": float(self._last_reload_staged),
             "pause_s": self._last_pause_s,
+            "resume_s": self._last_resume_s,
             "total_s": end - start,
             "bytes": float(nbytes),
         }
@@ -552,7 +555,9 @@ class VllmEngine:
             self._version = version
             self._adapters.current = None  # full weights: the policy is exactly these
         finally:
+            t_resume = time.perf_counter()
             await self._llm.resume_generation()
+            self._last_resume_s = time.perf_counter() - t_resume
             self._ready.set()
 
     async def _reload(self, weights_dir: Path) -> None:

@@ -89,3 +89,29 @@ def test_warmup_refuses_cuda_without_a_gpu(tmp_path: Path) -> None:
         warmup(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", device="cuda")
     with pytest.raises(ValueError, match="device"):
         warmup(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", device="tpu")
+
+
+def test_weight_updates_bound_counts_the_prefetch_and_the_slowest_server(tmp_path: Path) -> None:
+    """The bound of a version's update is the slowest server's copy of the file onto the device
+    (``prefetch_s``, 0 where it did not prefetch) plus its reload, plus the best device-to-host
+    copy of the run; lines of other events and versions nobody applied are left out."""
+    line = (
+        "2026-11-29T04:25:26Z [info     ] weights applied  [rollout_service.server] check_s=0.0002 "
+        "policy=keep prefetch_s={p} reload_s={r} seconds=0.5 server_id={s} version={v} via=file\n"
+    )
+    (tmp_path / "rollout-0.log").write_text(
+        line.format(p=0.3, r=0.1, s="rs0", v=2)
+        + "2026-11-29T04:25:27Z [info     ] weights received version=3 reload_s=9\n"
+    )
+    (tmp_path / "rollout-1.log").write_text(
+        line.replace("prefetch_s={p} ", "").format(r=0.5, s="rs1", v=2)
+    )
+    records = [
+        {"step": 1, "weights/copy_s": 0.05},
+        {"step": 2, "weights/copy_s": 0.02, "weights/applied_s": 1.04, "weights/version": 2},
+        {"step": 3, "weights/applied_s": 2.0, "weights/version": 3},
+    ]
+    out = e2e.weight_updates(records, tmp_path)
+    (row,) = out["versions"]
+    assert row["version"] == 2 and row["reload_s"] == pytest.approx(0.5)  # rs1: 0.5 > 0.3 + 0.1
+    assert row["bound_s"] == pytest.approx(0.52) and row["ratio"] == pytest.approx(2.0)
