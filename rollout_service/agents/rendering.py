@@ -20,7 +20,9 @@ ids of the full rendering because the delta follows a special token, where token
 
 from __future__ import annotations
 
+import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -33,8 +35,9 @@ _BASE: list[dict[str, Any]] = [
 ]
 
 
-PROMPTS_KEPT = 256
-"""Rendered prompts kept for the next samples of their group."""
+PROMPTS_KEPT = 64
+"""Rendered prompts kept for the next samples of their group (4 bytes a token, keyed by a digest:
+64 prompts of 8k tokens hold 2 MiB)."""
 PROBE = " probe \n<b>&amp;\t\"'{}\n "
 """A tool content that a template which trims, escapes or reformats would not copy as it is."""
 
@@ -60,7 +63,7 @@ class ChatRenderer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         plain = not getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self._backend = backend if plain and hasattr(backend, "decode") else None
-        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prompts: OrderedDict[bytes, array[int]] = OrderedDict()
         self._delta_parts: dict[int, list[str] | None] = {}  # tool messages -> static pieces
 
     def _turn_end_cut(self) -> int:
@@ -73,10 +76,12 @@ class ChatRenderer:
     def prompt_ids(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> list[int]:
-        key = json.dumps([messages, tools or None], sort_keys=True, default=str)
+        text = json.dumps([messages, tools or None], sort_keys=True, default=str)
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
         ids = self._prompts.get(key)
         if ids is None:
-            ids = tuple(
+            ids = array(
+                "i",
                 _ids(
                     self.tok.apply_chat_template(
                         list(messages),
@@ -84,7 +89,7 @@ class ChatRenderer:
                         tokenize=True,
                         add_generation_prompt=True,
                     )
-                )
+                ),
             )
             self._prompts[key] = ids
             if len(self._prompts) > PROMPTS_KEPT:
