@@ -97,7 +97,8 @@ async def updating(
 async def one_round(
     engine: Any, kind: str, args: argparse.Namespace, file: Path, tag: str
 ) -> tuple[float, list[dict[str, float]]]:
-    engine.prefetch_weights, engine.direct_load, mode = KINDS[kind]
+    reload = engine.worker_reload
+    reload.prefetch_weights, reload.direct, mode = KINDS[kind]
     engine.continuations = Continuations()
     batch = rollout_bench.prompts(args.requests, args.prompt_len)
     pauses: list[dict[str, float]] = []

@@ -20,9 +20,8 @@ Design:
   ``reload_weights``, then the refresh of an output layer tied to the embedding:
   ``vllm_worker``), relabel, resume.
   Prefetch (``prefetch_weights``, on by default): before pausing, every worker copies the file's
-  tensors onto its device in a thread of its own while generation goes on (``vllm_worker``), and
-  the engine polls until they are there; the pause then holds only device-to-device copies. A
-  worker that cannot stage (no device memory to spare, a failed copy) reloads from the file.
+  tensors onto its device while generation goes on, so the pause holds only device-to-device
+  copies (`vllm_reload`).
   If the reload fails the last good weights are reloaded and the version stays unchanged.
 - file hand-over (``load_weights_file``): when the learner runs on this machine it writes the new
   weights as a safetensors file on /dev/shm itself, and the engine reloads straight from it after
@@ -67,6 +66,7 @@ from rollout_service.engine.base import (
 )
 from rollout_service.engine.vllm_adapters import AdapterSlots
 from rollout_service.engine.vllm_compat import resolve_dtype, set_platform_env, vllm_info
+from rollout_service.engine.vllm_reload import WorkerReload
 from rollout_service.engine.vllm_weights import (
     Checkpoint,
     check_newer,
@@ -87,8 +87,6 @@ log = logging.getLogger(__name__)
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 SHUTDOWN_TIMEOUT_S = 30.0
-PREFETCH_POLL_S = 0.005  # each poll is an RPC the engine core answers between two steps
-PREFETCH_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -176,16 +174,12 @@ class VllmEngine:
         self._update_lock = asyncio.Lock()
         self._ready = asyncio.Event()  # cleared while weights are being swapped
         self._ready.set()
-        self._good_weights: Path | None = None  # staged dir of the current version (rollback)
-        self._good_file_dir: Path | None = None  # or the learner's file of it (file hand-over)
         self.last_update_timings: dict[str, float] = {}  # breakdown of the last load_weights
         self._manifest: ModelManifest | None = None  # weight_manifest, read at its first use
-        self._last_reload_s = 0.0  # the bare collective_rpc("reload_weights") of the last swap
-        self._last_reload_staged = False  # ... and whether every worker loaded a prefetched copy
-        self._last_pause_s = 0.0  # pause_generation of the last swap (in-flight steps finish)
-        self._last_resume_s = 0.0  # ... and its resume_generation
-        self.prefetch_weights = settings.prefetch_weights  # the settings', unless turned off later
-        self.direct_load = False  # a prefetched copy through load_weights alone (vllm_worker)
+        self.worker_reload = WorkerReload(
+            llm, Path(settings.model), prefetch=settings.prefetch_weights
+        )
+        self._pause_s = self._resume_s = 0.0  # pause_generation and resume of the last swap
         self.continuations = Continuations()
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
@@ -236,8 +230,7 @@ class VllmEngine:
         del self._llm
         gc.collect()
         await _reap(self._child_pids)
-        if self._good_weights is not None:
-            shutil.rmtree(self._good_weights, ignore_errors=True)
+        self.worker_reload.close()
         self._adapters.close()
 
     async def __aenter__(self) -> VllmEngine:
@@ -363,24 +356,20 @@ class VllmEngine:
             )
             staged_at = time.perf_counter()
             try:
-                await self._prefetch(staged)
+                await self.worker_reload.prefetch(staged)
                 prefetched = time.perf_counter()
                 await self._swap_to_end(version, staged, mode)
             finally:
-                self._adopt(version, staged=staged)
+                self.worker_reload.adopt(self._version == version, staged=staged)
         end = time.perf_counter()
-        self.last_update_timings = {
-            "check_s": checked - start,
-            "stage_s": staged_at - checked,
-            "prefetch_s": prefetched - staged_at,
-            "swap_s": end - prefetched,
-            "reload_s": self._last_reload_s,
-            "prefetched": float(self._last_reload_staged),
-            "pause_s": self._last_pause_s,
-            "resume_s": self._last_resume_s,
-            "total_s": end - start,
-            "bytes": float(nbytes),
-        }
+        self.last_update_timings = self._swap_timings(
+            check_s=checked - start,
+            stage_s=staged_at - checked,
+            prefetch_s=prefetched - staged_at,
+            swap_s=end - prefetched,
+            total_s=end - start,
+            bytes=float(nbytes),
+        )
         return end - start
 
     async def load_weights_file(self, version: int, path: str, *, mode: UpdateMode) -> float:
@@ -407,25 +396,32 @@ class VllmEngine:
             checked = time.perf_counter()
             folder = Path(path).parent
             try:
-                await self._prefetch(folder)
+                await self.worker_reload.prefetch(folder)
                 prefetched = time.perf_counter()
                 await self._swap_to_end(version, folder, mode)
             finally:
-                self._adopt(version, file_dir=folder)
+                self.worker_reload.adopt(self._version == version, file_dir=folder)
         end = time.perf_counter()
-        self.last_update_timings = {
-            "check_s": checked - start,
-            "stage_s": 0.0,
-            "prefetch_s": prefetched - checked,
-            "swap_s": end - prefetched,
-            "reload_s": self._last_reload_s,
-            "prefetched": float(self._last_reload_staged),
-            "pause_s": self._last_pause_s,
-            "resume_s": self._last_resume_s,
-            "total_s": end - start,
-            "bytes": float(nbytes),
-        }
+        self.last_update_timings = self._swap_timings(
+            check_s=checked - start,
+            stage_s=0.0,
+            prefetch_s=prefetched - checked,
+            swap_s=end - prefetched,
+            total_s=end - start,
+            bytes=float(nbytes),
+        )
         return end - start
+
+    def _swap_timings(self, **parts: float) -> dict[str, float]:
+        """An update's breakdown: ``parts`` and what the swap inside it recorded."""
+        reload = self.worker_reload
+        return {
+            **parts,
+            "reload_s": reload.reload_s,
+            "prefetched": float(reload.staged),
+            "pause_s": self._pause_s,
+            "resume_s": self._resume_s,
+        }
 
     async def _load_adapter(
         self,
@@ -478,27 +474,6 @@ class VllmEngine:
                 raise WeightUpdateError("the engine is shut down")
             yield
 
-    async def _prefetch(self, folder: Path) -> None:
-        """Has every worker copy ``folder``'s weights onto its device while generation goes on,
-        and waits for them (bounded: past the bound, or for a worker that could not, the swap
-        reads the file)."""
-        if not self.prefetch_weights:
-            return
-        path = {"weights_path": str(folder)}
-        started = await self._llm.collective_rpc(vllm_worker.STAGE, kwargs=path)
-        if not all(s == "started" for s in started):
-            log.info("weights of %s not prefetched: %s", folder, started)
-            return
-        deadline = time.monotonic() + PREFETCH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            states = await self._llm.collective_rpc(vllm_worker.STAGED, kwargs=path)
-            if all(states):
-                if any(s != "ok" for s in states):
-                    log.warning("prefetching the weights of %s failed: %s", folder, states)
-                return
-            await asyncio.sleep(PREFETCH_POLL_S)
-        log.warning("prefetching the weights of %s took over %.0f s", folder, PREFETCH_TIMEOUT_S)
-
     async def _swap_to_end(self, version: int, folder: Path, mode: UpdateMode) -> None:
         """The swap is not interruptible: a cancelled caller waits for it to finish, so the
         workers never keep half-loaded weights and generation is always resumed; then the
@@ -510,20 +485,6 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await swap
             raise
-
-    def _adopt(
-        self, version: int, *, staged: Path | None = None, file_dir: Path | None = None
-    ) -> None:
-        """After a swap to ``version``: if it took, its weights (our ``staged`` copy, or the
-        learner's ``file_dir``) become the rollback source and the previous copy is deleted; if
-        not, our staged copy is."""
-        if self._version != version:
-            if staged is not None:
-                shutil.rmtree(staged, ignore_errors=True)
-            return
-        if self._good_weights is not None:
-            shutil.rmtree(self._good_weights, ignore_errors=True)
-        self._good_weights, self._good_file_dir = staged, file_dir
 
     async def _swap(self, version: int, staged: Path, mode: UpdateMode) -> None:
         keep = mode == "keep"
@@ -540,13 +501,11 @@ class VllmEngine:
             await self._llm.pause_generation(
                 mode="keep" if frozen else "abort", clear_cache=not keep
             )
+            self._pause_s = time.perf_counter() - t_pause
             try:
-                t_reload = time.perf_counter()
-                self._last_pause_s = t_reload - t_pause
-                await self._reload(staged)
-                self._last_reload_s = time.perf_counter() - t_reload
+                await self.worker_reload.reload(staged)
             except Exception as e:
-                await self._rollback()
+                await self.worker_reload.rollback()
                 raise WeightUpdateError(
                     f"reloading weights for version {version} failed: {e}"
                 ) from e
@@ -557,28 +516,8 @@ class VllmEngine:
         finally:
             t_resume = time.perf_counter()
             await self._llm.resume_generation()
-            self._last_resume_s = time.perf_counter() - t_resume
+            self._resume_s = time.perf_counter() - t_resume
             self._ready.set()
-
-    async def _reload(self, weights_dir: Path) -> None:
-        # reload_weights, plus the refresh of a tied output layer (rollout_service/engine/vllm_worker)
-        done = await self._llm.collective_rpc(
-            vllm_worker.RELOAD,
-            kwargs={"weights_path": str(weights_dir), "direct": self.direct_load},
-        )
-        self._last_reload_staged = all(d["staged"] for d in done)
-
-    async def _rollback(self) -> None:
-        """Puts the last good weights back after a failed reload (it may have loaded some)."""
-        file_dir = (
-            self._good_file_dir if self._good_file_dir and self._good_file_dir.exists() else None
-        )
-        good = self._good_weights or file_dir or Path(self._settings.model)
-        try:
-            await self._reload(good)
-        except Exception:
-            log.exception("rollback to %s failed: the engine's weights are undefined", good)
-            raise
 
     # -- one vLLM submission -------------------------------------------------------------------
 

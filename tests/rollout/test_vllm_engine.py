@@ -538,7 +538,7 @@ async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatc
     engine = rig.engine
     version = engine.policy_version
     before = await greedy(engine, PROMPT, 16, "rollback-before")
-    real_reload = engine._reload
+    real_reload = engine.worker_reload.reload
     calls = []
 
     async def failing_once(weights_dir: Path) -> None:
@@ -547,7 +547,7 @@ async def test_failed_reload_rolls_back(rig: Rig, monkeypatch: pytest.MonkeyPatc
         if len(calls) == 1:
             raise RuntimeError("injected failure after loading")
 
-    monkeypatch.setattr(engine, "_reload", failing_once)
+    monkeypatch.setattr(engine.worker_reload, "reload", failing_once)
     with pytest.raises(WeightUpdateError, match="injected failure"):
         await engine.load_weights(
             version + 1, list(perturbed(rig.current, 5).items()), mode="abort"
