@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import rollout as rollout_bench  # noqa: E402  (after the checkout is on the path)
 from bench._common import Progress  # noqa: E402
-from rollout_service.engine.vllm_engine import Continuations  # noqa: E402
+from rollout_service.engine.kv_reuse import Reuse  # noqa: E402
 
 progress = Progress("update_pause")
 KINDS = {
@@ -99,7 +99,7 @@ async def one_round(
 ) -> tuple[float, list[dict[str, float]]]:
     reload = engine.worker_reload
     reload.prefetch_weights, reload.direct, mode = KINDS[kind]
-    engine.continuations = Continuations()
+    engine.continuations = Reuse()
     batch = rollout_bench.prompts(args.requests, args.prompt_len)
     pauses: list[dict[str, float]] = []
     updater = (

@@ -49,6 +49,9 @@ class SamplingSettings:
     stop: tuple[
         str, ...
     ] = ()  # stop strings (the code agent's closing tag); the ids that spell one stay in the output
+    # The episode a request is a turn of: under "keep" updates its turns go on reusing the KV the
+    # earlier ones computed (`VllmEngine`); "": a request on its own.
+    kv_scope: str = ""
 
 
 @dataclass

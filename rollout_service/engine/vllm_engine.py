@@ -13,6 +13,10 @@ Design:
   without recomputing their KV: a request keeps the prefix-cache salt of its first submission, the
   cache is not cleared, so its continuation finds every full block of prompt + tokens so far still
   cached (what ``keep`` means: old KV, new weights from here on), and the labels stay exact.
+  The same holds across an episode's turns (``SamplingSettings.kv_scope``): a later turn takes
+  the salt its episode's first turn had, so after a ``keep`` update it recomputes only what is new
+  since its last turn, not its whole context. Its KV is never older than its oldest token, which
+  ``max_staleness`` bounds. An ``abort`` update forgets every episode's salt.
 - weight update (``load_weights``): validate names/shapes/dtypes against the checkpoint first
   (nothing touched on error), write one safetensors file to a temp dir on /dev/shm (RAM), pause
   the scheduler (``keep``: requests stay frozen with their KV; ``abort``: vLLM aborts them),
@@ -64,6 +68,7 @@ from rollout_service.engine.base import (
     UpdateMode,
     WeightUpdateError,
 )
+from rollout_service.engine.kv_reuse import Reuse, Salts, salt
 from rollout_service.engine.vllm_adapters import AdapterSlots
 from rollout_service.engine.vllm_compat import resolve_dtype, set_platform_env, vllm_info
 from rollout_service.engine.vllm_reload import WorkerReload
@@ -180,7 +185,9 @@ class VllmEngine:
             llm, Path(settings.model), prefetch=settings.prefetch_weights
         )
         self._pause_s = self._resume_s = 0.0  # pause_generation and resume of the last swap
-        self.continuations = Continuations()
+        self.continuations = Reuse()  # requests continued after a swap (kv_reuse)
+        self.later_turns = Reuse()  # episodes' turns on KV from before a swap
+        self._salts = Salts()
         self._adapters = AdapterSlots(llm, settings.lora_alpha, settings.model)
         self._closed = False
 
@@ -281,7 +288,7 @@ class VllmEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         start = time.perf_counter()
-        req = _Request(request_id)
+        req = _Request(request_id, salt=self._salts.of(sampling.kv_scope))
         self._requests[request_id] = req
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -414,14 +421,8 @@ class VllmEngine:
 
     def _swap_timings(self, **parts: float) -> dict[str, float]:
         """An update's breakdown: ``parts`` and what the swap inside it recorded."""
-        reload = self.worker_reload
-        return {
-            **parts,
-            "reload_s": reload.reload_s,
-            "prefetched": float(reload.staged),
-            "pause_s": self._pause_s,
-            "resume_s": self._resume_s,
-        }
+        swap = {"pause_s": self._pause_s, "resume_s": self._resume_s}
+        return {**parts, **self.worker_reload.timings(), **swap}
 
     async def _load_adapter(
         self,
@@ -497,6 +498,8 @@ class VllmEngine:
                     req.preempted = True
                     if not keep:  # its continuation recomputes its KV with the new weights
                         req.salt = ""
+            if not keep:
+                self._salts.forget()
             t_pause = time.perf_counter()
             await self._llm.pause_generation(
                 mode="keep" if frozen else "abort", clear_cache=not keep
@@ -532,9 +535,10 @@ class VllmEngine:
         params = _sampling_params(sampling, max_tokens)
         final = None
         continued, req.submissions = req.submissions > 0, req.submissions + 1
-        # cache_salt: blocks cached under older weights are reused only by the request whose KV
-        # they are, continued after a "keep" update (_swap); never by a new one.
-        req.salt = req.salt or f"policy-v{version}"
+        # cache_salt: blocks of older weights are reused only by their own request or episode
+        later_turn = not continued and req.salt not in ("", salt(version))
+        req.salt = req.salt or salt(version)
+        self._salts.used(sampling.kv_scope, req.salt)
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt, cache_salt=req.salt),
             params,
@@ -545,25 +549,11 @@ class VllmEngine:
             final = out
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
-        if continued:
-            self.continuations.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
+        if continued or later_turn:
+            stats = self.continuations if continued else self.later_turns
+            stats.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
         # vLLM's version spans label the engine's weights; an adapter's tokens are its version's.
         return _piece(final.outputs[0], version, spans=lora is None and self._version_labels)
-
-
-@dataclass
-class Continuations:
-    """Submissions that continued a request after a weight update: how much of what they sent
-    back (prompt and tokens so far) vLLM found cached instead of recomputing."""
-
-    submissions: int = 0
-    tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, tokens: int, cached: int) -> None:
-        self.submissions += 1
-        self.tokens += tokens
-        self.cached_tokens += cached
 
 
 @dataclass

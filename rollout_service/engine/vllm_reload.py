@@ -64,6 +64,10 @@ class WorkerReload:
             await asyncio.sleep(POLL_S)
         log.warning("prefetching the weights of %s took over %.0f s", folder, TIMEOUT_S)
 
+    def timings(self) -> dict[str, float]:
+        """The last reload's seconds, and 1.0 when every worker loaded a prefetched copy."""
+        return {"reload_s": self.reload_s, "prefetched": float(self.staged)}
+
     async def reload(self, folder: Path) -> None:
         """``reload_weights`` in every worker from ``folder`` (its prefetched copy where there is
         one), plus the refresh of a tied output layer (``vllm_worker``)."""

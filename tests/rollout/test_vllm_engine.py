@@ -33,8 +33,8 @@ from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.agents.statelm import StateLMAgent
 from rollout_service.agents.statelm_context import STUB
 from rollout_service.engine.base import Generation, SamplingSettings
+from rollout_service.engine.kv_reuse import Reuse
 from rollout_service.engine.vllm_engine import (
-    Continuations,
     VllmEngine,
     VllmEngineSettings,
     WeightUpdateError,
@@ -463,7 +463,7 @@ async def test_an_update_without_version_spans_continues_requests(
     continuation recomputes it all with the new weights. Either way the labels are exact."""
     engine = rig.engine
     monkeypatch.setattr(engine, "_version_labels", False)
-    monkeypatch.setattr(engine, "continuations", Continuations())
+    monkeypatch.setattr(engine, "continuations", Reuse())
     reference_old = await greedy(engine, PROMPT, LONG, f"ref-spanless-{mode}")
     try:
         tokens, versions, new = await straddle(rig, mode, perturbed(rig.base, seed=12))
@@ -477,6 +477,32 @@ async def test_an_update_without_version_spans_continues_requests(
         assert c.tokens - 128 <= c.cached_tokens < c.tokens, c  # a block is at most 128 tokens
     else:
         assert c.cached_tokens == 0, c
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_an_episodes_next_turn_reuses_its_kv_after_a_keep_update(
+    rig: Rig, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An episode's later turn takes its first turn's cache salt: after a "keep" update it finds
+    its context cached but for the last partial block; after an "abort" update the episode is
+    forgotten and the turn recomputes its context with the new weights."""
+    engine = rig.engine
+    monkeypatch.setattr(engine, "later_turns", Reuse())
+    scope = f"episode-{mode}"
+    turn = replace(GREEDY, max_tokens=200, ignore_eos=True, kv_scope=scope)
+    first = await engine.generate(f"{scope}-t0", PROMPT, turn)
+    await update(rig, perturbed(rig.base, seed=13), mode)
+    context = [*PROMPT, *first.token_ids, 7, 8, 9]  # the turn, then a tool's answer
+    second = await engine.generate(f"{scope}-t1", context, replace(turn, max_tokens=4))
+    assert second.versions == [engine.policy_version] * 4
+    reuse = engine.later_turns
+    if mode == "keep":
+        assert reuse.submissions == 1 and reuse.tokens == len(context)
+        assert len(context) - 128 <= reuse.cached_tokens < len(context), reuse
+    else:
+        assert reuse.submissions == 0
 
 
 @pytest.mark.anyio
