@@ -107,7 +107,7 @@ async def generate_turn(ep: Episode, deps: AgentDeps) -> Generation | None:
     if budget <= 0:
         ep.terminate("length")
         return None
-    sampling = replace(deps.sampling, max_tokens=budget, kv_scope=ep.episode_id)
+    sampling = replace(deps.sampling, max_tokens=budget, kv_scope=ep.kv_scope)
     gen = await deps.engine.generate(
         f"{ep.episode_id}-t{ep.turns}", ep.prompt_ids + ep.response_ids, sampling
     )

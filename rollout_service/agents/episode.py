@@ -14,6 +14,7 @@ final trajectory's ``actions``.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 # A tool result that ran code in the sandbox says so with this metric (tools.python_exec sets it,
 # and the tool server passes it on), whichever agent called it and wherever it ran.
 SANDBOX_METRIC = "sandbox_wall_s"
+
+
+_ATTEMPTS = itertools.count()
 
 
 class State(enum.Enum):
@@ -89,6 +93,9 @@ class Episode:
     tool_state: dict[str, Any] = field(default_factory=dict)  # per-episode state of stateful tools
     timings: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    # Names this attempt of the episode to the engine (whose later turns reuse its KV): unique in
+    # the process, since a group run again after a drop keeps its episode ids.
+    kv_scope: str = field(default_factory=lambda: f"kv{next(_ATTEMPTS)}")
 
     # -- state machine ------------------------------------------------------------------------------
     def goto(self, new: State) -> None:
