@@ -54,6 +54,8 @@ class Counters:
     batches_acked: int = 0
     sampled_tokens: int = 0
     prompts_skipped: int = 0
+    kv_reuse_sent: int = 0
+    kv_reuse_cached: int = 0
 
 
 # Counters.* fields that ``Episode.action_counts`` names (tool_calls/tool_errors come as arguments).
@@ -91,6 +93,8 @@ _HELP = {
     "episodes_in_flight": "Episodes running now",
     "requests_in_flight": "Generation requests (model turns) in the engine now",
     "prompts_skipped": "Prompts skipped by the prompt memory (uniform groups their last times)",
+    "kv_reuse_sent": "Tokens sent on KV from before a weight update (continued requests, later turns)",
+    "kv_reuse_cached": "Of kv_reuse_sent, the tokens vLLM found cached (not recomputed)",
     "sampled_tokens": "Tokens the engine sampled, counted as each request returns (dropped and aborted episodes included)",
     "spool_batches": "Batches in the on-disk spool (written, not yet acknowledged)",
     "unacked_batches": "Batches handed to the protocol and not yet acknowledged",
@@ -197,6 +201,11 @@ class RolloutStats:
                 else ""
             )
             + (f" | skipped {c.prompts_skipped} prompts" if c.prompts_skipped else "")
+            + (
+                _reuse(
+                    c.kv_reuse_sent - last.kv_reuse_sent, c.kv_reuse_cached - last.kv_reuse_cached
+                )
+            )
             + f" | in flight {g.episodes_in_flight}"
             + (f" | granted {g.granted_groups}" if g.granted_groups >= 0 else "")
             + f" | unacked {g.unacked_batches} (spool {g.spool_batches})"
@@ -226,6 +235,11 @@ class RolloutStats:
         thread.join(timeout=5)
 
 
+def _reuse(sent: int, cached: int) -> str:
+    """The stats line's part on KV reused across weight updates ("" when none was)."""
+    return f" | kv reused {cached / sent:.0%} of {sent} tokens" if sent else ""
+
+
 class CountingEngine:
     """The engine as the agents see it: every ``generate`` is counted in ``stats`` (in flight while
     it runs, its tokens once it returns). vLLM hands back a request's tokens only when it ends
@@ -248,7 +262,10 @@ class CountingEngine:
             gen = await self.engine.generate(request_id, prompt_ids, sampling)
         finally:
             g.requests_in_flight -= 1
-        self.stats.counters.sampled_tokens += len(gen.token_ids)
+        c = self.stats.counters
+        c.sampled_tokens += len(gen.token_ids)
+        c.kv_reuse_sent += gen.reuse_sent
+        c.kv_reuse_cached += gen.reuse_cached
         return gen
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -63,6 +63,10 @@ class Generation:
     stop_token_included: bool = True  # an EOS/stop token that ended the turn is in token_ids
     stop_string: str | None = None  # the stop string that ended generation, if one did
     timings: dict[str, float] = field(default_factory=dict)
+    # Of the tokens its submissions sent on KV from before a weight update (a continuation, or a
+    # later turn of an episode: `kv_reuse`), how many vLLM found cached.
+    reuse_sent: int = 0
+    reuse_cached: int = 0
 
 
 class SamplingEngine(Protocol):

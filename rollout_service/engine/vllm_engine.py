@@ -154,6 +154,7 @@ class _Request:
     lora_id: int = 0  # the adapter its current submission samples with (0: none)
     salt: str = ""  # prefix-cache salt its KV blocks are cached under ("": set at submission)
     submissions: int = 0  # to vLLM so far (more than one: continued after weight updates)
+    reuse: Reuse = dataclasses.field(default_factory=Reuse)  # its submissions on older KV
 
 
 class VllmEngine:
@@ -326,6 +327,8 @@ class VllmEngine:
             stop_token_included=finish == "stop",
             stop_string=stop_string,
             timings={"total_s": time.perf_counter() - start, "weight_update_wait_s": waited},
+            reuse_sent=req.reuse.tokens,
+            reuse_cached=req.reuse.cached_tokens,
         )
 
     async def abort(self, request_ids: Sequence[str]) -> None:
@@ -550,8 +553,8 @@ class VllmEngine:
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {req.vllm_id!r}")
         if continued or later_turn:
-            stats = self.continuations if continued else self.later_turns
-            stats.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
+            for stats in (self.continuations if continued else self.later_turns, req.reuse):
+                stats.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
         # vLLM's version spans label the engine's weights; an adapter's tokens are its version's.
         return _piece(final.outputs[0], version, spans=lora is None and self._version_labels)
 

@@ -7,7 +7,8 @@ import urllib.request
 import anyio
 import pytest
 
-from rollout_service.metrics import RolloutStats, run_stats_logger
+from rollout_service.engine.base import Generation, SamplingSettings
+from rollout_service.metrics import CountingEngine, RolloutStats, run_stats_logger
 
 
 class FakeClock:
@@ -109,3 +110,31 @@ def test_prometheus_endpoint_serves_the_values_from_its_own_registry() -> None:
         other.stop_metrics_server()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_kv_reused_across_updates_is_counted_and_shown_per_interval(
+    anyio_backend: str,
+) -> None:
+    """What an engine's generations say they sent on older KV, and found cached, is summed by the
+    counting engine and shown as a share of the interval's tokens; no part without any."""
+
+    class Engine:
+        policy_version = 3
+
+        async def generate(self, request_id: str, prompt_ids: list[int], s: object) -> Generation:
+            return Generation(
+                [1, 2], [-0.1, -0.2], [3, 3], "stop", reuse_sent=400, reuse_cached=384
+            )
+
+    clock = FakeClock()
+    stats = RolloutStats(clock=clock)
+    assert "kv reused" not in stats.stats_line()
+    engine = CountingEngine(Engine(), stats)  # type: ignore[arg-type]
+    for i in range(2):
+        await engine.generate(f"r{i}", [5], SamplingSettings(max_tokens=2))
+    clock.now += 1.0
+    assert "kv reused 96% of 800 tokens" in stats.stats_line()
+    assert (stats.counters.kv_reuse_sent, stats.counters.kv_reuse_cached) == (800, 768)
+    assert "kv reused" not in stats.stats_line()  # nothing new in this interval

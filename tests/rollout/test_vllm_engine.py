@@ -503,6 +503,8 @@ async def test_an_episodes_next_turn_reuses_its_kv_after_a_keep_update(
         assert len(context) - 128 <= reuse.cached_tokens < len(context), reuse
     else:
         assert reuse.submissions == 0
+    # what the rollout server counts (rollout_kv_reuse_*): the turn's own share
+    assert (second.reuse_sent, second.reuse_cached) == (reuse.tokens, reuse.cached_tokens)
 
 
 @pytest.mark.anyio
