@@ -106,9 +106,13 @@ def model_manifest(model_dir: str | Path) -> ModelManifest:
     return ModelManifest(tensors, optional, name=f"model {display_name(root)!r}")
 
 
-def load_file(path: Path) -> list[NamedBuffer]:
+def load_file(path: Path, *, writable: bool = False) -> list[NamedBuffer]:
+    """The file's tensors as views of one mapping of it; ``writable``: a private (copy-on-write)
+    mapping, for readers such as ``torch.frombuffer`` that want writable memory (nothing is
+    copied unless written, and nothing written reaches the file)."""
+    access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(f.fileno(), 0, access=access)
     (n,) = struct.unpack("<Q", mm[:8])
     header = json.loads(mm[8 : 8 + n])
     data = memoryview(mm)[8 + n :]
@@ -139,8 +143,8 @@ def save_file(path: str | Path, tensors: list[NamedBuffer]) -> int:
     return len(head) + sum(memoryview(t.data).nbytes for t in tensors)
 
 
-def load_dir(directory: str | Path) -> list[NamedBuffer]:
+def load_dir(directory: str | Path, *, writable: bool = False) -> list[NamedBuffer]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files there")
-    return [t for path in files for t in load_file(path)]
+    return [t for path in files for t in load_file(path, writable=writable)]

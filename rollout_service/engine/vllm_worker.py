@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.safetensors_buffers import load_dir
@@ -91,13 +91,13 @@ class Staging:
         try:
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for buf in load_dir(self.path):
+                for buf in load_dir(self.path, writable=True):
                     self.tensors.append(
                         (buf.name, _on_device(buf.data, buf.dtype, buf.shape, device))
                     )
             if stream is not None:
                 stream.synchronize()  # the reload's copies run on the engine's own stream
-        except Exception as e:  # reported through ready(); the reload then reads the file
+        except Exception as e:  # reported by staged_weights_ready; the reload reads the file
             self.error = f"{type(e).__name__}: {e}"
             self.tensors = []
         finally:
@@ -113,9 +113,7 @@ def _on_device(
     kind = getattr(torch, dtype)
     if data.nbytes == 0:
         return torch.empty(shape, dtype=kind, device=device)
-    with warnings.catch_warnings():  # the mapping is read-only; nothing writes through the view
-        warnings.simplefilter("ignore", UserWarning)
-        view = torch.frombuffer(data, dtype=kind).view(shape)
+    view = torch.frombuffer(data, dtype=kind).view(shape)  # a private mapping: writable
     return view.to(device, copy=True)  # torch lets the GIL go while it copies
 
 
@@ -127,7 +125,7 @@ def _plain_cuda(worker: Any, staging: Staging) -> bool:
 
 
 def staged_bytes(path: str) -> int:
-    return sum(buf.data.nbytes for buf in load_dir(path))
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
 class ReloadExtension:
