@@ -117,11 +117,11 @@ def _on_device(
     return view.to(device, copy=True)  # torch lets the GIL go while it copies
 
 
-def _plain_cuda(worker: Any, staging: Staging) -> bool:
-    """Whether the staged weights are on CUDA for a model without quantization."""
+def _plain_cuda(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether staged ``tensors`` are on CUDA for a model without quantization."""
     config = getattr(worker.model_runner, "model_config", None)
     quantized = getattr(config, "quantization", None) is not None
-    return bool(staging.tensors) and staging.tensors[0][1].is_cuda and not quantized
+    return bool(tensors) and tensors[0][1].is_cuda and not quantized
 
 
 def staged_bytes(path: str) -> int:
@@ -176,14 +176,15 @@ class ReloadExtension:
             and not staging.error
         )
         model = worker.model_runner.get_model()
-        if staging is not None and staged and direct and _plain_cuda(worker, staging):
-            model.load_weights(iter(staging.tensors))
-            torch.cuda.current_stream().synchronize()
-        elif staging is not None and staged:
-            worker.reload_weights(weights_iterator=iter(staging.tensors))
-            if staging.tensors and staging.tensors[0][1].is_cuda:
+        if staging is None or not staged:
+            worker.reload_weights(weights_path=weights_path)
+        else:
+            tensors = staging.tensors
+            if direct and _plain_cuda(worker, tensors):
+                model.load_weights(iter(tensors))
+            else:
+                worker.reload_weights(weights_iterator=iter(tensors))
+            if tensors and tensors[0][1].is_cuda:
                 # the staged blocks go back to the side stream's pool: the copies finish first
                 torch.cuda.current_stream().synchronize()
-        else:
-            worker.reload_weights(weights_path=weights_path)
         return {"staged": staged, "heads": refresh_tied_heads(model)}
