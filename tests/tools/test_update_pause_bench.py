@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import update_pause  # noqa: E402
+import update_pause
 
 
 def test_an_update_costs_the_rounds_time_beyond_the_bound_over_its_updates() -> None:
