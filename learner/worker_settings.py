@@ -1,5 +1,5 @@
 """What a training worker is told at construction: the model, the optimizer, the loss and the
-scheduler settings, as the trainer derives them from the config (`learner.trainer.worker_settings`).
+scheduler settings, as the trainer derives them from the config (`learner.run_settings.worker_settings`).
 
 Design: a frozen dataclass of plain values that imports neither torch nor verl, so that the
 trainer, the loss (`learner.update`) and the benches can name it without loading the worker.

@@ -290,7 +290,7 @@ def test_lora_keys_as_verl_names_them(config_file: Path) -> None:
     """verl's LoRA keys with verl 0.9.1's defaults (off, alpha 16, all linears); a list or a regular
     expression of modules is taken, and what peft would refuse or match nothing with is refused
     here, naming the override and the key."""
-    from learner.trainer import lora_settings
+    from learner.run_settings import lora_settings
     from learner.worker_settings import LoraSettings
 
     model = load_config(config_file, []).actor_rollout_ref.model

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from common.config.errors import ConfigError
-from learner.trainer import check_lora_resume, lora_record
+from learner.run_settings import check_lora_resume, lora_record
 from learner.worker_settings import LoraSettings
 
 PATH = Path("/runs/r/checkpoints/global_step_3")

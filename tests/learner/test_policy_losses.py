@@ -253,7 +253,7 @@ def test_modes_missing_their_inputs_are_refused() -> None:
 def test_loaded_keys_reach_the_workers(tmp_path: Path) -> None:
     """verl-style overrides -> the typed config -> the workers' settings -> verl's ActorConfig."""
     from common.config import load_config
-    from learner.trainer import worker_settings
+    from learner.run_settings import worker_settings
 
     (tmp_path / "model").mkdir()
     path = tmp_path / "run.yaml"
