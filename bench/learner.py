@@ -33,6 +33,9 @@ verified), on the machine-wide monotonic clock; also until the learner has every
 The bound, in the learner process of the same run: the same bytes copied N times with numpy into
 preallocated buffers, one per receiver. Ratio = bound time / publish time.
 
+What runs inside the actors (the bound, the update call, the profile) is in
+``bench/_learner_actor.py``; phase 2 in ``bench/_learner_publish.py``.
+
 Progress lines go to stderr; the last line of stdout is one JSON object with all figures.
 Run: ``.venv/bin/python bench/learner.py`` (``--help`` for the knobs).
 """
@@ -41,18 +44,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.safetensors_buffers import load_dir
+from bench._common import Progress
+from bench._learner_actor import (
+    ablation,
+    bare_setup,
+    bare_update,
+    cpu_seconds,
+    profile_update,
+    ray_all,
+    torch_profile,
+    update_step,
+)
+from bench._learner_publish import publish_phase
 from learner.samples import (
     Batching,
     OldFromForward,
@@ -60,37 +72,10 @@ from learner.samples import (
     even_chunks,
     split_for_ranks,
 )
-from learner.worker_api import UpdateRequest
 from learner.worker_settings import WorkerSettings
-from protocol.driver import (
-    LearnerServer,
-    RolloutClient,
-)
-from protocol.events import (
-    PeerClosed,
-    PeerJoined,
-    PeerWeightsApplied,
-    WeightsReceived,
-)
-from protocol.messages import Identity
-from protocol.receiver import LearnerProtocol
-from protocol.sender import RolloutConnection
-from protocol.weights import NamedBuffer
-from protocol.zmq_transport import (
-    ZmqServerChannel,
-    client_factory,
-)
 from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
-
 # TinyModelSpec fields per --shape; vocab_size 512 is the tiny tokenizer's.
-def _full(t: Any) -> Any:
-    """A gradient norm as one tensor (FSDP2 returns a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
     "small": {
@@ -116,8 +101,7 @@ LONGTAIL_SIGMA = (
 )
 
 
-def progress(msg: str) -> None:
-    print(f"[bench/learner {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = Progress("bench/learner")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -280,298 +264,6 @@ def make_samples(args: argparse.Namespace, seed: int = 0) -> list[Any]:
     return out
 
 
-# The functions below run inside the TrainWorker actors (``actor.__ray_call__``; cloudpickle ships
-# them by value). ``worker`` is the TrainWorker instance: its process, threads and device.
-
-
-def bare_setup(worker: Any) -> dict[str, Any]:
-    """Load the plain HF model and its AdamW next to the worker's FSDP model."""
-    import torch
-
-    # lazy: learner.model imports torch, verl
-    from learner.model import load_causal_lm
-
-    s = worker.s
-    # The learner's loader: the same checkpoint, dtype and attention function (plain SDPA on padded
-    # micro-batches, one SDPA call per sequence on packed ones), no FSDP.
-    lm = load_causal_lm(
-        s.model_path, trust_remote_code=False, gradient_checkpointing=s.gradient_checkpointing
-    )
-    lm = lm.to(worker.device).train()
-    opt = torch.optim.AdamW(lm.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    worker.bench_bare = (lm, opt)
-    return {"threads": torch.get_num_threads(), "device": str(worker.device)}
-
-
-def bare_micro_loss(lm: Any, b: Any, num_tokens: int, bf16: bool) -> Any:
-    """Token-mean cross-entropy of the response tokens (bf16 autocast on CUDA, as FSDP's policy);
-    ``b`` is a ``learner.model.MicroBatch``, packed or padded."""
-    import torch
-
-    # lazy: learner.model imports torch, verl
-    from learner.model import hidden_states
-
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        hidden = hidden_states(lm.get_decoder(), b.input_ids, b.attention_mask, b.packing)
-        logits = lm.get_output_embeddings()(hidden[b.hidden_idx]).float()
-    ce = torch.nn.functional.cross_entropy(logits, b.labels, reduction="none")
-    return (ce * b.response_mask[b.response_valid]).sum() / max(num_tokens, 1)
-
-
-def bare_update(worker: Any, plans: list[Any], epochs: int, packed: bool | None = None) -> float:
-    """The bound: the same micro-batches, forward + backward + AdamW, nothing else, laid out as the
-    plans say (``packed`` None) or as ``packed`` says (``--bound padded``). Returns the seconds
-    spent inside the actor."""
-    import torch
-
-    # lazy: learner.model imports torch, verl
-    from learner.model import collate
-
-    lm, opt = worker.bench_bare
-    bf16 = worker.device.type == "cuda"
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        for plan in plans:
-            opt.zero_grad(set_to_none=True)
-            for micro in plan.micro_batches:
-                b = collate(micro, worker.device, packed=plan.packed if packed is None else packed)
-                bare_micro_loss(lm, b, plan.num_tokens, bf16).backward()
-            opt.step()
-    opt.zero_grad(set_to_none=True)
-    if bf16:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def profile_update(worker: Any, plans: list[Any], epochs: int) -> dict[str, dict[str, float]]:
-    """Seconds per phase of one update: a copy of TrainWorker._update's loop (actor role), the
-    PolicyHead's forward split with forward hooks on its decoder and LM head, and the same for the
-    bound. Wall-clock laps, with a device sync at each boundary on CUDA."""
-    import math
-
-    import torch
-
-    # lazy: learner.model imports torch, verl; learner.update imports torch, verl
-    from learner.model import collate, set_micro_batch
-    from learner.update import actor_micro_loss
-
-    dev = worker.device
-
-    class Clock:
-        def __init__(self) -> None:
-            self.parts: dict[str, float] = {}
-            self.t = time.perf_counter()
-
-        def lap(self, name: str) -> None:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            self.parts[name] = self.parts.get(name, 0.0) + now - self.t
-            self.t = now
-
-    model, opt, s = worker.models["actor"], worker.optims["actor"], worker.s
-    clock = Clock()
-    decoder, head = model.lm.get_decoder(), model.lm.get_output_embeddings()
-    hooks = [
-        decoder.register_forward_pre_hook(
-            lambda m, a: clock.lap("fwd: to the decoder (FSDP root pre-forward)")
-        ),
-        decoder.register_forward_hook(
-            lambda m, a, o: clock.lap("fwd: decoder layers (incl. FSDP unshard)")
-        ),
-        head.register_forward_hook(lambda m, a, o: clock.lap("fwd: gather + LM head")),
-    ]
-    try:
-        model.train()
-        for _ in range(epochs):
-            for plan in plans:
-                opt.zero_grad(set_to_none=True)
-                clock.lap("zero_grad")
-                for i, micro in enumerate(plan.micro_batches):
-                    set_micro_batch(model, i, len(plan.micro_batches))
-                    b = collate(micro, dev, packed=plan.packed)
-                    clock.lap("collate")
-                    loss, _metrics = actor_micro_loss(model, b, plan, s, worker.world)
-                    clock.lap("fwd: logprobs + entropy + PPO loss + metrics")
-                    loss.backward()
-                    clock.lap("backward (incl. FSDP re-unshard, reduce-scatter)")
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-                norm = float(_full(norm))
-                clock.lap("clip_grad_norm")
-                if math.isfinite(norm):
-                    opt.step()
-                clock.lap("optimizer step")
-        worker.scheds["actor"].step()
-        opt.zero_grad(set_to_none=True)
-        clock.lap("zero_grad")
-    finally:
-        for h in hooks:
-            h.remove()
-    ours = clock.parts
-
-    bare_lm, bare_opt = worker.bench_bare
-    bf16 = dev.type == "cuda"
-    clock = Clock()
-    for _ in range(epochs):
-        for plan in plans:
-            bare_opt.zero_grad(set_to_none=True)
-            clock.lap("zero_grad")
-            for micro in plan.micro_batches:
-                b = collate(micro, dev, packed=plan.packed)
-                clock.lap("collate")
-                loss = bare_micro_loss(bare_lm, b, plan.num_tokens, bf16)
-                clock.lap("forward + loss")
-                loss.backward()
-                clock.lap("backward")
-            bare_opt.step()
-            clock.lap("optimizer step")
-    bare_opt.zero_grad(set_to_none=True)
-    clock.lap("zero_grad")
-    return {
-        "update": {k: round(v, 4) for k, v in ours.items()},
-        "bare": {k: round(v, 4) for k, v in clock.parts.items()},
-    }
-
-
-def ablation_setup(worker: Any) -> bool:
-    """A second FSDP2 copy of the policy, as ``learner.model.shard`` builds it but with the other
-    resharding choice (``keep_gathered``: parameters gathered from forward to backward and across
-    the micro-batches of a step, or resharded after each forward and backward)."""
-    import torch
-
-    # lazy: learner.model imports torch, verl
-    from learner.model import PolicyHead, load_causal_lm, shard
-
-    s = worker.s
-    lm = load_causal_lm(
-        s.model_path,
-        trust_remote_code=s.trust_remote_code,
-        gradient_checkpointing=s.gradient_checkpointing,
-    ).to(worker.device)
-    head = shard(
-        PolicyHead(lm, s.temperature),
-        lm,
-        device=worker.device,
-        param_offload=False,
-        bf16=worker.device.type == "cuda",
-        world_size=worker.world,
-        keep_gathered=not worker.models["actor"].keep_gathered,
-    )
-    opt = torch.optim.AdamW(head.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    worker.bench_other_reshard = (head, opt)
-    return bool(head.keep_gathered)
-
-
-ABLATION = {
-    "update": "TrainWorker.update (actor), as timed above",
-    "fsdp_ce": "the worker's FSDP PolicyHead, loss = the bound's cross-entropy (no entropy, PPO loss, "
-    "metric syncs or grad clipping)",
-    "other_reshard_update": "the update loop (PPO loss, entropy, metrics, clipping) on an FSDP copy "
-    "with the other resharding choice (learner.model.keep_unsharded)",
-    "other_reshard_ce": "that copy with the bound's cross-entropy",
-    "bare": "the bound",
-}
-
-
-def ablation_step(worker: Any, plans: list[Any], epochs: int, variant: str) -> tuple[float, float]:
-    """One update of ``variant`` (see ABLATION); returns (wall, process CPU) seconds in the actor."""
-    import math
-
-    import torch
-
-    # lazy: learner.model imports torch, verl; learner.update imports torch, verl
-    from learner.model import collate, policy_outputs, set_micro_batch
-    from learner.update import actor_micro_loss
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    if variant == "update":
-        update_step(worker, plans, epochs)
-    elif variant == "bare":
-        bare_update(worker, plans, epochs)
-    else:  # a copy of TrainWorker._update's loop (actor role)
-        fsdp, opt = (
-            worker.bench_other_reshard
-            if variant.startswith("other_reshard")
-            else (worker.models["actor"], worker.optims["actor"])
-        )
-        fsdp.train()
-        for _ in range(epochs):
-            for plan in plans:
-                opt.zero_grad(set_to_none=True)
-                for i, micro in enumerate(plan.micro_batches):
-                    set_micro_batch(fsdp, i, len(plan.micro_batches))
-                    b = collate(micro, worker.device, packed=plan.packed)
-                    if variant.endswith("_ce"):
-                        logp, _ = policy_outputs(fsdp, b)
-                        loss = -(logp * b.response_mask).sum() / max(plan.num_tokens, 1)
-                    else:
-                        loss, _ = actor_micro_loss(fsdp, b, plan, worker.s, worker.world)
-                    loss.backward()
-                if variant.endswith("_ce"):
-                    opt.step()
-                    continue
-                norm = torch.nn.utils.clip_grad_norm_(fsdp.parameters(), worker.s.grad_clip)
-                if math.isfinite(float(_full(norm))):
-                    opt.step()
-        opt.zero_grad(set_to_none=True)
-    if worker.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-async def ablation(group: Any, plan_refs: list[Any], epochs: int, rounds: int) -> dict[str, Any]:
-    """Median wall and CPU seconds (slowest rank) of each ABLATION variant, rounds alternating."""
-    await ray_all(group, ablation_setup)
-    names = list(ABLATION)
-    got: dict[str, list[tuple[float, float]]] = {v: [] for v in names}
-    for r in range(rounds + 1):  # round 0 warms up the new copy
-        for v in names if r % 2 else names[::-1]:
-            res = await ray_all(group, ablation_step, [(ref, epochs, v) for ref in plan_refs])
-            if r:
-                got[v].append((max(w for w, _ in res), max(c for _, c in res)))
-    out = {}
-    for v in names:
-        wall, cpu = statistics.median(w for w, _ in got[v]), statistics.median(c for _, c in got[v])
-        out[v] = {
-            "wall_s": round(wall, 3),
-            "cpu_s": round(cpu, 3),
-            "vs_bare": round(
-                statistics.median(b[0] / x[0] for x, b in zip(got[v], got["bare"], strict=True)), 3
-            ),
-        }
-        progress(
-            f"ablation {v:18s} {wall:7.3f} s wall, {cpu:7.3f} s CPU, bare/this {out[v]['vs_bare']:.3f}: "
-            f"{ABLATION[v]}"
-        )
-    return out
-
-
-def cpu_seconds(worker: Any) -> float:
-    """This rank's process CPU seconds, after the device has finished the work queued so far (an
-    update may return with its last optimizer step still running on a GPU)."""
-    if worker.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-    return time.process_time()
-
-
-def torch_profile(worker: Any, plans: list[Any], epochs: int, bare: bool) -> str:
-    """torch.profiler table (top ops by self time) of one update, or of one bare step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = worker.device.type == "cuda"
-    with profile(
-        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    ) as prof:
-        if bare:
-            bare_update(worker, plans, epochs)
-        else:
-            update_step(worker, plans, epochs)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60)
-
-
 async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     import ray
 
@@ -701,8 +393,12 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         if args.old_logprobs != "none" or args.ref:
             result |= prepare_figures(args, prepare_s[1:], [w for w, _ in upd])
         if args.profile:
-            result["ablation"] = await ablation(group, plan_refs, args.epochs, args.repeat)
-            parts = await ray_all(group, profile_update, [(ref, args.epochs) for ref in plan_refs])
+            result["ablation"] = await ablation(
+                group, plan_refs, args.epochs, args.repeat, old_from_forward
+            )
+            parts = await ray_all(
+                group, profile_update, [(ref, args.epochs, old_from_forward) for ref in plan_refs]
+            )
             result["profile_s"] = parts[0]
             for side in ("update", "bare"):
                 total = sum(parts[0][side].values())
@@ -716,7 +412,9 @@ async def update_phase(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             for bare_side in (False, True):
                 table = (
                     await ray_all(
-                        group, torch_profile, [(ref, args.epochs, bare_side) for ref in plan_refs]
+                        group,
+                        torch_profile,
+                        [(ref, args.epochs, bare_side, old_from_forward) for ref in plan_refs],
                     )
                 )[0]
                 print(
@@ -763,264 +461,6 @@ def prepare_figures(
         # the trainer's timing/prepare_s over timing/update_s; median of per-round ratios
         "prepare_over_update": round(ratio, 4),
     }
-
-
-def update_step(worker: Any, plans: list[Any], epochs: int, old_from_forward: Any = None) -> Any:
-    """TrainWorker.update of the actor, inside the actor (``plans`` arrive resolved from their
-    object refs, which Ray does for top-level arguments only, not inside an UpdateRequest)."""
-
-    return worker.update(UpdateRequest("actor", plans, epochs, old_from_forward))
-
-
-async def ray_all(group: Any, fn: Any, args: list[tuple[Any, ...]] | None = None) -> list[Any]:
-    """Run ``fn(worker, *args[r])`` inside every rank's actor and wait for all of them."""
-    import asyncio
-
-    args = args or [()] * len(group.actors)
-    return list(
-        await asyncio.gather(
-            *(a.__ray_call__.remote(fn, *args[r]) for r, a in enumerate(group.actors))
-        )
-    )
-
-
-# -- phase 2: weight publish vs memcpy ------------------------------------------------------------
-
-
-def synthetic_tensor(i: int, n: int) -> Any:
-    import numpy as np
-
-    return np.random.default_rng(i).random(n, dtype=np.float32)
-
-
-def synthetic_sizes(mb: float) -> list[int]:
-    total, step = int(mb * 1e6) // 4, 4 << 20  # 16 MB tensors, like a model's large matrices
-    return [min(step, total - start) for start in range(0, total, step)]
-
-
-def publish_arrays(model: Path | None, mb: float) -> list[tuple[str, Any]]:
-    """The weights to publish as numpy arrays in memory (as the workers' ``full_weights`` hands
-    them over): the model's, or ``mb`` MB of deterministic synthetic float32."""
-    if mb > 0:
-        return [
-            (f"synthetic.{i:05d}", synthetic_tensor(i, n))
-            for i, n in enumerate(synthetic_sizes(mb))
-        ]
-    from safetensors.numpy import load_file
-
-    assert model is not None
-    return sorted(load_file(str(model / "model.safetensors")).items())
-
-
-def expected_bytes(model: Path | None, mb: float) -> Any:
-    """(name, bytes) of what ``publish_arrays`` holds, one tensor at a time (a receiver checks its
-    copy without holding a second one): the model file memory-mapped, or regenerated."""
-    if mb > 0:
-        for i, n in enumerate(synthetic_sizes(mb)):
-            yield f"synthetic.{i:05d}", memoryview(synthetic_tensor(i, n)).cast("B")
-        return
-
-    assert model is not None
-    for t in load_dir(model):
-        yield t.name, t.data
-
-
-def publish_learner(
-    model: Path | None, mb: float, n: int, rounds: int, chunk: int, pipe: Any
-) -> None:
-    import anyio
-    import numpy as np
-
-    arrays = publish_arrays(model, mb)
-    buffers = [NamedBuffer(k, str(a.dtype), a.shape, memoryview(a).cast("B")) for k, a in arrays]
-    nbytes = sum(a.nbytes for _, a in arrays)
-    # The bound's destination: one preallocated buffer per receiver, touched once so that page
-    # faults are not timed.
-    dests = [np.ones(nbytes, np.uint8) for _ in range(n)]
-
-    def memcpy() -> float:
-        t = time.perf_counter()
-        for d in dests:
-            off = 0
-            for _, a in arrays:
-                flat = a.reshape(-1).view(np.uint8)
-                np.copyto(d[off : off + flat.size], flat)
-                off += flat.size
-        return time.perf_counter() - t
-
-    async def main() -> None:
-        channel = ZmqServerChannel("tcp://127.0.0.1:0")
-        # Heartbeats must survive a peer busy verifying gigabytes on a crowded machine.
-        proto = LearnerProtocol(tokenizer=Identity("bench", "", 512), heartbeat_timeout_s=120.0)
-        server = LearnerServer(proto, channel)
-        pipe.send(channel.address)
-        joined, closed = anyio.Event(), anyio.Event()
-        done = {v: anyio.Event() for v in range(1, rounds + 1)}
-        applied = dict.fromkeys(done, 0)
-        starts: dict[int, float] = {}
-        calls: dict[int, float] = {}
-        acked: dict[int, float] = {}
-        bound: list[float] = []
-
-        async def watch() -> None:
-            peers = gone = 0
-            async for ev in server.events:
-                if isinstance(ev, PeerJoined):
-                    peers += 1
-                    if peers == n:
-                        joined.set()
-                elif isinstance(ev, PeerWeightsApplied):
-                    v = ev.applied.version
-                    if not ev.applied.ok:
-                        raise RuntimeError(f"{ev.peer_id} refused version {v}: {ev.applied.error}")
-                    applied[v] += 1
-                    if applied[v] == n:
-                        acked[v] = time.monotonic()
-                        done[v].set()
-                elif isinstance(ev, PeerClosed):
-                    gone += 1
-                    if gone == n:
-                        closed.set()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(server.run)
-                tg.start_soon(watch)
-                await joined.wait()  # readiness barrier: every receiver has its session
-                for v in range(1, rounds + 1):
-                    if v % 2:  # alternate which of the two goes first
-                        bound.append(memcpy())
-                    starts[v] = time.monotonic()
-                    server.publish_weights(v, buffers, chunk_bytes=chunk)
-                    calls[v] = (
-                        time.monotonic() - starts[v]
-                    )  # checksums + encoding, on the event loop
-                    await done[v].wait()
-                    if not v % 2:
-                        bound.append(memcpy())
-                await closed.wait()  # every receiver said BYE
-                server.close("bench done")
-                tg.cancel_scope.cancel()
-        finally:
-            await channel.aclose()
-        pipe.send(
-            {
-                "starts": starts,
-                "calls": calls,
-                "acked": acked,
-                "bound_s": bound,
-                "bytes": nbytes,
-                "tensors": len(buffers),
-            }
-        )
-
-    anyio.run(main)
-
-
-def publish_receiver(
-    model: Path | None, mb: float, address: str, idx: int, rounds: int, pipe: Any
-) -> None:
-    import anyio
-
-    async def main() -> None:
-        conn = RolloutConnection(
-            peer_id=f"bench-receiver-{idx}",
-            epoch=uuid.uuid4().hex,
-            model=Identity("bench", "0" * 64, 512),
-            tokenizer=Identity("bench", "", 512),
-            heartbeat_timeout_s=120.0,
-        )
-        client = RolloutClient(conn, client_factory(address))
-        received: dict[int, float] = {}
-        async with anyio.create_task_group() as tg:
-            await tg.start(client.run)
-            async for ev in client.events:
-                if not isinstance(ev, WeightsReceived):
-                    continue
-                w = ev.weights
-                received[w.version] = time.monotonic()  # assembled, every checksum verified
-                if w.version == 1:  # once, outside the clock: byte-compare with an independent copy
-                    got = {spec.name: buf for spec, buf in w.tensors}
-                    names = set()
-                    for name, want in expected_bytes(model, mb):
-                        assert got[name] == want, f"tensor {name} differs"
-                        names.add(name)
-                    assert names == set(got), sorted(names ^ set(got))
-                client.weights_applied(w.version, w.transfer_id, ok=True)
-                if len(received) == rounds:
-                    await client.close("bench done")
-        pipe.send(received)
-
-    anyio.run(main)
-
-
-def publish_round(model: Path | None, mb: float, n: int, rounds: int, chunk: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    lp, lc = ctx.Pipe()
-    learner = ctx.Process(
-        target=publish_learner, args=(model, mb, n, rounds, chunk, lc), daemon=True
-    )
-    learner.start()
-    procs, pipes = [], []
-    try:
-        address = lp.recv()
-        for i in range(n):
-            rp, rc = ctx.Pipe()
-            procs.append(
-                ctx.Process(
-                    target=publish_receiver, args=(model, mb, address, i, rounds, rc), daemon=True
-                )
-            )
-            procs[-1].start()
-            pipes.append(rp)
-        got = [p.recv() for p in pipes]
-        res = lp.recv()
-    finally:
-        for p in [*procs, learner]:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-    # Version 1 is the warm-up (connections, first-touch allocations, byte-compare).
-    versions = range(2, rounds + 1)
-    publish = [max(g[v] for g in got) - res["starts"][v] for v in versions]
-    acked = [res["acked"][v] - res["starts"][v] for v in versions]
-    bound = res["bound_s"][1:]
-    b = res["bytes"]
-    pub_s, bound_s = statistics.median(publish), statistics.median(bound)
-    return {
-        "bytes": b,
-        "tensors": res["tensors"],
-        "publish_s": round(pub_s, 6),
-        "publish_gb_s": round(
-            b / pub_s / 1e9, 3
-        ),  # bytes of one copy / time to reach every receiver
-        "acked_s": round(
-            statistics.median(acked), 6
-        ),  # until the learner has every WEIGHTS_APPLIED
-        "publish_call_s": round(
-            statistics.median(res["calls"][v] for v in versions), 6
-        ),  # plan + checksums
-        "delivered_gb_s": round(n * b / pub_s / 1e9, 3),  # all N copies
-        "bound_s": round(bound_s, 6),
-        "bound_gb_s": round(n * b / bound_s / 1e9, 3),  # memcpy bandwidth (all N copies)
-        "ratio": round(statistics.median(bb / p for bb, p in zip(bound, publish, strict=True)), 4),
-        "publish_s_rounds": [round(x, 6) for x in publish],
-        "bound_s_rounds": [round(x, 6) for x in bound],
-    }
-
-
-def publish_phase(args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    chunk = int(args.chunk_mb * (1 << 20))
-    for n in [int(x) for x in args.receivers.split(",") if x.strip()]:
-        r = publish_round(model, args.publish_mb, n, args.publish_repeat + 1, chunk)
-        out[str(n)] = r
-        progress(
-            f"publish to {n} receiver(s): {r['bytes'] / 1e6:,.1f} MB in {r['publish_s'] * 1e3:,.1f} ms "
-            f"({r['publish_gb_s']:.2f} GB/s per receiver), all acked {r['acked_s'] * 1e3:,.1f} ms; "
-            f"memcpy x{n} {r['bound_s'] * 1e3:,.1f} ms ({r['bound_gb_s']:.2f} GB/s); ratio {r['ratio']:.3f}"
-        )
-    return out
 
 
 # -- main ---------------------------------------------------------------------------------------------
