@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._common import Progress
 from common.ratelimit import (
     _POLL_MAX_S,
     _POLL_MIN_S,
@@ -49,8 +50,7 @@ KEY = "bench"
 LOOPS = ("bare", "blocking", "async")
 
 
-def progress(msg: str) -> None:
-    print(f"[bench/ratelimit {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = Progress("bench/ratelimit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

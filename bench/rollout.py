@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._common import Progress
 from common.safetensors_buffers import load_dir
 from rollout_service.engine.base import SamplingSettings
 from rollout_service.engine.vllm_engine import VllmEngine, VllmEngineSettings
@@ -64,12 +65,7 @@ PROMPT_ID_LIMIT = 500  # prompt ids stay below the tiny tokenizer's 512 (and any
 T0 = time.perf_counter()
 
 
-def progress(msg: str) -> None:
-    print(
-        f"[bench/rollout {time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:.0f}s] {msg}",
-        file=sys.stderr,
-        flush=True,
-    )
+progress = Progress("bench/rollout")
 
 
 def cuda_available() -> bool:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._common import Progress
 from bench.learner import SHAPES
 from learner.samples import (
     MiniBatchPlan,
@@ -48,9 +49,7 @@ from learner.samples import (
 from learner.worker_settings import WorkerSettings
 from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
-
-def progress(msg: str) -> None:
-    print(f"[bench/shared_prefix {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = Progress("bench/shared_prefix")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
