@@ -75,8 +75,8 @@ from learner.samples import (
 from learner.worker_settings import WorkerSettings
 from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
-# TinyModelSpec fields per --shape; vocab_size 512 is the tiny tokenizer's.
-SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
+# TinyModelSpec keyword arguments per --shape; vocab_size 512 is the tiny tokenizer's.
+SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},  # TinyModelSpec's defaults: hidden 128, 2 layers, ~0.4M parameters
     "small": {
         "hidden_size": 512,
@@ -85,6 +85,7 @@ SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
         "num_heads": 8,
         "num_kv_heads": 2,
     },
+    # Qwen2.5-0.5B's shape, as bench/rollout.py
     "0.5b": {
         "hidden_size": 896,
         "intermediate_size": 4864,
@@ -92,13 +93,12 @@ SHAPES: dict[str, dict[str, Any]] = {  # TinyModelSpec keyword arguments
         "num_heads": 14,
         "num_kv_heads": 2,
         "vocab_multiple": 151936,
-    },  # Qwen2.5-0.5B's shape, as bench/rollout.py
+    },
 }
 
 
-LONGTAIL_SIGMA = (
-    1.2  # lognormal sigma of --lengths longtail: p99 / median = exp(2.33 sigma) ~ 16 in theory
-)
+# lognormal sigma of --lengths longtail: p99 / median = exp(2.33 sigma) ~ 16 in theory
+LONGTAIL_SIGMA = 1.2
 
 
 progress = Progress("bench/learner")
