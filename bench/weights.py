@@ -137,9 +137,8 @@ def payload(mb: float) -> Any:
 
     n = int(mb * (1 << 20)) // 4
     rng = np.random.default_rng(0)
-    return [
-        (f"w.{i}", rng.standard_normal(n // 8, dtype=np.float32)) for i in range(8)
-    ]  # 8 tensors
+    # 8 tensors
+    return [(f"w.{i}", rng.standard_normal(n // 8, dtype=np.float32)) for i in range(8)]
 
 
 def role_learner(a: argparse.Namespace) -> None:

@@ -138,9 +138,8 @@ def launch_overrides(config: Config, run_dir: Path) -> LaunchOverrides:
     from urllib.parse import urlsplit
 
     launch = config.launch
-    escaped = (
-        str(run_dir).replace("{", "{{").replace("}", "}}")
-    )  # trainer.run_dir is a format string
+    # trainer.run_dir is a format string
+    escaped = str(run_dir).replace("{", "{{").replace("}", "}}")
     out = LaunchOverrides([f"trainer.run_dir={_yaml(escaped)}"])
     if "jsonl" not in config.trainer.logger:  # bin/train follows the run through metrics.jsonl
         out.overrides.append(f"trainer.logger={_yaml([*config.trainer.logger, 'jsonl'])}")

@@ -90,12 +90,10 @@ def feasible(untaken: Iterable[int], version: int, per_step: int) -> bool:
 class Admission:
     batch_groups: int  # B: groups per training step
     max_staleness: int  # k
-    _granted: dict[str, Counter[int]] = field(
-        default_factory=dict
-    )  # peer -> min_version -> groups generating
-    _slots: dict[str, int] = field(
-        default_factory=dict
-    )  # peer -> groups it generates at once (0: unstated)
+    # peer -> min_version -> groups generating
+    _granted: dict[str, Counter[int]] = field(default_factory=dict)
+    # peer -> groups it generates at once (0: unstated)
+    _slots: dict[str, int] = field(default_factory=dict)
     chunk: int = 1  # grants go to a server in runs of this many (mixed runs: B)
     _issued: dict[str, int] = field(default_factory=dict)  # peer -> grants made in its session
     pass_rate: float = 1.0  # dynamic sampling: share of received groups expected to be trained

@@ -49,9 +49,8 @@ def packed_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_bounds is None:
-        if (
-            attention_mask is not None and attention_mask.dim() == 2
-        ):  # [B, T] keys: causal & not padding
+        # [B, T] keys: causal & not padding
+        if attention_mask is not None and attention_mask.dim() == 2:
             t = query.shape[2]
             causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
             attention_mask = causal[None, None] & attention_mask[:, None, None, -t:].bool()

@@ -163,9 +163,8 @@ def mix_shortfall(groups: Iterable[Group], quotas: Mapping[str, int]) -> int:
 class Taken:
     groups: list[Group] = field(default_factory=list)  # fresh groups, now in flight
     dropped: list[Group] = field(default_factory=list)  # stale groups dropped by this call
-    done_records: list[int] = field(
-        default_factory=list
-    )  # records whose last group was dropped here
+    # records whose last group was dropped here
+    done_records: list[int] = field(default_factory=list)
 
 
 class GroupBuffer:
@@ -260,9 +259,8 @@ class GroupBuffer:
 
     def by_deadline(self) -> list[Group]:
         """The queued groups in the order ``take`` takes them."""
-        return sorted(
-            self._queue.values(), key=lambda g: g.deadline_key
-        )  # stable: arrival order among equals
+        # stable: arrival order among equals
+        return sorted(self._queue.values(), key=lambda g: g.deadline_key)
 
     def finish(self, keys: Iterable[GroupKey]) -> list[int]:
         """Taken groups were trained; returns the records that have no group left (free their room)."""

@@ -147,9 +147,8 @@ def load(
             optim_state_dict=state[f"{role}.optim"],
         )
     extras_file = directory / f"extras-rank{rank}.pt"
-    if (
-        not extras_file.exists()
-    ):  # resumed on more ranks than saved: rank 0's schedule is everyone's
+    # resumed on more ranks than saved: rank 0's schedule is everyone's
+    if not extras_file.exists():
         extras_file = directory / "extras-rank0.pt"
     extras = torch.load(extras_file, weights_only=True)
     for role, sd in extras["sched"].items():

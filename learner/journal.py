@@ -119,9 +119,8 @@ class Journal:
         self._fd: int | None = None
         self._failed: str | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stray in self.directory.glob(
-            f".*{SUFFIX}.tmp"
-        ):  # a segment whose creation was cut short
+        # a segment whose creation was cut short
+        for stray in self.directory.glob(f".*{SUFFIX}.tmp"):
             stray.unlink()
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             self._segments.append(self._scan(path))

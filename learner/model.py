@@ -86,9 +86,8 @@ class MicroBatch:
     model's outputs for the real response tokens in row-major order of ``response_valid``."""
 
     input_ids: torch.Tensor  # [B, T] padded, or [1, N] packed
-    hidden_idx: (
-        torch.Tensor
-    )  # [Nr]: row of the flattened hidden states that predicts each response token
+    # [Nr]: row of the flattened hidden states that predicts each response token
+    hidden_idx: torch.Tensor
     labels: torch.Tensor  # [Nr]: the response tokens
     response_valid: torch.Tensor  # [B, R] bool: position j < sample i's response length
     response_mask: torch.Tensor  # [B, R] float: 1 = trained on

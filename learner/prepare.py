@@ -137,9 +137,8 @@ def old_logprob_parts(config: Config, samples: int) -> list[list[int]]:
 def pad(rows: Sequence[np.ndarray], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     out = torch.zeros((len(rows), max(width, 1)), dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.from_numpy(np.array(r, copy=True)).to(
-            dtype
-        )  # wire arrays are read-only
+        # wire arrays are read-only
+        out[i, : len(r)] = torch.from_numpy(np.array(r, copy=True)).to(dtype)
     return out
 
 

@@ -44,9 +44,8 @@ class PrometheusSink:
     def __init__(self, ctx: SinkContext) -> None:
         learner: Mapping[str, Any] = ctx.config.get("learner", {}) if ctx.config else {}
         port = learner.get("metrics_port") or 0
-        host = str(
-            learner.get("metrics_host") or "127.0.0.1"
-        )  # loopback unless the config opens it
+        # loopback unless the config opens it
+        host = str(learner.get("metrics_host") or "127.0.0.1")
         self._latest = _Latest()
         self.registry = CollectorRegistry()
         self.registry.register(self._latest)  # type: ignore[arg-type]

@@ -75,9 +75,8 @@ def _append(path: Path, line: dict[str, Any], *, durable: bool = False) -> None:
     with open(path, "ab+") as f:
         if f.tell():
             f.seek(-1, os.SEEK_END)
-            if (
-                f.read(1) != b"\n"
-            ):  # a torn last line: keep it on its own line, where readers skip it
+            # a torn last line: keep it on its own line, where readers skip it
+            if f.read(1) != b"\n":
                 f.write(b"\n")
         f.write((json.dumps(line) + "\n").encode())
         if durable:

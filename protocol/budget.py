@@ -26,9 +26,8 @@ from typing import Any
 
 from protocol.errors import ErrorCode
 
-KEEP_HEADER_BYTES = (
-    64 << 10
-)  # a refused message's header is kept (to name its batch) up to this size
+# a refused message's header is kept (to name its batch) up to this size
+KEEP_HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)

@@ -179,9 +179,8 @@ def header_form(frames: list[Frame]) -> list[Frame]:
     return [frames[0], _pack(legacy), *frames[2 : 2 + len(COLUMNS)]]
 
 
-HEADER_ROOM_BYTES = (
-    16 << 20
-)  # room for a batch header (its per-trajectory scalars) of any valid batch
+# room for a batch header (its per-trajectory scalars) of any valid batch
+HEADER_ROOM_BYTES = 16 << 20
 # Bytes per token of a batch in the canonical dtypes (what ``encode`` writes): prompt tokens carry
 # fewer, so this bounds both.
 _TOKEN_BYTES = sum(np.dtype(dt).itemsize for _, _, dt, _ in COLUMNS)
@@ -341,9 +340,8 @@ def _over_budget(frames: Truncated) -> ProtocolError:
     code, naming what broke it and the limit, matched to its batch when the header was kept."""
     ref_type = ref_seq = 0
     try:
-        ref_type = int(
-            peek_type([*frames[:1], b""])
-        )  # the type frame alone (the header may be gone)
+        # the type frame alone (the header may be gone)
+        ref_type = int(peek_type([*frames[:1], b""]))
         if ref_type == MsgType.TRAJECTORY_BATCH and len(frames) >= 2:
             header = _unpack(frames[1])
             seq = header.get("seq") if isinstance(header, dict) else 0

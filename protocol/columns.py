@@ -284,9 +284,8 @@ def _ids_in_range(ids: np.ndarray, vocab_size: int) -> bool:
     """One pass: seen as unsigned, a negative id is huge, so ``max < vocab`` checks both bounds."""
     if not len(ids):
         return True
-    if not vocab_size or vocab_size > 1 << (
-        8 * ids.dtype.itemsize - 1
-    ):  # the trick needs vocab <= 2**31
+    # the trick needs vocab <= 2**31
+    if not vocab_size or vocab_size > 1 << (8 * ids.dtype.itemsize - 1):
         return bool(ids.min() >= 0 and (not vocab_size or ids.max() < vocab_size))
     return bool(ids.view(np.dtype(f"<u{ids.dtype.itemsize}")).max() < vocab_size)
 

@@ -101,9 +101,8 @@ class BatchReceived:
 
     peer_id: str
     seq: int
-    trajectories: Sequence[
-        Trajectory
-    ]  # column-wise ``protocol.batch.Trajectories`` unless deduplicated
+    # column-wise ``protocol.batch.Trajectories`` unless deduplicated
+    trajectories: Sequence[Trajectory]
     duplicate_trajectories: int
     epoch: str = ""  # the sender's epoch (HELLO.epoch): (peer_id, epoch, seq) names the batch
     persisted: Any = (

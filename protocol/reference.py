@@ -42,9 +42,8 @@ from protocol.weights import NamedBuffer
 from protocol.zmq_auth import CurveClientKeys, CurveServerKeys
 from protocol.zmq_transport import ZmqServerChannel, client_factory
 
-REFERENCE_TOKENIZER = Identity(
-    name="reference", sha256="", vocab_size=512
-)  # "" = accept any tokenizer
+# "" = accept any tokenizer
+REFERENCE_TOKENIZER = Identity(name="reference", sha256="", vocab_size=512)
 REFERENCE_MODEL = Identity(name="reference", sha256="0" * 64, vocab_size=512)
 
 

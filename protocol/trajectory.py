@@ -44,9 +44,8 @@ class Trajectory:
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     response_mask: np.ndarray  # 1: model token (trained on), 0: tool/env token
-    rollout_logprobs: (
-        np.ndarray
-    )  # logprob of each sampled token under the rollout policy; 0 where mask 0
+    # logprob of each sampled token under the rollout policy; 0 where mask 0
+    rollout_logprobs: np.ndarray
     versions: np.ndarray  # policy version that produced each response token
     reward: float = 0.0
     snapshot_index: int = 0

@@ -39,7 +39,6 @@ class ProtocolVersion(NamedTuple):
 
 
 PROTOCOL_VERSION = ProtocolVersion(1, 6)
-NUMBER_FRAMES = ProtocolVersion(
-    1, 5
-)  # the first version whose receivers decode batch number frames
+# the first version whose receivers decode batch number frames
+NUMBER_FRAMES = ProtocolVersion(1, 5)
 FRAME_PIECES = ProtocolVersion(1, 6)  # the first version whose senders split frames (SPEC §2)

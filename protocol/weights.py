@@ -138,9 +138,8 @@ class ModelManifest:
     safetensors headers; ``common.safetensors_buffers.model_manifest`` builds it)."""
 
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape); all required
-    optional: Mapping[str, tuple[str, tuple[int, ...]]] = field(
-        default_factory=dict
-    )  # tied lm_head
+    # tied lm_head
+    optional: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     name: str = "the model"  # for messages
     lora_max_rank: int = 0  # > 0: the receiver also takes adapter-only updates up to this rank
 

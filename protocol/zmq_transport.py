@@ -67,9 +67,8 @@ FRAME_SLACK_BYTES = 1 << 20  # MAXMSGSIZE = the largest valid frame + this
 # Where peers split frames at the bound: MAXMSGSIZE = the bound + this, for CURVE's MESSAGE envelope
 # (33 bytes: libzmq checks the size of the frame on the wire, encrypted).
 ENVELOPE_BYTES = 1 << 10
-CLIENT_MAX_FRAMES = (
-    1 << 16
-)  # frames of one message to a rollout server (a weights chunk: one per part)
+# frames of one message to a rollout server (a weights chunk: one per part)
+CLIENT_MAX_FRAMES = 1 << 16
 _DRAIN_YIELD_FRAMES = 4096  # while letting a long message go, give the event loop a turn this often
 HANDSHAKE_DEADLINE_MS = 5000  # a server drops a peer that has not finished ZMTP's handshake by then
 # Connections a server lets be in the handshake at once (SPEC §13): from one source address, and in
@@ -562,9 +561,8 @@ class ZmqServerChannel:
     async def recv(self) -> tuple[bytes, Frames]:
         self._start_watch()
         while True:
-            first = await self.sock.recv(
-                copy=False
-            )  # the routing id: the peer is known before its frames
+            # the routing id: the peer is known before its frames
+            first = await self.sock.recv(copy=False)
             identity = first.bytes
             reader = MessageReader(self.budget(identity))
             sizes: list[int] | None = [] if self.ledger is not None else None

@@ -26,9 +26,8 @@ async def serve(config: Config, run_dir: Path) -> int:
 
     log = get_logger("rollout_service")
     try:
-        server = RolloutServer(
-            config, run_dir
-        )  # names, data and state checked before the engine starts
+        # names, data and state checked before the engine starts
+        server = RolloutServer(config, run_dir)
     except (StartupError, ValueError) as e:
         log.error(f"cannot start: {e}")
         return 2

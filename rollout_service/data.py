@@ -53,9 +53,8 @@ __all__ = ["DataError", "LayoutOptions", "PromptItem", "PromptSource", "Source",
 
 STATE_FILE = "data_cursor.json"
 STATE_FORMAT = 1
-_GROUP_UID = re.compile(
-    r"^e(\d+)-([im])(\d+)$"
-)  # i: row index (plain), m: slot in the epoch (mixed)
+# i: row index (plain), m: slot in the epoch (mixed)
+_GROUP_UID = re.compile(r"^e(\d+)-([im])(\d+)$")
 _MIX_KEYS = ("ratios", "batch_size", "source_rows")  # in the cursor's fingerprint when mixing
 
 
@@ -167,9 +166,8 @@ def _read_jsonl(p: Path, max_row_bytes: int, limit: int | None) -> list[tuple[st
             content = raw.rstrip(b"\r\n")
             if len(content) > max_row_bytes:
                 size = len(content)
-                while not raw.endswith(b"\n") and (
-                    raw := f.readline(1 << 20)
-                ):  # measure, don't keep
+                # measure, don't keep
+                while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
                     size += len(raw.rstrip(b"\r\n"))
                 raise _too_big(where, size, max_row_bytes)
             try:

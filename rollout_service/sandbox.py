@@ -97,9 +97,8 @@ class SandboxResult:
     stderr: str
     exit_code: int | None  # negative: killed by that signal (subprocess convention)
     timed_out: bool
-    killed_reason: (
-        str | None
-    )  # timeout, output_limit, memory, cpu, file_size, signal:NAME, sandbox_error
+    # timeout, output_limit, memory, cpu, file_size, signal:NAME, sandbox_error
+    killed_reason: str | None
     wall_s: float
     network_isolated: bool
     uid: int | None = None  # the uid the code ran as, when it was dropped from root

@@ -203,14 +203,12 @@ def check_names(config: Config, agent_types: set[str]) -> None:
                 f"data.datasets.{i}.tools: the {agent} agent cannot run without "
                 f"{', '.join(map(repr, missing))} (got {d.tools})"
             )
-    if (
-        config.tools.remote.url is None
-    ):  # else the tool factory checks, knowing what the server serves
+    # else (tools.remote.url set) the tool factory checks, knowing what the server serves
+    if config.tools.remote.url is None:
         registry = tools_pkg.load_builtin_tools()
         keys = {"statelm": "agents.statelm.tools"}
-        for agent in sorted(
-            {a for a in agent_types if a in AGENTS} | {"tool_agent"}
-        ):  # multi_turn.tools always
+        # tool_agent always: multi_turn.tools are checked in any case
+        for agent in sorted({a for a in agent_types if a in AGENTS} | {"tool_agent"}):
             key = keys.get(agent, "actor_rollout_ref.rollout.multi_turn.tools")
             for name in agent_setup(config, agent).tools:
                 if name not in registry:
@@ -284,9 +282,8 @@ class RolloutServer:
             memory.last_k, memory.skip_epochs, config.algorithm.filter_groups.metric
         )
         self.validation = ValidationRunner.from_config(config, server_id=self.server_id)
-        self.validation.check_agents(
-            lambda a: a in AGENTS
-        )  # a bad validation set never stops training
+        # a bad validation set never stops training
+        self.validation.check_agents(lambda a: a in AGENTS)
         if self.validation.problem:
             self.log.warning(
                 "validation unavailable: requests will be answered with this error",

@@ -286,6 +286,7 @@ async def run(config: Config, run_dir: Path) -> int:
                 "it can run code in its sandbox; set tool_server.token",
                 host=settings.host,
             )
+        # timeout_graceful_shutdown is a backstop; see _abandon_after_grace
         server = uvicorn.Server(
             uvicorn.Config(
                 service.app,
@@ -294,7 +295,7 @@ async def run(config: Config, run_dir: Path) -> int:
                 lifespan="off",
                 timeout_graceful_shutdown=math.ceil(GRACEFUL_SHUTDOWN_S) + 5,
             )
-        )  # a backstop; see _abandon_after_grace
+        )
         with bind_socket(settings.host, settings.port) as sock:
             # The real port (port 0: the OS chose it) for bin/train, which waits for it.
             emit(Kind.LISTENING, "tool-server", url=server_url(sock), port=sock.getsockname()[1])

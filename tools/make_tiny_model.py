@@ -186,13 +186,14 @@ class TinyModelSpec:
 # pads the model's embedding rows (ids the tokenizer never produces are still valid model inputs).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},  # the defaults: hidden 128, 2 layers, ~0.4M parameters
+    # ~11.5M parameters
     "small": {
         "hidden_size": 512,
         "intermediate_size": 1408,
         "num_layers": 4,
         "num_heads": 8,
         "num_kv_heads": 2,
-    },  # ~11.5M parameters
+    },
     # Qwen2-0.5B / Qwen2.5-0.5B: 151936 embedding rows (tied), ~494M parameters, 0.99 GB in bf16.
     "qwen2-0.5b": {
         "hidden_size": 896,

@@ -195,9 +195,8 @@ def warmup(
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model_dir)))
     tok = renderer.tok
     rows = load_rows(data_file, examples + PROBE_ROWS)
-    n_probe = min(
-        PROBE_ROWS, len(rows) // 4
-    )  # a short file still keeps some rows out for the probe
+    # a short file still keeps some rows out for the probe
+    n_probe = min(PROBE_ROWS, len(rows) // 4)
     n_train = min(examples, len(rows) - n_probe)
     demos = _cut(
         demos_for(
@@ -349,9 +348,8 @@ def warmup(
         "drill_weight": drill_weight,
         "tools": list(tools),
         "guess_fraction": guess_fraction,
-        **(
-            {"max_tokens": max_tokens} if max_tokens is not None else {}
-        ),  # a default warm-up keeps its keys
+        # a default warm-up keeps its keys
+        **({"max_tokens": max_tokens} if max_tokens is not None else {}),
         **({"bucket": True} if bucket == "length" else {"bucket": bucket} if bucket else {}),
         **({"lr_decay": True} if lr_decay else {}),
         "first_loss": round(losses[0], 6),

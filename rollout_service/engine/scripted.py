@@ -82,9 +82,8 @@ class ScriptedEngine:
             self.calls.append((list(prompt_ids), sampling))
         if self.delay_s:
             await anyio.sleep(self.delay_s)
-        if (
-            self.per_request is not None
-        ):  # a script per episode: request ids are "<episode>-t<turn>"
+        # a script per episode: request ids are "<episode>-t<turn>"
+        if self.per_request is not None:
             episode, turn_no = request_id.rsplit("-t", 1)
             script = self.per_request(episode)
             turn = script[int(turn_no)] if int(turn_no) < len(script) else "(script ended)"

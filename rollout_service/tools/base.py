@@ -22,9 +22,8 @@ class ToolContext:
     episode_id: str
     row: dict[str, Any] = field(default_factory=dict)  # the data row of the episode
     workdir: Path | None = None  # scratch space of the episode, if the server provides one
-    state: dict[str, Any] = field(
-        default_factory=dict
-    )  # per-episode tool state (notes, documents, ...)
+    # per-episode tool state (notes, documents, ...)
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

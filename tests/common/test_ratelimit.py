@@ -78,9 +78,8 @@ def test_burst_at_once_then_rate(tmp_path: Path) -> None:
 
 
 def test_lone_caller_with_burst_one_gets_the_rate(tmp_path: Path) -> None:
-    bucket = Bucket(
-        per_minute=600, burst=1
-    )  # a token every 0.1 s, no room to absorb a late wake-up
+    # a token every 0.1 s, no room to absorb a late wake-up
+    bucket = Bucket(per_minute=600, burst=1)
     rl = limiter(tmp_path, api=bucket)
     times = [rl.acquire_blocking("api") for _ in range(6)]
     assert_obeys_bucket(times, bucket)

@@ -197,9 +197,8 @@ async def serve_learner(
             async for ev in server.events:
                 if isinstance(ev, BatchReceived) and consume:
                     server.batch_consumed()
-                elif (
-                    isinstance(ev, PeerJoined) and validate_on_join
-                ):  # like ReferenceLearner(validate_on_join)
+                # like ReferenceLearner(validate_on_join)
+                elif isinstance(ev, PeerJoined) and validate_on_join:
                     if VALIDATION_CAPABILITY in ev.hello.capabilities:
                         server.request_validation(
                             f"ref-{uuid.uuid4().hex[:8]}", proto.policy_version

@@ -224,9 +224,8 @@ def test_a_server_that_asks_for_weights_in_hello_gets_them() -> None:
         rep = run_against(server, "weights")
     assert failures(rep) == {}
     assert rep.results[0].notes == ["HELLO asked for weights (policy_version -1): sent version 0"]
-    assert (
-        server.conn.policy_version == 1
-    )  # version 0 from the handshake, then 1; the corrupt 2 refused
+    # version 0 from the handshake, then 1; the corrupt 2 refused
+    assert server.conn.policy_version == 1
 
 
 @pytest.mark.integration

@@ -61,9 +61,8 @@ def _serve(tmp: Path, model: Path, address: str, shm: Path) -> None:
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
     from server_testkit import serve_scripted
 
-    serve_scripted(
-        tmp, model, address, shm, **{"transport.auth": "auto"}
-    )  # the default: the token, as CURVE
+    # the default: the token, as CURVE
+    serve_scripted(tmp, model, address, shm, **{"transport.auth": "auto"})
 
 
 @dataclass

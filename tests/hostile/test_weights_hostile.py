@@ -216,9 +216,8 @@ def test_an_announce_unlike_the_model_is_refused_naming_the_tensor(
 ) -> None:
     ann, _ = plan_transfer(2, _tiny_tensors(tiny_model))
     first = ann.tensors[0]
-    bent = replace(
-        first, shape=[*first.shape[:-1], 1, first.shape[-1]]
-    )  # same bytes, another shape
+    # same bytes, another shape
+    bent = replace(first, shape=[*first.shape[:-1], 1, first.shape[-1]])
     renamed = replace(ann.tensors[1], name="model.layers.0.backdoor")
     lie = replace(ann, transfer_id="lie-shape", tensors=[bent, renamed, *ann.tensors[2:]])
     learner.send(lie)

@@ -254,9 +254,8 @@ def test_without_an_address_the_learner_joins_bin_trains_cluster(tmp_path: Path,
         out = j.output()
         assert code == 0, out[-5000:]
         assert j.steps() == [1] and "rollout server rs0 placed" in out
-        assert (
-            "local (" in out
-        )  # the cluster bin/train started (the learner failing to join it fails the run)
+        # the cluster bin/train started (the learner failing to join it fails the run)
+        assert "local (" in out
         j.assert_nothing_left()
     finally:
         j.kill()

@@ -41,9 +41,8 @@ def test_grants_fill_the_window_evenly_and_stop_at_the_end_of_the_run() -> None:
     assert sorted(a.grants(held=0, remaining=100, min_version=0)) == [("a", 4), ("b", 4)]
     assert a.grants(held=0, remaining=100, min_version=0) == []  # the window (8) is full
     assert a.received("a", 0) and a.generating == 7
-    assert (
-        a.grants(held=1, remaining=100, min_version=0) == []
-    )  # received, not yet trained: still held
+    # received, not yet trained: still held
+    assert a.grants(held=1, remaining=100, min_version=0) == []
     assert a.grants(held=0, remaining=100, min_version=1) == [("a", 1)]  # trained: one more, on v1
     assert a.left("b") == 4 and a.grants(held=0, remaining=100, min_version=1) == [("a", 4)]
     assert a.grants(held=0, remaining=3, min_version=1) == []  # the run needs no more
@@ -56,9 +55,8 @@ def test_a_server_is_never_granted_more_than_its_slots() -> None:
     a.joined("late", slots=8)
     assert a.grants(held=0, remaining=100, min_version=0) == [("late", 5)]
     a.received("early", 0)
-    assert (
-        a.grants(held=1, remaining=100, min_version=0) == []
-    )  # window full (1 held + 7 generating)
+    # window full (1 held + 7 generating)
+    assert a.grants(held=1, remaining=100, min_version=0) == []
     assert a.grants(held=0, remaining=100, min_version=1) == [("early", 1)]
 
 
@@ -70,9 +68,8 @@ def test_an_arrival_takes_the_latest_grant_it_can_have_used() -> None:
     a.received("s", 0)
     a.grants(held=0, remaining=100, min_version=3)  # 2 more, on v3
     assert sorted(a.deadlines()) == [2, 2, 2, 2, 5, 5]
-    a.received(
-        "s", 4
-    )  # a v4 group: it used a v3 grant, not a v0 one (the learner waits longer, never less)
+    # a v4 group: it used a v3 grant, not a v0 one (the learner waits longer, never less)
+    a.received("s", 4)
     assert sorted(a.deadlines()) == [2, 2, 2, 2, 5]
     assert not a.received("other", 0)  # a server without grants
 
@@ -159,9 +156,8 @@ def simulate(
                 s.grants[m] -= 1
                 if not s.grants[m]:
                     usable.pop(0)
-                length = min(
-                    400, max(1, int(rng.lognormvariate(2.0, 1.2)))
-                )  # heavy tail: p99/median ~ 16
+                # heavy tail: p99/median ~ 16
+                length = min(400, max(1, int(rng.lognormvariate(2.0, 1.2))))
                 s.running.append(Gen(f"g{uid}", length))
                 uid += 1
             for g in list(s.running):

@@ -38,9 +38,8 @@ def _batch(seed: int = 0) -> dict[str, Any]:
         mask[i, :length] = 1.0
         start = int(torch.randint(1, length - 2, (1,), generator=gen))
         mask[i, start : start + 2] = 0.0  # a tool response inside the trajectory
-        rewards[i, length - 1] = float(
-            torch.randint(0, 3, (1,), generator=gen)
-        )  # ties within groups
+        # ties within groups
+        rewards[i, length - 1] = float(torch.randint(0, 3, (1,), generator=gen))
     rewards += 0.1 * torch.randn(b, t, generator=gen) * mask
     return {
         "token_level_rewards": rewards,

@@ -35,9 +35,8 @@ def record(groups: dict[str, int], version: int = 3, tag: str = "") -> list[Traj
 
 
 def test_oldest_version_counts_trained_tokens_only() -> None:
-    assert (
-        oldest_version(traj("a", "g", [1, 5, 6], [0, 1, 1])) == 5
-    )  # a tool token's version is ignored
+    # a tool token's version is ignored
+    assert oldest_version(traj("a", "g", [1, 5, 6], [0, 1, 1])) == 5
     assert oldest_version(traj("b", "g", [4, 2, 7], [0, 0, 0])) == 2  # nothing trained: all tokens
     assert oldest_version(traj("c", "g", [], [])) is None
     bool_mask = traj("d", "g", [9, 2], [1, 0])
@@ -158,9 +157,8 @@ def test_random_workload_frees_every_record_exactly_once() -> None:
     while len(buf):
         out = buf.take(7, version, max_staleness=2)
         freed += out.done_records + buf.finish([g.key for g in out.groups])
-    assert sorted(freed) == list(
-        range(1, added + 1)
-    )  # each record's room freed once, none left over
+    # each record's room freed once, none left over
+    assert sorted(freed) == list(range(1, added + 1))
     assert buf.records == 0 and buf.dropped_stale > 0
 
 

@@ -456,9 +456,8 @@ async def test_resent_batches_and_trajectories_are_deduplicated(
             await until(lambda: s2.acked == {1, 2})
         st = link.stats
         assert st["duplicate_batches"] == 1 and st["duplicate_trajectories"] == 3 + 1
-        assert (
-            st["batches"] == 4 and st["journal_records"] == 4
-        )  # 3 + the one with a new trajectory
+        # 4: 3 + the one with a new trajectory
+        assert st["batches"] == 4 and st["journal_records"] == 4
         taken = await link.intake.next_batch(st["buffered_groups"], 0, 0)
         got = ids(taken.trajectories)
         assert sorted(got) == sorted(ids(b1) + ids(b2) + ids(make_batch("c")) + ["new-1"])
@@ -471,9 +470,8 @@ async def test_stale_groups_are_dropped_and_free_their_room(
     link = LearnerLink(make_config(tiny_model, buffer_batches=2, credits=2), tmp_path)
     async with serving(link) as address, sending(address, tiny_model, token=link.token) as s:
         link.weights.announce(5, tiny_weights())
-        await until(
-            lambda: link.weights.peer_versions == {"rs-0": 5}
-        )  # WEIGHTS_APPLIED(ok) recorded
+        # WEIGHTS_APPLIED(ok) recorded
+        await until(lambda: link.weights.peer_versions == {"rs-0": 5})
         await s.client.submit(make_batch("old", (1, 1), version=3))  # staleness 2
         await s.client.submit(
             make_batch("mixed", (1,), version=3) + make_batch("ok", (2,), version=4)
@@ -508,9 +506,8 @@ async def test_ack_leaves_only_after_the_batch_is_stored(tiny_model: Path, tmp_p
     sender: list[Sender] = []
 
     def slow_append(peer_id: str, epoch: str, seq: int, trajs: Any) -> tuple[int, int]:
-        time.sleep(
-            0.15
-        )  # a worker thread: the event loop runs on, an ACK already queued would arrive
+        # a worker thread: the event loop runs on, an ACK already queued would arrive
+        time.sleep(0.15)
         acked_before_stored.append(seq in sender[0].acked)
         return real(peer_id, epoch, seq, trajs)
 
@@ -544,12 +541,8 @@ async def test_a_failing_store_refuses_the_batch_and_its_resend_is_taken(
             await s.client.submit(make_batch(f"b{i}"))
         await until(lambda: s.acked == {1, 2, 3})
         assert [e.code for e in s.errors()] == [ErrorCode.INTERNAL]
-        assert sorted(calls) == [
-            1,
-            1,
-            2,
-            3,
-        ]  # 1 refused, then resent (after those in flight) and stored
+        # 1 refused, then resent (after those in flight) and stored
+        assert sorted(calls) == [1, 1, 2, 3]
         st = link.stats
         assert (st["persist_failures"], st["batches"], st["violations"], st["journal_records"]) == (
             1,
@@ -586,9 +579,8 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
             )
             a.intake.checkpoint_saved(state)
             after = await a.intake.next_batch(2, 2, 10)
-            a.intake.mark_trained(
-                after
-            )  # trained after the checkpoint: the restarted model never saw it
+            # trained after the checkpoint: the restarted model never saw it
+            a.intake.mark_trained(after)
             await a.intake.next_batch(1, 2, 10)  # taken, never trained
             for seq in (5, 6):
                 await s.client.submit(batches[seq])
@@ -618,9 +610,8 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
 
         # -- life B: same address, same journal, the checkpointed state.
         b = LearnerLink(config, tmp_path, state=state, journal_dir=journal)
-        assert (
-            b.weights.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
-        )  # batch 1 was fully trained
+        # 7 - 1 replayed: batch 1 was fully trained
+        assert b.weights.policy_version == 2 and b.stats["replayed_records"] == 7 - 1
         # the waste counts go on from life A's: everything generated, batch 7 (stored as A died)
         # counted once, nothing wasted
         waste = b.intake.waste_metrics()
@@ -628,9 +619,8 @@ async def test_restart_from_a_checkpoint_loses_nothing_and_trains_nothing_twice(
         assert waste["rollout/generated_tokens"] == generated_a + sampled_7
         assert waste["rollout/waste_frac"] == 0.0 and waste["rollout/wasted_tokens"] == 0
         async with serving(b):
-            await until(
-                lambda: 7 in s.acked, timeout=15
-            )  # the sender reconnected: 7 was already there
+            # the sender reconnected: 7 was already there
+            await until(lambda: 7 in s.acked, timeout=15)
             assert 7 in s.duplicates and b.stats["batches"] == 0
             await s.client.submit(make_batch("s8"))
             await until(lambda: 8 in s.acked)
@@ -681,9 +671,8 @@ async def test_resume_without_the_needed_records_fails_and_fresh_starts_over(
         await until(lambda: s.acked == {1})
     state = a.intake.state_dict()
     assert state["pending"] == [[1, "a-g0"], [1, "a-g1"]] and state["position"] == 1
-    replay = LearnerLink(
-        config, tmp_path
-    )  # no state: a learner that died before its first checkpoint
+    # no state: a learner that died before its first checkpoint
+    replay = LearnerLink(config, tmp_path)
     assert replay.stats["buffered_groups"] == 2
     replay.close()
     with pytest.raises(ValueError, match="lacks 1 records"):

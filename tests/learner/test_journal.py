@@ -89,9 +89,8 @@ def test_torn_last_record_is_ignored_and_cut_off(tmp_path: Path) -> None:
     j2 = Journal(tmp_path)
     assert j2.record_ids == [1, 2]
     assert seg.stat().st_size < full - 17  # the torn bytes are gone
-    assert (
-        j2.append("rs", "e", 3, batch("again"))[0] == 3
-    )  # never acknowledged: its id may be reused
+    # never acknowledged: its id may be reused
+    assert j2.append("rs", "e", 3, batch("again"))[0] == 3
     j2.close()
     assert Journal(tmp_path).record_ids == [1, 2, 3]
 

@@ -280,9 +280,8 @@ def test_check_launch_blames_the_override() -> None:
     assert issue.source == "command line override 'launch.learner_gpus=[0]'"
     args = [*BASE, "trainer.device=cuda", "launch.learner_gpus=[]"]
     with pytest.raises(ConfigError) as exc:
-        check_launch(
-            load_config(None, args, check_paths=False), "job.yaml", BASE
-        )  # as if set in the file
+        # overrides without launch.learner_gpus=[]: as if set in the file
+        check_launch(load_config(None, args, check_paths=False), "job.yaml", BASE)
     assert exc.value.issues[0].source == "job.yaml"
 
 

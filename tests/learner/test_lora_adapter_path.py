@@ -85,9 +85,8 @@ def test_an_adapter_lacking_tensors_is_refused(
 ) -> None:
     folder, _ = saved
     small = _adapted(tiny_model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj",)), 1)
-    lora.save_adapter(
-        folder, lora.adapter_state(small.state_dict()), LORA, str(tiny_model)
-    )  # only q_proj's tensors now
+    # only q_proj's tensors now
+    lora.save_adapter(folder, lora.adapter_state(small.state_dict()), LORA, str(tiny_model))
     lm = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     lora.add_adapters(lm, LORA)
     with pytest.raises(ValueError, match=r"lacks \d+ adapter tensors"):

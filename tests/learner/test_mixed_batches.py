@@ -221,9 +221,8 @@ async def test_a_missing_source_delays_a_step_at_most_mix_wait_s(
         taken = await link.intake.next_batch(10, policy_version=0, max_staleness=4)
         elapsed = time.monotonic() - t0
         link.intake.mark_trained(taken)
-        assert (
-            wait_s * 0.9 <= elapsed < wait_s + 2.0
-        )  # waited for code, and no longer than the bound
+        # waited for code, and no longer than the bound
+        assert wait_s * 0.9 <= elapsed < wait_s + 2.0
         assert taken.mix_shortfall == 3 and len(taken.group_uids) == 10
         assert taken.sources.count("math") >= 4 and taken.sources.count("qa") >= 3
         # code arrives late: the next step has it again, in the exact mix

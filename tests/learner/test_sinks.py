@@ -336,9 +336,8 @@ def test_prometheus_serves_the_latest_step(tmp_path: Path) -> None:
         SinkContext(tmp_path, total_steps=3, config={"learner": {"metrics_port": 0}})
     )
     try:
-        assert (
-            sink._server.server_address[0] == "127.0.0.1"
-        )  # loopback unless learner.metrics_host opens it
+        # loopback unless learner.metrics_host opens it
+        assert sink._server.server_address[0] == "127.0.0.1"
         sink.log(1, {"rollout/waste_frac": 0.25, "reward/mean": float("nan")})
         sink.log(2, {"rollout/waste_frac": 0.0})
         text = (

@@ -200,9 +200,8 @@ async def test_timeouts_bound_the_wait(tmp_path: Path, tiny_model: Path) -> None
     async with anyio.create_task_group() as tg:
         await tg.start(link.run)
         t0 = time.monotonic()
-        nobody = await link.validation.validate(
-            0, timeout_s=0.5
-        )  # no rollout server connected at all
+        # no rollout server connected at all
+        nobody = await link.validation.validate(0, timeout_s=0.5)
         assert nobody.asked == [] and 0.4 < time.monotonic() - t0 < 3
         link.close()
     link = LearnerLink(make_config(tiny_model), tmp_path / "2", fresh=True)

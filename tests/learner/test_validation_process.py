@@ -84,9 +84,8 @@ def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Pat
         code = learner.wait(timeout=1000)
         tails = f"--- learner\n{learner_log.read_text()[-5000:]}\n--- server\n{server_log.read_text()[-5000:]}"
         assert code == 0, tails
-        stop(
-            server, signal.SIGTERM
-        )  # the learner said BYE; the server keeps reconnecting until told to stop
+        # the learner said BYE; the server keeps reconnecting until told to stop
+        stop(server, signal.SIGTERM)
     finally:
         stop(learner)
         stop(server)

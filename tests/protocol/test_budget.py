@@ -47,11 +47,8 @@ def test_reader_over_budget_keeps_only_type_and_small_header() -> None:
 @pytest.mark.parametrize(
     ("budget_index", "msg_type", "code"),
     [
-        (
-            0,
-            MsgType.TRAJECTORY_BATCH,
-            ErrorCode.HELLO_REQUIRED,
-        ),  # a forgotten sender handshakes again
+        # a forgotten sender handshakes again
+        (0, MsgType.TRAJECTORY_BATCH, ErrorCode.HELLO_REQUIRED),
         (0, MsgType.HELLO, ErrorCode.TOO_LARGE),
         (1, MsgType.TRAJECTORY_BATCH, ErrorCode.CREDIT_EXCEEDED),  # kept and resent by the sender
         (1, MsgType.HEARTBEAT, ErrorCode.TOO_LARGE),

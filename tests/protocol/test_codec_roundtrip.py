@@ -184,9 +184,8 @@ def test_encoded_chunk_frames_are_the_callers_buffers() -> None:
     mv = memoryview(buf)
     chunk = WeightsChunk("t", 1, 0, [ChunkPart(0, 0, 3)], (mv[:3],))
     frames = codec.encode(chunk)
-    assert (
-        frames[2] is chunk.frames[0]
-    )  # handed to the transport as is (send_multipart(copy=False))
+    # handed to the transport as is (send_multipart(copy=False))
+    assert frames[2] is chunk.frames[0]
 
 
 # -- newer minor versions: unknown keys are ignored ------------------------------------------------

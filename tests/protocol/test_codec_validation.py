@@ -29,10 +29,8 @@ def batch(*trajs, seq: int = 7) -> list[bytes]:
 def bad_batch_error(traj_b, limits: CodecLimits | None = None) -> ProtocolError:
     """Error for a batch whose second trajectory is ``traj_b``; the first one is valid."""
     e = decode_error(batch(make_traj("a"), traj_b), limits)
-    assert (e.ref_type, e.ref_seq) == (
-        MsgType.TRAJECTORY_BATCH,
-        7,
-    )  # the sender can match it to its batch
+    # the sender can match it to its batch
+    assert (e.ref_type, e.ref_seq) == (MsgType.TRAJECTORY_BATCH, 7)
     return e
 
 

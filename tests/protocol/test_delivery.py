@@ -40,9 +40,8 @@ def test_lost_acks_reconnect_and_next_seq() -> None:
     net.pump()
     welcome = net.sent("down", MsgType.WELCOME)[-1].decoded()
     assert welcome.next_seq == 4  # everything up to seq 3 arrived
-    assert not [
-        r for r in net.wire[hello_at:] if r.type is MsgType.TRAJECTORY_BATCH
-    ]  # nothing resent
+    # nothing resent
+    assert not [r for r in net.wire[hello_at:] if r.type is MsgType.TRAJECTORY_BATCH]
     assert conn.pending == 0
     assert BatchAcked([1, 2, 3], [1, 2, 3]) in net.sender_events[b"r0"]
     assert net.delivered_ids() == ["t0", "t1", "t2"]
@@ -139,9 +138,8 @@ def test_restarted_sender_new_epoch_same_trajectory_ids_filtered() -> None:
         for e in received
     ] == [(1, ["t1", "t2"], 0), (2, ["t3"], 1)]
     assert net.learner.stats["duplicate_trajectories"] == 3
-    assert (
-        restarted.pending == 0 and net.learner.buffered == 2
-    )  # the all-duplicate batch took no room
+    # the all-duplicate batch took no room
+    assert restarted.pending == 0 and net.learner.buffered == 2
 
 
 def test_trajectory_id_window_is_bounded() -> None:

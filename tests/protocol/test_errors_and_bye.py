@@ -91,10 +91,8 @@ def test_invalid_batch_is_rejected_and_dropped_the_session_goes_on() -> None:
     assert conn.state is SenderState.READY
     conn.start(net.clock.now)
     net.pump()
-    assert [header(r.frames)["seq"] for r in net.sent("up", MsgType.TRAJECTORY_BATCH)] == [
-        1,
-        2,
-    ]  # never resent
+    # never resent
+    assert [header(r.frames)["seq"] for r in net.sent("up", MsgType.TRAJECTORY_BATCH)] == [1, 2]
 
 
 @pytest.mark.parametrize(

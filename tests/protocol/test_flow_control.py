@@ -53,9 +53,8 @@ def test_credits_are_granted_only_from_free_room() -> None:
     net.pump()
     assert net.learner.buffered == 3 and net.learner.free_room == 0
     assert (r0.credits, r1.credits) == (0, 0)
-    net.learner.batch_consumed(
-        1
-    )  # one slot: to the peer with fewest outstanding credits (a tie here)
+    # one slot: to the peer with fewest outstanding credits (a tie here)
+    net.learner.batch_consumed(1)
     net.pump()
     net.learner.batch_consumed(3)
     net.pump()

@@ -95,9 +95,8 @@ def test_hello() -> None:
 def test_hello_from_a_newer_minor_version() -> None:
     frames = load("hello_newer_minor")
     raw = msgpack.unpackb(frames[1])
-    assert (
-        raw["max_inflight_batches"] == 8 and raw["model"]["quantization"] == "fp8"
-    )  # the vector has them
+    # the vector has them
+    assert raw["max_inflight_batches"] == 8 and raw["model"]["quantization"] == "fp8"
     h = codec.decode(frames)
     assert (
         h.protocol_version == [1, 7] and h.peer_id == "rollout-0" and h.model.name == "tiny-model"
@@ -194,9 +193,8 @@ def test_weights_announce_and_multi_part_chunk() -> None:
     assert chunk.parts == [ChunkPart(0, 0, 12), ChunkPart(1, 0, 8)]  # spans both tensors
     assert frames[2:] == [a, b[:8]]
     asm = WeightAssembler()
-    assert (
-        asm.announce(ann) is None and asm.chunk(chunk) is None
-    )  # chunk 1 of 2 is not in the vectors
+    # chunk 1 of 2 is not in the vectors
+    assert asm.announce(ann) is None and asm.chunk(chunk) is None
     assert asm.in_progress == ann
 
 

@@ -81,9 +81,8 @@ def test_sender_detects_a_silent_learner() -> None:
     assert conn.state is SenderState.IDLE and net.events(b"r0", PeerTimedOut) == [
         PeerTimedOut("learner")
     ]
-    assert (
-        conn.pending == 1 and len(conn._queue) == 1
-    )  # the unacked batch waits for the next session
+    # the unacked batch waits for the next session
+    assert conn.pending == 1 and len(conn._queue) == 1
 
 
 def test_sender_gives_up_on_an_unanswered_hello() -> None:

@@ -139,9 +139,8 @@ def test_malformed_welcome_version_does_not_crash_the_sender(pv: list[int]) -> N
     conn.start(0.0)
     conn.data_to_send(0.0)
     welcome = Welcome([1, 0], "learner", "s", 4, 0, 1, 1.0, 10.0, Limits(1 << 20, 16, 4096))
-    forged = to_wire(welcome) | {
-        "protocol_version": pv
-    }  # the constructor refuses it: forge the wire
+    # the constructor refuses it: forge the wire
+    forged = to_wire(welcome) | {"protocol_version": pv}
     frames = [codec.encode(welcome)[0], msgpack.packb(forged)]
     events = conn.receive(on_wire(frames), 0.0)
     assert events and events[0].error.code is ErrorCode.INVALID_FIELD

@@ -96,9 +96,8 @@ def test_multi_chunk_transfer_end_to_end() -> None:
         (received,) = net.events(ident, WeightsReceived)
         w = received.weights
         assert w.version == 5 and {s.name: bytes(b) for s, b in w.tensors} == _bytes_of(ts)
-        assert (
-            conn.policy_version == 0
-        )  # generation only switches once the application applied them
+        # generation only switches once the application applied them
+        assert conn.policy_version == 0
         conn.weights_applied(w.version, w.transfer_id, ok=True, apply_time_s=0.5)
     net.pump()
     assert [
@@ -163,15 +162,8 @@ def test_newer_announce_supersedes_older_one() -> None:
     a2, c2 = plan_transfer(2, new, chunk_bytes=32, transfer_id="new")
     assert len(c1) == len(c2) == 2
     now = net.clock.now
-    seq = [
-        a1,
-        c1[0],
-        a2,
-        c1[1],
-        c2[0],
-        c2[1],
-        c1[0],
-    ]  # old chunks still in flight after the new announce
+    # old chunks still in flight after the new announce
+    seq = [a1, c1[0], a2, c1[1], c2[0], c2[1], c1[0]]
     events = [e for m in seq for e in conn.receive(on_wire(codec.encode(m)), now)]
     assert [type(e) for e in events] == [WeightsAnnounced, WeightsAnnounced, WeightsReceived]
     (got,) = [e.weights for e in events if isinstance(e, WeightsReceived)]
@@ -461,9 +453,8 @@ def test_stalled_transfer_expires_after_timeout_without_progress() -> None:
 
 
 def test_slow_drip_expires_at_the_size_based_deadline() -> None:
-    announce, chunks = plan_transfer(
-        1, tensors([64]), chunk_bytes=4, transfer_id="drip"
-    )  # 64 chunks
+    # 64 chunks
+    announce, chunks = plan_transfer(1, tensors([64]), chunk_bytes=4, transfer_id="drip")
     asm = WeightAssembler(timeout_s=10.0, min_bytes_per_s=32.0)  # 10 s + 256 B / 32 B/s = 18 s
     asm.announce(announce, 0.0)
     t, expired = 0.0, None

@@ -144,10 +144,8 @@ def test_a_slot_file_inside_the_directory_is_accepted_by_its_real_path(tmp_path:
             lambda root: f"{_slot(root).parent}{'/..' * 30}/etc/passwd",
             "(resolves to /etc/passwd) is not inside",
         ),
-        (
-            lambda root: str(_slot(root, "other-dir")),
-            "is not inside",
-        ),  # not an agentrl-weights-* folder
+        # not an agentrl-weights-* folder
+        (lambda root: str(_slot(root, "other-dir")), "is not inside"),
         (lambda root: str(root / "agentrl-weights-x"), "is not inside"),  # the folder itself
         (lambda root: str(_slot(root).parent), "is not a regular file"),
         (lambda root: str(root / "agentrl-weights-x" / "nothing"), "No such file or directory"),

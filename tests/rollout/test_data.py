@@ -114,9 +114,8 @@ def test_shards_are_disjoint_and_cover_every_row_each_epoch(tmp_path: Path) -> N
     for indices in per_epoch.values():
         assert sorted(indices) == list(range(23))  # each row once per epoch over all shards
     epochs = [it.index for it in _take(shards[0], 16)]
-    assert (
-        epochs[:8] != sorted(epochs[:8]) and epochs[:8] != epochs[8:]
-    )  # shuffled, anew each epoch
+    # shuffled, anew each epoch
+    assert epochs[:8] != sorted(epochs[:8]) and epochs[:8] != epochs[8:]
     again = PromptSource([Source((str(path),))], shard_index=0, shard_count=3, seed=7)
     assert [it.index for it in _take(again, 16)] == [it.index for it in _take(shards[0], 16)]
     item = _take(again, 1)[0]
@@ -199,9 +198,8 @@ def test_held_groups_are_not_issued_and_commit_by_uid(tmp_path: Path) -> None:
     )
     items = _take(src, 6)  # two epochs of three
     assert [src.position_of_group(it.group_uid) for it in items] == list(range(6))
-    assert (
-        src.position_of_group("e0-i0") is None and src.position_of_group("junk") is None
-    )  # shard 0's
+    # "e0-i0" is shard 0's
+    assert src.position_of_group("e0-i0") is None and src.position_of_group("junk") is None
     assert src.hold_groups([items[1].group_uid, items[4].group_uid, "e0-i0"]) == 2
     assert [it.position for it in _take(src, 4)] == [0, 2, 3, 5]
     for uid in [items[1].group_uid, items[0].group_uid, "e9-i3"]:  # a foreign uid is ignored

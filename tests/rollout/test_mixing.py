@@ -222,11 +222,8 @@ def test_mixed_uids_map_back_to_positions_and_can_be_held(tmp_path: Path) -> Non
     assert [src.position_of_group(it.group_uid) for it in items] == list(range(2 * src.shard_size))
     other = _take(_mixed(tmp_path, shard_index=0, shard_count=3), 3)
     assert all(src.position_of_group(it.group_uid) is None for it in other)  # shard 0's batches
-    for foreign in (
-        "e0-i3",
-        f"e0-m{BATCHES * B + 2}",
-        "junk",
-    ):  # plain uid, past the epoch, garbage
+    # plain uid, past the epoch, garbage
+    for foreign in ("e0-i3", f"e0-m{BATCHES * B + 2}", "junk"):
         assert src.position_of_group(foreign) is None
     assert src.hold_groups([items[1].group_uid, items[4].group_uid, other[0].group_uid]) == 2
     assert [it.position for it in _take(src, 4)] == [0, 2, 3, 5]

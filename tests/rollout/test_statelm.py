@@ -181,9 +181,8 @@ async def test_two_deletions_make_two_snapshots_with_stubs(
             in p
         )
         assert "- secret: the secret number" in p  # the notes block of the task message
-        assert (
-            '"tool": "deleteContext", "result": "Deleted msg_id' in p
-        )  # the deleting turn's response
+        # the deleting turn's response
+        assert '"tool": "deleteContext", "result": "Deleted msg_id' in p
     assert '"chunk": 3' in p1 and '"chunk": 3' not in p2
     assert (
         STUB + '\n<tool_call>\n{"name": "readChunk", "arguments": {"deleted": "' + STUB + '"}}'
@@ -252,9 +251,10 @@ async def test_segment_selection_reward_split_and_penalties(
     trajs = agent.trajectories(ep, RewardResult(1.0), "srv")
     assert len(trajs) == 2 and trajs[-1].snapshot_index == 2 and not trajs[-1].is_snapshot
     assert [t.reward for t in trajs] == [0.5, 0.5]  # 8 turns < 10: penalty added, broadcast
+    # reproducible
     assert (
         agent.trajectories(ep, RewardResult(1.0), "srv")[0].trajectory_id == trajs[0].trajectory_id
-    )  # reproducible
+    )
 
     # Running out of tokens: the length penalty replaces the score.
     agent, ep = await run_episode(

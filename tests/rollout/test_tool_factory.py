@@ -85,9 +85,8 @@ async def test_remote_and_local_tools_are_interchangeable(served: tuple[str, Pat
     remote = build_tools(
         make_config(tmp, f"tools.remote.url={url}", "tools.remote.names=[python,search]"), names
     )
-    everything = build_tools(
-        make_config(tmp, f"tools.remote.url={url}"), names
-    )  # names empty: all served
+    # names empty: all served
+    everything = build_tools(make_config(tmp, f"tools.remote.url={url}"), names)
     try:
         assert not any(isinstance(t, RemoteTool) for t in local.values())
         assert [n for n, t in remote.items() if isinstance(t, RemoteTool)] == ["python", "search"]

@@ -373,9 +373,8 @@ async def test_a_tool_that_raises_is_a_failed_call_not_a_dead_server() -> None:
             and "RuntimeError: kaboom in ep-9" in response.json()["text"]
         )
         nan = await http.post("/call/explode", json={"arguments": {"nan": True}})
-        assert (
-            nan.status_code == 200 and nan.json()["ok"] is False
-        )  # not JSON-safe: reported, not a 500
+        # not JSON-safe: reported, not a 500
+        assert nan.status_code == 200 and nan.json()["ok"] is False
         assert (await http.get("/health")).json() == {"ok": True, "tools": ["explode"]}
 
 

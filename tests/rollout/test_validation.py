@@ -136,12 +136,10 @@ async def test_runner_plays_every_row_n_times_and_reports_per_source(
     assert (qa_m.data_source, qa_m.count, qa_m.reward_mean) == ("qa", 3, 1.0)
     assert math_m.extras_mean == {"correct": 0.5} and math_m.extras_count == {"correct": 6}
     assert sum(math_m.terminations.values()) == 6 and math_m.turns_mean == 1.0
-    assert {s.temperature for _, s in engine.calls} == {
-        0.0
-    }  # greedy: val_kwargs.do_sample is false
-    assert len(seen) == 9 and all(
-        r.startswith("val-r1-") for r in seen
-    )  # local ids, never e{epoch}-...
+    # greedy: val_kwargs.do_sample is false
+    assert {s.temperature for _, s in engine.calls} == {0.0}
+    # local ids, never e{epoch}-...
+    assert len(seen) == 9 and all(r.startswith("val-r1-") for r in seen)
 
 
 def spy_on_ids(engine: ScriptedEngine) -> list[str]:

@@ -198,9 +198,8 @@ async def test_code_agent_on_vllm_stops_on_the_closing_tag(
     )
     assert "never this" not in text
     shown = len(renderer.text_ids("\n<<out>>\n42\n<</out>>\n"))
-    closing = int(
-        ep.response_ids[-1] == renderer.eos_id and ep.mask[-1] == 0
-    )  # <|im_end|> after <|endoftext|>
+    # <|im_end|> after <|endoftext|>
+    closing = int(ep.response_ids[-1] == renderer.eos_id and ep.mask[-1] == 0)
     assert ep.mask.count(0) == shown + closing
 
 
@@ -520,9 +519,8 @@ async def test_concurrent_requests_across_update(rig: Rig, mode: str) -> None:
     ]
     await asyncio.sleep(0.3)
     update_task = asyncio.create_task(update(rig, perturbed(rig.base, seed=10), mode))
-    while (
-        not engine.swapping_weights and not update_task.done()
-    ):  # staged; now pausing: a request arriving waits for it
+    # staged; now pausing: a request arriving waits for it
+    while not engine.swapping_weights and not update_task.done():
         await asyncio.sleep(0.001)
     late = asyncio.create_task(engine.generate(f"late-{mode}", PROMPT, GREEDY))
     new = await update_task

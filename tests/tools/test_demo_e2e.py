@@ -25,10 +25,8 @@ from rollout_service.recording import read_recording
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
-pytestmark = [
-    pytest.mark.nightly,
-    pytest.mark.timeout(900),
-]  # ~2-3 min alone; a busy 2-core machine takes longer
+# ~2-3 min alone; a busy 2-core machine takes longer
+pytestmark = [pytest.mark.nightly, pytest.mark.timeout(900)]
 
 
 def mean(xs: list[float]) -> float:

@@ -161,9 +161,8 @@ def test_ports_local_bind(listener: tuple[str, int]) -> None:
 
 
 def test_ports_remote_connect(monkeypatch: pytest.MonkeyPatch, listener: tuple[str, int]) -> None:
-    monkeypatch.setattr(
-        doctor, "_is_local", lambda host: False
-    )  # as if 127.0.0.1 were another host
+    # as if 127.0.0.1 were another host
+    monkeypatch.setattr(doctor, "_is_local", lambda host: False)
     up = doctor.check_ports(Context(addresses=[f"tcp://127.0.0.1:{listener[1]}"]))
     assert up.status == "OK" and "connected" in up.details[0]
     down = doctor.check_ports(Context(addresses=[f"127.0.0.1:{_closed_port()}"]))

@@ -85,12 +85,10 @@ def test_episodes_reach_the_answer() -> None:
             [],
         )
         numbers = [row["number"], *(int(t[1][0]) for t in turns[:-1])]
-        assert [n % 100 for n in numbers] == list(
-            range(row["steps"], -1, -1)
-        )  # the steps left, packed
-        for (text, tools), n in zip(
-            turns[:-1], numbers, strict=False
-        ):  # one call on the last number
+        # the steps left, packed
+        assert [n % 100 for n in numbers] == list(range(row["steps"], -1, -1))
+        # one call on the last number
+        for (text, tools), n in zip(turns[:-1], numbers, strict=False):
             assert (
                 text.count("<tool_call>") == 1
                 and f'"expression": "{n} {row["step"]}"' in text
@@ -123,9 +121,8 @@ def test_demonstrations_are_right_and_heavy_tailed_in_tokens(tiny_model: Path) -
     assert p99_over_median(response) >= 8 and p99_over_median(model) >= 8
     assert max(response) < 1792  # configs/longtail_e2e.yaml's data.max_response_length
     short = [i for i, row in enumerate(rows) if row["steps"] <= 4][:6]
-    demos = build_demonstrations(
-        [rows[i] for i in short], renderer, tools
-    )  # raises if the calculator disagrees
+    # raises if the calculator disagrees
+    demos = build_demonstrations([rows[i] for i in short], renderer, tools)
     schema = [tools["calculator"].schema]
     for i, d in zip(short, demos, strict=True):
         prompt = len(
@@ -203,9 +200,8 @@ def test_bucketed_warmup_batches_and_trimmed_loss(tiny_model: Path) -> None:
     )
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # batches cut the length order
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
-    rows = sorted(range(len(demos)), key=lambda i: lengths[i])[
-        :4
-    ]  # the shortest: trimming cuts most
+    # the shortest: trimming cuts most
+    rows = sorted(range(len(demos)), key=lambda i: lengths[i])[:4]
     assert trimmed.end(rows) == max(lengths[i] for i in rows) < full.end(rows)
     with torch.no_grad():
         assert (

@@ -48,9 +48,8 @@ def panel(title: str):  # type: ignore[no-untyped-def]
 def test_full_metrics_draw_a_png(tmp_path: Path) -> None:
     run = tmp_path / "run"
     records = [full_record(s) for s in range(1, 6)]
-    records.append(
-        {"step": 5, "time": 1.7e9, "val/reward/mean": 0.4}
-    )  # validation, logged at step 5
+    # validation, logged at step 5
+    records.append({"step": 5, "time": 1.7e9, "val/reward/mean": 0.4})
     write_metrics(run, records)
     out = plot_run(run)
     assert out == run / "training_curves.png"

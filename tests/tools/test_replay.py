@@ -221,9 +221,8 @@ def test_recording_holds_multi_turn_tool_and_code_episodes(run_dir: Path) -> Non
     assert by_id["e0-i1-0"].reward == 0.0 and by_id["e0-i0-1"].termination == "answered"
     code = by_id["e0-i2-0"]
     runs = np.flatnonzero(np.diff(code.response_mask.astype(int)) == 1)
-    assert (
-        code.response_mask[0] == 0 and len(runs) >= 2
-    )  # masked state, then model runs split by output
+    # masked state, then model runs split by output
+    assert code.response_mask[0] == 0 and len(runs) >= 2
     segments = [by_id[f"e0-i3-0-{k}"] for k in range(3)]
     assert [(t.snapshot_index, t.is_snapshot) for t in segments] == [
         (0, True),
@@ -239,9 +238,8 @@ def test_inspect_plain_text_marks_model_and_tool_spans_and_lists_calls(
     assert main(["inspect", str(run_dir), "--no-color", "--trajectory", "e0-i0-0"]) == 0
     out = capsys.readouterr().out
     assert "trajectory e0-i0-0" in out and "legend:" in out
-    assert (
-        "[model]<tool_call>" in out and "[/model][tool]" in out
-    )  # the call is sampled, the reply is not
+    # the call is sampled, the reply is not
+    assert "[model]<tool_call>" in out and "[/model][tool]" in out
     assert (
         "[tool]\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n[/tool]"
         in out
@@ -422,9 +420,8 @@ def test_stream_delivers_every_recorded_trajectory_to_a_learner(run_dir: Path, c
 
     from protocol.reference import ReferenceLearner, reference_weights
 
-    learner = ReferenceLearner(
-        capacity=2, max_credits_per_peer=1
-    )  # credits force one batch at a time
+    # credits force one batch at a time
+    learner = ReferenceLearner(capacity=2, max_credits_per_peer=1)
     with start_blocking_portal() as portal:
         serving, address = portal.start_task(learner.serve)
         # A learner ahead of the recording sends its weights on connect: received, verified, dropped.

@@ -113,9 +113,8 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
                 log,
             )
             try:
-                assert server.wait(timeout=400) == 0, tail(
-                    log
-                )  # max_groups: it ships, drains and exits
+                # max_groups: it ships, drains and exits
+                assert server.wait(timeout=400) == 0, tail(log)
             finally:
                 stop(server)
         finally:
@@ -215,9 +214,8 @@ def test_a_learner_fed_by_replay_stream_trains_on_exactly_the_recording(
     trained = [i for s in steps for i in s["trajectory_ids"]]
     recorded = recorded_ids(run)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert len(trained) == len(set(trained)) == STEPS * BATCH * N, (
-        trained
-    )  # none twice, all of them
+    # none twice, all of them
+    assert len(trained) == len(set(trained)) == STEPS * BATCH * N, trained
     assert set(trained) <= set(recorded)
     print(f"stream + learner: {time.monotonic() - t0:.0f} s")
 

@@ -60,9 +60,8 @@ def test_verl_plugins_answer_as_ours() -> None:
         compute_score("longtail", "<tool_response>4800</tool_response> \\boxed{4800}", "4800")
         == 1.0
     )
-    assert (
-        compute_score("longtail", "4800", "4800") == 0.0
-    )  # no box: no fallback to the last number
+    # no box: no fallback to the last number
+    assert compute_score("longtail", "4800", "4800") == 0.0
     assert compute_score("longtail", "\\boxed{4801}", "4800") == 0.0
 
 

@@ -80,9 +80,8 @@ def test_demonstrations_mask_exactly_the_model_tokens(tiny: Path, data: Path) ->
         # Exactly the two model turns (each with its end token); nothing of the prompt or the tool.
         call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{demo.expression}"}}}}\n</tool_call>'
         assert text == f"{call}<|im_end|>The answer is \\boxed{{{row['answer']}}}.<|im_end|>"
-        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in tok.decode(
-            demo.ids
-        )  # the real calculator
+        # the real calculator
+        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in tok.decode(demo.ids)
 
 
 def test_demonstrations_refuse_a_row_whose_answer_is_wrong(tiny: Path) -> None:
@@ -157,9 +156,8 @@ def test_same_seed_gives_the_same_weights(tiny: Path, data: Path, tmp_path: Path
     assert file_hash(tmp_path / "a" / "model.safetensors") == file_hash(
         tmp_path / "b" / "model.safetensors"
     )
-    warmup(
-        tiny, data, tmp_path / "a", steps=1, examples=8, seed=3, target=None
-    )  # rewriting its own output is fine
+    # rewriting its own output is fine
+    warmup(tiny, data, tmp_path / "a", steps=1, examples=8, seed=3, target=None)
 
 
 def test_prompt_buckets_mix_the_guess_and_the_tool_episode(tiny: Path, data: Path) -> None:

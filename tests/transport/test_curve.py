@@ -75,9 +75,8 @@ async def test_unknown_key_wrong_server_key_and_plain_clients_are_refused(
 ) -> None:
     server = net.server("tcp://127.0.0.1:0", curve=_server_keys(keys))
     refused = {
-        "intruder": client_factory(
-            server.address, curve=_client_keys(keys, "intruder")
-        ),  # not allowed
+        # not allowed
+        "intruder": client_factory(server.address, curve=_client_keys(keys, "intruder")),
         # an allowed key that trusts the wrong learner key: the client refuses the server
         "impostor": client_factory(
             server.address, curve=_client_keys(keys, "rollout", server="impostor")

@@ -158,9 +158,8 @@ async def test_learner_bye_sends_the_client_back_to_reconnect() -> None:
             lambda: [e.reason for e in ch.watch.of(PeerClosed)] == ["learner shutting down"]
         )
         with anyio.fail_after(5):
-            while (
-                ch.client.connections < 2
-            ):  # the driver opened a fresh channel and said HELLO again
+            # the driver opened a fresh channel and said HELLO again
+            while ch.client.connections < 2:
                 await anyio.sleep(0.01)
         assert ch.conn.state is not SenderState.CLOSED
 

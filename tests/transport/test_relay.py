@@ -418,9 +418,8 @@ async def test_server_without_capability_gets_chunks_directly(net: ZmqNet, tmp_p
             ):
                 lh.server.publish_weights(1, tensors(1), chunk_bytes=CHUNK)
                 await lh.watch.until(lambda: 1 in old and 1 in new, 30)
-                assert (
-                    old[1] == "" and new[1]
-                )  # chunks to the old peer, the relay's file to the new
+                # chunks to the old peer, the relay's file to the new
+                assert old[1] == "" and new[1]
                 n = num_chunks(tensors(1))
                 by_peer = {p.name: p.identity for p in lh.proto.peers.values()}
                 assert ch.chunks[by_peer["old"]] == n and by_peer["new"] not in ch.chunks

@@ -73,9 +73,8 @@ async def test_handshake_and_many_batches_exactly_once(net: ZmqNet, address: str
         seqs = await submit_all(ch.client, batches)
         await ch.watch.until(lambda: ch.acked() == set(seqs), timeout=20)
         await lh.watch.until(lambda: len(lh.received) == 800)
-        assert lh.received_ids == [
-            t.trajectory_id for b in batches for t in b
-        ]  # in order, once each
+        # in order, once each
+        assert lh.received_ids == [t.trajectory_id for b in batches for t in b]
         assert lh.proto.stats["batches"] == 200 and lh.proto.stats["duplicate_batches"] == 0
         assert not lh.watch.of(ProtocolViolation) and not ch.peer_errors()
         assert ch.conn.pending == 0 and ch.connected() == 1

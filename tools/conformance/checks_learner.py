@@ -498,9 +498,8 @@ async def check_oversize(t: LearnerTarget) -> None:
         # One trajectory whose prompt alone makes the message 1 byte too big (zero pages: no copy).
         frames = t.batch(1)
         other = sum(memoryview(f).nbytes for i, f in enumerate(frames) if i != 2)
-        n_prompt = max(
-            1, math.ceil((lim.max_message_bytes + 1 - other) / 4)
-        )  # the header only grows
+        # the header only grows
+        n_prompt = max(1, math.ceil((lim.max_message_bytes + 1 - other) / 4))
         frames = wire.with_header(frames, lambda h: h["meta"].__setitem__("prompt_len", [n_prompt]))
         frames[2] = np.zeros(n_prompt, np.int32)
         size = codec.frame_bytes(frames)

@@ -80,9 +80,8 @@ async def check_handshake(fl: FakeLearner) -> None:
     if problems:
         raise CheckFailed("; ".join(problems))
     await fl.welcome(rec, credits=1, next_seq=1)
-    if (
-        h.policy_version < 0
-    ):  # it asks for the current weights, as a learner that has some would send
+    # it asks for the current weights, as a learner that has some would send
+    if h.policy_version < 0:
         await _send_transfer(fl, fl.policy_version)
         fl.note(f"HELLO asked for weights (policy_version -1): sent version {fl.policy_version}")
 

@@ -145,9 +145,8 @@ async def run_suite(
     try:
         if opts.role == "learner":
             model, tokenizer = _identities(opts.model_dir)
-            probe = zctx.socket(
-                zmq.DEALER
-            )  # a malformed address is a set-up error, not 13 failures
+            # a malformed address is a set-up error, not 13 failures
+            probe = zctx.socket(zmq.DEALER)
             try:
                 probe.connect(opts.target)
             finally:

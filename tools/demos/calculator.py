@@ -59,9 +59,8 @@ def build_demonstrations(
     rng = random.Random(seed)
     demos = []
     for i, row in enumerate(rows):
-        if (
-            row.get("data_source") == "longtail"
-        ):  # before the guess draw: arithmetic rows keep their draws
+        # before the guess draw: arithmetic rows keep their draws
+        if row.get("data_source") == "longtail":
             demos.append(_longtail_demonstration(i, row, renderer, schemas, calculator))
             continue
         if rng.random() < guess_fraction:

@@ -159,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Agents and tools log through structlog; only what goes wrong belongs next to a report.
     configure_logging("console", "warning", component="replay", stream=sys.stderr)
-    logging.getLogger("math_verify").setLevel(
-        logging.ERROR
-    )  # a warning per call about its own timeouts
+    # a warning per call about its own timeouts
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:
         if args.command == "inspect":
             # lazy: this module is bin/replay's command line, whose --help stays instant
