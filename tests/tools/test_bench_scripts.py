@@ -1,0 +1,72 @@
+"""The benches no other test runs, each once at its smallest: it exits 0 and its last line is the
+JSON with the figure it exists for. Nothing is timed here: a figure comes from the bench itself on
+a quiet machine (bench/README.md); this only keeps every path of the scripts working, the
+``--profile`` copies of the update loop included."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, f"bench/{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration
+def test_agent_turns_puts_the_loop_against_the_tokenizer() -> None:
+    out = run_bench("agent_turns.py", "--episodes", "16", "--repeat", "1", timeout_s=120)
+    assert out["turns"] > 0
+    assert out["loop_ms_per_turn"][0] > 0 and out["bound_ms_per_turn"][0] > 0
+    assert 0 < out["ratio"] < 10
+
+
+@pytest.mark.integration
+def test_auth_cost_puts_curve_against_plain_zeromq() -> None:
+    out = run_bench(
+        "auth_cost.py", "--trajectories", "8", "--batches", "5", "--repeat", "1", timeout_s=120
+    )
+    (run,) = out["runs"]
+    assert run["plain"]["mb_per_s"] > 0 and run["curve"]["mb_per_s"] > 0
+    assert out["ratio_median"] == run["ratio"] > 0
+
+
+@pytest.mark.e2e
+def test_learner_bench_runs_the_update_prepare_profile_and_publish() -> None:
+    """One Ray worker on the tiny model: the update against its bound, prepare (old logprobs from
+    the update's own forward, a reference), the ``--profile`` ablation, laps and tables, and a
+    publish to one receiver process."""
+    out = run_bench(
+        "learner.py",
+        *("--shape", "tiny", "--device", "cpu", "--world", "1", "--cpus", "2"),
+        *("--samples", "8", "--prompt-len", "32", "--response-len", "32"),
+        *("--mini-batches", "2", "--micro-size", "4", "--old-logprobs", "from-update", "--ref"),
+        *("--repeat", "1", "--profile", "--receivers", "1", "--publish-repeat", "1"),
+        timeout_s=300,
+    )
+    assert out["update_ratio"] > 0 and out["prepare_over_update"] > 0
+    assert set(out["ablation"]) == {
+        "update",
+        "fsdp_ce",
+        "other_reshard_update",
+        "other_reshard_ce",
+        "bare",
+    }
+    assert out["profile_s"]["update"] and out["profile_s"]["bare"]
+    publish = out["publish"]["1"]
+    assert publish["bytes"] > 0 and publish["ratio"] > 0
