@@ -59,7 +59,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import e2e  # noqa: E402
+from bench._e2e_setup import CPU_OVERRIDES, WORKLOADS  # noqa: E402
 from bench.clustersim.costs import (  # noqa: E402
     GPU_DIR,
     GenCosts,
@@ -114,7 +114,7 @@ def run_settings(d: dict[str, Any]) -> dict[str, int]:
     cfg = yaml.safe_load((ROOT / "configs" / Path(d["config"]).name).read_text())
     overrides: list[str] = []
     if d.get("device") == "cpu":
-        overrides += e2e.CPU_OVERRIDES + e2e.WORKLOADS[d.get("workload", "longtail")].cpu_overrides
+        overrides += CPU_OVERRIDES + WORKLOADS[d.get("workload", "longtail")].cpu_overrides
     if placement := d.get("placement"):  # --placement (older JSONs: launch.* in the overrides)
         overrides.append(f"launch.rollout_servers={placement['rollout_servers']}")
     overrides += d.get("overrides", [])

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import _common  # noqa: E402
+from bench import _common, _e2e_runs, _e2e_setup, _e2e_summary  # noqa: E402
 from bench._repeats import spread, summarize_repeats, summary_text  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -97,12 +97,18 @@ def test_runs_interleave_and_the_deadline_leaves_runs_for_resume(
     monkeypatch.setattr(e2e, "T0", e2e.time.monotonic())
 
     def fake_train(args: Any, s: int, repeat: int, *_: Any) -> dict[str, Any]:
-        done.append((e2e.label(s), repeat))
+        done.append((_e2e_summary.label(s), repeat))
         if len(done) == 3:  # the third run takes the time the deadline leaves
             monkeypatch.setattr(e2e, "T0", e2e.T0 - 1000)
+        # no timeline in its run_dir: none drawn
         return run(
-            e2e.label(s), repeat, 10.0 if s == 0 else 5.0, 100.0, wall_s=50.0, max_staleness=s
-        ) | {"run_dir": str(tmp_path / f"run-{s}-{repeat}")}  # no timeline there: none drawn
+            _e2e_summary.label(s),
+            repeat,
+            10.0 if s == 0 else 5.0,
+            100.0,
+            wall_s=50.0,
+            max_staleness=s,
+        ) | {"run_dir": str(tmp_path / f"run-{s}-{repeat}")}
 
     monkeypatch.setattr(e2e, "run_train", fake_train)
     results = tmp_path / "r.json"
@@ -150,7 +156,7 @@ def fake_prepare(monkeypatch: pytest.MonkeyPatch, probe: float) -> None:
     monkeypatch.setattr(e2e, "read_episodes", lambda _: [])
     monkeypatch.setattr(e2e, "plot", lambda *a: None)
     summary = {"steps": 40, "stopped": "max_seconds", "probe": probe, "seconds": 60.0}
-    monkeypatch.setattr(e2e, "run_warmup", lambda *a: summary)
+    monkeypatch.setattr(_e2e_setup, "run_warmup", lambda *a: summary)
 
 
 def test_common_pieces(tmp_path: Path) -> None:
@@ -192,6 +198,6 @@ def test_a_run_is_a_figure_once_all_its_steps_are_in(
     log.write_text("bin/train's output\n")
     args = e2e.parse_args(["--device", "cpu", "--steps", "10"])
     result: dict[str, Any] = {"timed_out": timed_out, "exit_status": exit_status, "wall_s": 9.0}
-    e2e.close_run(args, result, run_dir, log, 100.0, "sync r1")
+    _e2e_runs.close_run(args, result, run_dir, log, 100.0, "sync r1")
     assert result["ok"] is ok and result["steps_done"] == steps_logged
     assert ("error" in result) is not ok

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
 
+from bench import _e2e_runs, _e2e_summary  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
 import e2e  # noqa: E402
 
 
@@ -34,32 +37,29 @@ def test_read_metrics_and_summary(tmp_path: Path) -> None:
         '{"step": 4, "tim',
     ]
     path.write_text("\n".join(lines))
-    got = e2e.read_metrics(path)
-    assert [r["step"] for r in got] == [
-        1,
-        2,
-        3,
-    ]  # the validation record and the half line are skipped
-    s = e2e.summarize(got)
+    got = _e2e_runs.read_metrics(path)
+    # the validation record and the half line are skipped
+    assert [r["step"] for r in got] == [1, 2, 3]
+    s = _e2e_summary.summarize(got)
     assert s["steps_done"] == 3 and s["mean_over_steps"] == [2, 3]
     assert s["means"]["timing/step_s"] == 2.0 and s["means"]["timing/prepare_s"] is None
     assert s["weights"] == {"weights/applied_s": 1.25} and s["step1"]["timing/step_s"] == 10.0
     assert s["reward_curve"] == [0.1, 0.2, 0.3] and s["turns_mean"] == 1.5
-    assert e2e.summarize([]) == {"steps_done": 0}
+    assert _e2e_summary.summarize([]) == {"steps_done": 0}
     # tokens/s is the steps' tokens over their time: a 1 s step and a 9 s step of 9,000 tokens
     # each make 1,800 tokens/s, not the 5,500 of their per-step figures' mean
     paced = [
         {"step": 1},
         *({"step": t, "timing/step_s": t, "perf/tokens_per_s": 9000 / t} for t in (1, 9)),
     ]
-    assert e2e.summarize(paced)["means"]["perf/tokens_per_s"] == 1800.0
-    assert e2e.summarize(got[:1])["mean_over_steps"] == [1]  # one step: it is the mean
-    assert "FAILED" in e2e.table([{"max_staleness": 0, "ok": False, "error": "x", **s}])
+    assert _e2e_summary.summarize(paced)["means"]["perf/tokens_per_s"] == 1800.0
+    assert _e2e_summary.summarize(got[:1])["mean_over_steps"] == [1]  # one step: it is the mean
+    assert "FAILED" in _e2e_summary.table([{"max_staleness": 0, "ok": False, "error": "x", **s}])
 
 
 def test_refusal_watch(tmp_path: Path) -> None:
     log = tmp_path / "learner.log"
-    watch = e2e.RefusalWatch(log)
+    watch = _e2e_runs.RefusalWatch(log)
     assert not watch.poll()  # no file yet
     log.write_text(
         "ok\n" + "x [warning] invalid message error='token id outside'\n" * 19 + "invalid mess"
@@ -111,7 +111,7 @@ def test_weight_updates_bound_counts_the_prefetch_and_the_slowest_server(tmp_pat
         {"step": 2, "weights/copy_s": 0.02, "weights/applied_s": 1.04, "weights/version": 2},
         {"step": 3, "weights/applied_s": 2.0, "weights/version": 3},
     ]
-    out = e2e.weight_updates(records, tmp_path)
+    out = _e2e_runs.weight_updates(records, tmp_path)
     (row,) = out["versions"]
     assert row["version"] == 2 and row["reload_s"] == pytest.approx(0.5)  # rs1: 0.5 > 0.3 + 0.1
     assert row["bound_s"] == pytest.approx(0.52) and row["ratio"] == pytest.approx(2.0)

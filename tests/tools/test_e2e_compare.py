@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(
-    0, str(REPO)
-)  # bench/protocol.py must not shadow the protocol package: imported first
+# bench/protocol.py must not shadow the protocol package: imported first
+sys.path.insert(0, str(REPO))
+from bench import _e2e_summary  # noqa: E402
 from protocol.sender import encode_batch  # noqa: E402
 from protocol.trajectory import Trajectory  # noqa: E402
 from rollout_service.recording import batch_path, write_batch_file  # noqa: E402
@@ -54,10 +54,10 @@ def records(
 
 def run(staleness: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "label": e2e.label(staleness),
+        "label": _e2e_summary.label(staleness),
         "max_staleness": staleness,
         "ok": True,
-        **e2e.summarize(recs),
+        **_e2e_summary.summarize(recs),
     }
 
 
@@ -71,7 +71,7 @@ def test_workload_defaults_and_labels() -> None:
     assert c.staleness_values == [0, 2] and c.config == REPO / "configs" / "gpu_e2e.yaml"
     e2e.apply_device_defaults(c, "cpu")
     assert c.steps == 2 and c.warmup_steps == 500
-    assert [e2e.label(s) for s in (0, 1, 4)] == ["sync", "async-s1", "async-s4"]
+    assert [_e2e_summary.label(s) for s in (0, 1, 4)] == ["sync", "async-s1", "async-s4"]
     with pytest.raises(SystemExit):
         e2e.parse_args(["--staleness", "1,1"])
     with pytest.raises(SystemExit):
@@ -79,28 +79,26 @@ def test_workload_defaults_and_labels() -> None:
 
 
 def test_waste_from_the_learner_or_from_intake_drops() -> None:
-    w = e2e.waste(records([0.1] * 4, 1.0, waste=0.25))
+    w = _e2e_summary.waste(records([0.1] * 4, 1.0, waste=0.25))
     assert w["frac"] == 0.25 and w["source"] == "rollout/waste_frac"
-    w = e2e.waste(
-        records([0.1] * 4, 1.0, dropped=2.0)
-    )  # 8 groups dropped, 4 steps x 4 groups trained
+    # 8 groups dropped, 4 steps x 4 groups trained
+    w = _e2e_summary.waste(records([0.1] * 4, 1.0, dropped=2.0))
     assert (
         w["dropped_groups"] == 8.0
         and w["trained_groups"] == 16.0
         and w["frac"] == pytest.approx(8 / 24, abs=1e-4)
     )
-    assert e2e.waste([]) == {}
+    assert _e2e_summary.waste([]) == {}
 
 
 def test_compare_throughput_and_reward_criterion() -> None:
-    sync = run(
-        0, records([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 10.0)
-    )  # final mean of 5: 0.4, 50 s after step 1
+    # final mean of 5: 0.4, 50 s after step 1
+    sync = run(0, records([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 10.0))
     fast = run(2, records([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 4.0))
     slow = run(4, records([0.0] * 6, 5.0))
     assert sync["clock_curve"] == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0] and sync["train_s"] == 50.0
     assert sync["staleness_max"] == 2.0
-    c = e2e.compare([sync, fast, slow])
+    c = _e2e_summary.compare([sync, fast, slow])
     assert c["throughput_vs_sync"]["async-s2"] == {
         "step_time_ratio": 2.5,
         "tokens_per_s_ratio": 2.5,
@@ -110,13 +108,15 @@ def test_compare_throughput_and_reward_criterion() -> None:
     assert crit["runs"]["async-s2"] == {"reach_step": 6, "reach_s": 20.0, "vs_sync_total": 0.4}
     assert crit["runs"]["async-s4"] == {"reach_step": None, "reach_s": None, "vs_sync_total": None}
     # a short sync run: the window shrinks to its length
-    c = e2e.compare([run(0, records([0.2, 0.4], 3.0)), run(1, records([0.5, 0.1, 0.2], 1.0))])
+    c = _e2e_summary.compare(
+        [run(0, records([0.2, 0.4], 3.0)), run(1, records([0.5, 0.1, 0.2], 1.0))]
+    )
     assert (
         c["reward_vs_sync"]["window"] == 2
         and c["reward_vs_sync"]["runs"]["async-s1"]["reach_step"] == 2
     )
-    assert e2e.compare([fast]) == {}  # no sync run, nothing to compare with
-    text = e2e.comparison_text(e2e.compare([sync, fast, slow]))
+    assert _e2e_summary.compare([fast]) == {}  # no sync run, nothing to compare with
+    text = _e2e_summary.comparison_text(_e2e_summary.compare([sync, fast, slow]))
     assert (
         "async-s2: reaches it at step 6, 20.0 s (0.4 of sync's time)" in text
         and "async-s4: reaches it never" in text
@@ -124,9 +124,9 @@ def test_compare_throughput_and_reward_criterion() -> None:
 
 
 def test_quantiles_and_length_summary() -> None:
-    q = e2e.quantiles([float(x) for x in range(1, 101)])
+    q = _e2e_summary.quantiles([float(x) for x in range(1, 101)])
     assert (q["median"], q["p90"], q["p99"], q["max"]) == (50.5, 90.0, 99.0, 100.0)
-    assert e2e.quantiles([]) == {}
+    assert _e2e_summary.quantiles([]) == {}
     eps = [
         {
             "response_tokens": 10 * k,
@@ -138,10 +138,10 @@ def test_quantiles_and_length_summary() -> None:
         }
         for k in range(1, 11)
     ]
-    s = e2e.episode_lengths(eps)
+    s = _e2e_summary.episode_lengths(eps)
     assert s["all"]["episodes"] == 10 and s["warmed_model"]["episodes"] == 5
     assert s["all"]["turns"]["max"] == 10 and s["all"]["terminations"] == {"x": 10}
-    assert e2e.length_summary([]) == {"episodes": 0}
+    assert _e2e_summary.length_summary([]) == {"episodes": 0}
 
 
 def test_read_episodes_from_recordings(tmp_path: Path) -> None:
@@ -168,12 +168,12 @@ def test_read_episodes_from_recordings(tmp_path: Path) -> None:
         seq=1,
         durable=False,
     )
-    eps = e2e.read_episodes(tmp_path / "recordings")
+    eps = _e2e_summary.read_episodes(tmp_path / "recordings")
     assert [(e["response_tokens"], e["model_tokens"], e["turns"], e["version"]) for e in eps] == [
         (4, 2, 2, 0),
         (8, 4, 4, 1),
     ]
-    assert e2e.read_episodes(tmp_path / "none") == []
+    assert _e2e_summary.read_episodes(tmp_path / "none") == []
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
@@ -183,7 +183,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         "device": "cpu",
         "shape": "tiny",
         "runs": [sync, fast],
-        "comparison": e2e.compare([sync, fast]),
+        "comparison": _e2e_summary.compare([sync, fast]),
     }
-    e2e.plot(tmp_path / "r.png", result)
+    _e2e_summary.plot(tmp_path / "r.png", result)
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
