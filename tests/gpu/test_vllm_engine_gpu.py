@@ -2,11 +2,12 @@
 
 One test per execution mode (eager; CUDA graphs without torch.compile, as ``bench/rollout.py
 --graphs`` runs them), each with its own engine (~30-60 s to start on an H100): sampling with
-logprobs and versions, a "keep" weight update of perturbed weights (on a vLLM without weight-version
-spans, e.g. 0.24, the engine takes its abort path: in-flight requests are continued on the new
-weights), an update landing in the middle of generation, the original weights back giving the
-original greedy output (under CUDA graphs this shows the reload wrote into the captured tensors),
-and a shutdown that leaves no child process. Skipped without a GPU (tests/conftest.py).
+logprobs and versions, a "keep" weight update of perturbed weights, an update landing in the middle
+of generation (prefetched onto the device before the pause; on a vLLM without weight-version spans,
+e.g. 0.24, the requests in flight are resubmitted under their first salt and find their KV cached),
+an episode's next turn finding its KV from before a "keep" update, the original weights back giving
+the original greedy output (under CUDA graphs this shows the reload wrote into the captured
+tensors), and a shutdown that leaves no child process. Skipped without a GPU (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import json
 import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.vllm_compat import vllm_info
 from tools.make_tiny_model import (
     TinyModelSpec,
     bfloat16_bits_to_float32,
@@ -179,8 +182,17 @@ async def test_bf16_engine_generates_updates_and_shuts_down(bf16_model: Path, gr
         ]
         await asyncio.sleep(0.3)
         assert not all(t.done() for t in tasks), "generation ended before the update: raise LONG"
+        continued = replace(engine.continuations)
         await engine.load_weights(2, as_update(base), mode="keep")
+        # the new weights were on the device before the engine paused
+        assert engine.last_update_timings["prefetched"] == 1.0, engine.last_update_timings
         gens = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        if not vllm_info().weight_version_spans:
+            # resubmitted with the salt of their first submission: their KV is still there
+            resent = engine.continuations.tokens - continued.tokens
+            cached = engine.continuations.cached_tokens - continued.cached_tokens
+            assert engine.continuations.submissions > continued.submissions
+            assert cached >= 0.9 * resent, engine.continuations
         straddled = 0
         for g in gens:
             assert g.finish_reason == "length" and len(g.token_ids) == LONG
@@ -193,6 +205,19 @@ async def test_bf16_engine_generates_updates_and_shuts_down(bf16_model: Path, gr
         back, versions = await greedy(engine, PROMPT, 16, "back")
         assert versions == [2] * 16
         assert back == before
+
+        # An episode's next turn after a "keep" update takes its first turn's salt: it finds its
+        # context cached but for the last partial block.
+        turn = SamplingSettings(max_tokens=200, temperature=0.0, ignore_eos=True, kv_scope="ep")
+        first = await engine.generate("ep-t0", PROMPT, turn)
+        later = replace(engine.later_turns)
+        await engine.load_weights(3, as_update(perturbed(base, seed=2)), mode="keep")
+        context = [*PROMPT, *first.token_ids, 7, 8, 9]
+        second = await engine.generate("ep-t1", context, replace(turn, max_tokens=4))
+        assert second.versions == [3] * 4
+        assert engine.later_turns.submissions == later.submissions + 1
+        assert second.reuse_sent == len(context)
+        assert len(context) - 32 <= second.reuse_cached < len(context), second
     finally:
         await engine.shutdown()
 
