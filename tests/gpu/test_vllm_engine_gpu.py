@@ -188,11 +188,12 @@ async def test_bf16_engine_generates_updates_and_shuts_down(bf16_model: Path, gr
         assert engine.last_update_timings["prefetched"] == 1.0, engine.last_update_timings
         gens = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         if not vllm_info().weight_version_spans:
-            # resubmitted with the salt of their first submission: their KV is still there
+            # resubmitted with the salt of their first submission: their KV is still there, but
+            # for each request's last partial block (vLLM caches whole blocks of 16 here)
             resent = engine.continuations.tokens - continued.tokens
             cached = engine.continuations.cached_tokens - continued.cached_tokens
-            assert engine.continuations.submissions > continued.submissions
-            assert cached >= 0.9 * resent, engine.continuations
+            n = engine.continuations.submissions - continued.submissions
+            assert n > 0 and resent - 16 * n <= cached < resent, engine.continuations
         straddled = 0
         for g in gens:
             assert g.finish_reason == "length" and len(g.token_ids) == LONG

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Stage everything the project needs on an air-gapped GPU machine (Python 3.12, torch 2.11.0+cu130 and
-# the packages of .library/device/KINDS.md preinstalled) as wheels in pieces of <= 52 MiB.
+# the packages of .library/device/KINDS.md preinstalled) as wheels in pieces of <= 44 MiB.
 # Usage: tools/gpu/stage.sh [--force] [DEST]      (default DEST=.gpu; run where pip has network)
 #   FETCH_VLLM_WHEELS=SCRIPT  the script that writes the vLLM set (called as SCRIPT DEST); needed
 #   unless DEST already holds one. Default: ../shared/gpu/fetch-vllm-wheels.sh next to the clone.
 #
-# Design: two independent tar streams, each split into 52 MiB pieces (a piece + the repo, ~7 MB and
+# Design: two independent tar streams, each split into 44 MiB pieces (a piece + the repo, ~12 MB and
 # growing, fits one 64 MiB transfer; the shared fetch script's 58 MiB pieces no longer do):
 #  1. DEST/partNN.d/partNN: official vLLM 0.24.0 and its deps, made by the shared fetch script
 #     (FETCH_VLLM_WHEELS, default ../shared/gpu/fetch-vllm-wheels.sh). Skipped when DEST/vllm-set.txt
@@ -29,7 +29,7 @@ verl_spec=$(grep -o 'verl==[0-9][0-9.]*' "$root/bin/setup" | head -1 || true)
 # verl's V1 trainer (bench/vs_verl.py --verl sync) imports TransferQueue; pure Python, staged --no-deps
 # as verl is: what it imports at run time (ray, tensordict, pyzmq, msgspec, omegaconf) is staged anyway
 tq_spec=transferqueue==0.1.11
-piece_mib=52
+piece_mib=44
 piece_max=$((piece_mib * 1024 * 1024))
 t0=$SECONDS
 mkdir -p "$dest"; dest=$(cd "$dest" && pwd); stamp=$dest/vllm-set.txt
