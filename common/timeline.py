@@ -73,6 +73,8 @@ VALIDATE_SPAN = "validate"
 CHECKPOINT_SPAN = "checkpoint"
 # A reference forward run inside a step's wait (learner.early_reference).
 EARLY_REF_SPAN = "ref_early"
+# A step's first mini-batch trained inside its wait (learner.early_update).
+EARLY_UPDATE_SPAN = "update_early"
 # Learner instants.
 PUBLISH_EVENT = "publish"  # Track.WEIGHTS, args: version
 GRANT_EVENT = "grant"  # Track.ADMISSION, args: server, groups, min_version

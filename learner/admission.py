@@ -114,6 +114,11 @@ class Admission:
     def peers(self) -> list[str]:
         return list(self._granted)
 
+    def oldest_generating(self) -> int | None:
+        """The oldest version a group still generating may start from (its grant's
+        ``min_version``); None when none is generating."""
+        return min((m for c in self._granted.values() for m in c), default=None)
+
     def joined(self, peer: str, slots: int = 0) -> None:
         """``peer`` takes grants (a new session: none outstanding); it generates ``slots`` groups at
         once (0: unstated, no cap), and is never granted more than that outstanding."""

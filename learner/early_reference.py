@@ -10,7 +10,8 @@ have none (`take`). The loop starts no chunk once the batch is taken, so the wai
 the chunk in flight, and work done for groups the step does not take serves a later step. Results
 of groups that left the buffer without being trained (dropped as stale) are forgotten at each
 `take`, so what is kept never exceeds the buffer. Nothing is persisted: after a restart the
-forward runs again.
+forward runs again. `ensure` computes them on demand, for the samples `learner.early_update`
+trains in the wait; the loop (`run`, `learner.waits`) runs with ``ref.forward_in_waits`` only.
 """
 
 from __future__ import annotations
@@ -23,11 +24,24 @@ import numpy as np
 
 from common.timeline import EARLY_REF_SPAN, TimelineWriter, Track
 from learner.buffer import Group
-from learner.intake import Intake, TakenBatch
 from learner.prepare import to_samples
 from learner.samples import Batching, Sample
 from learner.workers import WorkerGroup
 from protocol.trajectory import Trajectory
+
+
+async def arrival_or_take(arrival: Callable[[], Awaitable[None]], taken: anyio.Event) -> None:
+    """Returns at the next arrival (``arrival()``), or once the batch is taken: a waiter's pause
+    between two looks at the buffer."""
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_take() -> None:
+            await taken.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(stop_on_take)
+        await arrival()
+        tg.cancel_scope.cancel()
 
 
 class EarlyReference:
@@ -64,15 +78,7 @@ class EarlyReference:
                 t for g in buffered() for t in g.trajectories if t.trajectory_id not in self._done
             ][: self._chunk]
             if not todo:
-                async with anyio.create_task_group() as tg:
-
-                    async def stop_on_take() -> None:
-                        await taken.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(stop_on_take)
-                    await arrival()
-                    tg.cancel_scope.cancel()
+                await arrival_or_take(arrival, taken)
                 continue
             await self._forward(todo, step)
 
@@ -85,6 +91,18 @@ class EarlyReference:
             self._done[t.trajectory_id] = s.ref_logprobs
         self._seconds += time.perf_counter() - t0
         self._timeline.span(Track.STEP, EARLY_REF_SPAN, start, time.time(), step=step, n=len(todo))
+
+    async def ensure(self, trajs: Sequence[Trajectory], step: int) -> None:
+        """Reference logprobs for those of ``trajs`` that have none yet (`learner.early_update`
+        needs them for the samples it trains in the wait), at most ``chunk`` a forward."""
+        todo = [t for t in trajs if t.trajectory_id not in self._done]
+        for i in range(0, len(todo), self._chunk):
+            await self._forward(todo[i : i + self._chunk], step)
+
+    def give(self, trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> None:
+        """Set ``samples`` (of ``trajs``) their reference logprobs, keeping them for `take`."""
+        for t, s in zip(trajs, samples, strict=True):
+            s.ref_logprobs = self._done[t.trajectory_id]
 
     def take(
         self, trajs: Sequence[Trajectory], samples: Sequence[Sample], still: Sequence[Group]
@@ -114,42 +132,3 @@ class EarlyReference:
         }
         self._seconds = 0.0
         return out
-
-
-async def next_batch(
-    intake: Intake,
-    early: EarlyReference | None,
-    n_groups: int,
-    policy_version: int,
-    max_staleness: int,
-    step: int,
-) -> TakenBatch:
-    """``intake.next_batch``, with ``early`` (if any) running reference forwards meanwhile; the
-    intake's and the workers' errors come out as themselves."""
-    if early is None:
-        return await intake.next_batch(n_groups, policy_version, max_staleness)
-    got: list[TakenBatch] = []
-    errors: list[Exception] = []
-    taken = anyio.Event()
-    async with anyio.create_task_group() as tg:
-
-        async def take() -> None:
-            try:
-                got.append(await intake.next_batch(n_groups, policy_version, max_staleness))
-            except Exception as e:
-                errors.append(e)
-            finally:
-                taken.set()
-
-        async def forward() -> None:
-            try:
-                await early.run(intake.buffered, intake.arrival, taken, step)
-            except Exception as e:
-                errors.append(e)
-                tg.cancel_scope.cancel()
-
-        tg.start_soon(take)
-        tg.start_soon(forward)
-    if errors:
-        raise errors[0]
-    return got[0]

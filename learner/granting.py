@@ -14,6 +14,7 @@ although some ready server does not take grants, so waiting may still bring grou
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import structlog
@@ -67,6 +68,16 @@ class Granting:
     def generating(self) -> int:
         """Groups granted and still generating (-1: no admission)."""
         return self.policy.generating if self.policy is not None else -1
+
+    def generating_from(self) -> float:
+        """The oldest version a group that can still arrive starts from: inf when none can (no
+        grant outstanding); -inf when unknown (no admission, or a server in session that does not
+        take grants and may send any group)."""
+        proto = self._proto
+        if self.policy is None or not set(proto.ready_peers()) <= set(proto.admission_peers()):
+            return -math.inf
+        oldest = self.policy.oldest_generating()
+        return math.inf if oldest is None else float(oldest)
 
     def on_joined(self, ev: PeerJoined) -> None:
         if self.policy is None:

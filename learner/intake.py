@@ -317,6 +317,11 @@ class Intake:
         """The groups waiting to be taken, in the order ``next_batch`` takes them."""
         return self._buffer.by_deadline()
 
+    def generating_from(self) -> float:
+        """Every group that can still arrive has its oldest token at this version or later
+        (`learner.granting.Granting.generating_from`: inf when none can, -inf when unknown)."""
+        return self._admission.generating_from()
+
     async def arrival(self) -> None:
         """Returns at the next arrival that would wake ``next_batch``."""
         self._arrived = self._arrived or anyio.Event()

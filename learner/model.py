@@ -388,6 +388,18 @@ def set_micro_batch(model: nn.Module, index: int, count: int) -> None:
         model.set_reshard_after_backward(last)
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its shards: a forward of a model that keeps its
+    parameters gathered (`keep_unsharded`) leaves them gathered, and then the module holds the
+    gathered tensors, not the sharded ones that carry the gradients and that the optimizer steps
+    (a step taken then would not reach the next forward, which reuses the gathered tensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def load_causal_lm(
     path: str, *, trust_remote_code: bool, gradient_checkpointing: bool
 ) -> PreTrainedModel:

@@ -30,6 +30,7 @@ import anyio
 import torch
 from anyio.abc import TaskStatus
 
+from common.config.errors import ConfigError, Issue
 from common.config.root import Config
 from common.epochs import total_steps
 from common.logging import get_logger
@@ -44,10 +45,11 @@ from common.timeline import (
     sample_every,
     timeline_path,
 )
-from learner import checkpoints, early_reference, trained_log, versions
+from learner import checkpoints, trained_log, versions, waits
 from learner.agent_metrics import KnownNames, agent_metrics
 from learner.checkpoint_io import ADAPTER_DIR
 from learner.early_reference import EarlyReference
+from learner.early_update import EarlyUpdate, Held, unavailable
 from learner.link import LearnerLink
 from learner.prepare import (
     batch_metrics,
@@ -141,6 +143,13 @@ class StepUpdate:
 class Trainer:
     def __init__(self, config: Config, run_dir: Path) -> None:
         self.config, self.run_dir = config, run_dir
+        key = "actor_rollout_ref.actor.first_mini_batch_in_waits"
+        if config.actor_rollout_ref.actor.first_mini_batch_in_waits and (
+            why := unavailable(config)
+        ):
+            raise ConfigError(
+                [Issue(key, f"true needs a step whose first mini-batch is final: {why}")]
+            )
         self.log = get_logger("learner")
         self.total = total_steps(config)
         self.settings = worker_settings(config, self.total)
@@ -160,6 +169,7 @@ class Trainer:
         self._val_reward: float | None = None  # the last validation's val/reward/mean
         self.timeline = TimelineWriter.off()  # opened by run()
         self._early_ref: EarlyReference | None = None  # made with the workers
+        self._early_update: EarlyUpdate | None = None  # likewise
 
     # The parts made at start-up (`run`), each checked once here rather than at every use.
     @property
@@ -208,9 +218,21 @@ class Trainer:
             self.log.info("LoRA adapters on the actor", **self._model_metrics)
         if resume is not None:
             await self.workers.load_checkpoint(str(resume))
-        if self.settings.need_ref and self.config.actor_rollout_ref.ref.forward_in_waits:
-            chunk = self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * self.world
+        arr = self.config.actor_rollout_ref
+        early_update = arr.actor.first_mini_batch_in_waits
+        if self.settings.need_ref and (arr.ref.forward_in_waits or early_update):
+            chunk = arr.actor.ppo_micro_batch_size_per_gpu * self.world
             self._early_ref = EarlyReference(self.workers, self._batching, chunk, self.timeline)
+        if early_update:
+            self._early_update = EarlyUpdate(
+                self.config,
+                self.settings,
+                self.workers,
+                self._batching,
+                self.kl_ctrl,
+                self._early_ref,
+                self.timeline,
+            )
 
     def _init_algorithm_state(
         self, state: dict[str, Any] | None, resume_path: Path | None = None
@@ -277,7 +299,9 @@ class Trainer:
             critic=bool(self.settings.critic_model_path),
         )
 
-    async def _update(self, samples: list[Sample]) -> StepUpdate:
+    async def _update(self, samples: list[Sample], held: Held | None = None) -> StepUpdate:
+        """``held``: the workers hold this step's first mini-batch (`learner.early_update`): the
+        update continues it with the later ones."""
 
         cfg = self.config.actor_rollout_ref.actor
         n_mini = mini_batch_count(self.config)
@@ -307,9 +331,13 @@ class Trainer:
             ranks=self.world,
             batching=self._batching(),
         )
-        res = await self.workers.update(
-            [UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans]
-        )
+        if held is not None:
+            requests = [
+                UpdateRequest("actor", p[1:], 1, old_from_forward, continues=True) for p in plans
+            ]
+        else:
+            requests = [UpdateRequest("actor", p, cfg.ppo_epochs, old_from_forward) for p in plans]
+        res = await self.workers.update(requests)
         metrics |= reduce_worker_metrics(res, "actor")
         self.version += 1
         return StepUpdate(metrics, actor_updated=True)
@@ -318,10 +346,18 @@ class Trainer:
         timer = Timer.start()
         rollout = self.config.actor_rollout_ref.rollout
         step, tl = self.step + 1, self.timeline
-        intake, early = self.link.intake, self._early_ref
-        taken = await early_reference.next_batch(
-            intake, early, self.config.data.train_batch_size, self.version, self.max_staleness, step
+        intake, early, early_update = self.link.intake, self._early_ref, self._early_update
+        in_waits = early if self.config.actor_rollout_ref.ref.forward_in_waits else None
+        taken = await waits.next_batch(
+            intake,
+            self.config.data.train_batch_size,
+            self.version,
+            self.max_staleness,
+            step,
+            early_ref=in_waits,
+            early_update=early_update if self.step >= self.config.trainer.critic_warmup else None,
         )
+        held = early_update.take(taken) if early_update else None
         trajs = list(taken.trajectories)
         tl.span(Track.STEP, "wait", *timer.lap("wait"), step=step, groups=groups_by_server(taken))
         metrics = batch_metrics(trajs, taken.staleness, self.version)
@@ -334,9 +370,10 @@ class Trainer:
         ref_missing = early.take(trajs, samples, intake.buffered()) if early else None
         metrics |= await self._prepare(trajs, samples, ref_missing)
         metrics |= early.metrics(len(samples)) if early else {}
+        metrics |= early_update.metrics(held) if early_update else {}
         tl.span(Track.STEP, "prepare", *timer.lap("prepare"), step=step)
         tokens = sum(len(s.input_ids) for s in samples)
-        update = await self._update(samples)
+        update = await self._update(samples, held)
         metrics |= update.metrics
         tl.span(Track.STEP, "update", *timer.lap("update"), step=step, tokens=tokens)
         if update.actor_updated:

@@ -68,6 +68,8 @@ class TrainWorker:
         self.models: dict[str, torch.nn.Module] = {}  # by Role
         self.optims: dict[str, torch.optim.Optimizer] = {}  # by TrainedRole
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+        # by TrainedRole: the sums of a first mini-batch whose step waits (`UpdateRequest.hold`)
+        self._held: dict[str, dict[str, float]] = {}
         self._weights_writer: WeightsFileWriter | None = None  # made at the first file hand-over
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -236,17 +238,49 @@ class TrainWorker:
     def update(self, req: UpdateRequest) -> UpdateResult:
         """One PPO update. ``old_from_forward``: the first mini-batch's samples carry no old
         logprobs; each of its micro-batches takes its own forward's, detached, which is exact only
-        before the first optimizer step, so only with one epoch."""
+        before the first optimizer step, so only with one epoch. ``hold`` / ``continues``: the
+        update in two calls, its first mini-batch's step held between them (`UpdateRequest`)."""
         # lazy: learner.update imports verl
         from learner.update import actor_micro_loss, critic_micro_loss
 
-        if req.role == "critic":
-            return self._update("critic", req.plans, req.epochs, critic_micro_loss)
-        if req.old_from_forward is not None and req.epochs != 1:
+        split = req.hold or req.continues
+        if (split or req.old_from_forward is not None) and req.epochs != 1:
+            what = "an update in two calls" if split else "old logprobs from the update's forward"
+            raise ValueError(f"{what} needs one epoch (got {req.epochs})")
+        if req.hold and len(req.plans) != 1:
             raise ValueError(
-                f"old logprobs from the update's forward need one epoch (got {req.epochs})"
+                f"a held update takes its first mini-batch alone (got {len(req.plans)})"
             )
-        return self._update("actor", req.plans, req.epochs, actor_micro_loss, req.old_from_forward)
+        held = self._held.pop(req.role, None)  # any other update drops it: zero_grad comes first
+        if req.continues and held is None:
+            raise RuntimeError(f"this {req.role} update continues one, but none is held")
+        micro_loss = critic_micro_loss if req.role == "critic" else actor_micro_loss
+        old = req.old_from_forward if req.role == "actor" else None
+        if req.hold:
+            self._held[req.role] = self._hold(req.role, req.plans[0], micro_loss, old)
+            lr = float(self.scheds[req.role].get_last_lr()[0])
+            return UpdateResult(
+                req.role, optimizer_steps=0, skipped_steps=0, grad_norm_sum=0.0, lr=lr
+            )
+        return self._update(
+            req.role, req.plans, req.epochs, micro_loss, old, held if req.continues else None
+        )
+
+    def _hold(
+        self,
+        role: TrainedRole,
+        plan: MiniBatchPlan,
+        micro_loss: MicroLoss,
+        old_from_forward: OldFromForward | None,
+    ) -> dict[str, float]:
+        """The first mini-batch's forward and backward; its gradients stay for the next update."""
+        model, opt = self.models[role], self.optims[role]
+        self._onload_optimizer(role)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        self._accumulate(model, plan, micro_loss, old_from_forward, sums)
+        return sums
 
     def _update(
         self,
@@ -255,53 +289,74 @@ class TrainWorker:
         epochs: int,
         micro_loss: MicroLoss,
         old_from_forward: OldFromForward | None = None,
+        held: dict[str, float] | None = None,
     ) -> UpdateResult:
-        # lazy: learner.model imports verl
-        from learner.model import collate, layout_counts, set_micro_batch
-
+        """``held``: the sums of a first mini-batch whose gradients wait in the model (`_hold`):
+        its step comes first, and ``plans`` are the mini-batches after it."""
         model, opt = self.models[role], self.optims[role]
-        clip = self.s.grad_clip if role == "actor" else self.s.critic_grad_clip
         self._onload_optimizer(role)
         model.train()
-        sums: dict[str, float] = {}
+        # lazy: learner.model imports verl
+        from learner.model import reshard
+
+        sums: dict[str, float] = dict(held or {})
         grad_norms: list[float] = []
-        skipped = 0
+        if held is not None:
+            # the forwards since the hold (the later mini-batches' old logprobs) may have left the
+            # parameters gathered: the held gradients are on the shards
+            reshard(model)
+            grad_norms.append(self._step(role, model, opt))
         for _ in range(epochs):
             for p, plan in enumerate(plans):
                 # only the first mini-batch's forward runs on the weights before the update
                 off_policy = old_from_forward
-                if off_policy is not None and p > 0:
+                if off_policy is not None and (p > 0 or held is not None):
                     off_policy = replace(off_policy, from_own_forward=False)
                 opt.zero_grad(set_to_none=True)
-                for i, micro in enumerate(plan.micro_batches):
-                    set_micro_batch(model, i, len(plan.micro_batches))
-                    batch = collate(
-                        micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix
-                    )
-                    loss, metrics = micro_loss(model, batch, plan, self.s, self.world, off_policy)
-                    loss.backward()
-                    metrics.update(layout_counts(batch, len(micro)))
-                    for k, v in metrics.items():
-                        sums[k] = (
-                            max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-                        )
-                norm = _full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-                if math.isfinite(norm):
-                    opt.step()
-                else:  # a non-finite gradient would poison the weights: skip this step
-                    skipped += 1
-                grad_norms.append(norm)
+                self._accumulate(model, plan, micro_loss, off_policy, sums)
+                grad_norms.append(self._step(role, model, opt))
         self.scheds[role].step()
         self._offload_optimizer(role)
         opt.zero_grad(set_to_none=True)
         return UpdateResult(
             role=role,
             optimizer_steps=len(grad_norms),
-            skipped_steps=skipped,
+            skipped_steps=sum(not math.isfinite(n) for n in grad_norms),
             grad_norm_sum=float(np.nansum(grad_norms)),
             lr=float(self.scheds[role].get_last_lr()[0]),
             sums=sums,
         )
+
+    def _accumulate(
+        self,
+        model: torch.nn.Module,
+        plan: MiniBatchPlan,
+        micro_loss: MicroLoss,
+        off_policy: OldFromForward | None,
+        sums: dict[str, float],
+    ) -> None:
+        """Forward and backward of every micro-batch of ``plan``: the gradients add up in the
+        model, the loss terms in ``sums``."""
+        # lazy: learner.model imports verl
+        from learner.model import collate, layout_counts, set_micro_batch
+
+        for i, micro in enumerate(plan.micro_batches):
+            set_micro_batch(model, i, len(plan.micro_batches))
+            batch = collate(micro, self.device, packed=plan.packed, share_prefix=plan.share_prefix)
+            loss, metrics = micro_loss(model, batch, plan, self.s, self.world, off_policy)
+            loss.backward()
+            metrics.update(layout_counts(batch, len(micro)))
+            for k, v in metrics.items():
+                sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+
+    def _step(self, role: TrainedRole, model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+        """Clip the gradients and step; a non-finite norm skips the step (it would poison the
+        weights). Returns the norm."""
+        clip = self.s.grad_clip if role == "actor" else self.s.critic_grad_clip
+        norm = _full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        if math.isfinite(norm):
+            opt.step()
+        return norm
 
     def _offload_optimizer(self, role: TrainedRole) -> None:
         if self.s.optimizer_offload and self.device.type == "cuda":

@@ -58,12 +58,19 @@ class ForwardResult:
 @dataclass(frozen=True)
 class UpdateRequest:
     """One PPO update of ``role`` over this rank's share of each mini-batch. ``old_from_forward``
-    (actor only): take the old logprobs from the update's own forward (`OldFromForward`)."""
+    (actor only): take the old logprobs from the update's own forward (`OldFromForward`).
+
+    An update may come in two calls (`learner.early_update`), one epoch only: ``hold`` runs the
+    forward and backward of the one plan given, the update's first mini-batch, and keeps its
+    gradients and its optimizer step for the next call; that call has ``continues`` and the later
+    mini-batches, and steps the held one first. Any other update drops what is held."""
 
     role: TrainedRole
     plans: list[MiniBatchPlan]
     epochs: int = 1
     old_from_forward: OldFromForward | None = None
+    hold: bool = False
+    continues: bool = False
 
 
 @dataclass(frozen=True)

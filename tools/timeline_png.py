@@ -22,6 +22,7 @@ from common.timeline import (
     APPLY_SPAN,
     CHECKPOINT_SPAN,
     EARLY_REF_SPAN,
+    EARLY_UPDATE_SPAN,
     GRANT_EVENT,
     PUBLISH_EVENT,
     VALIDATE_SPAN,
@@ -33,6 +34,7 @@ from tools.timeline_read import Timeline, level, rate, steps
 PHASE_COLORS = {
     "wait": "#d62728",
     EARLY_REF_SPAN: "#e377c2",  # drawn over the wait it ran in
+    EARLY_UPDATE_SPAN: "#17becf",  # likewise
     "prepare": "#ff7f0e",
     "update": "#1f77b4",
     "broadcast": "#2ca02c",

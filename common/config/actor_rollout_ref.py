@@ -250,6 +250,15 @@ class ActorConfig(Section):
     """FSDP2 settings."""
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     """Correction for stale trajectories."""
+    first_mini_batch_in_waits: bool = False
+    """Train a step's first mini-batch while the learner waits for the rest of its batch, once
+    the buffer holds groups that fill it and are due at this step (learner/early_update.py): its
+    forward and backward run in the wait, its optimizer step after the later mini-batches' old
+    logprobs, so the step trains what it would have trained. Needs old logprobs from the update's
+    own forward, one PPO epoch, advantages per group (grpo, rloo), no critic, dynamic sampling or
+    dataset mix; the learner refuses it otherwise. Helps where the learner waits with idle
+    devices; where it shares them with generation its compute slows generation down. false: the
+    whole update after the wait, as verl does."""
 
     @model_validator(mode="after")
     def _policy_loss_needs(self) -> ActorConfig:

