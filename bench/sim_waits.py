@@ -8,7 +8,8 @@ and weight hand-over, and ``tau0`` calibrated on its sync run as ``bench/simulat
 ``--prepare-s`` / ``--update-s`` set the learner's step instead (the learner got faster since that
 run), and ``--tau0-ms``, ``--apply-s``, ``--applied-s``, ``--servers`` and ``--learner-gpu-share``
 (a server on the learner's GPU that generates while the learner waits) change generation, to see
-which cost a wait comes from.
+which cost a wait comes from. ``--early-update`` has the learner train each step's first
+mini-batch in its wait (``actor.first_mini_batch_in_waits``).
 
 A group whose oldest token is version ``v`` must be trained by the step of version ``v + k``. So
 for each step of version ``V`` the report compares the arrival of the last group started on
@@ -174,6 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="add a server on the learner's GPU, at this share of its speed while the learner "
         "computes (full speed while it waits; the learner is not slowed: optimistic)",
     )
+    p.add_argument(
+        "--early-update",
+        action="store_true",
+        help="the learner trains a step's first mini-batch in its wait "
+        "(actor.first_mini_batch_in_waits)",
+    )
     p.add_argument("--waves", action="store_true", help="print the waves of seed 0")
     return p.parse_args(argv)
 
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         file=sys.stderr,
     )
+    base = replace(base, early_update=args.early_update)
     results = []
     for k in args.staleness:
         r, sims = run_k(replace(base, max_staleness=k, steps=args.steps), args.seeds)

@@ -83,6 +83,30 @@ def unavailable(config: Config) -> str | None:
     return next((why for bad, why in reasons if bad), None)
 
 
+def fixed_first(
+    queued: Sequence[Group],
+    groups: int,
+    n: int,
+    policy_version: int,
+    max_staleness: int,
+    generating_from: float = -math.inf,
+) -> list[Group] | None:
+    """The ``groups`` groups of ``n`` trajectories that will be the step's first mini-batch whatever
+    arrives, if the buffer (``queued``, earliest deadline first) already holds them all: none can
+    be displaced when every group that can still arrive starts at their newest oldest version or
+    later (``generating_from``, `Intake.generating_from`: a later arrival with the same deadline
+    sorts after them), or when they are all due now (an earlier deadline is stale). None also when
+    the first mini-batch does not hold whole groups (``groups`` 0)."""
+    head = list(queued[:groups])
+    if groups == 0 or len(head) < groups:
+        return None
+    if any(g.oldest_version is None or g.carried or len(g.trajectories) != n for g in head):
+        return None
+    newest = max(g.oldest_version or 0 for g in head)
+    due = all(g.staleness(policy_version) == max_staleness for g in head)
+    return head if due or newest <= generating_from else None
+
+
 @dataclass(frozen=True)
 class Held:
     """The first mini-batch the workers hold: its groups, in batch order, and its sample count."""
@@ -127,22 +151,10 @@ class EarlyUpdate:
         max_staleness: int,
         generating_from: float = -math.inf,
     ) -> list[Group] | None:
-        """The groups that will be the step's first mini-batch whatever arrives, if the buffer
-        (``queued``, earliest deadline first) already holds them all, each of full size: none can
-        be displaced when every group that can still arrive starts at their newest oldest version
-        or later (``generating_from``, `Intake.generating_from`: a later arrival with the same
-        deadline sorts after them), or when they are all due now (an earlier deadline is stale)."""
-        k = self.first_groups
-        head = list(queued[:k])
-        if k == 0 or len(head) < k:
-            return None
-        if any(
-            g.oldest_version is None or g.carried or len(g.trajectories) != self._n for g in head
-        ):
-            return None
-        newest = max(g.oldest_version or 0 for g in head)
-        due = all(g.staleness(policy_version) == max_staleness for g in head)
-        return head if due or newest <= generating_from else None
+        """`fixed_first` of this run's first mini-batch."""
+        return fixed_first(
+            queued, self.first_groups, self._n, policy_version, max_staleness, generating_from
+        )
 
     async def run(
         self,

@@ -19,7 +19,10 @@ Everything else is a cost model:
 - an episode is ``turns`` turns of decoding, split evenly over its model tokens, with a tool call
   (``tool_latency_s``) between turns;
 - the learner's prepare, update and publish take the batch's tokens times the learner's per-token
-  costs, over ``learner_gpus`` GPUs. A new version reaches a server ``applied_s`` after the gather
+  costs, over ``learner_gpus`` GPUs. With ``early_update`` the first mini-batch's share of the
+  update and of the reference forward (2/3 of prepare with two mini-batches: the reference runs
+  over every sample, the old-logprob forward over the later half) runs in the wait instead, once
+  ``learner.early_update.fixed_first`` (the real rule) says the buffer holds it. A new version reaches a server ``applied_s`` after the gather
   starts, plus the transfer time of the fan-out for servers on other hosts.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +38,8 @@ import numpy as np
 
 from bench.clustersim.costs import GenCosts, LearnerCosts, Lengths, WeightCosts
 from learner.admission import Admission
-from learner.buffer import Group, GroupBuffer
+from learner.buffer import Group, GroupBuffer, GroupKey
+from learner.early_update import fixed_first
 from protocol.staleness import group_too_old
 from protocol.trajectory import Trajectory
 from rollout_service.granting import GrantBook
@@ -60,6 +65,10 @@ class Setup:
     learner_scaling: float = 1.0  # tok/s per learner GPU at W GPUs, as a share of one GPU's
     transfer_s: Callable[[int], float] = lambda _i: 0.0  # extra delivery time to server i
     admission: bool = True  # learner.admission (false: servers generate ahead, stale drops)
+    # actor.first_mini_batch_in_waits: the first of ``mini_batches`` trained in the wait once
+    # `learner.early_update.fixed_first` says the buffer holds it (with its reference forward)
+    early_update: bool = False
+    mini_batches: int = 2
 
 
 @dataclass
@@ -274,6 +283,9 @@ class Learner:
         self.generated = 0
         self.dropped_tokens = 0
         self._scanned = -1  # the version at which the queue was last scanned for stale groups
+        self._computing = 0  # the step's compute and the first mini-batch's in the wait
+        # the first mini-batch held in this wait: its group keys, seconds it saves, end time
+        self._early: tuple[list[GroupKey], float, float] | None = None
 
     # -- the intake's glue (learner/intake.py, learner/granting.py) ------------------------------
     def admit(self) -> None:
@@ -296,7 +308,36 @@ class Learner:
             for g in groups:
                 self.admission.received(peer, g.oldest_version)
             self.admit()
+        self._try_early()
         self.try_step()
+
+    def _set_computing(self, delta: int) -> None:
+        self._computing += delta
+        self.sim.learner_computing(self._computing > 0)
+
+    def _try_early(self) -> None:
+        """In a wait, hold the first mini-batch once the real rule says the buffer fixes it."""
+        s = self.sim.setup
+        if not s.early_update or self.waiting_since is None or self._early is not None:
+            return
+        first = -(-s.batch_groups * s.n // s.mini_batches)
+        groups = first // s.n if first % s.n == 0 else 0
+        oldest = self.admission.oldest_generating() if self.admission is not None else None
+        bound = -math.inf if self.admission is None else math.inf if oldest is None else oldest
+        head = fixed_first(
+            self.buffer.by_deadline(), groups, s.n, self.version, s.max_staleness, bound
+        )
+        if head is None:
+            return
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in head for t in g.trajectories)
+        gpus = s.learner_gpus * s.learner_scaling
+        ref_share = 1 / (1 + (s.mini_batches - 1) / s.mini_batches)
+        lc = s.learner
+        seconds = tokens / (lc.update_tokens_per_s * gpus)
+        seconds += tokens * lc.prepare_s_per_token * ref_share / gpus
+        self._early = ([g.key for g in head], seconds, self.sim.clock.now + seconds)
+        self._set_computing(+1)
+        self.sim.clock.after(seconds, lambda: self._set_computing(-1))
 
     def _drop_stale(self, new: list[Group] | None = None) -> None:
         k = self.sim.setup.max_staleness
@@ -336,11 +377,15 @@ class Learner:
         gpus_tok_s = lc.update_tokens_per_s * s.learner_gpus * s.learner_scaling
         compute = tokens * lc.prepare_s_per_token / (s.learner_gpus * s.learner_scaling)
         compute += tokens / gpus_tok_s
+        early, self._early = self._early, None
+        if early is not None and [g.key for g in taken.groups[: len(early[0])]] == early[0]:
+            # the held mini-batch's work is done, or ends before the rest starts
+            compute += max(0.0, early[2] - self.sim.clock.now) - early[1]
         start = self.sim.clock.now
-        self.sim.learner_computing(True)
+        self._set_computing(+1)
 
         def updated() -> None:
-            self.sim.learner_computing(False)
+            self._set_computing(-1)
             self.sim.publish(self.version + 1)
             self.sim.clock.after(lc.publish_s, published)
 
@@ -354,6 +399,7 @@ class Learner:
             )
             self.admit()
             self.waiting_since = now
+            self._try_early()
             self.try_step()
 
         self.sim.clock.after(compute, updated)
