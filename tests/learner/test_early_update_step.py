@@ -31,39 +31,18 @@ async def one_step(
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """``mode``: plain (the usual step), held (the first mini-batch held in the wait) or dropped
     (held, then an update that does not continue it)."""
-    from test_skip_old_forward import trajectories
+    from test_skip_old_forward import trainer_for, trajectories
 
-    from common.config.loader import load_config
     from common.safetensors_buffers import load_dir
     from learner.buffer import Group
     from learner.early_reference import EarlyReference
     from learner.early_update import EarlyUpdate
     from learner.intake import TakenBatch
     from learner.prepare import to_samples
-    from learner.trainer import Trainer
     from learner.worker_api import WeightsRequest
-    from learner.workers import WorkerGroup
 
-    config = load_config(
-        None,
-        [
-            f"actor_rollout_ref.model.path={model}",
-            f"data.train_files=[{run_dir / 'none.jsonl'}]",
-            "data.train_batch_size=2",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.optim.lr=1e-3",
-            "actor_rollout_ref.rollout.temperature=0.8",
-            "trainer.n_gpus_per_node=2",
-            "trainer.device=cpu",
-            "trainer.total_training_steps=1",
-            f"trainer.run_dir={run_dir}",
-            *OVERRIDES,
-        ],
-        check_paths=False,
-    )
-    trainer = Trainer(config, run_dir)
-    trainer._init_algorithm_state(None)
-    trainer.workers = WorkerGroup(trainer.settings, trainer.world)
+    trainer = trainer_for(model, run_dir, OVERRIDES)
+    config = trainer.config
     try:
         await trainer.workers.start()
         trajs = trajectories()

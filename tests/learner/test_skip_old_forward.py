@@ -47,14 +47,11 @@ def trajectories(seed: int = 0, groups: int = 2, n: int = 4) -> list[Any]:
     return out
 
 
-async def one_step(
-    model: Path, run_dir: Path, overrides: list[str]
-) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def trainer_for(model: Path, run_dir: Path, overrides: list[str]) -> Any:
+    """The real `Trainer` of a one-step run of ``trajectories()`` (2 groups of 4, 2 gloo ranks),
+    with its algorithm state and its (not yet started) workers."""
     from common.config.loader import load_config
-    from common.safetensors_buffers import load_dir
-    from learner.prepare import to_samples
     from learner.trainer import Trainer
-    from learner.worker_api import WeightsRequest
     from learner.workers import WorkerGroup
 
     config = load_config(
@@ -78,6 +75,17 @@ async def one_step(
     trainer = Trainer(config, run_dir)
     trainer._init_algorithm_state(None)
     trainer.workers = WorkerGroup(trainer.settings, trainer.world)
+    return trainer
+
+
+async def one_step(
+    model: Path, run_dir: Path, overrides: list[str]
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    from common.safetensors_buffers import load_dir
+    from learner.prepare import to_samples
+    from learner.worker_api import WeightsRequest
+
+    trainer = trainer_for(model, run_dir, overrides)
     try:
         await trainer.workers.start()
         trajs = trajectories()
