@@ -7,9 +7,10 @@ waits for them rather than drop them). Groups that are due now come first in the
 (`learner.buffer.GroupBuffer.take`: earliest deadline first, arrival order among equals), and
 nothing can come before them: an earlier deadline is stale and dropped, and a later arrival with
 the same deadline sorts after them. So once the first groups of the buffer are all due and fill the
-step's first mini-batch, that mini-batch is fixed whatever else arrives. So is it when admission
-knows that every group still generating starts at their newest version or later (a learner that
-waits for groups of the current version, not for due ones). While the learner waits,
+step's first mini-batch, that mini-batch is fixed whatever else arrives. It is fixed too when
+admission knows that every group still generating starts on those groups' newest version or later
+(`Intake.generating_from`): the case of a learner that waits for groups of the current version,
+not for due ones. While the learner waits,
 `EarlyUpdate.run` finds that moment, gives those samples their advantages (per group: the
 estimators of `PER_GROUP`) and their reference logprobs (`learner.early_reference`), and has the
 workers run the mini-batch's forward and backward, holding its optimizer step
