@@ -84,6 +84,13 @@ def unavailable(config: Config) -> str | None:
     return next((why for bad, why in reasons if bad), None)
 
 
+def first_groups(batch_samples: int, n: int, mini_batches: int) -> int:
+    """Whole groups of ``n`` in a step's first mini-batch of ``batch_samples`` cut in
+    ``mini_batches`` (`even_chunks`); 0 when the cut falls inside a group."""
+    first = len(even_chunks(range(batch_samples), mini_batches)[0])
+    return first // n if first % n == 0 else 0
+
+
 def fixed_first(
     queued: Sequence[Group],
     groups: int,
@@ -136,14 +143,9 @@ class EarlyUpdate:
         rollout = config.actor_rollout_ref.rollout
         self._n = rollout.n
         batch = config.data.train_batch_size * rollout.n
-        self._first = len(even_chunks(range(batch), mini_batch_count(config))[0])
+        self.first_groups = first_groups(batch, rollout.n, mini_batch_count(config))
         self.held: Held | None = None
         self._wasted = 0.0
-
-    @property
-    def first_groups(self) -> int:
-        """Groups in a step's first mini-batch (0: it does not hold whole groups)."""
-        return self._first // self._n if self._first % self._n == 0 else 0
 
     def first_mini_batch(
         self,

@@ -11,6 +11,8 @@ themselves; a waiter's error cancels the wait.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import anyio
 
 from learner.early_reference import EarlyReference
@@ -44,25 +46,19 @@ async def next_batch(
             finally:
                 taken.set()
 
-        async def ref_forwards(early: EarlyReference) -> None:
+        async def waiter(work: Awaitable[None]) -> None:
             try:
-                await early.run(intake.buffered, intake.arrival, taken, step)
-            except Exception as e:
-                errors.append(e)
-                tg.cancel_scope.cancel()
-
-        async def first_mini_batch(early: EarlyUpdate) -> None:
-            try:
-                await early.run(intake, taken, policy_version, max_staleness, step)
+                await work
             except Exception as e:
                 errors.append(e)
                 tg.cancel_scope.cancel()
 
         tg.start_soon(take)
         if early_ref is not None:
-            tg.start_soon(ref_forwards, early_ref)
+            tg.start_soon(waiter, early_ref.run(intake.buffered, intake.arrival, taken, step))
         if early_update is not None:
-            tg.start_soon(first_mini_batch, early_update)
+            run = early_update.run(intake, taken, policy_version, max_staleness, step)
+            tg.start_soon(waiter, run)
     if errors:
         raise errors[0]
     return got[0]

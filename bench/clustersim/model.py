@@ -39,7 +39,7 @@ import numpy as np
 from bench.clustersim.costs import GenCosts, LearnerCosts, Lengths, WeightCosts
 from learner.admission import Admission
 from learner.buffer import Group, GroupBuffer, GroupKey
-from learner.early_update import fixed_first
+from learner.early_update import first_groups, fixed_first
 from protocol.staleness import group_too_old
 from protocol.trajectory import Trajectory
 from rollout_service.granting import GrantBook
@@ -320,8 +320,7 @@ class Learner:
         s = self.sim.setup
         if not s.early_update or self.waiting_since is None or self._early is not None:
             return
-        first = -(-s.batch_groups * s.n // s.mini_batches)
-        groups = first // s.n if first % s.n == 0 else 0
+        groups = first_groups(s.batch_groups * s.n, s.n, s.mini_batches)
         oldest = self.admission.oldest_generating() if self.admission is not None else None
         bound = -math.inf if self.admission is None else math.inf if oldest is None else oldest
         head = fixed_first(
