@@ -30,11 +30,11 @@ from typing import Any
 from bench._common import GpuMemory, tail
 from bench._e2e_summary import (
     episode_lengths,
-    label,
     progress,
     read_episodes,
     summarize,
 )
+from bench._e2e_variants import BASE, Variant, label
 from common.file_tail import LineTail
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +45,10 @@ STOP_GRACE_S = 60.0
 """What bin/train gets between SIGTERM and SIGKILL when a run is stopped."""
 
 
-def preflight(args: argparse.Namespace, overrides: list[str]) -> None:
-    """``bin/train --check`` with every override the runs will get (the model path pointed at an
-    existing directory): a config mistake fails here, in seconds, not after the warm-up."""
+def preflight(args: argparse.Namespace, overrides: list[str], variant: Variant = BASE) -> None:
+    """``bin/train --check`` with every override the runs of ``variant`` will get (the model path
+    pointed at an existing directory): a config mistake fails here, in seconds, not after the
+    warm-up."""
     cmd = [
         sys.executable,
         str(ROOT / "bin" / "train"),
@@ -57,6 +58,7 @@ def preflight(args: argparse.Namespace, overrides: list[str]) -> None:
         f"trainer.total_training_steps={args.steps}",
         f"actor_rollout_ref.rollout.max_staleness={max(args.staleness_values)}",
         *args.overrides,
+        *variant.overrides,
         "--check",
     ]
     try:
@@ -68,7 +70,9 @@ def preflight(args: argparse.Namespace, overrides: list[str]) -> None:
             f"bin/train --check refuses the config (exit status {out.returncode}):\n"
             f"{out.stderr.strip()[-3000:]}"
         )
-    progress("config: bin/train --check passes")
+    progress(
+        f"config{' of variant ' + variant.name if variant.name else ''}: bin/train --check passes"
+    )
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
@@ -120,24 +124,29 @@ def run_train(
     overrides: list[str],
     work: Path,
     limit_s: float,
+    variant: Variant = BASE,
 ) -> dict[str, Any]:
-    """One bin/train run of ``max_staleness`` ``staleness`` (repeat ``repeat``), followed step by
-    step, stopped at ``limit_s``, its peak GPU memory sampled throughout. Returns its record."""
-    name = f"run-{args.workload}-{args.placement.slug}-s{staleness}-r{repeat}"
+    """One bin/train run of ``max_staleness`` ``staleness`` and ``variant`` (repeat ``repeat``),
+    followed step by step, stopped at ``limit_s``, its peak GPU memory sampled throughout. Returns
+    its record."""
+    suffix = f"-{variant.name}" if variant.name else ""
+    name = f"run-{args.workload}-{args.placement.slug}-s{staleness}{suffix}-r{repeat}"
     run_dir = work / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     log = work / f"{name}.train.log"
     marker = uuid.uuid4().hex
-    tag = f"{label(staleness)} r{repeat}"
+    tag = f"{label(staleness, variant)} r{repeat}"
     progress(
         f"run {tag} (max_staleness={staleness}, {args.placement.spec}): bin/train, {args.steps} "
         f"steps, limit {limit_s:.0f} s, logs {run_dir / 'logs'}"
     )
     result: dict[str, Any] = {
-        "label": label(staleness),
+        "label": label(staleness, variant),
         "max_staleness": staleness,
+        "variant": variant.name,
+        "variant_overrides": list(variant.overrides),
         "repeat": repeat,
         "placement": args.placement.spec,
         "run_dir": str(run_dir),
@@ -146,7 +155,7 @@ def run_train(
     t0 = time.monotonic()
     with log.open("wb") as out, GpuMemory() as memory:
         proc = subprocess.Popen(
-            train_command(args, staleness, overrides, run_dir),
+            train_command(args, staleness, [*overrides], run_dir, variant.overrides),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -170,8 +179,13 @@ def run_train(
 
 
 def train_command(
-    args: argparse.Namespace, staleness: int, overrides: list[str], run_dir: Path
+    args: argparse.Namespace,
+    staleness: int,
+    overrides: list[str],
+    run_dir: Path,
+    variant: tuple[str, ...] = (),
 ) -> list[str]:
+    """The variant's overrides come last: they win over the bench's and the caller's."""
     return [
         sys.executable,
         str(ROOT / "bin" / "train"),
@@ -182,6 +196,7 @@ def train_command(
         f"trainer.total_training_steps={args.steps}",
         f"actor_rollout_ref.rollout.max_staleness={staleness}",
         *args.overrides,
+        *variant,
     ]
 
 

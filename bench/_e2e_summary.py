@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Progress, ratio
+from bench._e2e_variants import is_base_sync
 from rollout_service.recording import read_recording
 
 progress = Progress("e2e")
@@ -45,10 +46,6 @@ WASTE = "rollout/waste_frac"
 """The learner's share of generated tokens never trained (cumulative), where it logs it."""
 REWARD_WINDOW = 5
 """Steps of the trailing mean in the reward criterion (sync's final reward: its last 5 steps)."""
-
-
-def label(staleness: int) -> str:
-    return "sync" if staleness == 0 else f"async-s{staleness}"
 
 
 def tokens_per_s(steps: list[dict[str, Any]]) -> float | None:
@@ -286,11 +283,11 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each async run against sync (max_staleness 0): throughput (sync's mean step time / the run's,
+    """Each other run against the base sync run (max_staleness 0, no variant): throughput (sync's mean step time / the run's,
     the run's tokens/s / sync's) and the reward criterion: when the run's trailing mean reward
     (REWARD_WINDOW steps) first reaches sync's final mean reward (its last REWARD_WINDOW steps), in
     seconds since the end of step 1, against sync's total time on the same clock."""
-    sync = next((r for r in runs if r["max_staleness"] == 0 and r.get("steps_done")), None)
+    sync = next((r for r in runs if is_base_sync(r) and r.get("steps_done")), None)
     if sync is None:
         return {}
     sm = sync.get("means", {})

@@ -23,8 +23,12 @@ Workloads (``--workload``):
 Runs: ``max_staleness`` 0 is the synchronous baseline, labelled ``sync`` (the learner admits one
 batch per policy version: generate on the current weights, train, publish, repeat), the others
 ``async-sK``; each is a configuration. Default ``0,1,2,4`` for longtail, ``0,2`` for calc.
-``--repeats N`` runs every configuration N times, interleaved (sync, async-s1, ..., then again), so
-that drift of the machine hits every configuration alike.
+``--variant 'NAME:KEY=VALUE [KEY=VALUE ...]'`` (repeatable; bench/_e2e_variants.py) adds, for every
+``max_staleness``, a configuration with those bin/train overrides, labelled ``sync+NAME`` /
+``async-sK+NAME``, e.g. ``--variant 'early:actor_rollout_ref.actor.first_mini_batch_in_waits=true'``;
+every run is compared with the base sync run. ``--repeats N`` runs every configuration N times,
+interleaved (sync, async-s1, ..., then again), so that drift of the machine hits every
+configuration alike.
 
 Placement (``--placement``, bench/_placement.py): the learner's GPUs and each rollout server's, e.g.
 ``learner=0,1;rollout=2;rollout=3`` (2 FSDP ranks on GPUs 0-1, a rollout server on each of GPUs 2
@@ -136,6 +140,7 @@ from bench._e2e_summary import (  # noqa: E402
     table,
     write_results,
 )
+from bench._e2e_variants import run_key, schedule, variants  # noqa: E402
 from bench._repeats import summarize_repeats, summary_text  # noqa: E402
 from tools.timeline import draw_beside  # noqa: E402
 
@@ -158,6 +163,7 @@ RESUME_KEYS = (
     "config",
     "overrides",
     "model",
+    "variants",
 )
 """What the runs kept by --resume must share with this call (and the placement's spec)."""
 T0 = progress.t0
@@ -302,6 +308,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="copy each run's metrics.jsonl, resolved config and log tails here (e.g. $OUT/e2e)",
     )
     p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'NAME:KEY=VALUE [KEY=VALUE ...]'",
+        help="one more configuration per max_staleness, with these bin/train overrides, labelled "
+        "+NAME (repeatable)",
+    )
+    p.add_argument(
         "--prepare-only", action="store_true", help="write model, data and warm-up, then stop"
     )
     p.add_argument(
@@ -332,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         p.error(f"overrides must be key=value (got {bad})")
+    try:
+        a.configs = variants(a.variant)
+    except ValueError as e:
+        p.error(f"--variant {e}")
     return a
 
 
@@ -358,12 +376,6 @@ def run_limit(a: argparse.Namespace, walls: list[float]) -> float | None:
     return min(a.timeout_s, left) if left >= max(walls, default=RUN_FLOOR_S) else None
 
 
-def schedule(staleness: list[int], repeats: int) -> list[tuple[int, int]]:
-    """(repeat, max_staleness) in run order: every configuration once, then again (interleaved,
-    so that a drift of the machine hits every configuration alike)."""
-    return [(r, s) for r in range(1, repeats + 1) for s in staleness]
-
-
 def resolve_device(asked: str) -> str:
     if asked != "auto":
         return asked
@@ -388,11 +400,17 @@ def main(argv: list[str] | None = None) -> int:
             result["ok"] = True
             return finish(result, results_path)
         episodes = resume(args, result, results_path)
-        done = {(r.get("repeat", 1), r["max_staleness"]) for r in result["runs"]}
-        todo = [x for x in schedule(args.staleness_values, args.repeats) if x not in done]
-        result["pending"] = [{"repeat": r, "max_staleness": s} for r, s in todo]
+        done = {run_key(r) for r in result["runs"]}
+        todo = [
+            (r, s, v)
+            for r, s, v in schedule(args.staleness_values, args.repeats, args.configs)
+            if (r, s, v.name) not in done
+        ]
+        result["pending"] = [
+            {"repeat": r, "max_staleness": s, "variant": v.name} for r, s, v in todo
+        ]
         walls: list[float] = []
-        for repeat, s in todo:
+        for repeat, s, variant in todo:
             limit = run_limit(args, walls)
             if limit is None:
                 progress(
@@ -400,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--resume (the time left is shorter than a run)"
                 )
                 break
-            run = run_train(args, s, repeat, overrides, work, limit)
+            run = run_train(args, s, repeat, overrides, work, limit, variant)
             walls.append(run["wall_s"])
             episodes += run.pop("_episodes", [])
             # where the run's time went (PNG + trace), one pair per run: repeats too
@@ -456,10 +474,14 @@ def prepare(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> lis
         "repeats": args.repeats,
         "placement": placement.as_json(),
     }
+    if named := {v.name: list(v.overrides) for v in args.configs if v.name}:
+        result["variants"] = named  # absent without: results from before variants still resume
     if device == "cuda":
         result["gpus"] = gpu_names()
         result["gpus_used"] = LEGACY_WORDS.get(placement.spec, placement.describe())
-    check_placement(placement, args.overrides, device)
+    check_placement(
+        placement, [*args.overrides, *(o for v in args.configs for o in v.overrides)], device
+    )
     workload = WORKLOADS[args.workload]
     progress(
         f"workload {args.workload}, device {device}, shape {shape}, dtype {dtype}, staleness "
@@ -473,7 +495,12 @@ def prepare(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> lis
     ]
     device_overrides = [*CPU_OVERRIDES, *workload.cpu_overrides] if device == "cpu" else []
     device_overrides += placement.overrides(device)
-    preflight(args, [f"actor_rollout_ref.model.path={work}", *data_overrides, *device_overrides])
+    for variant in args.configs:
+        preflight(
+            args,
+            [f"actor_rollout_ref.model.path={work}", *data_overrides, *device_overrides],
+            variant,
+        )
     model = write_model(work / f"model-{shape}-{args.vocab}-{dtype}", shape, args.vocab, dtype)
     result["parameters"] = params_of(model)
     data = write_data(data_dir, args.workload)

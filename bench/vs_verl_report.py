@@ -70,7 +70,7 @@ def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
     m = r.get("means", {})
     memory = r.get("gpu_memory") or {}
     return {
-        "label": "ours-" + ("sync" if r["max_staleness"] == 0 else r["label"]),
+        "label": "ours-" + r["label"],
         "side": "ours",
         "repeat": r.get("repeat", 1),
         "placement": placement or r.get("placement"),

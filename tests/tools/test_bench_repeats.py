@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import _common, _e2e_runs, _e2e_setup, _e2e_summary  # noqa: E402
+from bench import _common, _e2e_runs, _e2e_setup, _e2e_variants  # noqa: E402
 from bench._repeats import spread, summarize_repeats, summary_text  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -97,12 +97,12 @@ def test_runs_interleave_and_the_deadline_leaves_runs_for_resume(
     monkeypatch.setattr(e2e, "T0", e2e.time.monotonic())
 
     def fake_train(args: Any, s: int, repeat: int, *_: Any) -> dict[str, Any]:
-        done.append((_e2e_summary.label(s), repeat))
+        done.append((_e2e_variants.label(s), repeat))
         if len(done) == 3:  # the third run takes the time the deadline leaves
             monkeypatch.setattr(e2e, "T0", e2e.T0 - 1000)
         # no timeline in its run_dir: none drawn
         return run(
-            _e2e_summary.label(s),
+            _e2e_variants.label(s),
             repeat,
             10.0 if s == 0 else 5.0,
             100.0,
@@ -117,7 +117,10 @@ def test_runs_interleave_and_the_deadline_leaves_runs_for_resume(
     assert e2e.main(argv) == 1
     assert done == [("sync", 1), ("async-s2", 1), ("sync", 2)]  # interleaved
     out = json.loads(results.read_text())
-    assert out["pending"] == [{"repeat": 2, "max_staleness": 2}] and "--resume" in out["error"]
+    assert (
+        out["pending"] == [{"repeat": 2, "max_staleness": 2, "variant": ""}]
+        and "--resume" in out["error"]
+    )
     assert out["placement"]["spec"] == "learner=0;rollout=0"
     # --resume keeps the three and runs the fourth only
     monkeypatch.setattr(e2e, "T0", e2e.time.monotonic())

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # bench/protocol.py must not shadow the protocol package: imported first
 sys.path.insert(0, str(REPO))
-from bench import _e2e_summary  # noqa: E402
+from bench import _e2e_runs, _e2e_summary, _e2e_variants  # noqa: E402
 from protocol.sender import encode_batch  # noqa: E402
 from protocol.trajectory import Trajectory  # noqa: E402
 from rollout_service.recording import batch_path, write_batch_file  # noqa: E402
@@ -54,7 +54,7 @@ def records(
 
 def run(staleness: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "label": _e2e_summary.label(staleness),
+        "label": _e2e_variants.label(staleness),
         "max_staleness": staleness,
         "ok": True,
         **_e2e_summary.summarize(recs),
@@ -71,7 +71,7 @@ def test_workload_defaults_and_labels() -> None:
     assert c.staleness_values == [0, 2] and c.config == REPO / "configs" / "gpu_e2e.yaml"
     e2e.apply_device_defaults(c, "cpu")
     assert c.steps == 2 and c.warmup_steps == 500
-    assert [_e2e_summary.label(s) for s in (0, 1, 4)] == ["sync", "async-s1", "async-s4"]
+    assert [_e2e_variants.label(s) for s in (0, 1, 4)] == ["sync", "async-s1", "async-s4"]
     with pytest.raises(SystemExit):
         e2e.parse_args(["--staleness", "1,1"])
     with pytest.raises(SystemExit):
@@ -121,6 +121,44 @@ def test_compare_throughput_and_reward_criterion() -> None:
         "async-s2: reaches it at step 6, 20.0 s (0.4 of sync's time)" in text
         and "async-s4: reaches it never" in text
     )
+
+
+def test_variants_are_configurations_against_the_base_sync_run() -> None:
+    a = e2e.parse_args(
+        ["--staleness", "0,2", "--variant", "early:a.b=true c.d=1", "--variant", "off:a.b=false"]
+    )
+    names = [v.name for v in a.configs]
+    assert names == ["", "early", "off"] and a.configs[1].overrides == ("a.b=true", "c.d=1")
+    order = _e2e_variants.schedule(a.staleness_values, 2, a.configs)
+    assert [(r, s, v.name) for r, s, v in order[:4]] == [
+        (1, 0, ""),
+        (1, 0, "early"),
+        (1, 0, "off"),
+        (1, 2, ""),
+    ]
+    assert len(order) == 12
+    assert _e2e_variants.label(2, a.configs[1]) == "async-s2+early"
+    assert _e2e_variants.label(0, a.configs[2]) == "sync+off"
+    for bad in ("early", "Early:a=1", "early:", "early:novalue", "x" * 33 + ":a=1"):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--variant", bad])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--variant", "v:a=1", "--variant", "v:a=2"])
+    # the variant's overrides come last in bin/train's command: they win
+    cmd = _e2e_runs.train_command(a, 2, ["a.b=base"], Path("/tmp/r"), a.configs[1].overrides)
+    assert cmd[-2:] == ["a.b=true", "c.d=1"] and cmd.index("a.b=base") < cmd.index("a.b=true")
+    # a variant's sync run is compared with the base sync run, never taken for it
+    sync = run(0, records([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 10.0))
+    sync_v = run(0, records([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 5.0)) | {
+        "variant": "off",
+        "label": "sync+off",
+    }
+    c = _e2e_summary.compare([sync_v, sync])
+    assert c["throughput_vs_sync"] == {
+        "sync+off": {"step_time_ratio": 2.0, "tokens_per_s_ratio": 2.0}
+    }
+    assert _e2e_variants.run_key(sync_v) == (1, 0, "off")
+    assert _e2e_variants.run_key({"max_staleness": 2}) == (1, 2, "")
 
 
 def test_quantiles_and_length_summary() -> None:
