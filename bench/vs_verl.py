@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--verl-arg", action="append", default=[], help="one more hydra override for verl"
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'NAME:KEY=VALUE [KEY=VALUE ...]'",
+        help="our runs: bench/e2e.py --variant (repeatable): more configurations of ours",
+    )
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be >= 2 (step 1 pays the start-up and is left out of the means)")
@@ -334,6 +341,7 @@ def stage_ours(a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         *("--work-dir", str(work), "--staleness", a.staleness, "--steps", str(a.steps)),
         *("--results", str(results), "--deadline-s", str(max(a.timeout_s - 20, 100))),
         *("--placement", a.placement.spec, "--repeats", str(a.repeats), "--resume"),
+        *(x for v in a.variant for x in ("--variant", v)),
     ]
     progress(f"ours: staleness {a.staleness}, {a.steps} steps, {a.repeats} repeat(s)")
     run = run_bounded(cmd, work / "ours-e2e.log", a.timeout_s, dict(os.environ))

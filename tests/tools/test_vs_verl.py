@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,29 @@ def test_ours_configurations_name_the_placement() -> None:
     assert [c["label"] for c in out] == ["ours-sync", "ours-async-s2"] * 2
     assert {c["placement"] for c in out} == {e2e["placement"]["description"]}
     assert all(c["split_s"]["step"] > 0 for c in out)
+
+
+def test_ours_stage_passes_the_variants_to_e2e(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[str]] = []
+
+    def bounded(cmd: list[str], *_: Any) -> dict[str, Any]:
+        seen.append(cmd)
+        return {"exit_status": 0}
+
+    monkeypatch.setattr(vs_verl, "run_bounded", bounded)
+    a = vs_verl.parse_args(
+        ["--gpus", "2", "--staleness", "0,2", "--variant", "early:a.b=true", "--variant", "x:c=1"]
+    )
+    vs_verl.stage_ours(a, tmp_path)
+    (cmd,) = seen
+    assert cmd[cmd.index("--variant") :][:4] == [
+        "--variant",
+        "early:a.b=true",
+        "--variant",
+        "x:c=1",
+    ]
 
 
 def test_metrics_watcher_stamps_lines_as_they_appear(tmp_path: Path) -> None:
