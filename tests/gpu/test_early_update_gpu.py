@@ -8,8 +8,6 @@ Skipped without a GPU or without the learner's packages."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,31 +18,7 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 REPO = Path(__file__).resolve().parents[2]
-NEEDED = ("ray", "verl", "tensordict", "structlog", "transformers", "codetiming", "omegaconf")
 CUDA = ("trainer.device=cuda", "trainer.n_gpus_per_node=1")
-
-
-@pytest.fixture(scope="module")
-def ray_one_gpu() -> Any:
-    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"the learner needs {missing}, not installed here")
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=4,
-        num_gpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def test_held_first_mini_batch_on_cuda(

@@ -10,9 +10,7 @@ shut down at the end. Skipped without a GPU (tests/conftest.py) or without the l
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +26,6 @@ from tools.make_tiny_model import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
-REPO = Path(__file__).resolve().parents[2]
-NEEDED = ("ray", "verl", "tensordict", "structlog", "transformers", "codetiming", "omegaconf")
-
 
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
@@ -38,38 +33,10 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def learner_packages() -> None:
-    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"the learner needs {missing}, not installed here")
-
-
-@pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny-bf16") / "model", TinyModelSpec(dtype="bfloat16")
     )
-
-
-@pytest.fixture(scope="module")
-def ray_one_gpu(learner_packages: None) -> Any:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    # As learner.workers.init_ray does, plus the GPU: actors import the project from the checkout.
-    ray.init(
-        num_cpus=4,
-        num_gpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def make_samples(n: int, seed: int = 0, vocab: int = 500) -> list[Any]:
