@@ -38,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import Progress, gpu_count, ratio
+from rollout_service.engine.base import SamplingSettings
+from tools.make_tiny_model import make_tiny_model, preset_spec
 
 progress = Progress("bench/multiturn")
 SHAPES = {"tiny": "tiny", "0.5b": "qwen2-0.5b"}  # --shape -> tools/make_tiny_model.py preset
@@ -83,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_settings(a: argparse.Namespace) -> Any:
+    # lazy: vllm_engine pulls in numpy, psutil and the engine's modules (~0.4 s): not for --help
     from rollout_service.engine.vllm_engine import VllmEngineSettings
 
     eager = a.one_mode == "eager" or a.device == "cpu"
@@ -101,8 +104,6 @@ def engine_settings(a: argparse.Namespace) -> Any:
 async def turn(
     engine: Any, bare: bool, rid: str, ids: list[int], a: argparse.Namespace
 ) -> list[int]:
-    from rollout_service.engine.base import SamplingSettings
-
     if not bare:
         sampling = SamplingSettings(max_tokens=a.turn_tokens, ignore_eos=True, kv_scope=rid[:-4])
         return list((await engine.generate(rid, ids, sampling)).token_ids)
@@ -156,6 +157,7 @@ async def one_round(engine: Any, a: argparse.Namespace, seed: int, bare: bool) -
 
 
 async def child(a: argparse.Namespace) -> dict[str, Any]:
+    # lazy: vllm_engine pulls in numpy, psutil and the engine's modules (~0.4 s): not for --help
     from rollout_service.engine.vllm_engine import VllmEngine
 
     start = time.perf_counter()
@@ -214,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.one_mode:
         print(json.dumps(asyncio.run(child(a))), flush=True)
         return 0
-    from tools.make_tiny_model import make_tiny_model, preset_spec
-
     result: dict[str, Any] = {
         "bench": "multiturn",
         **{k: v for k, v in vars(a).items() if k not in ("one_mode", "model")},
