@@ -155,7 +155,7 @@ def run_train(
     t0 = time.monotonic()
     with log.open("wb") as out, GpuMemory() as memory:
         proc = subprocess.Popen(
-            train_command(args, staleness, [*overrides], run_dir, variant.overrides),
+            train_command(args, staleness, overrides, run_dir, variant.overrides),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

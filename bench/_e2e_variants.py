@@ -1,7 +1,8 @@
 """bench/e2e.py's configurations: each ``max_staleness`` value, crossed with the variants.
 
-A variant is a name and bin/train overrides (``--variant 'early:actor_rollout_ref.actor.first_mini_batch_in_waits=true'``);
-the base configuration (no name, no overrides) always runs. A run's configuration is its label:
+A variant is a name and bin/train overrides, e.g.
+``--variant 'early:actor_rollout_ref.actor.first_mini_batch_in_waits=true'``; the base
+configuration (no name, no overrides) always runs. A run's configuration is its label:
 ``sync`` / ``async-sK`` for the base, with ``+NAME`` for a variant (``async-s2+early``), so the
 summary's per-configuration figures and its ratios against ``sync`` (the base sync run, never a
 variant's) need nothing else. A run's key is (repeat, max_staleness, variant name): what --resume
