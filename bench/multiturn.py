@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=31)
     p.add_argument("--shape", choices=sorted(SHAPES), help="default 0.5b on cuda, tiny on the CPU")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--capture-size",
+        type=int,
+        help="vLLM's max_cudagraph_capture_size for the graph modes (default vLLM's: "
+        "min(2 x max_num_seqs, 512) tokens; a larger batch runs eagerly)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--mode-timeout-s", type=float, default=300.0, help="limit of one mode")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)  # the child: run this mode, print JSON
@@ -89,7 +95,11 @@ def engine_settings(a: argparse.Namespace) -> Any:
     from rollout_service.engine.vllm_engine import VllmEngineSettings
 
     eager = a.one_mode == "eager" or a.device == "cpu"
-    graphs = None if eager or a.one_mode == "default" else {"mode": 0, "cudagraph_mode": a.one_mode}
+    graphs: dict[str, Any] | None = None
+    if not eager and a.one_mode != "default":
+        graphs = {"mode": 0, "cudagraph_mode": a.one_mode}
+    if graphs is not None and a.capture_size:
+        graphs["max_cudagraph_capture_size"] = a.capture_size
     return VllmEngineSettings(
         model=a.model,
         max_model_len=a.prompt_len + a.max_turns * (a.turn_tokens + a.tool_tokens) + 64,
