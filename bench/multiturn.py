@@ -112,10 +112,11 @@ def engine_settings(a: argparse.Namespace) -> Any:
 
 
 async def turn(
-    engine: Any, bare: bool, rid: str, ids: list[int], a: argparse.Namespace
+    engine: Any, bare: bool, episode: str, rid: str, ids: list[int], a: argparse.Namespace
 ) -> list[int]:
+    """One turn of ``episode`` (its turns share a KV scope, as the agent's do)."""
     if not bare:
-        sampling = SamplingSettings(max_tokens=a.turn_tokens, ignore_eos=True, kv_scope=rid[:-4])
+        sampling = SamplingSettings(max_tokens=a.turn_tokens, ignore_eos=True, kv_scope=episode)
         return list((await engine.generate(rid, ids, sampling)).token_ids)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -149,7 +150,8 @@ async def one_round(engine: Any, a: argparse.Namespace, seed: int, bare: bool) -
     async def episode(i: int) -> tuple[float, int]:
         ids, start, made = list(prompts[i]), time.perf_counter(), 0
         for t in range(turns[i]):
-            out = await turn(engine, bare, f"{side}{seed}-{i:03d}-{t:03d}", ids, a)
+            name = f"{side}{seed}-{i:03d}"
+            out = await turn(engine, bare, name, f"{name}-{t:03d}", ids, a)
             ids += out + tools[i][t]
             made += len(out)
         return time.perf_counter() - start, made
