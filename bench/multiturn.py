@@ -19,6 +19,10 @@ then ``--rounds`` rounds, each once through ``VllmEngine.generate`` (turns of on
 ours: the wrapper's cost, target >= 0.95), and each mode's speed-up over the first one named (both
 sides' rounds pooled). The last line of stdout is one JSON object.
 
+Every sampled token's logprob is checked (finite, <= 0: ``check_logprobs``, as the rollout server
+checks its engine's), and each round reports their mean: a mode whose output is corrupt is
+reported as failed, not timed (vLLM's ``FULL`` graphs of large mixed batches have been corrupt).
+
     python3 bench/multiturn.py                       # one GPU: FULL_DECODE_ONLY, FULL, default
     .venv/bin/python bench/multiturn.py              # CPU: eager, the tiny model, 16 episodes
 """
@@ -38,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import Progress, gpu_count, ratio
-from rollout_service.engine.base import SamplingSettings
+from rollout_service.engine.base import EngineOutputError, SamplingSettings, check_logprobs
 from tools.make_tiny_model import make_tiny_model, preset_spec
 
 progress = Progress("bench/multiturn")
@@ -113,11 +117,12 @@ def engine_settings(a: argparse.Namespace) -> Any:
 
 async def turn(
     engine: Any, bare: bool, episode: str, rid: str, ids: list[int], a: argparse.Namespace
-) -> list[int]:
-    """One turn of ``episode`` (its turns share a KV scope, as the agent's do)."""
-    if not bare:
+) -> tuple[list[int], list[float]]:
+    """One turn of ``episode`` (its turns share a KV scope, as the agent's do): ids, logprobs."""
+    if not bare:  # VllmEngine checks the logprobs itself
         sampling = SamplingSettings(max_tokens=a.turn_tokens, ignore_eos=True, kv_scope=episode)
-        return list((await engine.generate(rid, ids, sampling)).token_ids)
+        gen = await engine.generate(rid, ids, sampling)
+        return list(gen.token_ids), list(gen.logprobs)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -134,7 +139,11 @@ async def turn(
     async for step in engine.async_llm.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
         final = step  # FINAL_ONLY: one output, the whole turn
     assert final is not None
-    return list(final.outputs[0].token_ids)
+    comp = final.outputs[0]
+    out = list(comp.token_ids)
+    logprobs = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(out)]
+    check_logprobs(logprobs, f"bare request {rid}")
+    return out, logprobs
 
 
 async def one_round(engine: Any, a: argparse.Namespace, seed: int, bare: bool) -> dict[str, Any]:
@@ -147,22 +156,28 @@ async def one_round(engine: Any, a: argparse.Namespace, seed: int, bare: bool) -
     tools = rng.integers(1, ID_LIMIT, size=(a.episodes, a.max_turns, a.tool_tokens)).tolist()
     side = "b" if bare else "o"
 
+    logprob_sum = 0.0
+
     async def episode(i: int) -> tuple[float, int]:
+        nonlocal logprob_sum
         ids, start, made = list(prompts[i]), time.perf_counter(), 0
         for t in range(turns[i]):
             name = f"{side}{seed}-{i:03d}"
-            out = await turn(engine, bare, name, f"{name}-{t:03d}", ids, a)
+            out, logprobs = await turn(engine, bare, name, f"{name}-{t:03d}", ids, a)
             ids += out + tools[i][t]
             made += len(out)
+            logprob_sum += sum(logprobs)
         return time.perf_counter() - start, made
 
     start = time.perf_counter()
     done = await asyncio.gather(*(episode(i) for i in range(a.episodes)))
     wall = time.perf_counter() - start
     longest = max(range(a.episodes), key=lambda i: (turns[i], done[i][0]))
+    made = sum(m for _, m in done)
     return {
         "wall_s": round(wall, 3),
-        "tokens_per_s": round(sum(m for _, m in done) / wall, 1),
+        "tokens_per_s": round(made / wall, 1),
+        "mean_logprob": round(logprob_sum / max(made, 1), 3),
         "longest_turns": turns[longest],
         "longest_tokens_per_s": round(done[longest][1] / done[longest][0], 1),
     }
@@ -184,6 +199,8 @@ async def child(a: argparse.Namespace) -> dict[str, Any]:
                 rec = await one_round(engine, a, r, bare)
                 out["bare" if bare else "ours"].append(rec)
                 progress(f"{a.one_mode} round {r} {'bare' if bare else 'ours'}: {rec}")
+    except EngineOutputError as e:  # a result of its own: not timed, not compared
+        out["error"] = f"corrupt output: {e}"
     finally:
         await engine.shutdown()
     return out

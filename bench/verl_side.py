@@ -126,11 +126,6 @@ def job_overrides(model: str, work: Path) -> list[str]:
         "actor_rollout_ref.rollout.max_num_seqs=256",
         "actor_rollout_ref.rollout.max_model_len=2304",
         "actor_rollout_ref.rollout.enforce_eager=false",
-        # the engine settings of ours (configs/longtail_e2e.yaml): full CUDA graphs of the agent's
-        # mixed prefill-decode batches too, no torch.compile; verl's own default is torch.compile
-        # with FULL_AND_PIECEWISE, slower on this workload (bench/multiturn.py, docs/performance.md)
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config="
-        """'{"mode": 0, "cudagraph_mode": "FULL"}'""",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.multi_turn.enable=true",

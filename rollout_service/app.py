@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 async def serve(config: Config, run_dir: Path) -> int:
     from common import reaper
     from common.logging import get_logger
-    from rollout_service.engine.base import Engine
+    from rollout_service.engine.base import Engine, EngineOutputError
     from rollout_service.errors import StartupError
     from rollout_service.server import RolloutServer
     from rollout_service.shipping import ShippingError
@@ -47,7 +47,7 @@ async def serve(config: Config, run_dir: Path) -> int:
     try:
         server.attach_engine(engine)
         await server.run(max_groups=config.rollout_server.max_groups)
-    except ShippingError as e:
+    except (ShippingError, EngineOutputError) as e:
         log.error(str(e))
         return 1
     finally:

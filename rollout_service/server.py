@@ -67,7 +67,12 @@ from rollout_service.agents.parsers import PARSERS
 from rollout_service.agents.rendering import ChatRenderer
 from rollout_service.connecting import build_shipper
 from rollout_service.data import PromptSource
-from rollout_service.engine.base import DetachedEngine, Engine, SamplingSettings
+from rollout_service.engine.base import (
+    DetachedEngine,
+    Engine,
+    EngineOutputError,
+    SamplingSettings,
+)
 from rollout_service.errors import StartupError
 from rollout_service.granting import GrantBook
 from rollout_service.groups import RewardChoice, run_group
@@ -226,7 +231,9 @@ def check_names(config: Config, agent_types: set[str]) -> None:
         raise StartupError("; ".join(dict.fromkeys(problems)))
 
 
-def _first_leaf(group: BaseExceptionGroup, kind: type[BaseException]) -> BaseException | None:
+def _first_leaf(
+    group: BaseExceptionGroup, kind: type[BaseException] | tuple[type[BaseException], ...]
+) -> BaseException | None:
     sub = group.subgroup(lambda e: isinstance(e, kind))
     while isinstance(sub, BaseExceptionGroup):
         sub = sub.exceptions[0]
@@ -338,7 +345,8 @@ class RolloutServer:
 
     async def run(self, *, max_groups: int | None = None) -> None:
         """Serve until cancelled (signal) or, with ``max_groups``, until that many groups shipped.
-        Raises ShippingError when the learner refuses this server for good."""
+        Raises ShippingError when the learner refuses this server for good, EngineOutputError when
+        the engine's output is corrupt."""
         server = self.config.rollout_server
         self.shipper = build_shipper(
             self.config,
@@ -370,11 +378,11 @@ class RolloutServer:
         )
         try:
             await self._serve(max_groups)
-        except BaseExceptionGroup as group:  # refused for good: one clear error, not a task tree
-            refused = _first_leaf(group, ShippingError)
-            if refused is None:
+        except BaseExceptionGroup as group:  # refused for good, or a corrupt engine: one clear
+            fatal = _first_leaf(group, (ShippingError, EngineOutputError))  # error, not a task tree
+            if fatal is None:
                 raise
-            raise refused from None
+            raise fatal from None
         finally:
             self.stats.stop_metrics_server()
             self.timeline.close()

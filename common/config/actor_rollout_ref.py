@@ -361,11 +361,11 @@ class RolloutConfig(Section):
     """Disable CUDA graphs / compilation (faster start, needed on CPU)."""
     compilation_config: dict[str, Any] | None = None
     """vLLM's own ``compilation_config`` (its keys, passed through), used when enforce_eager is
-    false. E.g. ``{mode: 0, cudagraph_mode: FULL}``: full CUDA graphs of every batch, mixed
-    prefill-decode ones too where the attention backend allows it (FlashAttention 3), without
+    false. E.g. ``{mode: 0, cudagraph_mode: FULL_DECODE_ONLY}``: CUDA graphs for decode steps without
     torch.compile, which starts in seconds instead of minutes on a fresh GPU machine; null: vLLM's
-    default (torch.compile + piecewise/full graphs). A multi-turn agent's batches are mostly mixed,
-    so ``FULL_DECODE_ONLY`` leaves most of its steps eager (bench/multiturn.py)."""
+    default (torch.compile + piecewise/full graphs). ``FULL`` (full graphs of mixed prefill-decode
+    batches too) corrupted the agent's generation on an H200 (logprobs not finite or above 0); the
+    server stops on such output (``EngineOutputError``)."""
     tensor_model_parallel_size: int = Field(default=1, gt=0)
     """GPUs one engine is sharded over."""
     prefetch_weights: bool = True

@@ -11,10 +11,16 @@ Two protocols: ``SamplingEngine`` is what an agent loop needs (generate, abort, 
 protocol, or the learner's file on this machine), the manifest announces are checked against, and
 shutdown. The server calls every member; an engine that cannot do one raises ``WeightUpdateError``
 saying so, and the server reports the update failed.
+
+An engine's output is checked before an agent sees it (``check_logprobs``): a logprob that is not
+finite or is above 0 means the engine computed garbage (vLLM's full CUDA graphs of large mixed
+batches have done so), and ``EngineOutputError`` stops the server with that said, instead of
+shipping batches the learner can only refuse.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -32,6 +38,22 @@ their tokens come from the new weights and carry its version)."""
 
 class WeightUpdateError(RuntimeError):
     """A weight update was refused or failed; the previous weights and version stay."""
+
+
+class EngineOutputError(RuntimeError):
+    """The engine returned output no policy could have produced; the server stops on it."""
+
+
+def check_logprobs(logprobs: Sequence[float], what: str) -> None:
+    """Raise ``EngineOutputError`` naming the first logprob of ``what`` that is not finite and <= 0."""
+    for i, v in enumerate(logprobs):
+        if not -math.inf < v <= 0.0:  # NaN fails both comparisons
+            raise EngineOutputError(
+                f"{what}: the engine returned logprob {v} for sampled token {i} of "
+                f"{len(logprobs)}; its output is corrupt and cannot be trained on (vLLM's "
+                "cudagraph_mode FULL has produced this on large mixed prefill-decode batches: "
+                "actor_rollout_ref.rollout.compilation_config)"
+            )
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ from rollout_service.engine.base import (
     SamplingSettings,
     UpdateMode,
     WeightUpdateError,
+    check_logprobs,
 )
 from rollout_service.engine.kv_reuse import Reuse, Salts, salt
 from rollout_service.engine.vllm_adapters import AdapterSlots
@@ -556,7 +557,9 @@ class VllmEngine:
             for stats in (self.continuations if continued else self.later_turns, req.reuse):
                 stats.add(len(prompt), getattr(final, "num_cached_tokens", None) or 0)
         # vLLM's version spans label the engine's weights; an adapter's tokens are its version's.
-        return _piece(final.outputs[0], version, spans=lora is None and self._version_labels)
+        piece = _piece(final.outputs[0], version, spans=lora is None and self._version_labels)
+        check_logprobs(piece.logprobs, f"vLLM request {req.vllm_id!r}")
+        return piece
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """VllmEngine on CUDA in bfloat16 (official vLLM), tiny model with a bf16 checkpoint, no fakes.
 
-One test per execution mode (eager; full CUDA graphs without torch.compile, as the GPU configs run
-them), each with its own engine (~30-60 s to start on an H100): sampling with
+One test per execution mode (eager; decode-only CUDA graphs without torch.compile, as the GPU
+configs and ``bench/rollout.py --graphs`` run them), each with its own engine (~30-60 s to start on an H100): sampling with
 logprobs and versions, a "keep" weight update of perturbed weights, an update landing in the middle
 of generation (prefetched onto the device before the pause; on a vLLM without weight-version spans,
 e.g. 0.24, the requests in flight are resubmitted under their first salt and find their KV cached),
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.nightly]
 
 PROMPT = [151, 33, 7, 42, 99, 5]
 LONG = 1500  # tokens per request of the mid-generation update: seconds on an H100
-GRAPHS = {"mode": 0, "cudagraph_mode": "FULL"}
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,44 @@ async def test_pushed_weights_reach_the_engine_and_are_acknowledged(
     assert tokens and tokens[-1] > 0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), 0.5, float("inf"), float("-inf")])
+def test_a_logprob_no_policy_could_give_is_named(bad: float) -> None:
+    from rollout_service.engine.base import EngineOutputError, check_logprobs
+
+    check_logprobs([-0.0, -1.5, -30.0], "ok")
+    with pytest.raises(
+        EngineOutputError, match=rf"request r7: .*logprob {bad} for sampled token 1 of 3"
+    ):
+        check_logprobs([-0.1, bad, -0.2], "request r7")
+
+
+@pytest.mark.anyio
+async def test_a_corrupt_engine_stops_the_server_with_one_clear_error(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """What a corrupt vLLM raises (VllmEngine checks every output) ends the server as one error,
+    not a task tree, and before anything is shipped: the learner never sees the batch."""
+    from transformers import AutoTokenizer
+
+    from rollout_service.engine.base import EngineOutputError, check_logprobs
+
+    class Corrupt(ScriptedEngine):
+        async def generate(self, request_id: str, prompt_ids: Any, sampling: Any) -> Any:
+            gen = await super().generate(request_id, prompt_ids, sampling)
+            check_logprobs([float("nan"), *gen.logprobs[1:]], f"request {request_id}")
+            return gen
+
+    learner = ReferenceLearner()
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(learner.serve)
+        config = make_config(tmp_path, tiny_model, address)
+        engine = Corrupt(AutoTokenizer.from_pretrained(str(tiny_model)), ["it is 42"])
+        with pytest.raises(EngineOutputError, match="logprob nan for sampled token 0"):
+            await serve_groups(config, tmp_path / "run", engine, groups=1)
+        tg.cancel_scope.cancel()
+    assert not learner.received
+
+
 def test_unknown_names_are_refused_before_the_engine_starts(
     tmp_path: Path, tiny_model: Path
 ) -> None:

