@@ -295,11 +295,13 @@ def close_run(
 
 
 class RefusalWatch:
-    """Counts the learner's "invalid message" warnings (a batch it refused: e.g. token ids outside the
-    tokenizer's vocabulary). A run whose every batch is refused never takes a step: better to stop
-    it at once than to wait out its time limit."""
+    """Counts the batches the learner refused (its "invalid message" warnings: e.g. token ids outside
+    the tokenizer's vocabulary, or logprobs that are not finite). A run whose batches are refused
+    before its first step takes none: better to stop it at once than to wait out its time limit.
+    The learner logs a few refusals a minute in full and then one "suppressed N invalid messages"
+    line, so ``LIMIT`` is below what it logs in full, and a summary line counts its N."""
 
-    LIMIT = 20
+    LIMIT = 4
 
     def __init__(self, log: Path) -> None:
         self.tail, self.count, self.first = LineTail(log, from_start=True), 0, ""
@@ -307,11 +309,16 @@ class RefusalWatch:
     def poll(self) -> bool:
         for raw in self.tail.read_lines():
             line = raw.decode("utf-8", errors="replace")
-            if "invalid message" in line:
-                self.count += 1
-                if not self.first:
-                    self.first = line.split("invalid message", 1)[1].strip()[:300]
+            if "invalid message" not in line:
+                continue
+            summary = SUPPRESSED.search(line)
+            self.count += int(summary.group(1)) if summary else 1
+            if not self.first and not summary:
+                self.first = line.split("invalid message", 1)[1].strip()[:300]
         return self.count >= self.LIMIT
+
+
+SUPPRESSED = re.compile(r"\bsuppressed=(\d+)")
 
 
 APPLIED = re.compile(r"weights applied.*")

@@ -62,12 +62,18 @@ def test_refusal_watch(tmp_path: Path) -> None:
     watch = _e2e_runs.RefusalWatch(log)
     assert not watch.poll()  # no file yet
     log.write_text(
-        "ok\n" + "x [warning] invalid message error='token id outside'\n" * 19 + "invalid mess"
+        "ok\n" + "x [warning] invalid message error='token id outside'\n" * 2 + "invalid mess"
     )
-    assert not watch.poll() and watch.count == 19 and "token id outside" in watch.first
+    assert not watch.poll() and watch.count == 2 and "token id outside" in watch.first
     with log.open("a") as f:
         f.write("age again\n")
-    assert watch.poll() and watch.count == 20
+    assert not watch.poll() and watch.count == 3  # a whole line at last
+    # what the learner writes once it stops logging each one: its count is of refusals
+    with log.open("a") as f:
+        f.write(
+            "y [warning] suppressed 11 invalid messages [learner.intake] logged=5 suppressed=11\n"
+        )
+    assert watch.poll() and watch.count == 14 and "token id outside" in watch.first
 
 
 def test_arguments() -> None:
