@@ -47,9 +47,12 @@ async def serve(config: Config, run_dir: Path) -> int:
     try:
         server.attach_engine(engine)
         await server.run(max_groups=config.rollout_server.max_groups)
-    except (ShippingError, EngineOutputError) as e:
+    except ShippingError as e:
         log.error(str(e))
         return 1
+    except EngineOutputError as e:  # the same engine settings give the same: 2, not restarted
+        log.error(str(e))
+        return 2
     finally:
         await engine.shutdown()
     return 0

@@ -14,8 +14,9 @@ saying so, and the server reports the update failed.
 
 An engine's output is checked before an agent sees it (``check_logprobs``): a logprob that is not
 finite or is above 0 means the engine computed garbage (vLLM's full CUDA graphs of large mixed
-batches have done so), and ``EngineOutputError`` stops the server with that said, instead of
-shipping batches the learner can only refuse.
+batches have done so), and ``EngineOutputError`` stops the server with that said (exit 2, which
+the launcher does not restart: the same settings would do the same), instead of shipping batches
+the learner can only refuse.
 """
 
 from __future__ import annotations
