@@ -32,5 +32,9 @@ def run_rank(rank: int, store: str, out: str) -> None:
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
         Path(out, f"ok{rank}").touch()
+        # Every rank past its last collective before any tears gloo down: a rank whose peers
+        # closed their sockets first has aborted ("terminate called without an active exception").
+        # A rank that failed above skips this, and mp.spawn ends the others.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
