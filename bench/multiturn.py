@@ -22,6 +22,9 @@ sides' rounds pooled). The last line of stdout is one JSON object.
 Every sampled token's logprob is checked (finite, <= 0: ``check_logprobs``, as the rollout server
 checks its engine's), and each round reports their mean: a mode whose output is corrupt is
 reported as failed, not timed (vLLM's ``FULL`` graphs of large mixed batches have been corrupt).
+Output that is wrong but finite shows in that mean: a mode whose median round mean is more than
+``LOGPROB_TOLERANCE`` nats from the first mode's is failed too (the same seeded episodes, the same
+weights: graph modes differ by rounding only).
 
     python3 bench/multiturn.py                       # one GPU: FULL_DECODE_ONLY, FULL, default
     .venv/bin/python bench/multiturn.py              # CPU: eager, the tiny model, 16 episodes
@@ -48,6 +51,7 @@ from tools.make_tiny_model import make_tiny_model, preset_spec
 progress = Progress("bench/multiturn")
 SHAPES = {"tiny": "tiny", "0.5b": "qwen2-0.5b"}  # --shape -> tools/make_tiny_model.py preset
 ID_LIMIT = 500  # random ids stay below the tiny tokenizer's 512 (and any model's vocabulary)
+LOGPROB_TOLERANCE = 0.5  # nats, between modes' mean sampled-token logprobs (tens of thousands each)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,6 +237,15 @@ def summarize(modes: list[dict[str, Any]]) -> dict[str, Any]:
         m["longest_tokens_per_s_median"] = round(
             statistics.median(r["longest_tokens_per_s"] for r in pooled), 1
         )
+        m["mean_logprob_median"] = round(statistics.median(r["mean_logprob"] for r in pooled), 3)
+    ok = [m for m in modes if "error" not in m]
+    for m in ok[1:]:
+        gap = abs(m["mean_logprob_median"] - ok[0]["mean_logprob_median"])
+        if gap > LOGPROB_TOLERANCE:
+            m["error"] = (
+                f"mean sampled-token logprob {m['mean_logprob_median']} against "
+                f"{ok[0]['mode']}'s {ok[0]['mean_logprob_median']}: its output differs, not timed"
+            )
     ok = [m for m in modes if "error" not in m]
     base = ok[0] if ok else None
     speedups = {m["mode"]: ratio(base["wall_s_median"], m["wall_s_median"]) for m in ok if base}

