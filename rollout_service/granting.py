@@ -14,7 +14,9 @@ the version its engine runs. A group starts only while
 (d) when the learner grants groups (protocol 1.3, "admission": ``learner/admission.py`` has the
     learner's rule) a grant is held whose ``min_version`` the engine's weights reach.
 
-Grants are used smallest ``min_version`` first and end with their session. Whether the learner
+Grants are used smallest ``min_version`` first and end with their session. A group whose batch the
+learner refused never arrives, but the learner counts its grant as generating until a group
+arrives on it: ``refused`` holds that grant again (within its session) for another group. Whether the learner
 grants at all is what its WELCOME says, so nothing starts before the first session; a learner that
 grants nothing (older than 1.3, or ``learner.admission: false``) leaves (a)-(c). Between sessions
 the last WELCOME still rules: without grants admission goes on (the shipper's window of unacked
@@ -52,6 +54,7 @@ class GrantBook:
         self.groups = 0  # groups in flight
         self.draining = False  # a drain weight update waits for the running groups to finish
         self.welcomed = False  # a first session tells whether the learner grants groups
+        self.sessions = 0  # sessions begun: a grant belongs to one
         self._granted: Counter[int] | None = None  # min_version -> groups granted; None: no grants
 
     @property
@@ -74,9 +77,10 @@ class GrantBook:
         usable = [m for m, k in (self._granted or {}).items() if k > 0 and m <= engine_version]
         return min(usable) if usable else None
 
-    def start(self, n: int, engine_version: int) -> None:
+    def start(self, n: int, engine_version: int) -> int | None:
         """A group of ``n`` episodes starts (``may_admit`` said so): it uses the grant ``grant``
-        picks, when the learner grants."""
+        picks, when the learner grants. Returns that grant's ``min_version`` (None: no grants)."""
+        m = None
         if self._granted is not None:
             m = self.grant(engine_version)
             if m is None:
@@ -87,6 +91,18 @@ class GrantBook:
             self._on_held(self.held)
         self.running += n
         self.groups += 1
+        return m
+
+    def refused(self, min_version: int, session: int) -> bool:
+        """The learner refused the batch of a group started on a grant of ``min_version`` in
+        ``session``: the learner still counts that grant as generating, and only a group that
+        arrives takes it off its books, so the grant is held again for another group. False
+        (nothing changes) when that session has ended: its grants are void on both sides."""
+        if session != self.sessions or self._granted is None:
+            return False
+        self._granted[min_version] += 1
+        self._on_held(self.held)
+        return True
 
     def finished(self, n: int) -> None:
         """A group of ``n`` episodes ended (shipped, dropped or failed)."""
@@ -98,6 +114,7 @@ class GrantBook:
         Grants of an earlier session are void."""
         self._granted = Counter() if grants else None
         self.welcomed = True
+        self.sessions += 1
         self._on_held(self.held)
 
     def session_ended(self) -> None:

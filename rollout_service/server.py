@@ -432,10 +432,10 @@ class RolloutServer:
         done = anyio.Event()
         started = finished = 0
 
-        async def group(item: Any) -> None:
+        async def group(item: Any, grant: int | None, session: int) -> None:
             nonlocal finished
             try:
-                await self._run_group(item)
+                await self._run_group(item, grant, session)
             finally:
                 book.finished(n)
                 finished += 1
@@ -456,13 +456,13 @@ class RolloutServer:
                 # A whole epoch may be skipped in a row: let the other tasks run meanwhile.
                 await anyio.lowlevel.checkpoint()
                 continue
-            book.start(n, self.engine.policy_version)
+            grant = book.start(n, self.engine.policy_version)
             started += 1
-            tg.start_soon(group, item)
+            tg.start_soon(group, item, grant, book.sessions)
         if max_groups is not None and started:
             await done.wait()
 
-    async def _run_group(self, item: Any) -> None:
+    async def _run_group(self, item: Any, grant: int | None, session: int) -> None:
         rollout = self.config.actor_rollout_ref.rollout
         for _ in range(rollout.n):
             self.stats.episode_started()
@@ -506,10 +506,23 @@ class RolloutServer:
             self.source.commit(item)  # dropped on purpose: not to be redone
             return
         await self.shipper.ship_group(
-            result.trajectories, on_acked=lambda: self.source.commit(item)
+            result.trajectories,
+            on_acked=lambda: self.source.commit(item),
+            on_refused=lambda: self._refused(item.group_uid, grant, session),
         )
         if self.book.groups <= 1:  # the last one running: nothing else will fill its batch soon
             await self.shipper.flush()
+
+    def _refused(self, group_uid: str, grant: int | None, session: int) -> None:
+        """The learner refused the batch holding this group (the shipper logged why and kept it
+        under spool/rejected). Its prompt stays done: rerunning it would likely meet the same. But
+        the learner still counts its grant as generating, and would wait for it forever: the grant
+        goes to the next prompt instead."""
+        if grant is not None and self.book.refused(grant, session):
+            self.log.warning(
+                "a refused group's grant goes to another prompt", group=group_uid, min_version=grant
+            )
+            self._poke()
 
     # -- the connection's events ---------------------------------------------------------------------
     async def _events(self) -> None:

@@ -65,6 +65,7 @@ class _InFlight:
     path: Path
     trajectories: int
     callbacks: list[Callback] = field(default_factory=list)
+    on_refused: list[Callback] = field(default_factory=list)  # after callbacks, if refused
     recovered_groups: list[str] | None = None  # set for batches a previous process left behind
 
 
@@ -92,6 +93,7 @@ class Shipper:
         self._builder = TrajectoryBuilder()
         self._groups = 0
         self._callbacks: list[Callback] = []
+        self._on_refused: list[Callback] = []
         self._in_flight: dict[int, _InFlight] = {}  # wire seq -> batch
         self._unacked = 0  # batches built and not yet acknowledged (being spooled included)
         self._spooled = 0
@@ -142,11 +144,16 @@ class Shipper:
     # -- shipping ----------------------------------------------------------------------------------
 
     async def ship_group(
-        self, trajectories: Sequence[Trajectory], *, on_acked: Callback | None = None
+        self,
+        trajectories: Sequence[Trajectory],
+        *,
+        on_acked: Callback | None = None,
+        on_refused: Callback | None = None,
     ) -> None:
         """Add one whole group; ship a batch when ``groups_per_batch`` are collected. Waits while
         ``max_unacked_batches`` batches are unacknowledged. ``on_acked`` runs once the learner has
-        acknowledged (or refused as invalid) the batch holding this group."""
+        acknowledged (or refused as invalid) the batch holding this group, then ``on_refused`` if
+        it refused it."""
         if not trajectories:
             raise ValueError("a group needs at least one trajectory")
         for t in trajectories:  # all checked before any is appended: a group goes in whole or not
@@ -164,6 +171,8 @@ class Shipper:
             self._builder.append(t)
         if on_acked is not None:
             self._callbacks.append(on_acked)
+        if on_refused is not None:
+            self._on_refused.append(on_refused)
         self._groups += 1
         if self._groups >= self.groups_per_batch:
             await self._ship_current()
@@ -185,6 +194,7 @@ class Shipper:
     async def _ship_current(self) -> None:
         batch = self._builder.build()
         callbacks, self._callbacks, self._groups = self._callbacks, [], 0
+        on_refused, self._on_refused = self._on_refused, []
         self._unacked += 1
         n, self._next_spool = self._next_spool, self._next_spool + 1
         path = batch_path(self.spool_dir, n)
@@ -205,7 +215,7 @@ class Shipper:
                 raise
             self._spooled += 1
             seq = await self.client.submit(batch)
-            self._in_flight[seq] = _InFlight(path, len(batch), callbacks)
+            self._in_flight[seq] = _InFlight(path, len(batch), callbacks, on_refused)
             self._report()
             if self.stats is not None:
                 self.stats.batch_shipped(len(batch))
@@ -274,7 +284,7 @@ class Shipper:
             self._spooled -= 1
             self._unacked -= 1
             # A refused batch is final too: rerunning its prompts would only stall the cursor.
-            for callback in batch.callbacks:
+            for callback in [*batch.callbacks, *(batch.on_refused if rejected else ())]:
                 callback()
             if batch.recovered_groups is not None and self.on_recovered_acked is not None:
                 self.on_recovered_acked(batch.recovered_groups)

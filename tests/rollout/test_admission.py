@@ -116,6 +116,60 @@ async def test_admission_wastes_nothing_and_bounds_every_token(
         assert straddled, "no episode was interrupted by a weight update: partial rollouts untested"
 
 
+async def test_a_refused_batchs_grants_go_to_other_prompts(
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
+) -> None:
+    """The learner refuses a batch (a logprob above 0 in one episode): it still counts that batch's
+    grants as generating, so a synchronous run would wait for them forever. The server holds them
+    again and starts other prompts on them, and every step is trained."""
+    from transformers import AutoTokenizer
+
+    from learner.link import LearnerLink
+    from rollout_service.server import RolloutServer
+
+    class OneBadEpisode(ScriptedEngine):
+        bad = 1
+
+        async def generate(self, request_id: str, prompt_ids: Any, sampling: Any) -> Any:
+            gen = await super().generate(request_id, prompt_ids, sampling)
+            if self.bad:
+                self.bad -= 1
+                gen.logprobs[0] = 0.5
+            return gen
+
+    config = make_config(
+        tmp_path,
+        tiny_model,
+        "tcp://127.0.0.1:0",
+        **{
+            "learner.bind_address": "tcp://127.0.0.1:0",
+            "actor_rollout_ref.rollout.n": N,
+            "actor_rollout_ref.rollout.max_staleness": 0,
+            "data.train_batch_size": B,
+            "data.train_files": str(_data(tmp_path / "train.jsonl", 64)),
+            "learner.weights_file_dir": None,
+        },
+    )
+    link = LearnerLink(config, tmp_path / "learner", fresh=True)
+    link.weights.announce(0, reference_weights(seed=0))
+    link.admission.configure(B, 0, STEPS * B)
+    config.rollout_server.learner_address = link.address
+    engine = OneBadEpisode(AutoTokenizer.from_pretrained(str(tiny_model)), ["42"])
+    server = RolloutServer(config, tmp_path / "run", engine=engine)
+    async with anyio.create_task_group() as tg:
+        await tg.start(link.run)
+        tg.start_soon(server.run)
+        with anyio.fail_after(60):
+            steps = await play_trainer(link, 0, train_s=0.05)
+        stats = link.stats
+        link.close()
+        tg.cancel_scope.cancel()
+
+    assert [len(taken.group_uids) for _, taken in steps] == [B] * STEPS
+    refused = list((tmp_path / "run").rglob("rejected/*"))
+    assert refused and stats["trajectories"] == STEPS * B * N  # none of the refused batch
+
+
 def _data(path: Path, n: int) -> Path:
     import json
 

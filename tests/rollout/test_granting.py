@@ -105,3 +105,16 @@ def test_a_failed_transfer_of_the_newest_version_frees_admission() -> None:
     b.announced(5)
     assert not b.transfer_failed(5, 5)  # the engine runs it already
     assert b.newest_version == 5
+
+
+def test_a_refused_groups_grant_is_held_again_within_its_session_only() -> None:
+    b, held = book(grants=True)
+    b.granted(2, min_version=3)
+    first = b.start(1, 3)
+    assert first == 3 and b.held == 1 and b.sessions == 1
+    assert b.refused(first, session=1) and b.held == 2 and held[-1] == 2  # the learner still owes it
+    second = b.start(1, 3)
+    b.session(grants=True)  # a new session: the old one's grants are void on both sides
+    assert second is not None and not b.refused(second, session=1) and b.held == 0
+    plain, _ = book(grants=False)
+    assert plain.start(1, 0) is None  # without grants there is none to hold again
