@@ -85,6 +85,12 @@ class LearnerProcess:
     def log_bytes(self) -> int:
         return self.log.stat().st_size
 
+    def log_since(self, offset: int) -> str:
+        """The log from byte ``offset`` (a ``log_bytes``) on. Sliced as bytes: the log has
+        multi-byte characters (progress bars), so a byte offset into the decoded text lands past
+        where it was taken, cutting off the first lines written since."""
+        return self.log.read_bytes()[offset:].decode(errors="replace")
+
     def stop(self) -> int:
         """SIGINT, then wait; the exit code."""
         if self.proc.poll() is None:

@@ -74,7 +74,7 @@ def test_two_gigabytes_in_one_message_from_a_peer_without_the_token(
     assert watch.sample() < RSS_BOUND
     # the refusal is logged; its detail depends on when libzmq noticed (the mechanism mismatch, or
     # the handshake cut short while the 2 GiB were still coming), so only the refusal is asserted
-    assert "connection refused at the handshake" in learner.log.read_text(errors="replace")[log0:]
+    assert "connection refused at the handshake" in learner.log_since(log0)
     print(f"\n2 GiB before HELLO, no token: learner RSS +{watch.growth / MiB:.1f} MiB (peak)")
 
 
@@ -97,7 +97,7 @@ def test_a_wrong_token_is_refused_at_the_handshake(learner: LearnerProcess) -> N
     serves_a_valid_peer(learner, "after-wrong-token")
     assert watch.sample() < RSS_BOUND
 
-    text = learner.log.read_text(errors="replace")[log0:]
+    text = learner.log_since(log0)
     refused = [line for line in text.splitlines() if "connection refused at the handshake" in line]
     # its HELLO was sealed for the wrong token's server key: the learner cannot even open it
     assert refused and "BAD_CREDENTIALS" in refused[0] and "wrong token" in refused[0], text[-3000:]
@@ -128,7 +128,7 @@ def test_a_token_holders_message_of_many_frames_is_cut_off(learner: LearnerProce
         dealer.close(linger=0)
     assert growth < HOLD_BOUND, f"RSS grew by {growth / MiB:.0f} MiB"
     serves_a_valid_peer(learner, "after-many-frames")
-    text = learner.log.read_text(errors="replace")[log0:]
+    text = learner.log_since(log0)
     cut = [line for line in text.splitlines() if "connection cut" in line]
     assert cut and "TOO_LARGE" in cut[0], text[-3000:]
     print(f"\n{PIECE * PIECES / 1e9:.2f} GB in {PIECES} frames, token: RSS +{growth / MiB:.1f} MiB")
