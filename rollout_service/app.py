@@ -47,10 +47,9 @@ async def serve(config: Config, run_dir: Path) -> int:
     try:
         server.attach_engine(engine)
         await server.run(max_groups=config.rollout_server.max_groups)
-    except ShippingError as e:
-        log.error(str(e))
-        return 1
-    except EngineOutputError as e:  # the same engine settings give the same: 2, not restarted
+    except (ShippingError, EngineOutputError) as e:
+        # Refused for good (another protocol major version, another tokenizer) or a corrupt
+        # engine: the same settings would meet the same, so 2, which the launcher does not restart.
         log.error(str(e))
         return 2
     finally:

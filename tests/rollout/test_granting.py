@@ -112,7 +112,8 @@ def test_a_refused_groups_grant_is_held_again_within_its_session_only() -> None:
     b.granted(2, min_version=3)
     first = b.start(1, 3)
     assert first == 3 and b.held == 1 and b.sessions == 1
-    assert b.refused(first, session=1) and b.held == 2 and held[-1] == 2  # the learner still owes it
+    # the learner still counts the refused group's grant: held again
+    assert b.refused(first, session=1) and b.held == 2 and held[-1] == 2
     second = b.start(1, 3)
     b.session(grants=True)  # a new session: the old one's grants are void on both sides
     assert second is not None and not b.refused(second, session=1) and b.held == 0
