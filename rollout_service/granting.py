@@ -16,11 +16,11 @@ the version its engine runs. A group starts only while
 
 Grants are used smallest ``min_version`` first and end with their session. A group whose batch the
 learner refused never arrives, but the learner counts its grant as generating until a group
-arrives on it: ``refused`` holds that grant again (within its session) for another group. Whether the learner
-grants at all is what its WELCOME says, so nothing starts before the first session; a learner that
-grants nothing (older than 1.3, or ``learner.admission: false``) leaves (a)-(c). Between sessions
-the last WELCOME still rules: without grants admission goes on (the shipper's window of unacked
-batches stops it), with grants it waits for the next session's.
+arrives on it: ``refused`` holds that grant again (within its session) for another group.
+Whether the learner grants at all is what its WELCOME says, so nothing starts before the first
+session; a learner that grants nothing (older than 1.3, or ``learner.admission: false``) leaves
+(a)-(c). Between sessions the last WELCOME still rules: without grants admission goes on (the
+shipper's window of unacked batches stops it), with grants it waits for the next session's.
 
 The cluster simulator (``bench/clustersim``) runs one ``GrantBook`` per simulated server, so its
 predictions follow this rule and not a copy of it.

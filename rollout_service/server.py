@@ -378,8 +378,9 @@ class RolloutServer:
         )
         try:
             await self._serve(max_groups)
-        except BaseExceptionGroup as group:  # refused for good, or a corrupt engine: one clear
-            fatal = _first_leaf(group, (ShippingError, EngineOutputError))  # error, not a task tree
+        except BaseExceptionGroup as group:
+            # Refused for good, or a corrupt engine: one clear error, not a task tree.
+            fatal = _first_leaf(group, (ShippingError, EngineOutputError))
             if fatal is None:
                 raise
             raise fatal from None
