@@ -126,7 +126,7 @@ def test_a_logprob_no_policy_could_give_is_named(bad: float) -> None:
 
 @pytest.mark.anyio
 async def test_a_corrupt_engine_stops_the_server_with_one_clear_error(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, echo_tool: Any
 ) -> None:
     """What a corrupt vLLM raises (VllmEngine checks every output) ends the server as one error,
     not a task tree, and before anything is shipped: the learner never sees the batch."""
