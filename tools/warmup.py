@@ -25,10 +25,11 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
 - ``device``: ``auto`` (the default) trains on CUDA when it is available, with float32 master
   weights and bfloat16 autocast, else on the CPU (float32, no autocast). Batch order and drill
   strings come from the same CPU generator on both. On CUDA torch's deterministic algorithms are
-  asked for (cuBLAS's fixed workspace, flash attention's deterministic backward): the atomics of
-  the default kernels made two warm-ups of one seed on one GPU type part from their first steps,
-  and one of them never reached the target. ``warn_only``: an op without a deterministic kernel
-  warns instead of stopping the warm-up;
+  asked for (cuBLAS's fixed workspace): the atomics of the default kernels made two warm-ups of
+  one seed on one GPU type part from their first steps, and one of them never reached the target.
+  Each backward runs in strict mode, since attention's backward stays non-deterministic in
+  warn-only mode (``tools/deterministic.py``, which also falls back when an op has no
+  deterministic kernel); everything else runs warn-only;
 - the output is the source directory with new weights: ``model.safetensors`` under the
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and
   ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from tools.demos import Demonstration
+from tools.deterministic import StrictBackward
 from tools.warmup_batches import (
     DRILL_BATCH,
     Bucket,
@@ -236,6 +238,8 @@ def warmup(
         # process of its own wherever it runs on a GPU (bench/e2e.py's child, the CLI)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+    # strict for each backward on CUDA: warn-only leaves attention's backward non-deterministic
+    backward = StrictBackward(torch, strict=device == "cuda")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     if device == "cuda":
@@ -267,16 +271,21 @@ def warmup(
                 else bucketed_epoch(data, batch_size, gen, bucket)
             )
         batch, order = order[:batch_size], order[batch_size:]
-        with autocast():
-            loss = demo_loss(model, data, batch)
-            total = loss
-            if drill_weight > 0:
-                x, mask = drill_batch(pool, gen, DRILL_BATCH, pad)
-                drill = drill_loss(model, x.to(device), mask.to(device))
-                total = loss + drill_weight * drill
-                drill_losses.append(drill.item())
+        # drawn once: a backward that leaves strict mode reruns the forward on the same batch
+        drill_x = drill_batch(pool, gen, DRILL_BATCH, pad) if drill_weight > 0 else None
+
+        def forward(batch: list[int] = batch, drill_x: Any = drill_x) -> tuple[Any, Any, Any]:
+            with autocast():
+                loss = demo_loss(model, data, batch)
+                if drill_x is None:
+                    return loss, None, loss
+                drill = drill_loss(model, drill_x[0].to(device), drill_x[1].to(device))
+                return loss, drill, loss + drill_weight * drill
+
         opt.zero_grad(set_to_none=True)
-        total.backward()
+        loss, drill, _total = backward.run(forward, lambda: opt.zero_grad(set_to_none=True))
+        if drill is not None:
+            drill_losses.append(drill.item())
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         if lr_decay:
@@ -360,6 +369,8 @@ def warmup(
     }
     if device != "cpu" or grad_clip is not None:  # a CPU warm-up's summary keeps its keys
         summary |= {"device": device, "grad_clip": grad_clip}
+    if device != "cpu":
+        summary["deterministic_backward"] = backward.mode
     (out / METADATA).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 

@@ -1,0 +1,71 @@
+"""Backward passes on deterministic kernels, for a warm-up that lands where its seed says.
+
+Design: torch's ``use_deterministic_algorithms(True, warn_only=True)`` does not make attention's
+backward deterministic. Flash, memory-efficient and cuDNN attention read that flag and, in
+warn-only mode, only warn and keep their atomic accumulation. So two warm-ups of one seed on one
+GPU type part after a few hundred steps and stop at different steps. In strict mode
+(``warn_only=False``) they run their deterministic algorithm, and an op without one raises
+instead.
+
+``StrictBackward.run`` runs each backward in strict mode and the forward and everything else in
+warn-only mode: a forward op without a deterministic kernel cannot stop the run. A backward that
+raises for want of a deterministic kernel is not fatal either. The step's gradients are dropped,
+its forward runs again, and its backward runs in warn-only mode, as does every later one. The
+reason is kept for the warm-up's summary, which then no longer claims to be deterministic. The
+flag is process-wide, so this suits a process of its own (the warm-up is one wherever it runs on
+a GPU). ``strict=False`` (the CPU, whose kernels are deterministic) runs the plain backward and
+never touches the flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
+"""What torch's error says when an op has no deterministic kernel."""
+
+
+@dataclass
+class StrictBackward:
+    """One warm-up's backward passes; ``fallback`` is why they left strict mode, if they did."""
+
+    torch: Any  # the torch module: imported by the caller (the CLI's --help stays instant)
+    strict: bool
+    fallback: str | None = None
+
+    @property
+    def mode(self) -> str:
+        if self.fallback is not None:
+            return f"warn_only: {self.fallback}"
+        return "strict" if self.strict else "off"
+
+    def run(self, forward: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
+        """``forward()`` returns a loss (or a tuple whose last item is the loss to back-propagate),
+        computed afresh on each call; its result, after the backward."""
+        if not self.strict:
+            out = forward()
+            _loss(out).backward()
+            return out
+        out = forward()
+        self.torch.use_deterministic_algorithms(True, warn_only=False)
+        try:
+            _loss(out).backward()
+            return out
+        except RuntimeError as e:
+            if NO_DETERMINISTIC_KERNEL not in str(e):
+                raise
+            self.strict = False
+            self.fallback = str(e).split(",")[0][:200]
+        finally:
+            self.torch.use_deterministic_algorithms(True, warn_only=True)
+        # the failed backward may have written some gradients and freed the graph: start over
+        zero_grad()
+        out = forward()
+        _loss(out).backward()
+        return out
+
+
+def _loss(out: Any) -> Any:
+    return out[-1] if isinstance(out, tuple) else out
