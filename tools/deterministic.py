@@ -44,25 +44,22 @@ class StrictBackward:
     def run(self, forward: Callable[[], Any], zero_grad: Callable[[], None]) -> Any:
         """``forward()`` returns a loss (or a tuple whose last item is the loss to back-propagate),
         computed afresh on each call; its result, after the backward."""
-        if not self.strict:
+        out = forward()
+        if self.strict:
+            self.torch.use_deterministic_algorithms(True, warn_only=False)
+            try:
+                _loss(out).backward()
+                return out
+            except RuntimeError as e:
+                if NO_DETERMINISTIC_KERNEL not in str(e):
+                    raise
+                self.strict = False
+                self.fallback = str(e).split(",")[0][:200]
+            finally:
+                self.torch.use_deterministic_algorithms(True, warn_only=True)
+            # the failed backward may have written some gradients and freed the graph: start over
+            zero_grad()
             out = forward()
-            _loss(out).backward()
-            return out
-        out = forward()
-        self.torch.use_deterministic_algorithms(True, warn_only=False)
-        try:
-            _loss(out).backward()
-            return out
-        except RuntimeError as e:
-            if NO_DETERMINISTIC_KERNEL not in str(e):
-                raise
-            self.strict = False
-            self.fallback = str(e).split(",")[0][:200]
-        finally:
-            self.torch.use_deterministic_algorithms(True, warn_only=True)
-        # the failed backward may have written some gradients and freed the graph: start over
-        zero_grad()
-        out = forward()
         _loss(out).backward()
         return out
 
