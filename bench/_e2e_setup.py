@@ -236,6 +236,28 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def warmup_reusable(kept: Any, summary: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether a kept warm-up (its settings ``kept`` and its ``summary``) is the one ``want`` asks
+    for. The step and time caps are safety stops, not settings: a warm-up that stopped at its
+    target within the new caps is what a new one under them would train, so it is reused and a
+    lease's minutes are not spent training it again. One stopped by a cap is reused only under the
+    same caps."""
+    if not isinstance(kept, dict):
+        return False
+    if kept == want:
+        return True
+    caps = ("max_steps", "cap_seconds")
+    same = {k: v for k, v in kept.items() if k not in caps} == {
+        k: v for k, v in want.items() if k not in caps
+    }
+    return (
+        same
+        and summary.get("stopped") == "target"
+        and float(summary.get("steps", float("inf"))) <= float(want["max_steps"])
+        and float(summary.get("seconds", float("inf"))) <= float(want["cap_seconds"])
+    )
+
+
 def run_warmup(
     model: Path, data: Path, out: Path, device: str, steps: int, seconds: float, extra: list[str]
 ) -> dict[str, Any]:
@@ -254,7 +276,7 @@ def run_warmup(
     if stamp.is_file() and (out / "warmup.json").is_file():
         try:
             kept = json.loads(stamp.read_text())
-            if kept.get("want") == want:
+            if warmup_reusable(kept.get("want"), kept["summary"], want):
                 progress(
                     f"warm-up: reusing {out} ({kept['summary'].get('steps')} steps, "
                     f"probe {kept['summary'].get('probe')})"

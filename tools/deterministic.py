@@ -15,6 +15,12 @@ reason is kept for the warm-up's summary, which then no longer claims to be dete
 flag is process-wide, so this suits a process of its own (the warm-up is one wherever it runs on
 a GPU). ``strict=False`` (the CPU, whose kernels are deterministic) runs the plain backward and
 never touches the flag.
+
+``repeat_check`` says whether one step repeats: it runs a forward and a backward twice from the same
+weights on the same batch and names the parameters whose gradients differ bit for bit, once with
+the default attention kernels and once with attention as plain matmuls (torch's math backend), so
+that a warm-up that does not repeat says whether attention is why. The warm-up runs it on its
+first batch on CUDA and keeps the answer in its summary.
 """
 
 from __future__ import annotations
@@ -66,3 +72,33 @@ class StrictBackward:
 
 def _loss(out: Any) -> Any:
     return out[-1] if isinstance(out, tuple) else out
+
+
+def repeat_check(
+    torch: Any, params: list[tuple[str, Any]], run: Callable[[], Any], zero_grad: Callable[[], None]
+) -> dict[str, Any]:
+    """Run ``run()`` (a forward and its backward, returning the loss) twice from the same weights,
+    under the default attention kernels and under the math backend; the loss's and the named
+    ``params``' gradients compared bit for bit. Leaves the gradients zeroed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def twice() -> dict[str, Any]:
+        seen = []
+        for _ in range(2):
+            zero_grad()
+            loss = _loss(run())
+            grads = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+            seen.append((loss.detach().clone(), grads))
+        (l0, g0), (l1, g1) = seen
+        differ = [n for n in g0 if n not in g1 or not torch.equal(g0[n], g1[n])]
+        return {
+            "loss_equal": bool(torch.equal(l0, l1)),
+            "grads_differ": differ[:8],
+            "n": len(differ),
+        }
+
+    default = twice()
+    with sdpa_kernel(SDPBackend.MATH):
+        math = twice()
+    zero_grad()
+    return {"default": default, "math_attention": math, "params": len(params)}

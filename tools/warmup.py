@@ -29,7 +29,10 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   one seed on one GPU type part from their first steps, and one of them never reached the target.
   Each backward runs in strict mode, since attention's backward stays non-deterministic in
   warn-only mode (``tools/deterministic.py``, which also falls back when an op has no
-  deterministic kernel); everything else runs warn-only;
+  deterministic kernel); everything else runs warn-only. Even so, two such warm-ups of one seed
+  on an H200 still parted, so the first step is run twice more before training
+  (``repeat_check``), and the summary names the gradients that do not repeat, with default and
+  with math attention;
 - the output is the source directory with new weights: ``model.safetensors`` under the
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and
   ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from tools.demos import Demonstration
-from tools.deterministic import StrictBackward
+from tools.deterministic import StrictBackward, repeat_check
 from tools.warmup_batches import (
     DRILL_BATCH,
     Bucket,
@@ -257,6 +260,7 @@ def warmup(
     drill_losses: list[float] = []
     probes: list[tuple[int, float]] = []
     stopped = "steps"
+    repeat: dict[str, Any] = {}
     _log(
         f"{n_train} demonstrations ({data.ids.shape[1]} tokens max, {data.prefix} shared, "
         f"{int(data.train.sum())} loss tokens), {n_probe} probe rows; at most {steps} steps of {batch_size}, "
@@ -282,6 +286,13 @@ def warmup(
                 drill = drill_loss(model, drill_x[0].to(device), drill_x[1].to(device))
                 return loss, drill, loss + drill_weight * drill
 
+        if step == 1 and device == "cuda":  # does a step repeat here, and if not, is it attention
+            repeat = repeat_check(
+                torch,
+                list(model.named_parameters()),
+                lambda: backward.run(forward, lambda: opt.zero_grad(set_to_none=True)),
+                lambda: opt.zero_grad(set_to_none=True),
+            )
         opt.zero_grad(set_to_none=True)
         loss, drill, _total = backward.run(forward, lambda: opt.zero_grad(set_to_none=True))
         if drill is not None:
@@ -371,6 +382,7 @@ def warmup(
         summary |= {"device": device, "grad_clip": grad_clip}
     if device != "cpu":
         summary["deterministic_backward"] = backward.mode
+        summary["repeat_check"] = repeat
     (out / METADATA).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tools.deterministic import StrictBackward
+from tools.deterministic import StrictBackward, repeat_check
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +103,58 @@ def test_off_never_touches_the_flag() -> None:
     run.run(lambda: _through_put(model)[1], lambda: None)  # would raise in strict mode
     assert run.mode == "off"
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def _attention_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+            self.out = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, jitter: float = 0.0) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # jitter stands in for a kernel whose reduction order changes from run to run
+            return self.out(a * (1 + jitter * torch.rand(())))
+
+    return Tiny()
+
+
+def test_repeat_check_finds_a_step_that_repeats() -> None:
+    model = _attention_model()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2))
+
+    def run() -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    got = repeat_check(torch, list(model.named_parameters()), run, model.zero_grad)
+    assert got["params"] == 4
+    for backend in ("default", "math_attention"):
+        assert got[backend] == {"loss_equal": True, "grads_differ": [], "n": 0}
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_repeat_check_names_the_gradients_that_do_not_repeat() -> None:
+    model = _attention_model()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2))
+
+    def run() -> torch.Tensor:
+        loss = model(x, jitter=1e-3).square().mean()
+        loss.backward()
+        return loss
+
+    got = repeat_check(torch, list(model.named_parameters()), run, model.zero_grad)
+    for backend in ("default", "math_attention"):
+        assert got[backend]["loss_equal"] is False
+        assert got[backend]["n"] == 4
+        assert set(got[backend]["grads_differ"]) == {
+            "qkv.weight",
+            "qkv.bias",
+            "out.weight",
+            "out.bias",
+        }
