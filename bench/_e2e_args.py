@@ -52,6 +52,14 @@ def parse_args(argv: list[str] | None, doc: str) -> argparse.Namespace:
         "the sync baseline (default: longtail 0,1,2,4; calc 0,2)",
     )
     p.add_argument(
+        "--drain-steps",
+        type=int,
+        default=None,
+        help="leave the last N steps of every run out of its means: a run at max_staleness k "
+        "trains its last k steps on groups admitted before, with no generation left to wait for "
+        "(default: the largest --staleness value, so all runs share one window)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=None,
@@ -184,6 +192,10 @@ def parse_args(argv: list[str] | None, doc: str) -> argparse.Namespace:
         p.error("--staleness needs at least one value >= 0")
     if len(set(a.staleness_values)) != len(a.staleness_values):
         p.error("--staleness values must differ (one run directory each)")
+    if a.drain_steps is None:
+        a.drain_steps = max(a.staleness_values)
+    if a.drain_steps < 0:
+        p.error("--drain-steps must be >= 0")
     if a.steps is not None and a.steps < 1:
         p.error("--steps must be >= 1")
     if a.repeats < 1:

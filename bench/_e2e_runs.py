@@ -264,7 +264,7 @@ def close_run(
     """The run's figures (metrics, weight updates, episodes' lengths) into ``result``, and whether
     it finished all its steps (else why not, with the tail of its log)."""
     records = read_metrics(run_dir / "metrics.jsonl")
-    result |= summarize(records)
+    result |= summarize(records, drain=args.drain_steps)
     result["weight_updates"] = weight_updates(records, run_dir / "logs")
     try:
         result["_episodes"] = read_episodes(run_dir / "recordings")  # main() pools and drops them

@@ -4,7 +4,9 @@ against the sync run, and the table, comparison text, reward plot and results JS
 
 Design: nothing here starts a process; it reads what a run left (its per-step records, its
 recordings) and writes only the plot and the results JSON. Step 1 pays the start-up, so the means
-skip it (unless it is the only step) and wall-clock counts from its end. A figure that cannot be
+skip it (unless it is the only step) and wall-clock counts from its end; the last steps, which an
+async run trains from groups admitted before and so waits for no generation, are skipped too
+(``summarize``'s ``drain``). A figure that cannot be
 computed is None or left out, never an exception, and a plot or results file that cannot be
 written is reported on stderr, not a failed bench. ``progress`` is the bench's one clock: every
 other bench/e2e.py module imports this one, so it lives here.
@@ -62,12 +64,18 @@ def tokens_per_s(steps: list[dict[str, Any]]) -> float | None:
     return round(sum(n for n, _ in pairs) / seconds, 4) if seconds > 0 else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means over the steps after the first (all of them when there is only one), curves, weights/*."""
+def summarize(records: list[dict[str, Any]], drain: int = 0) -> dict[str, Any]:
+    """Means over the steps after the first but the last ``drain`` (all of them when too few are
+    left), curves, weights/*.
+
+    The last ``k`` steps of a run at ``max_staleness`` k train on groups admitted before: admission
+    stops where the run's steps are covered, so those steps wait for no generation at all, which a
+    long run's steady state does. The bench passes the largest ``max_staleness`` of its runs, so
+    that every configuration is measured over the same steps."""
     out: dict[str, Any] = {"steps_done": len(records)}
     if not records:
         return out
-    body = records[1:] or records
+    body = records[1 : len(records) - drain] or records[1:] or records
     out["mean_over_steps"] = [int(r["step"]) for r in body]
 
     def mean(key: str) -> float | None:
@@ -229,7 +237,9 @@ def table(runs: list[dict[str, Any]]) -> str:
         + "".join(n.rjust(9) for n, _ in cols)
         + "".join(n.rjust(9) for n in ("st max", "waste", "turns", "GPU MiB"))
     )
-    lines = ["mean over steps 2.. (seconds unless named):", head]
+    steps = next((r["mean_over_steps"] for r in runs if r.get("mean_over_steps")), None)
+    window = f"{steps[0]}-{steps[-1]}" if steps else "2.."
+    lines = [f"mean over steps {window} (seconds unless named):", head]
     for r in runs:
         means = r.get("means", {})
         name = f"{r.get('label', r['max_staleness'])} r{r.get('repeat', 1)}"

@@ -57,6 +57,25 @@ def test_read_metrics_and_summary(tmp_path: Path) -> None:
     assert "FAILED" in _e2e_summary.table([{"max_staleness": 0, "ok": False, "error": "x", **s}])
 
 
+def test_the_last_steps_an_async_run_trains_from_groups_admitted_before_are_left_out() -> None:
+    # max_staleness 2 over 8 steps: steps 7 and 8 take no generation (1 s each), the rest 3 s
+    recs = [{"step": s, "timing/step_s": 1.0 if s > 6 else 3.0} for s in range(1, 9)]
+    s = _e2e_summary.summarize(recs, drain=2)
+    assert s["mean_over_steps"] == [2, 3, 4, 5, 6] and s["means"]["timing/step_s"] == 3.0
+    assert _e2e_summary.summarize(recs)["means"]["timing/step_s"] == 2.4286
+    assert "mean over steps 2-6 " in _e2e_summary.table([{"max_staleness": 2, "ok": True, **s}])
+    # too few steps for the window: the steps after the first, as before
+    assert _e2e_summary.summarize(recs[:3], drain=2)["mean_over_steps"] == [2, 3]
+
+
+def test_the_window_leaves_out_as_many_steps_as_the_largest_staleness() -> None:
+    from bench._e2e_args import parse_args
+
+    assert parse_args(["--staleness", "4,0"], "").drain_steps == 4
+    assert parse_args(["--staleness", "0"], "").drain_steps == 0
+    assert parse_args(["--staleness", "2,0", "--drain-steps", "0"], "").drain_steps == 0
+
+
 def test_refusal_watch(tmp_path: Path) -> None:
     log = tmp_path / "learner.log"
     watch = _e2e_runs.RefusalWatch(log)
