@@ -169,6 +169,10 @@ def run_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=256",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=10",
             "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=1000",
+            # the reruns run the recorded code again: beside another test worker on a loaded
+            # 2-core machine a sandboxed run once took longer than the default 10 s, and the rerun
+            # then rightly reported a divergence that was the machine's, not the replay's
+            "tools.python.timeout_s=60",
         ],
     )
     saved = run / "rollout-server" / SERVER / "config.resolved.yaml"
