@@ -7,6 +7,11 @@ GPU type part after a few hundred steps and stop at different steps. In strict m
 (``warn_only=False``) they run their deterministic algorithm, and an op without one raises
 instead.
 
+Which attention kernel SDPA runs is chosen in the forward, and cuDNN attention is left out of the
+choice only in strict mode, while torch runs its backward non-deterministically in any mode: a
+caller whose forward runs warn-only switches cuDNN attention off
+(``torch.backends.cuda.enable_cudnn_sdp(False)``, as tools/warmup.py does).
+
 ``StrictBackward.run`` runs each backward in strict mode and the forward and everything else in
 warn-only mode: a forward op without a deterministic kernel cannot stop the run. A backward that
 raises for want of a deterministic kernel is not fatal either. The step's gradients are dropped,

@@ -29,10 +29,11 @@ GRPO's group advantages are all zero. This teaches the *format* of a tool episod
   one seed on one GPU type part from their first steps, and one of them never reached the target.
   Each backward runs in strict mode, since attention's backward stays non-deterministic in
   warn-only mode (``tools/deterministic.py``, which also falls back when an op has no
-  deterministic kernel); everything else runs warn-only. Even so, two such warm-ups of one seed
-  on an H200 still parted, so the first step is run twice more before training
-  (``repeat_check``), and the summary names the gradients that do not repeat, with default and
-  with math attention;
+  deterministic kernel); everything else runs warn-only. cuDNN attention is switched off: SDPA
+  chooses it in the warn-only forward, and torch runs its backward non-deterministically in any
+  mode (two warm-ups of one seed on an H200 parted with it on). The first step is run twice more
+  before training (``repeat_check``), and the summary names the gradients that do not repeat,
+  with default and with math attention;
 - the output is the source directory with new weights: ``model.safetensors`` under the
   checkpoint's own tensor names and dtypes (a bfloat16 checkpoint stays bfloat16), every config and tokenizer file copied unchanged, and
   ``warmup.json`` (what was done, from what) in place of the tiny model's metadata, whose hashes
@@ -241,6 +242,11 @@ def warmup(
         # process of its own wherever it runs on a GPU (bench/e2e.py's child, the CLI)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # SDPA picks its kernel in the forward, which runs warn-only, and there it may pick cuDNN
+        # attention, whose backward torch runs non-deterministically whatever the flag says (it
+        # is only left out of the choice in strict mode). Flash and memory-efficient attention
+        # read the flag in their backward, which runs strict.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # strict for each backward on CUDA: warn-only leaves attention's backward non-deterministic
     backward = StrictBackward(torch, strict=device == "cuda")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

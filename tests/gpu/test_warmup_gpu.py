@@ -1,9 +1,11 @@
 """The warm-up on CUDA repeats for a seed: two warm-ups of the tiny model, each in a process of its
 own (cuBLAS's workspace setting must precede its first handle), give the same weights byte for
-byte, with every backward on deterministic kernels (``deterministic_backward`` is ``strict``).
-Before the strict backward, warm-ups of one seed stopped anywhere from 510 to 720 steps on H200s:
-attention's backward keeps its atomics in warn-only mode (tools/deterministic.py). Seconds on an
-H200. Skipped without a GPU (tests/conftest.py)."""
+byte, with every backward on deterministic kernels (``deterministic_backward`` is ``strict``), and
+each one's first step repeats bit for bit (``repeat_check``). Before the strict backward, warm-ups
+of one seed stopped anywhere from 510 to 720 steps on H200s: attention's backward keeps its atomics
+in warn-only mode (tools/deterministic.py). With it, this test still failed on an H200 while SDPA
+could choose cuDNN attention in the forward, whose backward torch runs non-deterministically; the
+warm-up now switches it off. Seconds on an H200. Skipped without a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def test_two_warm_ups_of_one_seed_give_the_same_weights(tmp_path: Path) -> None:
     a = _warmup(model, data, tmp_path / "a")
     b = _warmup(model, data, tmp_path / "b")
     assert a["deterministic_backward"] == "strict", a["deterministic_backward"]
+    for x in (a, b):
+        assert x["repeat_check"]["default"]["n"] == 0, x["repeat_check"]
     digests = [
         hashlib.sha256((tmp_path / x / "model.safetensors").read_bytes()).hexdigest() for x in "ab"
     ]
