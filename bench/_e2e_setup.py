@@ -348,7 +348,10 @@ def warm_up(
         str(args.warmup_seed),
     ]
     summary = run_warmup(model, rows, warm, device, args.warmup_steps, args.warmup_seconds, extra)
-    keys = ("steps", "stopped", "probe", "probe_history", "seconds", "final_loss", "seed", "target")
+    keys = (
+        *("steps", "stopped", "probe", "probe_history", "seconds", "final_loss", "seed", "target"),
+        *("deterministic_backward", "weights_sha256"),
+    )
     return warm, {k: summary.get(k) for k in keys} | {"min_probe": args.min_probe}
 
 

@@ -320,6 +320,7 @@ def run_verl(
         "placement": cfg.placement(a.gpus),
         "staleness": cfg.staleness,
         "command": " ".join(cmd[2:]),
+        "model_sha256": (prep.get("warmup") or {}).get("weights_sha256"),
         **run,
         **summary,
         "worker_plugins": verl_side.plugin_report(

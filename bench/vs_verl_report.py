@@ -61,7 +61,8 @@ def load_runs(work: Path) -> list[dict[str, Any]]:
 def ours_configs(e2e: dict[str, Any]) -> list[dict[str, Any]]:
     """bench/e2e.py's results, one report configuration per run."""
     where = (e2e.get("placement") or {}).get("description")  # a run names only its spec
-    return [our_run(r, where) for r in e2e.get("runs", [])]
+    model = (e2e.get("warmup") or {}).get("weights_sha256")
+    return [our_run(r, where) | {"model_sha256": model} for r in e2e.get("runs", [])]
 
 
 def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
@@ -134,9 +135,27 @@ def speedup(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def models(runs: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The warmed models the runs trained (their weights' digest, ``unknown`` where a run predates
+    it), each with the configurations that ran on it."""
+    out: dict[str, list[str]] = {}
+    for r in runs:
+        labels = out.setdefault(str(r.get("model_sha256") or "unknown"), [])
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    return out
+
+
 def report(work: Path, caveats: list[str]) -> dict[str, Any]:
     """The whole report of ``work`` (see the module docstring)."""
     runs = load_runs(work)
+    on = models(runs)
+    if len(on) > 1:  # a GPU warm-up that is not repeatable gives each lease its own model
+        caveats = [
+            f"the runs trained {len(on)} different warmed models, so their ratios mix models: "
+            + "; ".join(f"{d[:12]}: {', '.join(labels)}" for d, labels in on.items()),
+            *caveats,
+        ]
     confs = configurations(runs)
     done = {k: c for k, c in confs.items() if c["repeats"]}
     syncs = {k: c for k, c in done.items() if k in SYNC_LABELS}
@@ -153,6 +172,7 @@ def report(work: Path, caveats: list[str]) -> dict[str, Any]:
         "workload": "longtail",
         "prepare": load(work / "vs_verl-prepare.json"),
         "configurations": confs,
+        "models": on,
         "best_sync": best,
         "speedup_vs": versus,
         "runs": runs,

@@ -389,8 +389,21 @@ def warmup(
     if device != "cpu":
         summary["deterministic_backward"] = backward.mode
         summary["repeat_check"] = repeat
+        # which model this is, across machines and leases: runs compared with each other must
+        # name the same digest (bench/vs_verl_report.py checks it)
+        summary["weights_sha256"] = _sha256(out / "model.safetensors")
     (out / METADATA).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _decayed_lr(lr: float, step: int, steps: int) -> float:

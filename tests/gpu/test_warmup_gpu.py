@@ -48,3 +48,4 @@ def test_two_warm_ups_of_one_seed_give_the_same_weights(tmp_path: Path) -> None:
     # every gradient twice from the same weights, default attention kernels and math attention)
     why = {k: (x["first_loss"], x["repeat_check"]) for k, x in zip("ab", (a, b), strict=True)}
     assert a["final_loss"] == b["final_loss"] and digests[0] == digests[1], why
+    assert a["weights_sha256"] == digests[0]  # the digest a run's JSON carries names this model

@@ -222,6 +222,29 @@ def test_report_against_the_best_sync_and_each_verl_run(tmp_path: Path) -> None:
     assert vs_fa["step_speedup_range"] == [round(5.0 / 3.0, 3), 3.0]
     assert vs_fa["tokens_per_s_ratio"] == round(3500 / 1500, 3)
     assert "ours-async-s1" not in out["speedup_vs"]["best_sync"]
+    # these runs predate the digest: one model, unknown, and no caveat about it
+    assert list(out["models"]) == ["unknown"]
+    assert not any("different warmed models" in c for c in out["caveats"])
+
+
+def test_report_says_when_the_runs_trained_different_models(tmp_path: Path) -> None:
+    verl = {"label": "verl-fully-async-t1", "side": "verl", "repeat": 1, "steps_done": 3}
+    verl |= {"split_s": {"step": 5.0}, "tokens_per_s": 1.0, "model_sha256": "a" * 64}
+    (tmp_path / "vs_verl-verl-verl-fully-async-t1-r1.json").write_text(
+        json.dumps({"configs": [verl]})
+    )
+    run = {"label": "async-s2", "max_staleness": 2, "repeat": 1, "steps_done": 3}
+    run["means"] = {"timing/step_s": 2.0, "perf/tokens_per_s": 2.0}
+    e2e = {"runs": [run], "warmup": {"weights_sha256": "b" * 64}}
+    (tmp_path / "ours-e2e.json").write_text(json.dumps(e2e))
+    out = vs_verl.report(tmp_path, None)
+    assert out["models"] == {"a" * 64: ["verl-fully-async-t1"], "b" * 64: ["ours-async-s2"]}
+    assert out["caveats"][0].startswith("the runs trained 2 different warmed models")
+    e2e["warmup"]["weights_sha256"] = "a" * 64  # the same model on both sides: no such caveat
+    (tmp_path / "ours-e2e.json").write_text(json.dumps(e2e))
+    out = vs_verl.report(tmp_path, None)
+    assert list(out["models"]) == ["a" * 64]
+    assert not any("different warmed models" in c for c in out["caveats"])
 
 
 def test_placement_reaches_both_sides() -> None:
