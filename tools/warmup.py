@@ -261,6 +261,10 @@ def warmup(
         else contextlib.nullcontext
     )
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def zero_grad() -> None:
+        opt.zero_grad(set_to_none=True)
+
     order: list[int] = []
     losses: list[float] = []
     drill_losses: list[float] = []
@@ -296,11 +300,11 @@ def warmup(
             repeat = repeat_check(
                 torch,
                 list(model.named_parameters()),
-                lambda: backward.run(forward, lambda: opt.zero_grad(set_to_none=True)),
-                lambda: opt.zero_grad(set_to_none=True),
+                lambda: backward.run(forward, zero_grad),
+                zero_grad,
             )
-        opt.zero_grad(set_to_none=True)
-        loss, drill, _total = backward.run(forward, lambda: opt.zero_grad(set_to_none=True))
+        zero_grad()
+        loss, drill, _total = backward.run(forward, zero_grad)
         if drill is not None:
             drill_losses.append(drill.item())
         if grad_clip is not None:
