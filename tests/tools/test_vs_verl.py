@@ -278,7 +278,10 @@ def test_a_run_is_stopped_once_done(tmp_path: Path) -> None:
 
     def done() -> bool:
         calls.append(time.monotonic())
-        return len(calls) >= 2
+        # done once the child is up: on a loaded machine its interpreter may take over a second
+        # to start, and a run stopped before it printed leaves an empty log
+        log = tmp_path / "log"
+        return len(calls) >= 2 and log.is_file() and log.read_text().startswith("up")
 
     cmd = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
     run = vs_verl.run_bounded(cmd, tmp_path / "log", 60, dict(os.environ), done=done)
