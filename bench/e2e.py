@@ -55,9 +55,10 @@ What it does, every stage bounded in time and reported on stderr as it goes:
    (longtail on a GPU: 0.2). ``--warmup-steps`` and ``--warmup-seconds`` are caps that should not
    bind: a warm-up stopped by a cap landed wherever the machine's speed left it, so its probe is
    checked against ``--min-probe`` (default: the target) and one below it stops the bench (exit
-   status 3) before any run is timed. On the CPU the same seed gives the same model and probe; on
-   a GPU the kernels are not bit-deterministic, so two warm-ups differ a little, both at or above
-   the target. ``--no-warmup`` trains the random model;
+   status 3) before any run is timed. The same seed gives the same model and probe, on the CPU
+   and on a GPU (tools/deterministic.py: a strict backward, cuDNN attention off); the weights'
+   sha256 in the results names the model, so runs of separate calls or leases can be checked to
+   have trained the same one. ``--no-warmup`` trains the random model;
 3. runs ``bin/train --config <workload config>`` once per configuration and repeat (overrides:
    model, data, run directory, steps, ``actor_rollout_ref.rollout.max_staleness``, the placement;
    on the CPU also the device, dtype, eager mode and small batches), each in its own session and
