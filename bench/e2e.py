@@ -347,6 +347,11 @@ def resume(args: argparse.Namespace, result: dict[str, Any], path: Path) -> list
     differs = [k for k in RESUME_KEYS if old.get(k) != result.get(k)]
     if (old.get("placement") or {}).get("spec") != result["placement"]["spec"]:
         differs.append("placement")
+    # the model's path is the same on every machine; its weights' digest tells two warm-ups apart
+    # (a call on another lease or after another warm-up); none on either side cannot be checked
+    digests = [(r.get("warmup") or {}).get("weights_sha256") for r in (old, result)]
+    if digests[0] != digests[1]:
+        differs.append(f"warmed model (weights sha256 {digests[0]} there, {digests[1]} now)")
     if differs:
         raise ResumeRefused(
             f"--resume: {path} holds runs made with another {', '.join(differs)}; name another "

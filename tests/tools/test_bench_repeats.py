@@ -133,6 +133,11 @@ def test_runs_interleave_and_the_deadline_leaves_runs_for_resume(
     # another placement's runs are not mixed in, nor overwritten
     assert e2e.main([*argv, "--resume", "--gpus", "2"]) == 2
     assert json.loads(results.read_text()) == out
+    # nor those of another warm-up: the same model path, other weights (another lease's warm-up)
+    keep = dict(out, warmup={**out["warmup"], "weights_sha256": "a" * 64})
+    results.write_text(json.dumps(keep))
+    assert e2e.main([*argv, "--resume", "--staleness", "0,2,4"]) == 2
+    assert json.loads(results.read_text()) == keep and done[4:] == []
 
 
 def test_a_warmup_below_min_probe_times_nothing(
