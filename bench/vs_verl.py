@@ -23,9 +23,12 @@ Differences that remain are named in the result's ``caveats`` (CAVEATS below).
 Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine:
 - ``prepare``: bench/e2e.py --prepare-only (model, data, warm-up) into ``--work-dir``;
 - ``verl``: first the device check of the attention plugin on the warmed model (no verl run
-  without it), then each configuration of ``--verl`` for ``--steps``, one result file each
-  (``vs_verl-verl-LABEL.json``: separate calls add up); verl's per-step metrics come from its file
-  logger (VERL_FILE_LOGGER_PATH), stamped as they appear;
+  without it), then each configuration of ``--verl`` for ``--steps``, interleaved, until each has
+  ``--repeats`` runs in ``--work-dir`` that reached their steps (earlier calls' and leases' count:
+  the GPU warm-up of a seed repeats, and the report lists the models' digests); one result file
+  per run (``vs_verl-verl-LABEL-rN.json``); with ``--deadline-s`` a run starts only when the time
+  left fits it. verl's per-step metrics come from its file logger (VERL_FILE_LOGGER_PATH), stamped
+  as they appear;
 - ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
 - ``report``: merges the stages' JSON files of ``--work-dir``: per configuration the step time and
   its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
@@ -38,7 +41,7 @@ Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine
 
     python3 bench/vs_verl.py --stage prepare --work-dir /root/vs
     python3 bench/vs_verl.py --stage verl --work-dir /root/vs --gpus 2 --steps 10 --verl sync
-    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --gpus 2 --steps 10 --verl fully-async-t1
+    python3 bench/vs_verl.py --stage verl --work-dir /root/vs --gpus 2 --steps 10 --verl fully-async-t1 --repeats 3 --deadline-s 1200
     python3 bench/vs_verl.py --stage ours --work-dir /root/vs --steps 10 --staleness 0,2
     python3 bench/vs_verl.py --stage report --work-dir /root/vs --results docs/gpu/h100_vs_verl.json
 """
@@ -62,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 from bench import _placement, verl_side  # noqa: E402
 from bench import vs_verl_report as reporting  # noqa: E402
 from bench._common import GpuMemory, Progress, tail  # noqa: E402
+from bench._verl_data import write_verl_data  # noqa: E402
 
 REWARD_WINDOW = 5
 CAVEATS = [
@@ -75,6 +79,9 @@ CAVEATS = [
     "ours is the learner's own step time",
 ]
 progress = Progress("vs_verl")
+VERL_RUN_FLOOR_S = 450.0
+"""A verl run's wall-clock before one of this call is known: ~365 s of start-up and 10 versions
+on 2 H200s (2026-11-30)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,7 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "gets the same GPUs: sync colocated on all of them, async split in halves",
     )
     p.add_argument(
-        "--repeats", type=int, default=1, help="our runs: bench/e2e.py --repeats (default 1)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per configuration (default 1): ours through bench/e2e.py --repeats --resume; "
+        "verl's counting the runs of --work-dir that reached their steps, earlier calls' too",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="verl stage: start a run only while the time left is at least the longest run of "
+        f"this call ({VERL_RUN_FLOOR_S:g} s before the first); the others wait for another call",
     )
     p.add_argument(
         "--verl",
@@ -132,38 +150,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--placement {e}")
     a.gpus = len(a.placement.gpus)  # verl's configurations use as many GPUs as ours
     return a
-
-
-# -- data -------------------------------------------------------------------------------------------
-
-
-def verl_rows(rows: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
-    """Our JSONL rows in verl's RL parquet layout, the agent loop chosen per row."""
-    return [
-        {
-            "data_source": str(r.get("data_source", "longtail")),
-            "prompt": [{"role": "user", "content": str(r["question"])}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(r["answer"])},
-            "extra_info": {"split": split, "index": i},
-            "agent_name": "tool_agent",
-        }
-        for i, r in enumerate(rows)
-    ]
-
-
-def write_verl_data(src: Path, out: Path) -> dict[str, Path]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split in ("train", "val"):
-        with (src / f"{split}.jsonl").open(encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        paths[split] = out / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(verl_rows(rows, split)), paths[split])
-    return paths
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -270,16 +256,35 @@ def stage_verl(a: argparse.Namespace, work: Path, prep: dict[str, Any]) -> list[
     progress(f"verl attention plugin check: {json.dumps(check, sort_keys=True)}")
     if not check.get("ok") or not check.get("varlen_kernel"):
         raise RuntimeError(f"verl's packed attention failed its device check: {check}")
-    out = []
-    for name in a.verl.split(","):
-        cfg = verl_side.verl_config(name.strip(), a.gpus)
-        # each call adds a repeat of each configuration: one file per run, saved as it ends
-        repeat = 1 + len(list(work.glob(f"vs_verl-verl-{cfg.label}-r*.json")))
-        result = {**run_verl(a, work, prep, cfg, repeat), "attention_check": check}
-        path = work / f"vs_verl-verl-{cfg.label}-r{repeat}.json"
-        path.write_text(json.dumps({"configs": [result]}, indent=1) + "\n")
-        out.append(result)
+    out: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    for _ in range(a.repeats):  # interleaved: each configuration's next run, then again
+        for name in a.verl.split(","):
+            cfg = verl_side.verl_config(name.strip(), a.gpus)
+            kept = sorted(work.glob(f"vs_verl-verl-{cfg.label}-r*.json"))
+            runs = [c for f in kept for c in (reporting.load(f) or {}).get("configs", [])]
+            if sum(reporting.finished(r, a.steps) for r in runs) >= a.repeats:
+                continue
+            limit = run_limit(a, t0, [r["wall_s"] for r in out])
+            if limit is None:
+                progress(f"{cfg.label}: not started, the time left is shorter than a run")
+                continue
+            # one file per run, saved as it ends; a run cut short stays, numbered, not counted
+            repeat = 1 + len(kept)
+            result = {**run_verl(a, work, prep, cfg, repeat, limit), "attention_check": check}
+            path = work / f"vs_verl-verl-{cfg.label}-r{repeat}.json"
+            path.write_text(json.dumps({"configs": [result]}, indent=1) + "\n")
+            out.append(result)
     return out
+
+
+def run_limit(a: argparse.Namespace, t0: float, walls: list[float]) -> float | None:
+    """The next verl run's limit: ``--timeout-s``, and with ``--deadline-s`` what is left of it;
+    None when that is shorter than the longest run of this call (VERL_RUN_FLOOR_S before one)."""
+    if a.deadline_s is None:
+        return a.timeout_s
+    left = a.deadline_s - (time.monotonic() - t0)
+    return min(a.timeout_s, left) if left >= max(walls, default=VERL_RUN_FLOOR_S) else None
 
 
 def run_verl(
@@ -288,6 +293,7 @@ def run_verl(
     prep: dict[str, Any],
     cfg: verl_side.VerlConfig,
     repeat: int,
+    limit_s: float,
 ) -> dict[str, Any]:
     run_dir = work / f"run-{cfg.label}-r{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -309,7 +315,7 @@ def run_verl(
     stamped.unlink(missing_ok=True)
     with verl_side.MetricsWatcher(metrics, out=stamped) as watch:
         run = run_bounded(
-            cmd, run_dir / "train.log", a.timeout_s, env, done=lambda: watch.has_versions(a.steps)
+            cmd, run_dir / "train.log", limit_s, env, done=lambda: watch.has_versions(a.steps)
         )
     summary = verl_side.summarize(watch.records)
     out = {
@@ -319,6 +325,7 @@ def run_verl(
         "gpus": a.gpus,
         "placement": cfg.placement(a.gpus),
         "staleness": cfg.staleness,
+        "steps_asked": a.steps,
         "command": " ".join(cmd[2:]),
         "model_sha256": (prep.get("warmup") or {}).get("weights_sha256"),
         **run,

@@ -74,6 +74,7 @@ def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
         "label": "ours-" + r["label"],
         "side": "ours",
         "repeat": r.get("repeat", 1),
+        "ok": r.get("ok"),
         "placement": placement or r.get("placement"),
         "max_staleness": r["max_staleness"],
         "exit_status": r.get("exit_status"),
@@ -92,8 +93,16 @@ def our_run(r: dict[str, Any], placement: str | None) -> dict[str, Any]:
     }
 
 
-def _finished(run: dict[str, Any]) -> bool:
-    return bool(run.get("steps_done")) and bool((run.get("split_s") or {}).get("step"))
+def finished(run: dict[str, Any], asked: int | None = None) -> bool:
+    """Whether ``run`` is a figure: it timed steps, bench/e2e.py did not fail it (ours: ``ok``),
+    and a verl run reached the versions it was asked for (``steps_asked``, or ``asked`` for a
+    record from before it was kept). A verl run cut by its limit after 2 of 10 versions is not."""
+    if not run.get("steps_done") or not (run.get("split_s") or {}).get("step"):
+        return False
+    if run.get("ok") is False:
+        return False
+    want = run.get("steps_asked", asked)
+    return want is None or run["steps_done"] >= want
 
 
 def configurations(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -102,7 +111,7 @@ def configurations(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for label in dict.fromkeys(r["label"] for r in runs):
         mine = [r for r in runs if r["label"] == label]
-        done = [r for r in mine if _finished(r)]
+        done = [r for r in mine if finished(r)]
         figures = {
             "step_s": spread([r["split_s"]["step"] for r in done]),
             "tokens_per_s": spread([r.get("tokens_per_s") for r in done]),
@@ -117,7 +126,7 @@ def configurations(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "placement": mine[0].get("placement"),
             "staleness": mine[0].get("staleness", mine[0].get("max_staleness")),
             "repeats": len(done),
-            "failed": [r.get("repeat", 1) for r in mine if not _finished(r)],
+            "failed": [r.get("repeat", 1) for r in mine if not finished(r)],
             "figures": figures,
         }
     return out

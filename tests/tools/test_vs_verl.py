@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import verl_side, vs_verl  # noqa: E402
 from bench import vs_verl_report as reporting  # noqa: E402
+from bench._verl_data import write_verl_data  # noqa: E402
 
 
 def test_verl_parquet_reads_back_as_our_rows(tmp_path: Path) -> None:
@@ -32,7 +33,7 @@ def test_verl_parquet_reads_back_as_our_rows(tmp_path: Path) -> None:
     ]
     for split in ("train", "val"):
         (src / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    paths = vs_verl.write_verl_data(src, tmp_path / "verl")
+    paths = write_verl_data(src, tmp_path / "verl")
     back = load_rows(paths["train"])
     assert [r["question"] for r in back] == [r["question"] for r in rows]
     assert [str(r["answer"]) for r in back] == ["4800", "7800"]
@@ -245,6 +246,61 @@ def test_report_says_when_the_runs_trained_different_models(tmp_path: Path) -> N
     out = vs_verl.report(tmp_path, None)
     assert list(out["models"]) == ["a" * 64]
     assert not any("different warmed models" in c for c in out["caveats"])
+
+
+def verl_record(repeat: int, steps_done: int, **extra: Any) -> dict[str, Any]:
+    """One verl run's record as the verl stage writes it, reduced to what is read back."""
+    rec = {"label": "verl-fully-async-t1", "side": "verl", "repeat": repeat, "wall_s": 400.0}
+    return rec | {"steps_done": steps_done, "split_s": {"step": 5.0}, "tokens_per_s": 1.0} | extra
+
+
+def test_a_run_cut_before_its_steps_is_no_repeat(tmp_path: Path) -> None:
+    for r, done in ((1, 11), (2, 2)):  # the second cut by its limit after 2 of 10 versions
+        path = tmp_path / f"vs_verl-verl-verl-fully-async-t1-r{r}.json"
+        path.write_text(json.dumps({"configs": [verl_record(r, done, steps_asked=10)]}))
+    ok = {"label": "async-s2", "max_staleness": 2, "repeat": 1, "steps_done": 3, "ok": True}
+    ok["means"] = {"timing/step_s": 2.0, "perf/tokens_per_s": 2.0}
+    failed = ok | {"repeat": 2, "ok": False}  # bench/e2e.py's verdict stands
+    (tmp_path / "ours-e2e.json").write_text(json.dumps({"runs": [ok, failed]}))
+    confs = vs_verl.report(tmp_path, None)["configurations"]
+    assert (confs["verl-fully-async-t1"]["repeats"], confs["verl-fully-async-t1"]["failed"]) == (
+        1,
+        [2],
+    )
+    assert (confs["ours-async-s2"]["repeats"], confs["ours-async-s2"]["failed"]) == (1, [2])
+    assert reporting.finished(verl_record(1, 9), asked=10) is False  # a record without the ask
+    assert reporting.finished(verl_record(1, 9)) is True  # nothing to compare with
+
+
+def test_verl_stage_brings_each_configuration_to_its_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[tuple[int, float]] = []
+
+    def fake_run(a: Any, work: Path, prep: Any, cfg: Any, repeat: int, limit: float) -> dict:
+        started.append((repeat, limit))
+        return verl_record(repeat, 11, steps_asked=a.steps)
+
+    monkeypatch.setattr(vs_verl, "check_plugin", lambda *a: {"ok": True, "varlen_kernel": True})
+    monkeypatch.setattr(vs_verl, "run_verl", fake_run)
+    # an earlier lease's finished run, and one cut short: one run is still owed for 2 repeats
+    for r, done in ((1, 11), (2, 2)):
+        path = tmp_path / f"vs_verl-verl-verl-fully-async-t1-r{r}.json"
+        path.write_text(json.dumps({"configs": [verl_record(r, done, steps_asked=10)]}))
+    argv = ["--stage", "verl", "--work-dir", str(tmp_path), "--gpus", "2"]
+    argv += ["--verl", "fully-async-t1", "--steps", "10", "--timeout-s", "500"]
+    a = vs_verl.parse_args([*argv, "--repeats", "2"])
+    assert [r["repeat"] for r in vs_verl.stage_verl(a, tmp_path, {"model": "m"})] == [3]
+    assert (
+        started == [(3, 500.0)] and (tmp_path / "vs_verl-verl-verl-fully-async-t1-r3.json").exists()
+    )
+    assert vs_verl.stage_verl(a, tmp_path, {"model": "m"}) == []  # 2 reached their steps
+    # a deadline shorter than a verl run starts none
+    a = vs_verl.parse_args([*argv, "--repeats", "3", "--deadline-s", "300"])
+    assert vs_verl.stage_verl(a, tmp_path, {"model": "m"}) == [] and len(started) == 1
+    a = vs_verl.parse_args([*argv, "--repeats", "3", "--deadline-s", "460"])
+    assert [r["repeat"] for r in vs_verl.stage_verl(a, tmp_path, {"model": "m"})] == [4]
+    assert started[-1][1] <= 460.0
 
 
 def test_placement_reaches_both_sides() -> None:
