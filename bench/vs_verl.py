@@ -30,8 +30,9 @@ Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine
   left fits it. verl's per-step metrics come from its file logger (VERL_FILE_LOGGER_PATH), stamped
   as they appear;
 - ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
-- ``report``: merges the stages' JSON files of ``--work-dir``: per configuration the step time and
-  its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
+- ``report``: merges the stages' JSON files of ``--work-dir`` (the verl records and every
+  ``ours-e2e*.json`` of bench/e2e.py, each configuration's repeat in one file only): per
+  configuration the step time and its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
   both sides), peak GPU memory (nvidia-smi, sampled every 0.5 s by this script, the same way for
   both), the reward against wall-clock (seconds since the end of step 1; step 1 pays start-up), and
   per-step speed-ups of every configuration against the best synchronous trainer of either side
@@ -383,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     work = a.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return run_stages(a, work)
+    except reporting.BadInput as e:
+        print(f"vs_verl: {e}", file=sys.stderr)
+        return 2
+
+
+def run_stages(a: argparse.Namespace, work: Path) -> int:
     stages = ["prepare", "verl", "ours", "report"] if a.stage == "all" else [a.stage]
     for stage in stages:
         t0 = time.monotonic()

@@ -43,19 +43,53 @@ OUR_TIMINGS = {
 }
 
 
+class BadInput(ValueError):
+    """A file of the work directory that the report cannot use; the message names it."""
+
+
 def load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    """The JSON object at ``path``, or None where there is no file; BadInput names a file that
+    is not one (a run cut while writing it, a file put there by hand)."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: not a JSON file the report can read ({e})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def e2e_results(work: Path) -> list[Path]:
+    """bench/e2e.py's result files of ``work``: ``ours-e2e.json`` and any ``ours-e2e-NAME.json``
+    beside it (a call for other staleness settings, or another lease's), not their timelines'
+    trace files, which share the prefix."""
+    return sorted(p for p in work.glob("ours-e2e*.json") if not p.name.endswith(".trace.json"))
 
 
 def load_runs(work: Path) -> list[dict[str, Any]]:
-    """Every run of ``work``: verl's, one file each, then ours from bench/e2e.py's results there
-    (``ours-e2e.json``, whether the ours stage or bench/e2e.py itself wrote them)."""
+    """Every run of ``work``: verl's, one file each, then ours from every file of `e2e_results`.
+    Two files holding the same configuration and repeat are refused: e2e numbers the repeats of
+    one results file, so the report could not tell which run is which."""
     verl = [
         c
         for f in sorted(work.glob("vs_verl-verl-*.json"))
         for c in (load(f) or {}).get("configs", [])
     ]
-    return verl + ours_configs(load(work / "ours-e2e.json") or {})
+    ours: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], Path] = {}
+    for f in e2e_results(work):
+        for run in ours_configs(load(f) or {}):
+            key = (run["label"], run["repeat"])
+            if key in seen:
+                raise BadInput(
+                    f"{seen[key]} and {f} both hold {key[0]} r{key[1]}: keep one, or "
+                    "put one call's runs into the other's results with bench/e2e.py --resume"
+                )
+            seen[key] = f
+            ours.append(run)
+    return verl + ours
 
 
 def ours_configs(e2e: dict[str, Any]) -> list[dict[str, Any]]:

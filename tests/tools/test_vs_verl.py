@@ -248,6 +248,36 @@ def test_report_says_when_the_runs_trained_different_models(tmp_path: Path) -> N
     assert not any("different warmed models" in c for c in out["caveats"])
 
 
+def test_report_pools_every_e2e_results_file_and_names_a_bad_one(tmp_path: Path) -> None:
+    def e2e(staleness: int, *repeats: int) -> str:
+        runs = [
+            {"label": f"async-s{staleness}", "max_staleness": staleness, "repeat": r}
+            | {"steps_done": 3, "means": {"timing/step_s": 1.0 + r, "perf/tokens_per_s": 9.0}}
+            for r in repeats
+        ]
+        return json.dumps({"runs": runs, "warmup": {"weights_sha256": "a" * 64}})
+
+    (tmp_path / "ours-e2e.json").write_text(e2e(2, 1, 2))
+    (tmp_path / "ours-e2e-s4.json").write_text(e2e(4, 1))
+    # a timeline's trace shares the prefix and is no results file
+    (tmp_path / "ours-e2e-async-s4-r1.timeline.trace.json").write_text("[]")
+    out = vs_verl.report(tmp_path, None)
+    assert {k: c["repeats"] for k, c in out["configurations"].items()} == {
+        "ours-async-s2": 2,
+        "ours-async-s4": 1,
+    }
+    (tmp_path / "ours-e2e-again.json").write_text(e2e(2, 2))  # r2 of s2 a second time
+    with pytest.raises(
+        reporting.BadInput,
+        match=r"ours-e2e-again.json and \S*ours-e2e.json both hold ours-async-s2 r2",
+    ):
+        vs_verl.report(tmp_path, None)
+    (tmp_path / "ours-e2e-again.json").write_text('{"runs": [')  # cut while being written
+    assert vs_verl.main(["--stage", "report", "--work-dir", str(tmp_path)]) == 2
+    with pytest.raises(reporting.BadInput, match=r"ours-e2e-again.json: not a JSON file"):
+        vs_verl.report(tmp_path, None)
+
+
 def verl_record(repeat: int, steps_done: int, **extra: Any) -> dict[str, Any]:
     """One verl run's record as the verl stage writes it, reduced to what is read back."""
     rec = {"label": "verl-fully-async-t1", "side": "verl", "repeat": repeat, "wall_s": 400.0}
