@@ -81,8 +81,8 @@ CAVEATS = [
 ]
 progress = Progress("vs_verl")
 VERL_RUN_FLOOR_S = 450.0
-"""A verl run's wall-clock before one of this call is known: ~365 s of start-up and 10 versions
-on 2 H200s (2026-11-30)."""
+"""A verl run's wall-clock before one of this call is known: its start-up (Ray, the vLLM engine,
+FSDP, the weight-sync group) and 10 versions of the long-tail job on 2 H200s."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -540,7 +540,7 @@ class Trainer:
             sinks.log(self.step, metrics)
             if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total):
                 await self.save_checkpoint()
-        if t.save_freq <= 0:  # no checkpoints: still leave the trained model behind
+        if t.save_freq <= 0 and t.export_final_model:  # no checkpoints: leave the model behind
             final = self.run_dir / "final-hf"
             await self.workers.export_hf(str(final), self.config.actor_rollout_ref.model.path)
             self.log.info("model exported", path=str(final))

@@ -326,6 +326,10 @@ class TrainerConfig(Section):
     """Learner workers per node (GPUs, or processes with device=cpu)."""
     save_freq: int = Field(default=-1, ge=-1)
     """Checkpoint every this many steps; -1 or 0 never."""
+    export_final_model: bool = True
+    """With save_freq -1 or 0: export the trained model to RUN_DIR/final-hf at the end, so that a
+    run without checkpoints still leaves a model transformers and vLLM load; false leaves none (a
+    benchmark's runs, whose model nobody reads)."""
     max_actor_ckpt_to_keep: int | None = Field(default=None, gt=0)
     """Keep only the newest this many checkpoints (verl's key); null: keep every one."""
     keep_best_ckpt: bool = False

@@ -108,6 +108,9 @@ def test_learner_validates_on_the_rollout_server(tiny_model: Path, tmp_path: Pat
     # Validation episodes never reach training: not trained on, not even shipped.
     trained = [i for line in read_jsonl(run / "trained.jsonl") for i in line["trajectory_ids"]]
     assert len(trained) == 4 * 2 * 2 and not [i for i in trained if i.startswith("val-")]
+    # no checkpoints (save_freq -1): the trained model is still exported, whole
+    final = run / "final-hf"
+    assert (final / "config.json").is_file() and list(final.glob("*.safetensors")), tails
     shipped = [t for _, batch in read_recording(run / "recordings" / "rs0") for t in batch]
     assert shipped and not [t for t in shipped if t.group_uid.startswith("val-")]
     assert {t.data_source for t in shipped} == {"arithmetic"}

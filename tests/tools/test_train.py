@@ -399,6 +399,7 @@ def test_first_mini_batch_trained_in_the_wait(job, tmp_path: Path) -> None:  # t
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.first_mini_batch_in_waits=true",
+        "trainer.export_final_model=false",  # and no checkpoints (default.yaml): no model left
     )
     code = j.wait_exit(400)
     assert code == 0, j.output()[-5000:]
@@ -412,6 +413,7 @@ def test_first_mini_batch_trained_in_the_wait(job, tmp_path: Path) -> None:  # t
     events = json.loads((j.run / "timeline.trace.json").read_text())["traceEvents"]
     early = {e["args"]["step"] for e in events if e["ph"] == "X" and e["name"] == "update_early"}
     assert early == set(continued)
+    assert not (j.run / "final-hf").exists() and not (j.run / "checkpoints").exists()
     j.assert_nothing_left()
 
 
