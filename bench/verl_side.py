@@ -15,8 +15,9 @@ job's two mini-batches a step: ours recomputes the old logprobs in its prepare p
 - ``v0-sync``: the same job on the deprecated v0 RayPPOTrainer (``trainer.use_v1=false``), a
   labelled row;
 - ``separate-async-sK``: V1's ``separate_async`` mode, trainer and rollout on separate GPUs as
-  below, trajectories at most K versions old (``max_off_policy_threshold``, strategy ``wait``: it
-  drops nothing, as our admission), a version = 16 prompts;
+  below, trajectories at most K versions old as our ``max_staleness`` K (verl counts the steps a
+  prompt spans: ``max_off_policy_threshold`` K + 1, strategy ``wait``, which drops nothing, as our
+  admission; K batches generated ahead, ``num_warmup_batches``), a version = 16 prompts;
 - ``fully-async-tT``: ``verl.experimental.fully_async_policy`` with ``staleness_threshold`` T, the
   trainer on the first half of the GPUs and the rollouter (standalone vLLM) on the rest, partial
   rollouts on, one version = 16 prompts (2 mini-batches), as our step. T = 0 is its separated
@@ -36,8 +37,8 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,17 @@ VERL_TIMINGS = {  # verl's metric -> the report's split name
     "timing_s/param_sync": "weights",
     "timing_s/wait_for_enough_samples": "wait",
     "timing_s/step": "step_reported",
+}
+SEPARATE_TIMINGS = VERL_TIMINGS | {"timing_s/gen": "wait"}
+"""V1's separate_async trainer times as ``gen`` its wait for the rollout's samples (both
+mini-batches of a step), not generation, which runs on the other GPU meanwhile."""
+MEMORY_KEYS = {  # the report's name -> verl's metric (V1 logs the actor's under actor/)
+    "allocated": ("perf/max_memory_allocated_gb", "actor/perf/max_memory_allocated_gb"),
+    "reserved": ("perf/max_memory_reserved_gb", "actor/perf/max_memory_reserved_gb"),
+}
+STALENESS_KEYS = {  # V1's sampler: how many versions the trained trajectories spanned
+    "mean": "training/off_policy/trajectory_staleness/mean",
+    "max": "training/off_policy/trajectory_staleness/max",
 }
 
 FAIR = [
@@ -194,18 +206,25 @@ def _fully_async(a: argparse.Namespace, threshold: float) -> list[str]:
 
 def _separate_async(a: argparse.Namespace, versions: int) -> list[str]:
     half = a.gpus // 2
-    # one version = parameter_sync_step x ppo_mini_batch_size prompts = 2 x 8 = 16, as our step
+    # one version = parameter_sync_step x ppo_mini_batch_size prompts = 2 x 8 = 16, as our step.
+    # verl's threshold counts the steps a prompt spans (trained at step g, added at p: g - p + 1),
+    # so data at most `versions` updates old is a span of versions + 1; and it generates ahead only
+    # the batches its warm-up put in flight, one a version (its default 1 whatever the threshold)
     return [
         "trainer.use_v1=true",
         "trainer.v1.trainer_mode=separate_async",
         f"data.train_batch_size={VERSION_PROMPTS}",
         "trainer.v1.separate_async.parameter_sync_step=2",
-        f"trainer.v1.sampler.max_off_policy_threshold={versions}",
+        f"trainer.v1.separate_async.num_warmup_batches={versions}",
+        f"trainer.v1.sampler.max_off_policy_threshold={versions + 1}",
         "trainer.v1.sampler.max_off_policy_strategy=wait",  # drops nothing, as our admission
         "transfer_queue.enable=true",
         "actor_rollout_ref.hybrid_engine=false",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+        # separate_async refuses the default naive engine (trainer_separate_async.py, its __init__)
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=512",
         "actor_rollout_ref.rollout.nnodes=1",
         f"actor_rollout_ref.rollout.n_gpus_per_node={a.gpus - half}",
         f"actor_rollout_ref.rollout.agent.num_workers={2 * (a.gpus - half)}",
@@ -224,6 +243,8 @@ class VerlConfig:
     overrides: Callable[[argparse.Namespace], list[str]]
     placement: Callable[[int], str]
     staleness: str
+    timings: Mapping[str, str] = field(default_factory=lambda: VERL_TIMINGS)
+    """verl's timing metrics -> the report's split names, for this trainer."""
 
 
 def _sync_placement(gpus: int) -> str:
@@ -266,7 +287,8 @@ def verl_config(name: str, gpus: int) -> VerlConfig:
         raise ValueError(
             f"unknown verl configuration {name!r}: expected one of {sorted(FIXED)}, "
             f"{ASYNC_PREFIX}T (T >= 0, verl's async_training.staleness_threshold) or "
-            f"{SEPARATE_PREFIX}K (K >= 0 versions, V1's max_off_policy_threshold)"
+            f"{SEPARATE_PREFIX}K (K >= 0 versions, our max_staleness: V1's "
+            "max_off_policy_threshold K + 1 with K batches generated ahead)"
         )
     if gpus < 2:
         raise ValueError(f"{name}: verl's separated trainers need >= 2 GPUs (--gpus {gpus})")
@@ -276,7 +298,9 @@ def verl_config(name: str, gpus: int) -> VerlConfig:
             "verl.trainer.main_ppo",
             lambda a: _separate_async(a, int(k)),
             _split_placement,
-            f"max_off_policy_threshold {int(k)} versions, strategy wait",
+            f"at most {int(k)} versions old (max_off_policy_threshold {int(k) + 1}, "
+            f"{int(k)} batches ahead, strategy wait)",
+            SEPARATE_TIMINGS,
         )
     assert t is not None
     return VerlConfig(
@@ -370,17 +394,20 @@ def _mean(values: list[float]) -> float | None:
     return round(statistics.fmean(values), 4) if values else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    records: list[dict[str, Any]], timings: Mapping[str, str] = VERL_TIMINGS
+) -> dict[str, Any]:
     """The report's figures of one verl run, from its stamped records: per version (step) after the
-    first (start-up), the wall-clock between versions, its split as verl times it, tokens/s (prompt
-    and response tokens of those versions / their wall-clock), the reward and the clock curves."""
+    first (start-up), the wall-clock between versions, its split as verl times it (``timings``:
+    the trainer's metric names), tokens/s (prompt and response tokens of those versions / their
+    wall-clock), the reward and the clock curves, verl's own memory and staleness figures."""
     steps = by_version(records)
     if not steps:
         return {"steps_done": 0}
     walls = [b["t"] - a["t"] for a, b in itertools.pairwise(steps)]
     body = steps[1:]
     split: dict[str, float] = {}
-    for key, name in VERL_TIMINGS.items():
+    for key, name in timings.items():
         mean = _mean([float(s[key]) for s in body if isinstance(s.get(key), (int, float))])
         if mean is not None:
             split[name] = round(split.get(name, 0.0) + mean, 4)
@@ -404,10 +431,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "clock_curve": [round(s["t"] - t0, 2) for s in steps],
         "verl_memory_gb": {
             k: v
-            for k, key in (
-                ("allocated", "perf/max_memory_allocated_gb"),
-                ("reserved", "perf/max_memory_reserved_gb"),
-            )
+            for k, keys in MEMORY_KEYS.items()
+            if (v := _mean([float(s[key]) for s in body for key in keys if key in s])) is not None
+        },
+        "trajectory_staleness": {
+            k: v
+            for k, key in STALENESS_KEYS.items()
             if (v := _mean([float(s[key]) for s in body if key in s])) is not None
         },
     }

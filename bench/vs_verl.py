@@ -318,7 +318,7 @@ def run_verl(
         run = run_bounded(
             cmd, run_dir / "train.log", limit_s, env, done=lambda: watch.has_versions(a.steps)
         )
-    summary = verl_side.summarize(watch.records)
+    summary = verl_side.summarize(watch.records, cfg.timings)
     out = {
         "label": cfg.label,
         "side": "verl",

@@ -92,6 +92,24 @@ def test_verl_metrics_summary_per_version() -> None:
     assert out["reward_curve"][:2] == [0.1, 0.2]
 
 
+def test_v1_records_give_memory_and_separate_async_times_its_wait() -> None:
+    """The stamped records of a real V1 sync run (docs/gpu): V1 logs the actor's memory under
+    ``actor/perf/``; read as separate_async's, its ``timing_s/gen`` is the trainer's wait for
+    samples, not generation."""
+    path = ROOT / "docs/gpu/h200x2_vs_verl_v1sync_fair_stamped.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    out = verl_side.summarize(recs)
+    assert out["verl_memory_gb"]["allocated"] > 1.0
+    assert out["split_s"]["generate"] > 0 and "wait" not in out["split_s"]
+    sep = verl_side.verl_config("separate-async-s2", 2)
+    out = verl_side.summarize(recs, sep.timings)
+    assert "generate" not in out["split_s"] and out["split_s"]["wait"] > 0
+    g = verl_side.TRAINED
+    stale = "training/off_policy/trajectory_staleness/max"
+    recs = [{"t": float(i), "step": i, "data": {g: i, stale: float(i % 3)}} for i in range(1, 5)]
+    assert verl_side.summarize(recs)["trajectory_staleness"] == {"max": 1.0}  # steps 2-4: 2, 0, 1
+
+
 def test_fully_async_run_on_4_gpus_summarized_from_its_records() -> None:
     """The stamped records of a real verl fully-async run (docs/gpu, 4 H200s): the rollouter's own
     step-0 record is not a version, so the 10 trained versions give 9 walls of ~10 s."""
@@ -164,7 +182,9 @@ def test_verl_configurations() -> None:
     assert "rollout.total_rollout_steps=80" in fa  # (4 steps + the start-up one) x 16 prompts
     sep = verl_side.overrides(verl_side.verl_config("separate-async-s2", 2), a, "/m", Path("/w"))
     assert {"trainer.v1.trainer_mode=separate_async", "transfer_queue.enable=true"} <= set(sep)
-    assert "trainer.v1.sampler.max_off_policy_threshold=2" in sep
+    # our max_staleness 2: a span of 3 steps in verl's count, 2 batches generated ahead
+    assert "trainer.v1.sampler.max_off_policy_threshold=3" in sep
+    assert "trainer.v1.separate_async.num_warmup_batches=2" in sep
     bad_names = (
         ("fully-async-t-1", 2),
         ("async", 2),
