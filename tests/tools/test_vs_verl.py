@@ -273,6 +273,7 @@ def test_report_pools_every_e2e_results_file_and_names_a_bad_one(tmp_path: Path)
         runs = [
             {"label": f"async-s{staleness}", "max_staleness": staleness, "repeat": r}
             | {"steps_done": 3, "means": {"timing/step_s": 1.0 + r, "perf/tokens_per_s": 9.0}}
+            | {"clock_curve": [0.0, 1.0, 2.0], "reward_curve": [0.1, 0.2, 0.4]}
             for r in repeats
         ]
         return json.dumps({"runs": runs, "warmup": {"weights_sha256": "a" * 64}})
@@ -281,11 +282,16 @@ def test_report_pools_every_e2e_results_file_and_names_a_bad_one(tmp_path: Path)
     (tmp_path / "ours-e2e-s4.json").write_text(e2e(4, 1))
     # a timeline's trace shares the prefix and is no results file
     (tmp_path / "ours-e2e-async-s4-r1.timeline.trace.json").write_text("[]")
-    out = vs_verl.report(tmp_path, None)
+    out = vs_verl.report(tmp_path, tmp_path / "report.json")
     assert {k: c["repeats"] for k, c in out["configurations"].items()} == {
         "ours-async-s2": 2,
         "ours-async-s4": 1,
     }
+    assert json.loads((tmp_path / "report.json").read_text())["models"] == {
+        "a" * 64: list(out["configurations"])
+    }
+    assert reporting.plot(tmp_path / "curves.png", out["runs"], "t") is None  # and drawn:
+    assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "report.png").is_file()
     (tmp_path / "ours-e2e-again.json").write_text(e2e(2, 2))  # r2 of s2 a second time
     with pytest.raises(
         reporting.BadInput,
