@@ -29,7 +29,8 @@ Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine
   per run (``vs_verl-verl-LABEL-rN.json``); with ``--deadline-s`` a run starts only when the time
   left fits it. verl's per-step metrics come from its file logger (VERL_FILE_LOGGER_PATH), stamped
   as they appear;
-- ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1 and 2 async), ``--steps`` each;
+- ``ours``: bench/e2e.py with ``--staleness`` (0 = ours sync, 1, 2 and 4 async), ``--steps`` each,
+  ``--repeats`` through its ``--resume``;
 - ``report``: merges the stages' JSON files of ``--work-dir`` (the verl records and every
   ``ours-e2e*.json`` of bench/e2e.py, each configuration's repeat in one file only): per
   configuration the step time and its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage", choices=("prepare", "verl", "ours", "report", "all"), default="all")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "vs_verl")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
-    p.add_argument("--staleness", default="0,1,2", help="our runs (default 0,1,2; 0 = sync)")
+    p.add_argument("--staleness", default="0,1,2,4", help="our runs (default 0,1,2,4; 0 = sync)")
     p.add_argument("--timeout-s", type=float, default=560.0, help="limit of a stage's run(s)")
     p.add_argument("--results", type=Path, default=None, help="report JSON (and .png beside it)")
     where = p.add_mutually_exclusive_group()
@@ -126,11 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--verl",
-        default="sync,fully-async-t0,fully-async-t1",
+        default="sync,fully-async-t0,fully-async-t1,separate-async-s2",
         help="verl configurations, in order (bench/verl_side.py): sync (V1, colocated), v0-sync "
         "(the deprecated trainer), separate-async-sK (V1, at most K versions old) and "
         "fully-async-tT (staleness_threshold T), both with trainer and rollout on separate GPUs; "
-        "default sync,fully-async-t0,fully-async-t1",
+        "default sync,fully-async-t0,fully-async-t1,separate-async-s2",
     )
     p.add_argument(
         "--verl-arg", action="append", default=[], help="one more hydra override for verl"
