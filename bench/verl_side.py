@@ -390,6 +390,11 @@ def by_version(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"step": s, **merged[s]} for s in sorted(merged) if TRAINED in merged[s]]
 
 
+def _first(record: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` that ``record`` has (a metric verl's trainers name differently)."""
+    return next((k for k in keys if k in record), None)
+
+
 def _mean(values: list[float]) -> float | None:
     return round(statistics.fmean(values), 4) if values else None
 
@@ -432,7 +437,7 @@ def summarize(
         "verl_memory_gb": {
             k: v
             for k, keys in MEMORY_KEYS.items()
-            if (v := _mean([float(s[key]) for s in body for key in keys if key in s])) is not None
+            if (v := _mean([float(s[key]) for s in body if (key := _first(s, keys))])) is not None
         },
         "trajectory_staleness": {
             k: v

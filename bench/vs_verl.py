@@ -33,11 +33,11 @@ Stages (``--stage``), each bounded to fit one 10-minute command on a GPU machine
   ``--repeats`` through its ``--resume``;
 - ``report``: merges the stages' JSON files of ``--work-dir`` (the verl records and every
   ``ours-e2e*.json`` of bench/e2e.py, each configuration's repeat in one file only): per
-  configuration the step time and its split, tokens/s ((prompt + response tokens of the batch) / step time, the same definition on
-  both sides), peak GPU memory (nvidia-smi, sampled every 0.5 s by this script, the same way for
-  both), the reward against wall-clock (seconds since the end of step 1; step 1 pays start-up), and
-  per-step speed-ups of every configuration against the best synchronous trainer of either side
-  and against each verl configuration. One JSON line on stdout,
+  configuration the step time and its split, tokens/s ((prompt + response tokens of the batch) /
+  step time, the same definition on both sides), peak GPU memory (nvidia-smi, sampled every 0.5 s by
+  this script, the same way for both), the reward against wall-clock (seconds since the end of step
+  1; step 1 pays start-up), and per-step speed-ups of every configuration against the best
+  synchronous trainer of either side and against each verl configuration. One JSON line on stdout,
   the JSON and a PNG of the reward curves at ``--results``.
 - ``all``: the four in order (a GPU machine with time for it).
 

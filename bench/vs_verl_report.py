@@ -12,7 +12,6 @@ the best synchronous trainer of either side (the lowest median step time among S
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 from pathlib import Path
@@ -236,7 +235,7 @@ def plot(path: Path, runs: list[dict[str, Any]], title: str) -> str | None:
         fig, ax = plt.subplots(figsize=(9, 5.5))
         # a colour per run: the default cycle's 10 repeat from the 11th run (3 repeats of 4 configs)
         tab20 = plt.get_cmap("tab20")
-        colours = itertools.cycle([tab20(i) for i in range(20)])
+        ax.set_prop_cycle(color=[tab20(i) for i in range(20)])
         for r in runs:
             xs, ys = r.get("clock_curve"), r.get("reward_curve")
             if not xs or not ys:
@@ -245,10 +244,7 @@ def plot(path: Path, runs: list[dict[str, Any]], title: str) -> str | None:
                 statistics.fmean(ys[max(0, i - REWARD_WINDOW + 1) : i + 1]) for i in range(len(ys))
             ]
             name = f"{r['label']} r{r.get('repeat', 1)}"
-            colour = next(colours)
-            (line,) = ax.plot(
-                xs, trail, lw=2, color=colour, label=f"{name} (mean of {REWARD_WINDOW})"
-            )
+            (line,) = ax.plot(xs, trail, lw=2, label=f"{name} (mean of {REWARD_WINDOW})")
             ax.plot(xs, ys, "o", ms=3.5, alpha=0.6, color=line.get_color())
         ax.set_xlabel("wall-clock since the end of step 1 (s)")
         ax.set_ylabel("mean reward per step")
